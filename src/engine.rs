@@ -1,0 +1,17 @@
+//! The model: configuration, weight binding, and the forward pass (attention residuals, KDA,
+//! MLA, latent MoE), plus sampling. Numbers in, numbers out: no terminal, no file format.
+
+pub mod attnres;
+pub mod config;
+pub mod kda;
+pub mod mla;
+pub mod model;
+pub mod moe;
+pub mod sampling;
+pub mod state;
+pub mod tensor;
+pub mod weights;
+
+pub use config::ModelConfig;
+pub use model::{Logits, Model, Trace};
+pub use state::SeqState;

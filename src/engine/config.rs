@@ -1,0 +1,539 @@
+//! The model configuration read from a checkpoint's `config.json`.
+//!
+//! Two shapes are accepted: the released nested file (root → `text_config` →
+//! `linear_attn_config`) and the flat fixture shape (everything at the root, optionally inside a
+//! `"config"` object, with the aliases `kda_num_heads`, `kda_head_dim`, `situ_beta`,
+//! `situ_linear_beta`). Every key is looked up in `text_config`, then `linear_attn_config`, then
+//! the root. An absent required key is an error, never a default; every problem found is
+//! reported together in one message naming the file and the key path. Unknown keys are ignored.
+
+use serde_json::{Map, Value};
+use std::path::{Path, PathBuf};
+
+/// Largest `num_experts_per_token` the engine accepts.
+pub const MAX_TOP_K: usize = 64;
+/// Largest number of AttnRes sources the engine accepts per aggregator.
+pub const MAX_LAYERS: usize = 4096;
+
+/// `config.json` is missing, unreadable or refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// The file is not JSON, or not an object.
+    #[error("{path}: not a JSON object: {reason}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// Parser message.
+        reason: String,
+    },
+    /// One or more keys are missing, contradictory, out of range or unsupported.
+    #[error("{path}: refusing this config ({} problem(s)); no defaults are substituted:\n  - {}",
+        .problems.len(), .problems.join("\n  - "))]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// Every problem, each naming its key path.
+        problems: Vec<String>,
+    },
+}
+
+impl ConfigError {
+    /// Exit status: every config refusal is 2.
+    #[must_use]
+    pub fn exit_code(&self) -> i32 {
+        2
+    }
+}
+
+/// Hyper-parameters of a Kimi K3 model (names as in the checkpoint).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    /// Hidden width.
+    pub hidden_size: usize,
+    /// Decoder layers.
+    pub num_hidden_layers: usize,
+    /// Vocabulary size (rows of embedding and lm_head).
+    pub vocab_size: usize,
+    /// Default RMSNorm epsilon.
+    pub rms_norm_eps: f32,
+    /// KDA heads (`linear_attn_config.num_heads`).
+    pub kda_num_heads: usize,
+    /// KDA head dim, d_k = d_v (`linear_attn_config.head_dim`).
+    pub kda_head_dim: usize,
+    /// Short convolution taps.
+    pub short_conv_kernel_size: usize,
+    /// KDA decay lower bound g_min (negative).
+    pub gate_lower_bound: f32,
+    /// MLA heads.
+    pub num_attention_heads: usize,
+    /// MLA query LoRA rank.
+    pub q_lora_rank: usize,
+    /// MLA key/value latent rank.
+    pub kv_lora_rank: usize,
+    /// MLA no-position q/k dims per head.
+    pub qk_nope_head_dim: usize,
+    /// MLA "rope" q/k dims per head (scored, never rotated).
+    pub qk_rope_head_dim: usize,
+    /// MLA value dims per head.
+    pub v_head_dim: usize,
+    /// Routed experts per MoE layer.
+    pub num_experts: usize,
+    /// Experts selected per token.
+    pub num_experts_per_token: usize,
+    /// Shared experts (fused into one MLP).
+    pub num_shared_experts: usize,
+    /// Latent width of the routed experts.
+    pub routed_expert_hidden_size: usize,
+    /// Expert intermediate width.
+    pub moe_intermediate_size: usize,
+    /// Multiplier on the routing weights.
+    pub routed_scaling_factor: f32,
+    /// Whether top-k weights are renormalised.
+    pub moe_renormalize: bool,
+    /// Whether the routed aggregate is RMS-normalised.
+    pub latent_moe_use_norm: bool,
+    /// Number of leading dense layers.
+    pub first_k_dense_replace: usize,
+    /// Dense MLP intermediate width.
+    pub intermediate_size: usize,
+    /// AttnRes block size.
+    pub attn_res_block_size: usize,
+    /// SiTU gate cap β1.
+    pub situ_beta: f32,
+    /// SiTU up cap β2.
+    pub situ_linear_beta: f32,
+    /// Whether the MLA output is gated.
+    pub mla_use_output_gate: bool,
+    /// Zero-based: `is_mla[l]` iff layer l is full (MLA) attention.
+    pub is_mla: Vec<bool>,
+    /// Epsilon of MLA `q_a_layernorm`/`kv_a_layernorm` (the release builds them with 1e-6).
+    pub mla_lora_norm_eps: f32,
+    /// Epsilon of the KDA q/k L2 normalisation (added to the sum of squares).
+    pub kda_l2norm_eps: f32,
+    /// Token that ends a message, if declared (`eos_token_id`).
+    pub eos_token_id: Option<u32>,
+}
+
+impl ModelConfig {
+    /// Read and validate `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::Read { path: path.to_path_buf(), source: e })?;
+        Self::parse(&text, path)
+    }
+
+    /// Validate the text of a `config.json` (`path` is used in messages).
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let v: Value = serde_json::from_str(text)
+            .map_err(|e| ConfigError::Parse { path: path.to_path_buf(), reason: e.to_string() })?;
+        let root = v.as_object().ok_or_else(|| ConfigError::Parse {
+            path: path.to_path_buf(),
+            reason: "the top level is not an object".into(),
+        })?;
+        let mut r = Reader::new(root);
+        let cfg = r.build();
+        match cfg {
+            Some(c) if r.problems.is_empty() => Ok(c),
+            _ => Err(ConfigError::Invalid { path: path.to_path_buf(), problems: r.problems }),
+        }
+    }
+
+    /// Whether layer `il` has a dense MLP (else MoE).
+    #[must_use]
+    pub fn is_dense(&self, il: usize) -> bool {
+        il < self.first_k_dense_replace
+    }
+
+    /// Whether layer `il` starts an AttnRes block.
+    #[must_use]
+    pub fn is_block_start(&self, il: usize) -> bool {
+        il % self.attn_res_block_size == 0
+    }
+
+    /// KDA projection width (heads × head dim).
+    #[must_use]
+    pub fn kda_width(&self) -> usize {
+        self.kda_num_heads * self.kda_head_dim
+    }
+
+    /// MLA query width per head (nope + rope).
+    #[must_use]
+    pub fn mla_q_head(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+
+    /// Shared-expert intermediate width.
+    #[must_use]
+    pub fn shared_width(&self) -> usize {
+        self.moe_intermediate_size * self.num_shared_experts
+    }
+}
+
+/// Key lookup across the scopes, collecting problems.
+struct Reader<'a> {
+    scopes: Vec<(&'static str, &'a Map<String, Value>)>,
+    lin: Option<(&'static str, &'a Map<String, Value>)>,
+    flat: Option<&'a Map<String, Value>>,
+    problems: Vec<String>,
+}
+
+impl<'a> Reader<'a> {
+    fn new(root: &'a Map<String, Value>) -> Self {
+        let root = match root.get("config").and_then(Value::as_object) {
+            Some(inner) if !root.contains_key("text_config") => inner,
+            _ => root,
+        };
+        let text = root.get("text_config").and_then(Value::as_object);
+        let lin_in_text = text.and_then(|t| t.get("linear_attn_config")).and_then(Value::as_object);
+        let lin_in_root = root.get("linear_attn_config").and_then(Value::as_object);
+        let lin = lin_in_text
+            .map(|l| ("text_config.linear_attn_config", l))
+            .or(lin_in_root.map(|l| ("linear_attn_config", l)));
+        let mut scopes = Vec::new();
+        if let Some(t) = text {
+            scopes.push(("text_config", t));
+        }
+        if let Some(l) = lin {
+            scopes.push(l);
+        }
+        scopes.push(("", root));
+        let flat = text.is_none().then_some(root);
+        Reader { scopes, lin, flat, problems: Vec::new() }
+    }
+
+    fn path(scope: &str, key: &str) -> String {
+        if scope.is_empty() {
+            key.to_string()
+        } else {
+            format!("{scope}.{key}")
+        }
+    }
+
+    /// First occurrence of any of `names`, with its key path.
+    fn find(&self, names: &[&str]) -> Option<(String, &'a Value)> {
+        for (scope, m) in &self.scopes {
+            for n in names {
+                if let Some(v) = m.get(*n) {
+                    return Some((Self::path(scope, n), v));
+                }
+            }
+        }
+        None
+    }
+
+    fn where_(names: &[&str]) -> String {
+        names.join(" or ")
+    }
+
+    fn number(&mut self, names: &[&str]) -> Option<(String, f64)> {
+        match self.find(names) {
+            None => {
+                self.problems.push(format!("missing key `{}`", Self::where_(names)));
+                None
+            }
+            Some((p, Value::Number(n))) => match n.as_f64() {
+                Some(x) if x.is_finite() => Some((p, x)),
+                _ => {
+                    self.problems.push(format!("`{p}` is not a finite number"));
+                    None
+                }
+            },
+            Some((p, v)) => {
+                self.problems.push(format!("`{p}` must be a number, found {v}"));
+                None
+            }
+        }
+    }
+
+    fn size(&mut self, names: &[&str], min: usize) -> Option<usize> {
+        let (p, x) = self.number(names)?;
+        if x.fract() != 0.0 || x < min as f64 || x > 1e9 {
+            self.problems.push(format!("`{p}` = {x} must be an integer ≥ {min}"));
+            return None;
+        }
+        Some(x as usize)
+    }
+
+    fn float(&mut self, names: &[&str]) -> Option<f32> {
+        self.number(names).map(|(_, x)| x as f32)
+    }
+
+    fn optional_bool(&mut self, name: &str, default: bool) -> bool {
+        match self.find(&[name]) {
+            None => default,
+            Some((_, Value::Bool(b))) => *b,
+            Some((p, v)) => {
+                self.problems.push(format!("`{p}` must be true or false, found {v}"));
+                default
+            }
+        }
+    }
+
+    /// A key that, when present, must equal `want` (string or number or bool).
+    fn require_if_present(&mut self, name: &str, ok: impl Fn(&Value) -> bool, why: &str) {
+        if let Some((p, v)) = self.find(&[name]) {
+            if !ok(v) {
+                self.problems.push(format!("`{p}` = {v}: {why}"));
+            }
+        }
+    }
+
+    /// KDA heads/head dim only from `linear_attn_config` or the flat `kda_*` aliases.
+    fn kda_size(&mut self, key: &str, alias: &str) -> Option<usize> {
+        let found = if let Some((scope, m)) = self.lin {
+            m.get(key).map(|v| (Self::path(scope, key), v))
+        } else {
+            None
+        }
+        .or_else(|| self.flat.and_then(|f| f.get(alias)).map(|v| (alias.to_string(), v)));
+        match found {
+            None => {
+                self.problems.push(format!("missing key `linear_attn_config.{key}` (or flat `{alias}`)"));
+                None
+            }
+            Some((p, v)) => match v.as_u64() {
+                Some(n) if n >= 1 && n <= 1 << 20 => Some(n as usize),
+                _ => {
+                    self.problems.push(format!("`{p}` = {v} must be a positive integer"));
+                    None
+                }
+            },
+        }
+    }
+
+    fn layer_list(&mut self, name: &str, n_layers: usize) -> Option<(String, Vec<usize>)> {
+        let (p, v) = self.find(&[name])?;
+        let Some(arr) = v.as_array() else {
+            self.problems.push(format!("`{p}` must be an array of one-based layer numbers"));
+            return None;
+        };
+        let mut out = Vec::with_capacity(arr.len());
+        for x in arr {
+            match x.as_u64() {
+                Some(i) if i >= 1 && i as usize <= n_layers => {
+                    if out.contains(&(i as usize)) {
+                        self.problems.push(format!("`{p}` lists layer {i} twice"));
+                    }
+                    out.push(i as usize);
+                }
+                _ => self.problems.push(format!(
+                    "`{p}` contains {x}, outside the one-based range 1..={n_layers}"
+                )),
+            }
+        }
+        Some((p, out))
+    }
+
+    fn layer_map(&mut self, n_layers: Option<usize>) -> Option<Vec<bool>> {
+        let n = n_layers?;
+        let Some((p, full)) = self.layer_list("full_attn_layers", n) else {
+            if self.find(&["full_attn_layers"]).is_none() {
+                self.problems.push(
+                    "missing key `full_attn_layers` (the one-based MLA layer list; refusing to \
+                     run every layer as KDA)"
+                        .into(),
+                );
+            }
+            return None;
+        };
+        if full.is_empty() {
+            self.problems.push(format!("`{p}` is empty"));
+            return None;
+        }
+        let mut is_mla = vec![false; n];
+        for &i in &full {
+            is_mla[i - 1] = true;
+        }
+        if is_mla.iter().all(|&m| m) {
+            self.problems.push(format!("`{p}` covers every layer: no KDA layer is left"));
+        }
+        if let Some((pk, kda)) = self.layer_list("kda_layers", n) {
+            let mut want: Vec<usize> = (1..=n).filter(|i| !is_mla[i - 1]).collect();
+            let mut got = kda.clone();
+            got.sort_unstable();
+            want.sort_unstable();
+            if got != want {
+                self.problems.push(format!(
+                    "`{pk}` is not the complement of `{p}` in 1..={n} (expected {want:?})"
+                ));
+            }
+        }
+        Some(is_mla)
+    }
+
+    fn check_semantics(&mut self) {
+        let is_false = |v: &Value| v.as_bool() == Some(false);
+        self.require_if_present("mla_use_nope", |v| v.as_bool() == Some(true), "only NoPE MLA is implemented");
+        self.require_if_present("use_full_rank_gate", |v| v.as_bool() == Some(true), "only the full-rank KDA gate is implemented");
+        self.require_if_present("hidden_act", |v| v.as_str() == Some("situ"), "only `situ` is implemented");
+        self.require_if_present("moe_router_activation_func", |v| v.as_str() == Some("sigmoid"), "only the sigmoid router is implemented");
+        self.require_if_present("moe_layer_freq", |v| v.as_f64() == Some(1.0), "only moe_layer_freq 1 is implemented");
+        self.require_if_present("q_lora_rank", |v| !v.is_null(), "the direct q_proj variant is not implemented");
+        self.require_if_present("routed_expert_hidden_size", |v| !v.is_null(), "non-latent MoE is not implemented");
+        self.require_if_present("num_nextn_predict_layers", |v| v.as_f64().is_none_or(|x| x == 0.0), "MTP layers are not implemented");
+        self.require_if_present("tie_word_embeddings", is_false, "tied embeddings are not supported (a separate lm_head is required)");
+        self.require_if_present("gate_lower_bound", |v| !v.is_null(), "null selects a different decay law that is not implemented");
+        let groups = self.find(&["num_expert_group"]).and_then(|(_, v)| v.as_f64());
+        let topk_group = self.find(&["topk_group"]).and_then(|(_, v)| v.as_f64());
+        if let (Some(g), Some(tg)) = (groups, topk_group) {
+            if g > 1.0 && g > tg {
+                self.problems.push(format!(
+                    "grouped routing (num_expert_group {g} > topk_group {tg}) is not implemented"
+                ));
+            }
+        }
+        self.check_quantization();
+    }
+
+    fn check_quantization(&mut self) {
+        let Some((p, q)) = self.find(&["quantization_config"]) else { return };
+        if q.is_null() {
+            return;
+        }
+        if let Some(m) = q.get("quant_method") {
+            if m.as_str() != Some("compressed-tensors") {
+                self.problems.push(format!("`{p}.quant_method` = {m}: expected \"compressed-tensors\""));
+            }
+        }
+        if let Some(f) = q.get("format") {
+            if f.as_str() != Some("mxfp4-pack-quantized") {
+                self.problems.push(format!("`{p}.format` = {f}: expected \"mxfp4-pack-quantized\""));
+            }
+        }
+        // Every group_size / num_bits stated anywhere inside must be 32 / 4.
+        let mut stack = vec![(p.clone(), q)];
+        while let Some((path, v)) = stack.pop() {
+            if let Some(o) = v.as_object() {
+                for (k, child) in o {
+                    let cp = format!("{path}.{k}");
+                    match k.as_str() {
+                        "group_size" if !child.is_null() && child.as_f64() != Some(32.0) => {
+                            self.problems.push(format!("`{cp}` = {child}: MXFP4 needs group size 32"));
+                        }
+                        "num_bits" if !child.is_null() && child.as_f64() != Some(4.0) => {
+                            self.problems.push(format!("`{cp}` = {child}: expected 4-bit weights"));
+                        }
+                        _ => stack.push((cp, child)),
+                    }
+                }
+            }
+        }
+    }
+
+    fn build(&mut self) -> Option<ModelConfig> {
+        let hidden_size = self.size(&["hidden_size"], 1);
+        let num_hidden_layers = self.size(&["num_hidden_layers"], 1);
+        if num_hidden_layers.is_some_and(|n| n > MAX_LAYERS) {
+            self.problems.push(format!("`num_hidden_layers` above {MAX_LAYERS}"));
+        }
+        let vocab_size = self.size(&["vocab_size"], 1);
+        let rms_norm_eps = self.float(&["rms_norm_eps"]);
+        if rms_norm_eps.is_some_and(|e| e <= 0.0 || e >= 1.0) {
+            self.problems.push("`rms_norm_eps` must be in (0, 1)".into());
+        }
+        let kda_num_heads = self.kda_size("num_heads", "kda_num_heads");
+        let kda_head_dim = self.kda_size("head_dim", "kda_head_dim");
+        let short_conv_kernel_size = self.size(&["short_conv_kernel_size"], 1);
+        let gate_lower_bound = self.float(&["gate_lower_bound"]);
+        if gate_lower_bound.is_some_and(|g| g >= 0.0) {
+            self.problems.push("`gate_lower_bound` must be negative".into());
+        }
+        let num_attention_heads = self.size(&["num_attention_heads"], 1);
+        if let (Some(h), Some((p, kv))) = (num_attention_heads, self.find(&["num_key_value_heads"])) {
+            if kv.as_f64() != Some(h as f64) {
+                self.problems.push(format!("`{p}` = {kv} must equal num_attention_heads ({h}): grouped KV is not implemented"));
+            }
+        }
+        let q_lora_rank = self.size(&["q_lora_rank"], 1);
+        let kv_lora_rank = self.size(&["kv_lora_rank"], 1);
+        let qk_nope_head_dim = self.size(&["qk_nope_head_dim"], 1);
+        let qk_rope_head_dim = self.size(&["qk_rope_head_dim"], 0);
+        let v_head_dim = self.size(&["v_head_dim"], 1);
+        let num_experts = self.size(&["num_experts", "n_routed_experts"], 1);
+        let top_k = self.size(&["num_experts_per_token", "num_experts_per_tok"], 1);
+        if let (Some(k), Some(e)) = (top_k, num_experts) {
+            if k > e {
+                self.problems.push(format!("`num_experts_per_token` = {k} exceeds `num_experts` = {e}"));
+            }
+        }
+        if top_k.is_some_and(|k| k > MAX_TOP_K) {
+            self.problems.push(format!("`num_experts_per_token` above the engine maximum {MAX_TOP_K}"));
+        }
+        let num_shared_experts = self.size(&["num_shared_experts"], 0);
+        let routed_expert_hidden_size = self.size(&["routed_expert_hidden_size"], 1);
+        let moe_intermediate_size = self.size(&["moe_intermediate_size"], 1);
+        for (name, v) in [("moe_intermediate_size", moe_intermediate_size), ("routed_expert_hidden_size", routed_expert_hidden_size)] {
+            if v.is_some_and(|x| x % 32 != 0) {
+                self.problems.push(format!("`{name}` must be a multiple of 32 (MXFP4 groups)"));
+            }
+        }
+        let routed_scaling_factor = self.float(&["routed_scaling_factor"]);
+        let first_k_dense_replace = self.size(&["first_k_dense_replace"], 0);
+        let intermediate_size = self.size(&["intermediate_size"], 1);
+        let attn_res_block_size = self.size(&["attn_res_block_size"], 1);
+        let situ_beta = self.float(&["activation_situ_beta", "situ_beta"]);
+        let situ_linear_beta = self.float(&["activation_situ_linear_beta", "situ_linear_beta"]);
+        for (n, b) in [("activation_situ_beta", situ_beta), ("activation_situ_linear_beta", situ_linear_beta)] {
+            if b.is_some_and(|x| x <= 0.0) {
+                self.problems.push(format!("`{n}` must be positive"));
+            }
+        }
+        let moe_renormalize = self.optional_bool("moe_renormalize", true);
+        let latent_moe_use_norm = self.optional_bool("latent_moe_use_norm", true);
+        if !latent_moe_use_norm {
+            self.problems.push("`latent_moe_use_norm` false is not implemented".into());
+        }
+        let mla_use_output_gate = self.optional_bool("mla_use_output_gate", true);
+        if !mla_use_output_gate {
+            self.problems.push("`mla_use_output_gate` false is not implemented".into());
+        }
+        let is_mla = self.layer_map(num_hidden_layers);
+        self.check_semantics();
+        let eos_token_id = self
+            .find(&["eos_token_id"])
+            .and_then(|(_, v)| v.as_u64())
+            .and_then(|x| u32::try_from(x).ok());
+        Some(ModelConfig {
+            hidden_size: hidden_size?,
+            num_hidden_layers: num_hidden_layers?,
+            vocab_size: vocab_size?,
+            rms_norm_eps: rms_norm_eps?,
+            kda_num_heads: kda_num_heads?,
+            kda_head_dim: kda_head_dim?,
+            short_conv_kernel_size: short_conv_kernel_size?,
+            gate_lower_bound: gate_lower_bound?,
+            num_attention_heads: num_attention_heads?,
+            q_lora_rank: q_lora_rank?,
+            kv_lora_rank: kv_lora_rank?,
+            qk_nope_head_dim: qk_nope_head_dim?,
+            qk_rope_head_dim: qk_rope_head_dim?,
+            v_head_dim: v_head_dim?,
+            num_experts: num_experts?,
+            num_experts_per_token: top_k?,
+            num_shared_experts: num_shared_experts?,
+            routed_expert_hidden_size: routed_expert_hidden_size?,
+            moe_intermediate_size: moe_intermediate_size?,
+            routed_scaling_factor: routed_scaling_factor?,
+            moe_renormalize,
+            latent_moe_use_norm,
+            first_k_dense_replace: first_k_dense_replace?,
+            intermediate_size: intermediate_size?,
+            attn_res_block_size: attn_res_block_size?,
+            situ_beta: situ_beta?,
+            situ_linear_beta: situ_linear_beta?,
+            mla_use_output_gate,
+            is_mla: is_mla?,
+            mla_lora_norm_eps: 1e-6,
+            kda_l2norm_eps: 1e-6,
+            eos_token_id,
+        })
+    }
+}

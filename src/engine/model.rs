@@ -1,0 +1,271 @@
+//! The Kimi K3 decoder: embedding, 93 (or any configured number of) layers of attention
+//! residuals + KDA/MLA + dense MLP/latent MoE, the output aggregator, final norm and lm_head
+//! (MODEL.md §3).
+//!
+//! `forward` takes a chunk of token ids and the sequence state, and returns logits for the
+//! positions asked for. Everything except the KDA recurrence, the short convolution and MLA
+//! attention is per position, and each of those consumes positions in order, so prefilling a
+//! chunk and decoding it one token at a time give bitwise identical logits.
+
+use super::attnres;
+use super::config::ModelConfig;
+use super::kda::{self, KdaParams, KdaWeights};
+use super::mla::{self, MlaParams, MlaWeights};
+use super::moe::{self, DenseMlp, MoeParams, MoeWeights, Routing};
+use super::state::{LayerState, SeqState};
+use super::tensor::Dense;
+use crate::kernels::{self, ops};
+
+/// The attention block of a layer.
+#[derive(Clone, Debug)]
+pub enum Attention {
+    /// Kimi Delta Attention.
+    Kda(KdaWeights),
+    /// Gated MLA.
+    Mla(MlaWeights),
+}
+
+/// The feed-forward block of a layer.
+#[derive(Clone, Debug)]
+pub enum FeedForward {
+    /// Dense SiTU MLP (leading layers).
+    Dense(DenseMlp),
+    /// Latent MoE.
+    Moe(MoeWeights),
+}
+
+/// One decoder layer.
+#[derive(Clone, Debug)]
+pub struct Layer {
+    /// `[hidden]` gain before attention.
+    pub input_norm: Vec<f32>,
+    /// `[hidden]` gain before the FFN.
+    pub post_norm: Vec<f32>,
+    /// `[hidden]` pre-attention AttnRes score vector (norm ⊙ proj).
+    pub attn_res_fold: Vec<f32>,
+    /// `[hidden]` pre-FFN AttnRes score vector.
+    pub mlp_res_fold: Vec<f32>,
+    /// Attention.
+    pub attn: Attention,
+    /// Feed-forward.
+    pub ffn: FeedForward,
+}
+
+/// A loaded model (immutable; share it between sequences).
+#[derive(Clone, Debug)]
+pub struct Model {
+    /// Configuration.
+    pub cfg: ModelConfig,
+    /// `[vocab, hidden]`.
+    pub embed: Dense,
+    /// Decoder layers.
+    pub layers: Vec<Layer>,
+    /// `[hidden]` output AttnRes score vector.
+    pub out_res_fold: Vec<f32>,
+    /// `[hidden]` final norm gain.
+    pub norm: Vec<f32>,
+    /// `[vocab, hidden]`.
+    pub lm_head: Dense,
+}
+
+/// Which positions of a chunk need logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last position (decoding).
+    Last,
+    /// Every position (teacher forcing).
+    All,
+    /// None (prefill whose distribution is not needed).
+    None,
+}
+
+/// Optional per-layer observations of one forward call.
+#[derive(Clone, Debug, Default)]
+pub struct Trace {
+    /// Per layer, the returned partial sum `[n_tok, hidden]`.
+    pub layer_out: Vec<Vec<f32>>,
+    /// Per layer, the routing decisions (empty for dense layers).
+    pub routing: Vec<Routing>,
+    /// `[n_tok, hidden]` after the output aggregator and the final norm.
+    pub final_hidden: Vec<f32>,
+}
+
+/// KDA constants from a config.
+#[must_use]
+pub fn kda_params(cfg: &ModelConfig) -> KdaParams {
+    KdaParams {
+        heads: cfg.kda_num_heads,
+        head_dim: cfg.kda_head_dim,
+        kernel: cfg.short_conv_kernel_size,
+        lower_bound: cfg.gate_lower_bound,
+        rms_eps: cfg.rms_norm_eps,
+        l2_eps: cfg.kda_l2norm_eps,
+    }
+}
+
+/// MLA constants from a config.
+#[must_use]
+pub fn mla_params(cfg: &ModelConfig) -> MlaParams {
+    MlaParams {
+        heads: cfg.num_attention_heads,
+        nope: cfg.qk_nope_head_dim,
+        rope: cfg.qk_rope_head_dim,
+        v: cfg.v_head_dim,
+        kv_lora: cfg.kv_lora_rank,
+        lora_eps: cfg.mla_lora_norm_eps,
+    }
+}
+
+/// MoE constants from a config.
+#[must_use]
+pub fn moe_params(cfg: &ModelConfig) -> MoeParams {
+    MoeParams {
+        top_k: cfg.num_experts_per_token,
+        renormalize: cfg.moe_renormalize,
+        scaling: cfg.routed_scaling_factor,
+        rms_eps: cfg.rms_norm_eps,
+        beta1: cfg.situ_beta,
+        beta2: cfg.situ_linear_beta,
+    }
+}
+
+/// Per-chunk AttnRes bookkeeping: block snapshots and the running partial sum.
+struct Residuals {
+    blocks: Vec<Vec<f32>>,
+    partial: Option<Vec<f32>>,
+}
+
+impl Residuals {
+    fn mix(&self, fold: &[f32], eps: f32, d: usize, n: usize) -> Vec<f32> {
+        let mut srcs: Vec<&[f32]> = self.blocks.iter().map(Vec::as_slice).collect();
+        if let Some(p) = &self.partial {
+            srcs.push(p);
+        }
+        let mut out = vec![0f32; n];
+        attnres::aggregate(&srcs, fold, eps, d, &mut out);
+        out
+    }
+
+    fn add(&mut self, a: Vec<f32>) {
+        match &mut self.partial {
+            None => self.partial = Some(a),
+            Some(p) => {
+                for (x, y) in p.iter_mut().zip(&a) {
+                    *x += y;
+                }
+            }
+        }
+    }
+}
+
+impl Layer {
+    /// One decoder layer (MODEL.md §3.3) over a chunk. `h` is the previous layer's returned
+    /// partial sum (the embedding at layer 0).
+    fn forward(
+        &self,
+        il: usize,
+        cfg: &ModelConfig,
+        res: &mut Residuals,
+        state: &mut LayerState,
+    ) -> Option<Routing> {
+        let d = cfg.hidden_size;
+        let eps = cfg.rms_norm_eps;
+        let p_in = res.partial.take().unwrap_or_default();
+        let n = p_in.len();
+        // 1–3: pre-attention mix (skipped while no snapshot exists), then the block boundary.
+        let mut h = if res.blocks.is_empty() {
+            p_in.clone()
+        } else {
+            res.partial = Some(p_in.clone());
+            let mixed = res.mix(&self.attn_res_fold, eps, d, n);
+            res.partial = None;
+            mixed
+        };
+        if cfg.is_block_start(il) {
+            res.blocks.push(p_in);
+            res.partial = None;
+        } else {
+            res.partial = Some(p_in);
+        }
+        // 4–6: attention on the normalised mix, added to the partial sum.
+        for row in h.chunks_mut(d) {
+            ops::rmsnorm(row, &self.input_norm, eps);
+        }
+        let a = match (&self.attn, state) {
+            (Attention::Kda(w), LayerState::Kda(s)) => kda::forward(w, &kda_params(cfg), &h, s),
+            (Attention::Mla(w), LayerState::Mla(c)) => mla::forward(w, &mla_params(cfg), &h, c),
+            _ => unreachable!("layer state kind is built from the same layer map"),
+        };
+        res.add(a);
+        // 7–10: pre-FFN mix (always), FFN, added to the partial sum.
+        let mut h = res.mix(&self.mlp_res_fold, eps, d, n);
+        for row in h.chunks_mut(d) {
+            ops::rmsnorm(row, &self.post_norm, eps);
+        }
+        let (f, routing) = match &self.ffn {
+            FeedForward::Dense(m) => (m.forward(&h, cfg.situ_beta, cfg.situ_linear_beta), None),
+            FeedForward::Moe(m) => {
+                let (y, r) = moe::forward(m, &moe_params(cfg), &h);
+                (y, Some(r))
+            }
+        };
+        res.add(f);
+        routing
+    }
+}
+
+impl Model {
+    /// Run `tokens` through the model on top of `state` (which is advanced) and return the
+    /// logits asked for, `[n, vocab]` row-major.
+    ///
+    /// # Panics
+    /// If a token id is not below the vocabulary size (callers validate ids first).
+    pub fn forward(&self, state: &mut SeqState, tokens: &[u32], want: Logits) -> Vec<f32> {
+        self.forward_traced(state, tokens, want, None)
+    }
+
+    /// [`Model::forward`] that also records per-layer outputs and routing into `trace`.
+    pub fn forward_traced(
+        &self,
+        state: &mut SeqState,
+        tokens: &[u32],
+        want: Logits,
+        mut trace: Option<&mut Trace>,
+    ) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let d = cfg.hidden_size;
+        let n_tok = tokens.len();
+        if n_tok == 0 {
+            return Vec::new();
+        }
+        let mut x = vec![0f32; n_tok * d];
+        for (row, &id) in x.chunks_mut(d).zip(tokens) {
+            assert!((id as usize) < cfg.vocab_size, "token id {id} outside the vocabulary");
+            self.embed.row_into(id as usize, row);
+        }
+        let mut res = Residuals { blocks: Vec::new(), partial: Some(x) };
+        for (il, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
+            let routing = layer.forward(il, cfg, &mut res, ls);
+            if let Some(t) = trace.as_deref_mut() {
+                t.layer_out.push(res.partial.clone().unwrap_or_default());
+                t.routing.push(routing.unwrap_or_default());
+            }
+        }
+        state.n_pos += n_tok;
+        let mut h = res.mix(&self.out_res_fold, cfg.rms_norm_eps, d, n_tok * d);
+        for row in h.chunks_mut(d) {
+            ops::rmsnorm(row, &self.norm, cfg.rms_norm_eps);
+        }
+        if let Some(t) = trace {
+            t.final_hidden.clone_from(&h);
+        }
+        let rows: &[f32] = match want {
+            Logits::None => return Vec::new(),
+            Logits::Last => &h[(n_tok - 1) * d..],
+            Logits::All => &h,
+        };
+        let mut logits = vec![0f32; rows.len() / d * cfg.vocab_size];
+        kernels::matmul(self.lm_head.view(), cfg.vocab_size, d, rows, &mut logits);
+        logits
+    }
+}

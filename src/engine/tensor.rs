@@ -1,0 +1,137 @@
+//! Owned weight matrices as the engine holds them: dense (F32 or BF16, never widened in memory)
+//! and MXFP4 (packed nibbles and scales, multiplied in place).
+
+use crate::kernels::{self, DenseRef, Mxfp4Matrix};
+
+/// Storage of a dense matrix.
+#[derive(Clone, Debug)]
+pub enum DenseData {
+    /// float32.
+    F32(Vec<f32>),
+    /// bfloat16 raw bits.
+    Bf16(Vec<u16>),
+}
+
+/// A dense row-major matrix `[rows, cols]`, applied as `y = W x`.
+#[derive(Clone, Debug)]
+pub struct Dense {
+    /// Elements.
+    pub data: DenseData,
+    /// Output features.
+    pub rows: usize,
+    /// Input features.
+    pub cols: usize,
+}
+
+impl Dense {
+    /// A float32 matrix (panics if the size is wrong; for fixtures and tests).
+    #[must_use]
+    pub fn f32(data: Vec<f32>, rows: usize, cols: usize) -> Self {
+        assert_eq!(data.len(), rows * cols, "Dense::f32 size");
+        Dense { data: DenseData::F32(data), rows, cols }
+    }
+
+    /// Borrowed view for the kernels.
+    #[must_use]
+    pub fn view(&self) -> DenseRef<'_> {
+        match &self.data {
+            DenseData::F32(v) => DenseRef::F32(v),
+            DenseData::Bf16(v) => DenseRef::Bf16(v),
+        }
+    }
+
+    /// `y[t] = W x[t]` for a batch: `x` `[n_tok, cols]` → new `[n_tok, rows]`.
+    #[must_use]
+    pub fn apply(&self, x: &[f32]) -> Vec<f32> {
+        let n_tok = x.len() / self.cols;
+        let mut y = vec![0f32; n_tok * self.rows];
+        kernels::matmul(self.view(), self.rows, self.cols, x, &mut y);
+        y
+    }
+
+    /// Dot product of row `r` with `x`.
+    #[must_use]
+    pub fn row_dot(&self, r: usize, x: &[f32]) -> f32 {
+        let (a, b) = (r * self.cols, (r + 1) * self.cols);
+        match &self.data {
+            DenseData::F32(v) => kernels::dot(&v[a..b], x),
+            DenseData::Bf16(v) => kernels::dot_bf16_with(kernels::isa(), &v[a..b], x),
+        }
+    }
+
+    /// `y += alpha · W[r, :]`.
+    pub fn row_axpy(&self, r: usize, alpha: f32, y: &mut [f32]) {
+        let (a, b) = (r * self.cols, (r + 1) * self.cols);
+        match &self.data {
+            DenseData::F32(v) => kernels::axpy(alpha, &v[a..b], y),
+            DenseData::Bf16(v) => kernels::axpy_bf16(alpha, &v[a..b], y),
+        }
+    }
+
+    /// Copy row `r` widened to f32 into `out`.
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        let (a, b) = (r * self.cols, (r + 1) * self.cols);
+        match &self.data {
+            DenseData::F32(v) => out.copy_from_slice(&v[a..b]),
+            DenseData::Bf16(v) => {
+                for (o, &w) in out.iter_mut().zip(&v[a..b]) {
+                    *o = kernels::bf16_to_f32(w);
+                }
+            }
+        }
+    }
+}
+
+/// An owned MXFP4 matrix `[rows, cols]`.
+#[derive(Clone, Debug)]
+pub struct Mxfp4 {
+    /// `[rows, cols/2]` nibbles.
+    pub packed: Vec<u8>,
+    /// `[rows, cols/32]` scale bytes.
+    pub scales: Vec<u8>,
+    /// Output features.
+    pub rows: usize,
+    /// Input features.
+    pub cols: usize,
+}
+
+/// A weight matrix of either kind (routed experts are MXFP4 in the release; dense in some
+/// fixtures).
+#[derive(Clone, Debug)]
+pub enum Matrix {
+    /// Dense.
+    Dense(Dense),
+    /// MXFP4.
+    Mxfp4(Mxfp4),
+}
+
+impl Matrix {
+    /// Output features.
+    #[must_use]
+    pub fn rows(&self) -> usize {
+        match self {
+            Matrix::Dense(d) => d.rows,
+            Matrix::Mxfp4(m) => m.rows,
+        }
+    }
+
+    /// `y[t] = W x[t]` for a batch.
+    #[must_use]
+    pub fn apply(&self, x: &[f32]) -> Vec<f32> {
+        match self {
+            Matrix::Dense(d) => d.apply(x),
+            Matrix::Mxfp4(m) => {
+                let n_tok = x.len() / m.cols;
+                let mut y = vec![0f32; n_tok * m.rows];
+                let view = Mxfp4Matrix {
+                    packed: &m.packed,
+                    scales: &m.scales,
+                    rows: m.rows,
+                    cols: m.cols,
+                };
+                kernels::matmul_mxfp4(&view, x, &mut y);
+                y
+            }
+        }
+    }
+}

@@ -1,0 +1,393 @@
+//! Binding a checkpoint to the model graph: one table maps (layer, role) to tensor names, every
+//! tensor is requested with the shape the config implies, and tensors nobody claims under
+//! `language_model.` are refused. All problems are collected and reported together.
+
+use super::config::ModelConfig;
+use super::kda::KdaWeights;
+use super::mla::MlaWeights;
+use super::model::{Attention, FeedForward, Layer, Model};
+use super::moe::{DenseMlp, Expert, MoeWeights};
+use super::tensor::{Dense, DenseData, Matrix, Mxfp4};
+use crate::stream::{Checkpoint, Dtype, StreamError, TensorData};
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+/// The checkpoint's tensors do not fit the graph the config describes.
+#[derive(Debug, thiserror::Error)]
+#[error("{dir}: the checkpoint does not match config.json ({} problem(s)):\n  - {}",
+    .problems.len(), .problems.join("\n  - "))]
+pub struct BindError {
+    /// Model directory.
+    pub dir: PathBuf,
+    /// Every missing, mis-shaped, mistyped or unclaimed tensor.
+    pub problems: Vec<String>,
+}
+
+/// Failure while loading a model.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// Config refused.
+    #[error(transparent)]
+    Config(#[from] super::config::ConfigError),
+    /// Files refused or unreadable.
+    #[error(transparent)]
+    Stream(#[from] StreamError),
+    /// Graph mismatch.
+    #[error(transparent)]
+    Bind(#[from] BindError),
+}
+
+impl From<LoadError> for crate::Error {
+    fn from(e: LoadError) -> Self {
+        match e {
+            LoadError::Config(e) => e.into(),
+            LoadError::Stream(e) => e.into(),
+            LoadError::Bind(e) => e.into(),
+        }
+    }
+}
+
+/// Tensor names of the released checkpoint.
+pub mod names {
+    /// Prefix of every decoder-layer tensor.
+    #[must_use]
+    pub fn layer(il: usize, rest: &str) -> String {
+        format!("language_model.model.layers.{il}.{rest}")
+    }
+    /// Embedding.
+    pub const EMBED: &str = "language_model.model.embed_tokens.weight";
+    /// Output head (no `.model.`).
+    pub const LM_HEAD: &str = "language_model.lm_head.weight";
+    /// Final norm.
+    pub const NORM: &str = "language_model.model.norm.weight";
+    /// Output AttnRes norm.
+    pub const OUT_RES_NORM: &str = "language_model.model.output_attn_res_norm.weight";
+    /// Output AttnRes projection.
+    pub const OUT_RES_PROJ: &str = "language_model.model.output_attn_res_proj.weight";
+}
+
+struct Binder<'a> {
+    ck: &'a Checkpoint,
+    claimed: HashSet<String>,
+    problems: Vec<String>,
+}
+
+impl Binder<'_> {
+    /// Look up `name`, check it has one of `shapes` and an allowed dtype, and read it.
+    fn fetch(
+        &mut self,
+        name: &str,
+        shapes: &[&[usize]],
+        dtypes: &[Dtype],
+    ) -> Result<Option<TensorData>, StreamError> {
+        self.claimed.insert(name.to_string());
+        let Some(info) = self.ck.info(name) else {
+            self.problems.push(format!("missing tensor {name} (expected shape {:?})", shapes[0]));
+            return Ok(None);
+        };
+        if !shapes.iter().any(|s| *s == info.shape.as_slice()) {
+            self.problems.push(format!(
+                "tensor {name}: shape {:?}, expected {:?}",
+                info.shape, shapes[0]
+            ));
+            return Ok(None);
+        }
+        if !dtypes.contains(&info.dtype) {
+            let want: Vec<&str> = dtypes.iter().map(|d| d.name()).collect();
+            self.problems.push(format!(
+                "tensor {name}: dtype {}, expected {}",
+                info.dtype.name(),
+                want.join(" or ")
+            ));
+            return Ok(None);
+        }
+        Ok(Some(self.ck.read(name)?.1))
+    }
+
+    fn dense(&mut self, name: &str, rows: usize, cols: usize) -> Result<Option<Dense>, StreamError> {
+        Ok(match self.fetch(name, &[&[rows, cols]], &[Dtype::Bf16, Dtype::F32, Dtype::F16])? {
+            Some(TensorData::Bf16(v)) => Some(Dense { data: DenseData::Bf16(v), rows, cols }),
+            Some(TensorData::F32(v)) => Some(Dense { data: DenseData::F32(v), rows, cols }),
+            _ => None,
+        })
+    }
+
+    /// A small vector stored as `[n]` or `[1, n]`, F32/BF16/F16, widened to f32.
+    fn vector(&mut self, name: &str, n: usize) -> Result<Option<Vec<f32>>, StreamError> {
+        Ok(match self.fetch(name, &[&[n], &[1, n]], &[Dtype::F32, Dtype::Bf16, Dtype::F16])? {
+            Some(TensorData::F32(v)) => Some(v),
+            Some(TensorData::Bf16(v)) => Some(v.into_iter().map(crate::kernels::bf16_to_f32).collect()),
+            _ => None,
+        })
+    }
+
+    fn conv(&mut self, name: &str, c: usize, k: usize) -> Result<Option<Vec<f32>>, StreamError> {
+        Ok(match self.fetch(name, &[&[c, 1, k], &[c, k]], &[Dtype::F32, Dtype::Bf16, Dtype::F16])? {
+            Some(TensorData::F32(v)) => Some(v),
+            Some(TensorData::Bf16(v)) => Some(v.into_iter().map(crate::kernels::bf16_to_f32).collect()),
+            _ => None,
+        })
+    }
+
+    /// `A_log`: `[heads]`, or padded to `[head_dim]` with an exactly-zero tail.
+    fn a_log(&mut self, name: &str, heads: usize, head_dim: usize) -> Result<Option<Vec<f32>>, StreamError> {
+        let len = self.ck.info(name).map_or(heads, |i| i.numel());
+        let want = if len == heads { heads } else { head_dim };
+        let Some(v) = self.vector(name, want)? else { return Ok(None) };
+        if v[heads..].iter().any(|&x| x != 0.0) {
+            self.problems.push(format!(
+                "tensor {name}: padding after the first {heads} values must be exactly zero"
+            ));
+            return Ok(None);
+        }
+        Ok(Some(v[..heads].to_vec()))
+    }
+
+    fn mxfp4(&mut self, prefix: &str, rows: usize, cols: usize) -> Result<Option<Matrix>, StreamError> {
+        let pk = format!("{prefix}.weight_packed");
+        let sc = format!("{prefix}.weight_scale");
+        if cols % 32 != 0 {
+            self.problems.push(format!("{prefix}: logical width {cols} is not a multiple of 32"));
+            return Ok(None);
+        }
+        let (same_shard, p_info) = match (self.ck.info(&pk), self.ck.info(&sc)) {
+            (Some(a), Some(b)) => (a.shard == b.shard, Some((a, b))),
+            _ => (true, None),
+        };
+        if let Some((a, b)) = &p_info {
+            if a.shape.len() == 2 && b.shape.len() == 2 && b.shape[1] * 32 != a.shape[1] * 2 {
+                self.problems.push(format!(
+                    "{prefix}: {} scale columns for {} packed columns: the group size is not 32",
+                    b.shape[1], a.shape[1]
+                ));
+            }
+        }
+        if !same_shard {
+            self.problems.push(format!("{prefix}: packed and scale tensors are in different shards"));
+        }
+        let packed = self.fetch(&pk, &[&[rows, cols / 2]], &[Dtype::U8])?;
+        let scales = self.fetch(&sc, &[&[rows, cols / 32]], &[Dtype::U8])?;
+        Ok(match (packed, scales) {
+            (Some(TensorData::U8(packed)), Some(TensorData::U8(scales))) => {
+                Some(Matrix::Mxfp4(Mxfp4 { packed, scales, rows, cols }))
+            }
+            _ => None,
+        })
+    }
+
+    fn fold(&mut self, norm: &str, proj: &str, n: usize) -> Result<Option<Vec<f32>>, StreamError> {
+        let a = self.vector(norm, n)?;
+        let b = self.vector(proj, n)?;
+        Ok(a.zip(b).map(|(a, b)| a.iter().zip(&b).map(|(x, y)| x * y).collect()))
+    }
+}
+
+fn bind_kda(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<KdaWeights>, StreamError> {
+    let (dm, p, dk, h, k) = (
+        cfg.hidden_size,
+        cfg.kda_width(),
+        cfg.kda_head_dim,
+        cfg.kda_num_heads,
+        cfg.short_conv_kernel_size,
+    );
+    let n = |r: &str| names::layer(il, &format!("self_attn.{r}"));
+    let q_proj = b.dense(&n("q_proj.weight"), p, dm)?;
+    let k_proj = b.dense(&n("k_proj.weight"), p, dm)?;
+    let v_proj = b.dense(&n("v_proj.weight"), p, dm)?;
+    let q_conv = b.conv(&n("q_conv1d.weight"), p, k)?;
+    let k_conv = b.conv(&n("k_conv1d.weight"), p, k)?;
+    let v_conv = b.conv(&n("v_conv1d.weight"), p, k)?;
+    let f_a = b.dense(&n("f_a_proj.weight"), dk, dm)?;
+    let f_b = b.dense(&n("f_b_proj.weight"), p, dk)?;
+    let a_log = b.a_log(&n("A_log"), h, dk)?;
+    let dt_bias = b.vector(&n("dt_bias"), p)?;
+    let b_proj = b.dense(&n("b_proj.weight"), h, dm)?;
+    let g_proj = b.dense(&n("g_proj.weight"), p, dm)?;
+    let o_norm = b.vector(&n("o_norm.weight"), dk)?;
+    let o_proj = b.dense(&n("o_proj.weight"), dm, p)?;
+    Ok((|| {
+        Some(KdaWeights {
+            q_proj: q_proj?,
+            k_proj: k_proj?,
+            v_proj: v_proj?,
+            q_conv: q_conv?,
+            k_conv: k_conv?,
+            v_conv: v_conv?,
+            f_a: f_a?,
+            f_b: f_b?,
+            a_log: a_log?,
+            dt_bias: dt_bias?,
+            b_proj: b_proj?,
+            g_proj: g_proj?,
+            o_norm: o_norm?,
+            o_proj: o_proj?,
+        })
+    })())
+}
+
+fn bind_mla(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<MlaWeights>, StreamError> {
+    let dm = cfg.hidden_size;
+    let h = cfg.num_attention_heads;
+    let n = |r: &str| names::layer(il, &format!("self_attn.{r}"));
+    let q_a = b.dense(&n("q_a_proj.weight"), cfg.q_lora_rank, dm)?;
+    let q_a_norm = b.vector(&n("q_a_layernorm.weight"), cfg.q_lora_rank)?;
+    let q_b = b.dense(&n("q_b_proj.weight"), h * cfg.mla_q_head(), cfg.q_lora_rank)?;
+    let kv_a =
+        b.dense(&n("kv_a_proj_with_mqa.weight"), cfg.kv_lora_rank + cfg.qk_rope_head_dim, dm)?;
+    let kv_a_norm = b.vector(&n("kv_a_layernorm.weight"), cfg.kv_lora_rank)?;
+    let kv_b = b.dense(
+        &n("kv_b_proj.weight"),
+        h * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+        cfg.kv_lora_rank,
+    )?;
+    let g_proj = b.dense(&n("g_proj.weight"), h * cfg.v_head_dim, dm)?;
+    let o_proj = b.dense(&n("o_proj.weight"), dm, h * cfg.v_head_dim)?;
+    Ok((|| {
+        Some(MlaWeights {
+            q_a: q_a?,
+            q_a_norm: q_a_norm?,
+            q_b: q_b?,
+            kv_a: kv_a?,
+            kv_a_norm: kv_a_norm?,
+            kv_b: kv_b?,
+            g_proj: g_proj?,
+            o_proj: o_proj?,
+        })
+    })())
+}
+
+fn bind_moe(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<MoeWeights>, StreamError> {
+    let dm = cfg.hidden_size;
+    let lat = cfg.routed_expert_hidden_size;
+    let inter = cfg.moe_intermediate_size;
+    let sh = cfg.shared_width();
+    let n = |r: &str| names::layer(il, &format!("block_sparse_moe.{r}"));
+    let gate = b.dense(&n("gate.weight"), cfg.num_experts, dm)?;
+    let bias = b.vector(&n("gate.e_score_correction_bias"), cfg.num_experts)?;
+    let down = b.dense(&n("routed_expert_down_proj.weight"), lat, dm)?;
+    let up = b.dense(&n("routed_expert_up_proj.weight"), dm, lat)?;
+    let norm = b.vector(&n("routed_expert_norm.weight"), lat)?;
+    let shared_gate = b.dense(&n("shared_experts.gate_proj.weight"), sh, dm)?;
+    let shared_up = b.dense(&n("shared_experts.up_proj.weight"), sh, dm)?;
+    let shared_down = b.dense(&n("shared_experts.down_proj.weight"), dm, sh)?;
+    let mut experts = Vec::with_capacity(cfg.num_experts);
+    let mut all = true;
+    for e in 0..cfg.num_experts {
+        let w1 = b.mxfp4(&n(&format!("experts.{e}.w1")), inter, lat)?;
+        let w2 = b.mxfp4(&n(&format!("experts.{e}.w2")), lat, inter)?;
+        let w3 = b.mxfp4(&n(&format!("experts.{e}.w3")), inter, lat)?;
+        match (w1, w2, w3) {
+            (Some(w1), Some(w2), Some(w3)) => experts.push(Expert { w1, w2, w3 }),
+            _ => all = false,
+        }
+    }
+    Ok((|| {
+        all.then_some(())?;
+        Some(MoeWeights {
+            gate: gate?,
+            bias: bias?,
+            down: down?,
+            up: up?,
+            norm: norm?,
+            shared_gate: shared_gate?,
+            shared_up: shared_up?,
+            shared_down: shared_down?,
+            experts,
+        })
+    })())
+}
+
+fn bind_layer(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<Layer>, StreamError> {
+    let dm = cfg.hidden_size;
+    let has_kda = b.ck.info(&names::layer(il, "self_attn.A_log")).is_some();
+    let has_mla = b.ck.info(&names::layer(il, "self_attn.kv_a_proj_with_mqa.weight")).is_some();
+    let is_mla = cfg.is_mla[il];
+    if (is_mla && has_kda) || (!is_mla && has_mla) {
+        let (said, found) = if is_mla { ("MLA", "KDA") } else { ("KDA", "MLA") };
+        b.problems.push(format!(
+            "layer {il} (one-based {}) is {said} in config.json but holds {found} tensors",
+            il + 1
+        ));
+    }
+    let input_norm = b.vector(&names::layer(il, "input_layernorm.weight"), dm)?;
+    let post_norm = b.vector(&names::layer(il, "post_attention_layernorm.weight"), dm)?;
+    let attn_res_fold = b.fold(
+        &names::layer(il, "self_attention_res_norm.weight"),
+        &names::layer(il, "self_attention_res_proj.weight"),
+        dm,
+    )?;
+    let mlp_res_fold = b.fold(
+        &names::layer(il, "mlp_res_norm.weight"),
+        &names::layer(il, "mlp_res_proj.weight"),
+        dm,
+    )?;
+    let attn = if is_mla {
+        bind_mla(b, cfg, il)?.map(Attention::Mla)
+    } else {
+        bind_kda(b, cfg, il)?.map(Attention::Kda)
+    };
+    let ffn = if cfg.is_dense(il) {
+        let n = |r: &str| names::layer(il, &format!("mlp.{r}"));
+        let gate = b.dense(&n("gate_proj.weight"), cfg.intermediate_size, dm)?;
+        let up = b.dense(&n("up_proj.weight"), cfg.intermediate_size, dm)?;
+        let down = b.dense(&n("down_proj.weight"), dm, cfg.intermediate_size)?;
+        (|| Some(FeedForward::Dense(DenseMlp { gate: gate?, up: up?, down: down? })))()
+    } else {
+        bind_moe(b, cfg, il)?.map(FeedForward::Moe)
+    };
+    Ok((|| {
+        Some(Layer {
+            input_norm: input_norm?,
+            post_norm: post_norm?,
+            attn_res_fold: attn_res_fold?,
+            mlp_res_fold: mlp_res_fold?,
+            attn: attn?,
+            ffn: ffn?,
+        })
+    })())
+}
+
+impl Model {
+    /// Load `dir/config.json` and every weight of the checkpoint in `dir`, resident.
+    pub fn load(dir: &Path) -> Result<Model, LoadError> {
+        let cfg = ModelConfig::load(&dir.join("config.json"))?;
+        let ck = Checkpoint::open(dir)?;
+        Ok(Self::bind(cfg, &ck)?)
+    }
+
+    /// Bind an open checkpoint to `cfg`.
+    pub fn bind(cfg: ModelConfig, ck: &Checkpoint) -> Result<Model, LoadError> {
+        let mut b = Binder { ck, claimed: HashSet::new(), problems: Vec::new() };
+        let dm = cfg.hidden_size;
+        let embed = b.dense(names::EMBED, cfg.vocab_size, dm)?;
+        let lm_head = b.dense(names::LM_HEAD, cfg.vocab_size, dm)?;
+        let norm = b.vector(names::NORM, dm)?;
+        let out_res_fold = b.fold(names::OUT_RES_NORM, names::OUT_RES_PROJ, dm)?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for il in 0..cfg.num_hidden_layers {
+            if let Some(l) = bind_layer(&mut b, &cfg, il)? {
+                layers.push(l);
+            }
+        }
+        let unclaimed: Vec<String> = ck
+            .index()
+            .names()
+            .filter(|n| n.starts_with("language_model.") && !b.claimed.contains(n))
+            .collect();
+        if !unclaimed.is_empty() {
+            b.problems.push(format!(
+                "{} language-model tensor(s) not used by the configured graph, e.g. {:?}",
+                unclaimed.len(),
+                &unclaimed[..unclaimed.len().min(3)]
+            ));
+        }
+        match (embed, lm_head, norm, out_res_fold) {
+            (Some(embed), Some(lm_head), Some(norm), Some(out_res_fold))
+                if b.problems.is_empty() && layers.len() == cfg.num_hidden_layers =>
+            {
+                Ok(Model { cfg, embed, layers, out_res_fold, norm, lm_head })
+            }
+            _ => Err(BindError { dir: ck.dir().to_path_buf(), problems: b.problems }.into()),
+        }
+    }
+}

@@ -1,0 +1,350 @@
+//! Numeric kernels: products of F32, BF16 and MXFP4 matrices with a vector or a small batch of
+//! vectors, dot products, axpy, and the small element-wise operators of the forward pass.
+//!
+//! Every fast kernel has a scalar twin in [`generic`] that uses the same lane partition and the
+//! same reduction tree, with an explicit fused multiply-add wherever the SIMD code fuses, so the
+//! SIMD and scalar paths give **bitwise identical** results. Parallelism (rayon) only splits
+//! independent output rows; each output is reduced by one thread in a fixed order, so the thread
+//! count cannot change a bit either.
+//!
+//! The instruction set is detected once at start-up. `K3_KERNELS=generic|avx2|avx512` forces a
+//! path (a request the CPU cannot honour falls back to the best available one), and
+//! [`set_isa`] switches at run time, which the tests use to compare paths inside one process.
+//!
+//! Reduction order of a dot product of length n (F32 or BF16 weights, F32 activations):
+//! 16 lanes, element i of each full 16-block accumulated into lane i mod 16 with an fma; lanes
+//! combined as `b[k]=a[k]+a[k+8]`, `c[k]=b[k]+b[k+4]`, `d[k]=c[k]+c[k+2]`, `s=d[0]+d[1]`; then
+//! the `n mod 16` remaining elements are added in order with an fma.
+//!
+//! Reduction order of an MXFP4 row: 8 lanes; per 32-group, element k goes to lane k mod 8
+//! (fma chain from zero, values in half units), the group's lanes are folded into 8 row
+//! accumulators with one fma by the group scale `2^(s-128)`, and the 8 accumulators are
+//! combined as `c[k]=a[k]+a[k+4]`, `d[k]=c[k]+c[k+2]`, `s=d[0]+d[1]`.
+
+pub mod generic;
+pub mod mxfp4;
+pub mod ops;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use rayon::prelude::*;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
+
+pub use mxfp4::{Mxfp4Matrix, E2M1};
+
+/// An instruction-set path for the fast kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Portable scalar code (the reference twin of every fast kernel).
+    Generic,
+    /// AVX2 + FMA.
+    Avx2,
+    /// AVX-512F (dense kernels); MXFP4 uses the AVX2 code on this path.
+    Avx512,
+}
+
+impl Isa {
+    /// Short lowercase name, as accepted by `K3_KERNELS`.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Generic => "generic",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+}
+
+/// The best path this CPU supports.
+#[must_use]
+pub fn detected_isa() -> Isa {
+    static DETECTED: OnceLock<Isa> = OnceLock::new();
+    *DETECTED.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if x86::has_avx512() {
+                return Isa::Avx512;
+            }
+            if x86::has_avx2_fma() {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Generic
+    })
+}
+
+const ISA_UNSET: u8 = u8::MAX;
+static ISA: AtomicU8 = AtomicU8::new(ISA_UNSET);
+
+fn isa_code(isa: Isa) -> u8 {
+    match isa {
+        Isa::Generic => 0,
+        Isa::Avx2 => 1,
+        Isa::Avx512 => 2,
+    }
+}
+
+/// Clamp a requested path to what the CPU can run.
+fn supported(requested: Isa) -> Isa {
+    match (requested, detected_isa()) {
+        (Isa::Generic, _) => Isa::Generic,
+        (Isa::Avx2, Isa::Generic) => Isa::Generic,
+        (Isa::Avx2, _) => Isa::Avx2,
+        (Isa::Avx512, d) => d,
+    }
+}
+
+/// The path the kernels use now: `K3_KERNELS` if set, else the detected one.
+#[must_use]
+pub fn isa() -> Isa {
+    match ISA.load(Ordering::Relaxed) {
+        0 => Isa::Generic,
+        1 => Isa::Avx2,
+        2 => Isa::Avx512,
+        _ => {
+            let chosen = match std::env::var("K3_KERNELS").ok().as_deref() {
+                Some("generic" | "scalar") => Isa::Generic,
+                Some("avx2") => supported(Isa::Avx2),
+                _ => detected_isa(),
+            };
+            ISA.store(isa_code(chosen), Ordering::Relaxed);
+            chosen
+        }
+    }
+}
+
+/// Switch the kernel path for the whole process (clamped to what the CPU supports). Results do
+/// not depend on the path; only speed does.
+pub fn set_isa(requested: Isa) -> Isa {
+    let chosen = supported(requested);
+    ISA.store(isa_code(chosen), Ordering::Relaxed);
+    chosen
+}
+
+/// Row-major weights of a dense matrix `[rows, cols]`, borrowed.
+#[derive(Clone, Copy, Debug)]
+pub enum DenseRef<'a> {
+    /// float32 elements.
+    F32(&'a [f32]),
+    /// bfloat16 elements as raw bits (widened exactly to f32 inside the kernels).
+    Bf16(&'a [u16]),
+}
+
+impl DenseRef<'_> {
+    /// Number of stored elements.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        match self {
+            DenseRef::F32(w) => w.len(),
+            DenseRef::Bf16(w) => w.len(),
+        }
+    }
+
+    /// Whether the matrix holds no element.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// `Σ a[i]·b[i]` in the fixed 16-lane order. `a` and `b` must have equal length.
+#[must_use]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    dot_with(isa(), a, b)
+}
+
+/// [`dot`] on an explicit path.
+#[must_use]
+pub fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => x86::dot_f32_avx512(a, b),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => x86::dot_f32_avx2(a, b),
+        _ => generic::dot_f32(a, b),
+    }
+}
+
+/// `Σ widen(w[i])·x[i]` for BF16 weights, in the fixed 16-lane order.
+#[must_use]
+pub fn dot_bf16_with(isa: Isa, w: &[u16], x: &[f32]) -> f32 {
+    let n = w.len().min(x.len());
+    let (w, x) = (&w[..n], &x[..n]);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => x86::dot_bf16_avx512(w, x),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => x86::dot_bf16_avx2(w, x),
+        _ => generic::dot_bf16(w, x),
+    }
+}
+
+/// `y[j] ← fma(a, x[j], y[j])` for every j.
+pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    let n = x.len().min(y.len());
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => x86::axpy_f32_avx2(a, &x[..n], &mut y[..n]),
+        _ => generic::axpy_f32(a, &x[..n], &mut y[..n]),
+    }
+}
+
+/// `y[j] ← fma(a, widen(w[j]), y[j])` for every j (BF16 row).
+pub fn axpy_bf16(a: f32, w: &[u16], y: &mut [f32]) {
+    let n = w.len().min(y.len());
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => x86::axpy_bf16_avx2(a, &w[..n], &mut y[..n]),
+        _ => generic::axpy_bf16(a, &w[..n], &mut y[..n]),
+    }
+}
+
+/// `axpy` on an explicit path (for tests comparing paths).
+pub fn axpy_with(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
+    let n = x.len().min(y.len());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => x86::axpy_f32_avx2(a, &x[..n], &mut y[..n]),
+        _ => generic::axpy_f32(a, &x[..n], &mut y[..n]),
+    }
+}
+
+/// Minimum number of weight elements one parallel task should cover.
+const MIN_TASK_ELEMS: usize = 1 << 16;
+
+fn rows_per_task(rows: usize, cols: usize) -> usize {
+    let by_work = MIN_TASK_ELEMS.div_ceil(cols.max(1));
+    let by_threads = rows.div_ceil(4 * rayon::current_num_threads().max(1));
+    by_work.max(by_threads).clamp(1, rows.max(1))
+}
+
+/// Products of one dense matrix `w` `[rows, cols]` with a batch of vectors.
+///
+/// `x` is `[n_tok, cols]`, `y` is `[n_tok, rows]` (overwritten). Each output element is one
+/// fixed-order dot product, so the batch size, the thread count and the path cannot change it.
+pub fn matmul(w: DenseRef<'_>, rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
+    matmul_with(isa(), w, rows, cols, x, y);
+}
+
+/// [`matmul`] on an explicit path.
+pub fn matmul_with(isa: Isa, w: DenseRef<'_>, rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
+    assert_eq!(w.len(), rows * cols, "matmul: weight size");
+    assert!(cols > 0 && x.len() % cols == 0, "matmul: input size");
+    let n_tok = x.len() / cols;
+    assert_eq!(y.len(), n_tok * rows, "matmul: output size");
+    let per_task = rows_per_task(rows, cols);
+    let row_dot = |r: usize, t: usize| -> f32 {
+        let xt = &x[t * cols..(t + 1) * cols];
+        match w {
+            DenseRef::F32(m) => dot_with(isa, &m[r * cols..(r + 1) * cols], xt),
+            DenseRef::Bf16(m) => dot_bf16_with(isa, &m[r * cols..(r + 1) * cols], xt),
+        }
+    };
+    if n_tok == 1 {
+        y.par_chunks_mut(per_task).enumerate().for_each(|(ci, out)| {
+            for (k, o) in out.iter_mut().enumerate() {
+                *o = row_dot(ci * per_task + k, 0);
+            }
+        });
+        return;
+    }
+    // Row-major [rows, n_tok] scratch so each task owns a contiguous slice, then transpose.
+    let mut tmp = vec![0f32; rows * n_tok];
+    tmp.par_chunks_mut(per_task * n_tok)
+        .enumerate()
+        .for_each(|(ci, out)| {
+            for (k, row_out) in out.chunks_mut(n_tok).enumerate() {
+                let r = ci * per_task + k;
+                for (t, o) in row_out.iter_mut().enumerate() {
+                    *o = row_dot(r, t);
+                }
+            }
+        });
+    for r in 0..rows {
+        for t in 0..n_tok {
+            y[t * rows + r] = tmp[r * n_tok + t];
+        }
+    }
+}
+
+/// Products of one MXFP4 matrix with a batch of vectors: `x` `[n_tok, cols]`, `y`
+/// `[n_tok, rows]`, multiplied straight from the packed nibbles and scale bytes.
+pub fn matmul_mxfp4(w: &Mxfp4Matrix<'_>, x: &[f32], y: &mut [f32]) {
+    matmul_mxfp4_with(isa(), w, x, y);
+}
+
+/// [`matmul_mxfp4`] on an explicit path.
+pub fn matmul_mxfp4_with(isa: Isa, w: &Mxfp4Matrix<'_>, x: &[f32], y: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    assert!(cols > 0 && x.len() % cols == 0, "mxfp4: input size");
+    let n_tok = x.len() / cols;
+    assert_eq!(y.len(), n_tok * rows, "mxfp4: output size");
+    let per_task = rows_per_task(rows, cols / 2);
+    let row_dot = |r: usize, t: usize| -> f32 {
+        let xt = &x[t * cols..(t + 1) * cols];
+        let (p, s) = w.row(r);
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512 => x86::mxfp4_row_avx2(p, s, xt),
+            _ => generic::mxfp4_row(p, s, xt),
+        }
+    };
+    let mut tmp = vec![0f32; rows * n_tok];
+    tmp.par_chunks_mut(per_task * n_tok)
+        .enumerate()
+        .for_each(|(ci, out)| {
+            for (k, row_out) in out.chunks_mut(n_tok).enumerate() {
+                let r = ci * per_task + k;
+                for (t, o) in row_out.iter_mut().enumerate() {
+                    *o = row_dot(r, t);
+                }
+            }
+        });
+    for r in 0..rows {
+        for t in 0..n_tok {
+            y[t * rows + r] = tmp[r * n_tok + t];
+        }
+    }
+}
+
+/// Widen one BF16 value (raw bits) to f32 exactly.
+#[inline]
+#[must_use]
+pub fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+
+/// Round an f32 to BF16 bits (round to nearest even; NaN stays NaN).
+#[must_use]
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let bits = x.to_bits();
+    if x.is_nan() {
+        return ((bits >> 16) | 0x40) as u16;
+    }
+    let round = 0x7fff + ((bits >> 16) & 1);
+    (bits.wrapping_add(round) >> 16) as u16
+}
+
+/// Widen IEEE half-precision bits to f32 exactly.
+#[must_use]
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h >> 15) << 31;
+    let exp = u32::from((h >> 10) & 0x1f);
+    let man = u32::from(h & 0x3ff);
+    let bits = match (exp, man) {
+        (0, 0) => sign,
+        (0, m) => {
+            // Subnormal: renormalise.
+            let shift = m.leading_zeros() - 21;
+            let m = (m << shift) & 0x3ff;
+            sign | ((127 - 15 + 1 - shift) << 23) | (m << 13)
+        }
+        (0x1f, m) => sign | 0x7f80_0000 | (m << 13),
+        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
+    };
+    f32::from_bits(bits)
+}

@@ -1,0 +1,102 @@
+//! Scalar twins of the fast kernels: the portable fallback and the test oracle.
+//!
+//! Each function follows exactly the lane partition and reduction tree documented in
+//! [`crate::kernels`], with `mul_add` where the SIMD code uses a fused multiply-add, so its
+//! results are bit-for-bit those of the SIMD paths.
+
+use super::bf16_to_f32;
+use super::mxfp4::{scale_half_units, E2M1_HALF};
+
+/// Fold 16 lane accumulators with the fixed tree.
+#[inline]
+pub(crate) fn fold16(a: &[f32; 16]) -> f32 {
+    let mut b = [0f32; 8];
+    for k in 0..8 {
+        b[k] = a[k] + a[k + 8];
+    }
+    fold8(&b)
+}
+
+/// Fold 8 lane accumulators with the fixed tree.
+#[inline]
+pub(crate) fn fold8(b: &[f32; 8]) -> f32 {
+    let c = [b[0] + b[4], b[1] + b[5], b[2] + b[6], b[3] + b[7]];
+    let d = [c[0] + c[2], c[1] + c[3]];
+    d[0] + d[1]
+}
+
+/// Dot product of two f32 slices of equal length.
+#[must_use]
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len();
+    let full = n - n % 16;
+    let mut acc = [0f32; 16];
+    for blk in (0..full).step_by(16) {
+        for (l, lane) in acc.iter_mut().enumerate() {
+            *lane = a[blk + l].mul_add(b[blk + l], *lane);
+        }
+    }
+    let mut s = fold16(&acc);
+    for i in full..n {
+        s = a[i].mul_add(b[i], s);
+    }
+    s
+}
+
+/// Dot product of a BF16 row with an f32 vector.
+#[must_use]
+pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+    let n = w.len();
+    let full = n - n % 16;
+    let mut acc = [0f32; 16];
+    for blk in (0..full).step_by(16) {
+        for (l, lane) in acc.iter_mut().enumerate() {
+            *lane = bf16_to_f32(w[blk + l]).mul_add(x[blk + l], *lane);
+        }
+    }
+    let mut s = fold16(&acc);
+    for i in full..n {
+        s = bf16_to_f32(w[i]).mul_add(x[i], s);
+    }
+    s
+}
+
+/// `y ← a·x + y` element-wise with fma.
+pub fn axpy_f32(a: f32, x: &[f32], y: &mut [f32]) {
+    for (yi, &xi) in y.iter_mut().zip(x) {
+        *yi = a.mul_add(xi, *yi);
+    }
+}
+
+/// `y ← a·widen(w) + y` element-wise with fma.
+pub fn axpy_bf16(a: f32, w: &[u16], y: &mut [f32]) {
+    for (yi, &wi) in y.iter_mut().zip(w) {
+        *yi = a.mul_add(bf16_to_f32(wi), *yi);
+    }
+}
+
+/// One MXFP4 row (`packed`: cols/2 bytes, `scales`: cols/32 bytes) times `x` (cols).
+#[must_use]
+pub fn mxfp4_row(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    for (g, &s) in scales.iter().enumerate() {
+        let bytes = &packed[16 * g..16 * g + 16];
+        let xs = &x[32 * g..32 * g + 32];
+        let nibble = |k: usize| {
+            let byte = bytes[k / 2];
+            usize::from(if k % 2 == 0 { byte & 0x0f } else { byte >> 4 })
+        };
+        let mut p = [0f32; 8];
+        for k in 0..8 {
+            p[k] = E2M1_HALF[nibble(k)] * xs[k];
+        }
+        for k in 8..32 {
+            p[k % 8] = E2M1_HALF[nibble(k)].mul_add(xs[k], p[k % 8]);
+        }
+        let sc = scale_half_units(s);
+        for l in 0..8 {
+            acc[l] = p[l].mul_add(sc, acc[l]);
+        }
+    }
+    fold8(&acc)
+}

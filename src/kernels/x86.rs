@@ -1,0 +1,298 @@
+//! AVX2+FMA and AVX-512F implementations of the fast kernels.
+//!
+//! Each function reproduces the lane partition and reduction tree of its twin in
+//! [`super::generic`] exactly (see [`crate::kernels`]), so results are bitwise identical. The
+//! safe wrappers check the CPU feature once; the `unsafe` is confined to this file.
+#![allow(unsafe_code)]
+
+use super::generic::fold8;
+use super::mxfp4::scale_half_units;
+use std::arch::x86_64::*;
+
+/// Whether AVX2 and FMA are available.
+pub(super) fn has_avx2_fma() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
+/// Whether AVX-512F is available (with AVX2 and FMA).
+pub(super) fn has_avx512() -> bool {
+    has_avx2_fma() && is_x86_feature_detected!("avx512f")
+}
+
+macro_rules! avx2_wrapper {
+    ($(#[$m:meta])* $name:ident, $inner:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty, $fallback:expr) => {
+        $(#[$m])*
+        pub(super) fn $name($($arg: $ty),*) -> $ret {
+            if has_avx2_fma() {
+                // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+                unsafe { $inner($($arg),*) }
+            } else {
+                $fallback($($arg),*)
+            }
+        }
+    };
+}
+
+macro_rules! avx512_wrapper {
+    ($(#[$m:meta])* $name:ident, $inner:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty, $fallback:expr) => {
+        $(#[$m])*
+        pub(super) fn $name($($arg: $ty),*) -> $ret {
+            if has_avx512() {
+                // SAFETY: the CPU supports AVX-512F, AVX2 and FMA (checked just above).
+                unsafe { $inner($($arg),*) }
+            } else {
+                $fallback($($arg),*)
+            }
+        }
+    };
+}
+
+avx2_wrapper!(
+    /// f32 dot product, AVX2.
+    dot_f32_avx2, dot_f32_avx2_impl, (a: &[f32], b: &[f32]) -> f32, super::generic::dot_f32
+);
+avx2_wrapper!(
+    /// BF16·f32 dot product, AVX2.
+    dot_bf16_avx2, dot_bf16_avx2_impl, (w: &[u16], x: &[f32]) -> f32, super::generic::dot_bf16
+);
+avx512_wrapper!(
+    /// f32 dot product, AVX-512.
+    dot_f32_avx512, dot_f32_avx512_impl, (a: &[f32], b: &[f32]) -> f32, dot_f32_avx2
+);
+avx512_wrapper!(
+    /// BF16·f32 dot product, AVX-512.
+    dot_bf16_avx512, dot_bf16_avx512_impl, (w: &[u16], x: &[f32]) -> f32, dot_bf16_avx2
+);
+avx2_wrapper!(
+    /// `y ← a·x + y`, AVX2.
+    axpy_f32_avx2, axpy_f32_avx2_impl, (a: f32, x: &[f32], y: &mut [f32]) -> (),
+    super::generic::axpy_f32
+);
+avx2_wrapper!(
+    /// `y ← a·widen(w) + y`, AVX2.
+    axpy_bf16_avx2, axpy_bf16_avx2_impl, (a: f32, w: &[u16], y: &mut [f32]) -> (),
+    super::generic::axpy_bf16
+);
+avx2_wrapper!(
+    /// One MXFP4 row times x, AVX2.
+    mxfp4_row_avx2, mxfp4_row_avx2_impl, (packed: &[u8], scales: &[u8], x: &[f32]) -> f32,
+    super::generic::mxfp4_row
+);
+
+/// Horizontal fold of 8 lanes with the fixed tree `c[k]=b[k]+b[k+4]`, `d[k]=c[k]+c[k+2]`,
+/// `d[0]+d[1]`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn hsum8(b: __m256) -> f32 {
+    let c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps::<1>(b));
+    let d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+    let s = _mm_add_ss(d, _mm_shuffle_ps::<0b01>(d, d));
+    _mm_cvtss_f32(s)
+}
+
+/// Widen 8 BF16 values at `p` to f32.
+///
+/// # Safety
+/// `p` must be valid for reading 8 `u16` values; AVX2 must be available.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn load_bf16x8(p: *const u16) -> __m256 {
+    // SAFETY: the caller guarantees 16 readable bytes at `p`.
+    let h = unsafe { _mm_loadu_si128(p.cast()) };
+    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+}
+
+/// # Safety
+/// AVX2 and FMA must be available.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_f32_avx2_impl(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let full = n - n % 16;
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut i = 0;
+    while i < full {
+        // SAFETY: i + 16 ≤ full ≤ n, so all 16 loads from each slice are in bounds.
+        unsafe {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+            acc1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pa.add(i + 8)),
+                _mm256_loadu_ps(pb.add(i + 8)),
+                acc1,
+            );
+        }
+        i += 16;
+    }
+    let mut s = hsum8(_mm256_add_ps(acc0, acc1));
+    for k in full..n {
+        s = a[k].mul_add(b[k], s);
+    }
+    s
+}
+
+/// # Safety
+/// AVX2 and FMA must be available.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_bf16_avx2_impl(w: &[u16], x: &[f32]) -> f32 {
+    let n = w.len().min(x.len());
+    let full = n - n % 16;
+    let (pw, px) = (w.as_ptr(), x.as_ptr());
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut i = 0;
+    while i < full {
+        // SAFETY: i + 16 ≤ full ≤ n, so all loads are in bounds of both slices.
+        unsafe {
+            acc0 = _mm256_fmadd_ps(load_bf16x8(pw.add(i)), _mm256_loadu_ps(px.add(i)), acc0);
+            acc1 = _mm256_fmadd_ps(
+                load_bf16x8(pw.add(i + 8)),
+                _mm256_loadu_ps(px.add(i + 8)),
+                acc1,
+            );
+        }
+        i += 16;
+    }
+    let mut s = hsum8(_mm256_add_ps(acc0, acc1));
+    for k in full..n {
+        s = super::bf16_to_f32(w[k]).mul_add(x[k], s);
+    }
+    s
+}
+
+/// Fold 16 AVX-512 lanes: `b[k]=a[k]+a[k+8]`, then [`hsum8`].
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn hsum16(a: __m512) -> f32 {
+    let lo = _mm512_castps512_ps256(a);
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
+    hsum8(_mm256_add_ps(lo, hi))
+}
+
+/// # Safety
+/// AVX-512F, AVX2 and FMA must be available.
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn dot_f32_avx512_impl(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let full = n - n % 16;
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc = _mm512_setzero_ps();
+    let mut i = 0;
+    while i < full {
+        // SAFETY: i + 16 ≤ full ≤ n.
+        unsafe {
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc);
+        }
+        i += 16;
+    }
+    let mut s = hsum16(acc);
+    for k in full..n {
+        s = a[k].mul_add(b[k], s);
+    }
+    s
+}
+
+/// # Safety
+/// AVX-512F, AVX2 and FMA must be available.
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn dot_bf16_avx512_impl(w: &[u16], x: &[f32]) -> f32 {
+    let n = w.len().min(x.len());
+    let full = n - n % 16;
+    let (pw, px) = (w.as_ptr(), x.as_ptr());
+    let mut acc = _mm512_setzero_ps();
+    let mut i = 0;
+    while i < full {
+        // SAFETY: i + 16 ≤ full ≤ n.
+        unsafe {
+            let h = _mm256_loadu_si256(pw.add(i).cast());
+            let wv = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
+            acc = _mm512_fmadd_ps(wv, _mm512_loadu_ps(px.add(i)), acc);
+        }
+        i += 16;
+    }
+    let mut s = hsum16(acc);
+    for k in full..n {
+        s = super::bf16_to_f32(w[k]).mul_add(x[k], s);
+    }
+    s
+}
+
+/// # Safety
+/// AVX2 and FMA must be available.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy_f32_avx2_impl(a: f32, x: &[f32], y: &mut [f32]) {
+    let n = x.len().min(y.len());
+    let full = n - n % 8;
+    let av = _mm256_set1_ps(a);
+    let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+    let mut i = 0;
+    while i < full {
+        // SAFETY: i + 8 ≤ full ≤ n for both slices; x and y do not alias (& vs &mut).
+        unsafe {
+            let r = _mm256_fmadd_ps(av, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i)));
+            _mm256_storeu_ps(py.add(i), r);
+        }
+        i += 8;
+    }
+    for k in full..n {
+        y[k] = a.mul_add(x[k], y[k]);
+    }
+}
+
+/// # Safety
+/// AVX2 and FMA must be available.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy_bf16_avx2_impl(a: f32, w: &[u16], y: &mut [f32]) {
+    let n = w.len().min(y.len());
+    let full = n - n % 8;
+    let av = _mm256_set1_ps(a);
+    let (pw, py) = (w.as_ptr(), y.as_mut_ptr());
+    let mut i = 0;
+    while i < full {
+        // SAFETY: i + 8 ≤ full ≤ n for both slices.
+        unsafe {
+            let r = _mm256_fmadd_ps(av, load_bf16x8(pw.add(i)), _mm256_loadu_ps(py.add(i)));
+            _mm256_storeu_ps(py.add(i), r);
+        }
+        i += 8;
+    }
+    for k in full..n {
+        y[k] = a.mul_add(super::bf16_to_f32(w[k]), y[k]);
+    }
+}
+
+/// # Safety
+/// AVX2 and FMA must be available.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn mxfp4_row_avx2_impl(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    let n_group = scales.len().min(packed.len() / 16).min(x.len() / 32);
+    let lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    let low = _mm_set1_epi8(0x0f);
+    let mut acc = _mm256_setzero_ps();
+    let (pp, px) = (packed.as_ptr(), x.as_ptr());
+    for (g, &s) in scales.iter().take(n_group).enumerate() {
+        // SAFETY: g < n_group, so bytes [16g, 16g+16) of packed and floats [32g, 32g+32) of x
+        // are in bounds.
+        unsafe {
+            let bytes = _mm_loadu_si128(pp.add(16 * g).cast());
+            let lo = _mm_and_si128(bytes, low);
+            let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), low);
+            let e0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));
+            let e1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi));
+            let w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e0));
+            let w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(e0)));
+            let w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e1));
+            let w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(e1)));
+            let xg = px.add(32 * g);
+            let mut p = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
+            p = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg.add(8)), p);
+            p = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg.add(16)), p);
+            p = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg.add(24)), p);
+            acc = _mm256_fmadd_ps(p, _mm256_set1_ps(scale_half_units(s)), acc);
+        }
+    }
+    let mut lanes = [0f32; 8];
+    // SAFETY: `lanes` holds exactly 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    fold8(&lanes)
+}

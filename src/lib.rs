@@ -1,0 +1,14 @@
+//! k3: a Kimi K3 inference engine.
+//!
+//! Layers, lowest first: [`kernels`] (numeric kernels with runtime SIMD dispatch), [`stream`]
+//! (checkpoint files, validation, reads), [`engine`] (config, weights, forward pass, sampling),
+//! [`session`] (tokenizer), [`app`] (command line). Dependencies point downwards only.
+
+pub mod app;
+pub mod engine;
+pub mod error;
+pub mod kernels;
+pub mod session;
+pub mod stream;
+
+pub use error::{Error, Result};

@@ -1,0 +1,107 @@
+//! Everything that touches checkpoint files: shard discovery, header validation, the compact
+//! tensor index, and positioned reads of tensor bytes.
+//!
+//! Weights are read with positioned reads (`pread`), never memory-mapped, so a file that is
+//! truncated or shrinks while k3 runs produces an error, not a SIGBUS. Every shard is validated
+//! in full when the checkpoint is opened.
+
+pub mod checkpoint;
+pub mod index;
+pub mod safetensors;
+
+pub use checkpoint::{Checkpoint, TensorData};
+pub use index::{TensorIndex, TensorInfo};
+pub use safetensors::{Dtype, HeaderError};
+
+use std::path::PathBuf;
+
+/// A checkpoint file could not be opened, failed validation, or could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    /// A file could not be opened or its size read.
+    #[error("{path}: {source}")]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A shard header failed validation.
+    #[error("{path}: {source}")]
+    Header {
+        /// The shard.
+        path: PathBuf,
+        /// What is wrong with its header.
+        source: HeaderError,
+    },
+    /// `model.safetensors.index.json` is malformed or disagrees with the shards.
+    #[error("{path}: {reason}")]
+    Index {
+        /// The index file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Shards named by the index are missing (all of them listed).
+    #[error("{dir}: missing shard(s): {}", .files.join(", "))]
+    MissingShards {
+        /// The model directory.
+        dir: PathBuf,
+        /// Every missing file, with how many tensors need it.
+        files: Vec<String>,
+    },
+    /// No safetensors file was found.
+    #[error("{dir}: no model.safetensors, model.safetensors.index.json or *.safetensors file")]
+    NoShards {
+        /// The model directory.
+        dir: PathBuf,
+    },
+    /// The same tensor name appears in two shards.
+    #[error("duplicate tensor {name:?} (in {first} and {second})")]
+    DuplicateTensor {
+        /// The tensor.
+        name: String,
+        /// First shard.
+        first: String,
+        /// Second shard.
+        second: String,
+    },
+    /// A tensor name that is not in the checkpoint was requested.
+    #[error("tensor {0:?} is not in the checkpoint")]
+    NoSuchTensor(String),
+    /// The index cannot represent an entry (a dimension above u32, too many shards or names).
+    #[error("{path}: tensor {name:?}: {reason}")]
+    Unrepresentable {
+        /// The shard.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// Why.
+        reason: String,
+    },
+    /// A read failed or came back short (file shrank, I/O error).
+    #[error("read error in {path} at byte {offset} ({len} bytes for {name:?}): {source}")]
+    Read {
+        /// The shard.
+        path: PathBuf,
+        /// Absolute offset of the read.
+        offset: u64,
+        /// Bytes requested.
+        len: u64,
+        /// The tensor being read.
+        name: String,
+        /// The OS error (UnexpectedEof for a short read).
+        source: std::io::Error,
+    },
+}
+
+impl StreamError {
+    /// Exit status: 1 for a runtime read failure, 3 for a file that failed validation.
+    #[must_use]
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            StreamError::Read { .. } => 1,
+            _ => 3,
+        }
+    }
+}

@@ -1,0 +1,269 @@
+//! Opening a checkpoint directory (single file, or shards through
+//! `model.safetensors.index.json`) and reading tensors with positioned reads.
+
+use super::index::{IndexError, TensorIndex, TensorInfo};
+use super::safetensors::{header_len, parse_header, Dtype};
+use super::StreamError;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+/// Largest single positioned read (Linux caps a read at 0x7ffff000 bytes; macOS refuses 2 GiB).
+const MAX_READ: usize = 1 << 30;
+
+/// An open, fully validated checkpoint.
+#[derive(Debug)]
+pub struct Checkpoint {
+    dir: PathBuf,
+    files: Vec<File>,
+    paths: Vec<PathBuf>,
+    index: TensorIndex,
+}
+
+/// Tensor contents widened or copied into an owned buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TensorData {
+    /// float32 values (F32, or F16 widened exactly).
+    F32(Vec<f32>),
+    /// bfloat16 raw bits.
+    Bf16(Vec<u16>),
+    /// Bytes.
+    U8(Vec<u8>),
+}
+
+fn index_err(path: &Path, name: &str, e: IndexError) -> StreamError {
+    match e {
+        IndexError::Duplicate { name, first, second } => {
+            StreamError::DuplicateTensor { name, first, second }
+        }
+        IndexError::Unrepresentable(reason) => StreamError::Unrepresentable {
+            path: path.to_path_buf(),
+            name: name.to_string(),
+            reason,
+        },
+    }
+}
+
+/// Shard files named by `model.safetensors.index.json`, each with the tensors it should hold.
+fn read_weight_map(path: &Path) -> Result<BTreeMap<String, Vec<String>>, StreamError> {
+    let bad = |reason: String| StreamError::Index { path: path.to_path_buf(), reason };
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| StreamError::Open { path: path.to_path_buf(), source: e })?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| bad("no `weight_map` object".into()))?;
+    let mut by_file: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (tensor, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| bad(format!("weight_map[{tensor:?}] is not a string")))?;
+        if file.contains('/') || file.contains('\\') || file == ".." || file.is_empty() {
+            return Err(bad(format!("weight_map[{tensor:?}] names {file:?}, not a plain file name")));
+        }
+        by_file.entry(file.to_string()).or_default().push(tensor.clone());
+    }
+    Ok(by_file)
+}
+
+impl Checkpoint {
+    /// Open `dir`, validate every shard header, and build the index.
+    pub fn open(dir: &Path) -> Result<Self, StreamError> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let (shards, expected) = if index_path.is_file() {
+            let map = read_weight_map(&index_path)?;
+            let missing: Vec<String> = map
+                .iter()
+                .filter(|(f, _)| !dir.join(f).is_file())
+                .map(|(f, t)| format!("{f} (needed by {} tensors, e.g. {:?})", t.len(), t[0]))
+                .collect();
+            if !missing.is_empty() {
+                return Err(StreamError::MissingShards { dir: dir.to_path_buf(), files: missing });
+            }
+            let shards: Vec<String> = map.keys().cloned().collect();
+            (shards, Some(map))
+        } else if single.is_file() {
+            (vec!["model.safetensors".to_string()], None)
+        } else {
+            let mut v: Vec<String> = std::fs::read_dir(dir)
+                .map_err(|e| StreamError::Open { path: dir.to_path_buf(), source: e })?
+                .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+                .filter(|n| n.ends_with(".safetensors"))
+                .collect();
+            v.sort();
+            (v, None)
+        };
+        if shards.is_empty() {
+            return Err(StreamError::NoShards { dir: dir.to_path_buf() });
+        }
+        let mut ck = Checkpoint {
+            dir: dir.to_path_buf(),
+            files: Vec::new(),
+            paths: Vec::new(),
+            index: TensorIndex::default(),
+        };
+        for name in &shards {
+            ck.add_shard(name, expected.as_ref().and_then(|m| m.get(name)), &index_path)?;
+        }
+        if let Some(map) = &expected {
+            ck.check_strays(map, &index_path)?;
+        }
+        let first = ck.paths.first().cloned().unwrap_or_default();
+        ck.index.finish().map_err(|e| index_err(&first, "", e))?;
+        Ok(ck)
+    }
+
+    fn add_shard(
+        &mut self,
+        name: &str,
+        expected: Option<&Vec<String>>,
+        index_path: &Path,
+    ) -> Result<(), StreamError> {
+        let path = self.dir.join(name);
+        let open_err = |e| StreamError::Open { path: path.clone(), source: e };
+        let file = File::open(&path).map_err(open_err)?;
+        let file_len = file.metadata().map_err(open_err)?.len();
+        let header_err = |e| StreamError::Header { path: path.clone(), source: e };
+        let mut prefix = [0u8; 16];
+        let got = read_prefix(&file, &mut prefix).map_err(open_err)?;
+        let n = header_len(&prefix[..got], file_len).map_err(header_err)?;
+        let mut json = vec![0u8; n as usize];
+        file.read_exact_at(&mut json, 8).map_err(open_err)?;
+        let data_start = 8 + n;
+        let entries = parse_header(&json, file_len - data_start).map_err(header_err)?;
+        if let Some(want) = expected {
+            let have: std::collections::HashSet<&str> =
+                entries.iter().map(|e| e.name.as_str()).collect();
+            let absent: Vec<&String> = want.iter().filter(|t| !have.contains(t.as_str())).collect();
+            if !absent.is_empty() {
+                return Err(StreamError::Index {
+                    path: index_path.to_path_buf(),
+                    reason: format!(
+                        "{} tensor(s) mapped to {name} are not in it, e.g. {:?}",
+                        absent.len(),
+                        absent[0]
+                    ),
+                });
+            }
+            let want: std::collections::HashSet<&str> = want.iter().map(String::as_str).collect();
+            if let Some(extra) = entries.iter().find(|e| !want.contains(e.name.as_str())) {
+                return Err(StreamError::Index {
+                    path: index_path.to_path_buf(),
+                    reason: format!("tensor {:?} in {name} is not in the weight_map", extra.name),
+                });
+            }
+        }
+        let shard = self.index.add_shard(name).map_err(|e| index_err(&path, "", e))?;
+        for e in &entries {
+            self.index
+                .push(shard, &e.name, e.dtype, &e.shape, data_start + e.begin)
+                .map_err(|err| index_err(&path, &e.name, err))?;
+        }
+        self.files.push(file);
+        self.paths.push(path);
+        Ok(())
+    }
+
+    /// With an index file, a `.safetensors` file it does not name is refused.
+    fn check_strays(
+        &self,
+        map: &BTreeMap<String, Vec<String>>,
+        index_path: &Path,
+    ) -> Result<(), StreamError> {
+        let strays: Vec<String> = std::fs::read_dir(&self.dir)
+            .map_err(|e| StreamError::Open { path: self.dir.clone(), source: e })?
+            .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+            .filter(|n| n.ends_with(".safetensors") && !map.contains_key(n))
+            .collect();
+        if strays.is_empty() {
+            Ok(())
+        } else {
+            Err(StreamError::Index {
+                path: index_path.to_path_buf(),
+                reason: format!("shard file(s) not named by the index: {}", strays.join(", ")),
+            })
+        }
+    }
+
+    /// The model directory.
+    #[must_use]
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The tensor index.
+    #[must_use]
+    pub fn index(&self) -> &TensorIndex {
+        &self.index
+    }
+
+    /// Header information for a tensor.
+    #[must_use]
+    pub fn info(&self, name: &str) -> Option<TensorInfo> {
+        self.index.get(name)
+    }
+
+    /// Read a tensor's raw bytes into `buf` (resized to fit).
+    pub fn read_raw(&self, name: &str, buf: &mut Vec<u8>) -> Result<TensorInfo, StreamError> {
+        let info = self.info(name).ok_or_else(|| StreamError::NoSuchTensor(name.to_string()))?;
+        let len = info.n_bytes();
+        buf.clear();
+        buf.resize(len as usize, 0);
+        let file = &self.files[info.shard];
+        let mut done = 0usize;
+        while done < buf.len() {
+            let take = (buf.len() - done).min(MAX_READ);
+            file.read_exact_at(&mut buf[done..done + take], info.offset + done as u64)
+                .map_err(|e| StreamError::Read {
+                    path: self.paths[info.shard].clone(),
+                    offset: info.offset + done as u64,
+                    len,
+                    name: name.to_string(),
+                    source: e,
+                })?;
+            done += take;
+        }
+        Ok(info)
+    }
+
+    /// Read a tensor into a typed owned buffer (F16 is widened to f32).
+    pub fn read(&self, name: &str) -> Result<(TensorInfo, TensorData), StreamError> {
+        let mut raw = Vec::new();
+        let info = self.read_raw(name, &mut raw)?;
+        let data = match info.dtype {
+            Dtype::F32 => TensorData::F32(
+                raw.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            ),
+            Dtype::Bf16 => {
+                TensorData::Bf16(raw.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
+            }
+            Dtype::F16 => TensorData::F32(
+                raw.chunks_exact(2)
+                    .map(|c| crate::kernels::f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                    .collect(),
+            ),
+            Dtype::U8 => TensorData::U8(raw),
+        };
+        Ok((info, data))
+    }
+}
+
+/// Read up to `buf.len()` bytes from the start of the file.
+fn read_prefix(file: &File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match file.read_at(&mut buf[got..], got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
+}

@@ -1,0 +1,43 @@
+//! Helpers shared by the integration tests.
+
+use std::path::PathBuf;
+
+/// Path of a fixture under `tests/fixtures`.
+pub fn fixture(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
+}
+
+/// Read and parse a JSON fixture.
+pub fn json(rel: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(fixture(rel)).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// A JSON array of numbers as u32.
+pub fn u32s(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// A JSON array of float32 bit patterns as f32.
+pub fn f32_bits(v: &serde_json::Value) -> Vec<f32> {
+    u32s(v).into_iter().map(f32::from_bits).collect()
+}
+
+/// `max|got − want| / max|want|`.
+pub fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let num = got.iter().zip(want).map(|(a, b)| f64::from((a - b).abs())).fold(0.0, f64::max);
+    let den = want.iter().map(|b| f64::from(b.abs())).fold(0.0, f64::max);
+    num / den
+}
+
+/// Index of the first maximum.
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

@@ -1,0 +1,4 @@
+//! The single integration-test binary.
+
+mod common;
+mod oracle_tiny;

@@ -1,1 +1,42 @@
-//! Command-line wiring.
+//! Command line: argument parsing (clap) and the wiring of each subcommand. No terminal types;
+//! errors are values until [`main`] turns them into an exit status.
+
+pub mod run;
+
+use clap::{Parser, Subcommand};
+
+/// k3 — Kimi K3 inference engine.
+#[derive(Debug, Parser)]
+#[command(name = "k3", version, about, long_about = None)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Generate a continuation of a prompt and print it (raw mode: no chat template).
+    ///
+    /// Text goes to stdout as it is generated; a summary (tokens, s/token, prefill tokens/s,
+    /// peak RSS) goes to stderr. Exit status: 0 ok, 1 runtime failure, 2 usage or config
+    /// refusal, 3 an input file failed validation, 4 the output is unsound (non-finite logits).
+    Run(run::RunArgs),
+}
+
+/// Parse the command line, run, and return the process exit status.
+#[must_use]
+pub fn main() -> i32 {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => run::run(&args),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("k3: error: {e}");
+            e.exit_code()
+        }
+    }
+}

@@ -1,1 +1,5 @@
-fn main() {}
+//! The `k3` binary: everything lives in the library; this only sets the exit status.
+
+fn main() {
+    std::process::exit(k3::app::main());
+}

@@ -470,11 +470,6 @@ impl<'a> Reader<'a> {
         let num_shared_experts = self.size(&["num_shared_experts"], 0);
         let routed_expert_hidden_size = self.size(&["routed_expert_hidden_size"], 1);
         let moe_intermediate_size = self.size(&["moe_intermediate_size"], 1);
-        for (name, v) in [("moe_intermediate_size", moe_intermediate_size), ("routed_expert_hidden_size", routed_expert_hidden_size)] {
-            if v.is_some_and(|x| x % 32 != 0) {
-                self.problems.push(format!("`{name}` must be a multiple of 32 (MXFP4 groups)"));
-            }
-        }
         let routed_scaling_factor = self.float(&["routed_scaling_factor"]);
         let first_k_dense_replace = self.size(&["first_k_dense_replace"], 0);
         let intermediate_size = self.size(&["intermediate_size"], 1);

@@ -350,9 +350,15 @@ fn bind_layer(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<Lay
 impl Model {
     /// Load `dir/config.json` and every weight of the checkpoint in `dir`, resident.
     pub fn load(dir: &Path) -> Result<Model, LoadError> {
+        Self::load_counted(dir).map(|(m, _)| m)
+    }
+
+    /// [`Model::load`], also returning the number of tensor bytes read.
+    pub fn load_counted(dir: &Path) -> Result<(Model, u64), LoadError> {
         let cfg = ModelConfig::load(&dir.join("config.json"))?;
         let ck = Checkpoint::open(dir)?;
-        Ok(Self::bind(cfg, &ck)?)
+        let model = Self::bind(cfg, &ck)?;
+        Ok((model, ck.bytes_read()))
     }
 
     /// Bind an open checkpoint to `cfg`.

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Largest single positioned read (Linux caps a read at 0x7ffff000 bytes; macOS refuses 2 GiB).
 const MAX_READ: usize = 1 << 30;
@@ -19,6 +20,7 @@ pub struct Checkpoint {
     files: Vec<File>,
     paths: Vec<PathBuf>,
     index: TensorIndex,
+    bytes_read: AtomicU64,
 }
 
 /// Tensor contents widened or copied into an owned buffer.
@@ -105,6 +107,7 @@ impl Checkpoint {
             files: Vec::new(),
             paths: Vec::new(),
             index: TensorIndex::default(),
+            bytes_read: AtomicU64::new(0),
         };
         for name in &shards {
             ck.add_shard(name, expected.as_ref().and_then(|m| m.get(name)), &index_path)?;
@@ -195,6 +198,12 @@ impl Checkpoint {
         &self.dir
     }
 
+    /// Tensor bytes read so far (headers excluded).
+    #[must_use]
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(Ordering::Relaxed)
+    }
+
     /// The tensor index.
     #[must_use]
     pub fn index(&self) -> &TensorIndex {
@@ -227,6 +236,7 @@ impl Checkpoint {
                 })?;
             done += take;
         }
+        self.bytes_read.fetch_add(len, Ordering::Relaxed);
         Ok(info)
     }
 

@@ -69,3 +69,134 @@ fn greedy_prefill_then_incremental_decode() {
     }
     assert_eq!(ids, full, "greedy {n_gen}/{n_gen}");
 }
+
+#[test]
+fn multi_turn_carried_state() {
+    let m = model();
+    let mt = &oracle()["multi_turn"];
+    let v = vocab();
+    let t1 = u32s(&mt["turn1_ids"]);
+    let r1 = u32s(&mt["turn1_reply_ids"]);
+    let t2 = u32s(&mt["turn2_ids"]);
+    let r2 = u32s(&mt["turn2_reply_ids"]);
+    let tf = u32s(&mt["tf_pred"]);
+    let mut st = SeqState::new(&m.cfg);
+    let mut logits = m.forward(&mut st, &t1, Logits::Last);
+    let e1 = rel_err(&logits, &f32_bits(&mt["logits_end_turn1_f32_bits"]));
+    let mut reply = Vec::new();
+    for i in 0..r1.len() {
+        let next = argmax(&logits);
+        reply.push(next);
+        if i + 1 < r1.len() {
+            logits = m.forward(&mut st, &[next], Logits::Last);
+        }
+    }
+    assert_eq!(reply, r1, "turn 1 reply");
+    // Turn 2 as one chunk on top of the carried state: the last reply id (not yet forwarded)
+    // followed by the new turn.
+    let mut chunk = vec![*reply.last().unwrap()];
+    chunk.extend_from_slice(&t2);
+    let all = m.forward(&mut st, &chunk, Logits::All);
+    let start = t1.len() + r1.len() - 1;
+    let preds: Vec<u32> = all.chunks(v).map(argmax).collect();
+    assert_eq!(preds, tf[start..start + chunk.len()], "turn 2 chunk argmaxes");
+    let last = &all[(chunk.len() - 1) * v..];
+    let e2 = rel_err(last, &f32_bits(&mt["logits_end_turn2_prompt_f32_bits"]));
+    let mut logits = last.to_vec();
+    let mut reply = Vec::new();
+    for _ in 0..r2.len() {
+        let next = argmax(&logits);
+        reply.push(next);
+        logits = m.forward(&mut st, &[next], Logits::Last);
+    }
+    assert_eq!(reply, r2, "turn 2 reply");
+    // One fresh teacher-forced pass over the whole conversation.
+    let full = u32s(&mt["full_ids"]);
+    let mut fresh = SeqState::new(&m.cfg);
+    let all = m.forward(&mut fresh, &full, Logits::All);
+    let preds: Vec<u32> = all.chunks(v).map(argmax).collect();
+    assert_eq!(preds, tf);
+    let e3 = rel_err(&all[(full.len() - 1) * v..], &f32_bits(&mt["logits_last_f32_bits"]));
+    println!("tiny oracle multi-turn: logit error {e1:.3e} / {e2:.3e} / {e3:.3e}");
+    assert!(e1 < LOGIT_TOL && e2 < LOGIT_TOL && e3 < LOGIT_TOL, "{e1} {e2} {e3}");
+}
+
+#[test]
+fn routing_matches_the_oracle_where_margins_allow() {
+    let m = model();
+    let o = oracle();
+    let full = u32s(&o["full_ids"]);
+    let mut st = SeqState::new(&m.cfg);
+    let mut trace = Trace::default();
+    m.forward_traced(&mut st, &full, Logits::None, Some(&mut trace));
+    for entry in o["routing"].as_array().unwrap() {
+        let il = entry["layer"].as_u64().unwrap() as usize;
+        for (t, want) in entry["topk_idx"].as_array().unwrap().iter().enumerate() {
+            let mut want = u32s(want);
+            let mut got: Vec<u32> = trace.routing[il][t].0.iter().map(|&e| e as u32).collect();
+            want.sort_unstable();
+            got.sort_unstable();
+            assert_eq!(got, want, "layer {il} position {t}");
+        }
+    }
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn prefill_and_incremental_decode_are_bitwise_identical() {
+    let m = model();
+    let full = u32s(&oracle()["full_ids"]);
+    let v = vocab();
+    let mut a = SeqState::new(&m.cfg);
+    let all = m.forward(&mut a, &full, Logits::All);
+    let mut b = SeqState::new(&m.cfg);
+    let mut stepwise = Vec::new();
+    // Mixed chunk sizes: 5, then 1 at a time, then the rest as one chunk.
+    stepwise.extend(m.forward(&mut b, &full[..5], Logits::All));
+    for &id in &full[5..20] {
+        stepwise.extend(m.forward(&mut b, &[id], Logits::All));
+    }
+    stepwise.extend(m.forward(&mut b, &full[20..], Logits::All));
+    assert_eq!(bits(&all), bits(&stepwise));
+    assert_eq!(a, b, "carried state");
+    assert_eq!(all.len(), full.len() * v);
+}
+
+#[test]
+fn thread_count_does_not_change_a_bit() {
+    let m = model();
+    let full = u32s(&oracle()["full_ids"]);
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| {
+            let mut st = SeqState::new(&m.cfg);
+            m.forward(&mut st, &full, Logits::All)
+        })
+    };
+    let one = run(1);
+    assert_eq!(bits(&one), bits(&run(2)));
+    assert_eq!(bits(&one), bits(&run(3)));
+}
+
+#[test]
+fn scalar_and_simd_paths_agree_bitwise() {
+    use k3::kernels::{detected_isa, isa, set_isa, Isa};
+    let prev = isa();
+    let m = model();
+    let full = u32s(&oracle()["full_ids"]);
+    let run = |isa: Isa| {
+        set_isa(isa);
+        let mut st = SeqState::new(&m.cfg);
+        m.forward(&mut st, &full, Logits::All)
+    };
+    let simd = run(detected_isa());
+    let scalar = run(Isa::Generic);
+    let avx2 = run(Isa::Avx2);
+    set_isa(prev);
+    // Stated tolerance: zero. The paths share lane partitions and reduction trees.
+    assert_eq!(bits(&simd), bits(&scalar));
+    assert_eq!(bits(&simd), bits(&avx2));
+}

@@ -1,0 +1,235 @@
+//! `k3 run`: load a checkpoint, prefill a prompt, generate, report.
+
+use crate::engine::model::Logits;
+use crate::engine::sampling::{Sampler, SamplerConfig};
+use crate::engine::{Model, SeqState};
+use crate::session::tokenizer::{Tokenizer, Utf8Stream};
+use crate::{Error, Result};
+use clap::Args;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Arguments of `k3 run`.
+#[derive(Debug, Args)]
+#[command(group = clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "ids"]))]
+pub struct RunArgs {
+    /// Checkpoint directory (config.json, safetensors shards, tokenizer files).
+    pub model_dir: PathBuf,
+    /// Prompt text (special-token names are recognised, as in raw mode).
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Read the prompt text from a file (bytes verbatim; use for non-ASCII).
+    #[arg(long, value_name = "PATH")]
+    pub prompt_file: Option<PathBuf>,
+    /// Token ids, separated by commas or whitespace (no tokenizer needed).
+    #[arg(long, value_name = "1,2,3")]
+    pub ids: Option<String>,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 16)]
+    pub gen: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus sampling threshold in (0, 1].
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Drop tokens whose probability is below P × the largest (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Repetition penalty over the ids already in the sequence (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Random seed for sampling.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Stop after emitting this id (repeatable).
+    #[arg(long = "stop-id", value_name = "ID")]
+    pub stop_ids: Vec<u32>,
+    /// Compute threads (default: all cores). Output does not depend on it.
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Print one JSON object instead of text and a summary.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the float32 little-endian logits of every step (row 0 = after the prompt).
+    #[arg(long, value_name = "PATH")]
+    pub dump_logits: Option<PathBuf>,
+}
+
+/// Parse `--ids`.
+fn parse_ids(s: &str) -> Result<Vec<u32>> {
+    s.split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|t| !t.is_empty())
+        .map(|t| t.parse::<u32>().map_err(|_| Error::Usage(format!("--ids: {t:?} is not a token id"))))
+        .collect()
+}
+
+/// Make model output safe for a terminal: control characters other than newline and tab
+/// (which could start escape sequences) are shown escaped.
+#[must_use]
+pub fn terminal_safe(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() && c != '\n' && c != '\t' {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Peak resident set size of this process, from /proc (0 where unavailable).
+#[must_use]
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| {
+                l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok())
+            })
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn load_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
+    if dir.join("tiktoken.model").is_file() {
+        Ok(Some(Tokenizer::load(dir)?))
+    } else {
+        Ok(None)
+    }
+}
+
+fn prompt_ids(args: &RunArgs, tok: Option<&Tokenizer>) -> Result<Vec<u32>> {
+    if let Some(ids) = &args.ids {
+        return parse_ids(ids);
+    }
+    let text = match (&args.prompt, &args.prompt_file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(path)) => {
+            let bytes = std::fs::read(path)
+                .map_err(|e| Error::Usage(format!("--prompt-file {}: {e}", path.display())))?;
+            String::from_utf8(bytes).map_err(|e| {
+                Error::Usage(format!(
+                    "--prompt-file {}: not UTF-8 (byte {})",
+                    path.display(),
+                    e.utf8_error().valid_up_to()
+                ))
+            })?
+        }
+        (None, None) => return Err(Error::Usage("give --prompt, --prompt-file or --ids".into())),
+    };
+    let tok = tok.ok_or_else(|| {
+        Error::Usage("a text prompt needs tiktoken.model in the model directory; use --ids".into())
+    })?;
+    Ok(tok.encode(&text, true))
+}
+
+/// Run `k3 run`.
+pub fn run(args: &RunArgs) -> Result<()> {
+    if let Some(n) = args.threads {
+        if n == 0 {
+            return Err(Error::Usage("--threads must be at least 1".into()));
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .map_err(|e| Error::Usage(format!("--threads: {e}")))?;
+    }
+    let sampler_cfg = SamplerConfig {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repeat_penalty: args.repeat_penalty,
+        seed: args.seed,
+    };
+    let mut sampler = Sampler::new(sampler_cfg).map_err(|e| Error::Usage(e.to_string()))?;
+    let (model, bytes_read) = Model::load_counted(&args.model_dir)?;
+    let tok = load_tokenizer(&args.model_dir)?;
+    let prompt = prompt_ids(args, tok.as_ref())?;
+    if prompt.is_empty() {
+        return Err(Error::Usage("the prompt is empty".into()));
+    }
+    let vocab = model.cfg.vocab_size;
+    if let Some(bad) = prompt.iter().find(|&&id| id as usize >= vocab) {
+        return Err(Error::Usage(format!("token id {bad} is outside the vocabulary (0..{vocab})")));
+    }
+    let mut dump = match &args.dump_logits {
+        Some(p) => Some(std::io::BufWriter::new(std::fs::File::create(p).map_err(|e| {
+            Error::Write { path: p.display().to_string(), source: e }
+        })?)),
+        None => None,
+    };
+    let mut state = SeqState::new(&model.cfg);
+    let t0 = Instant::now();
+    let mut logits = model.forward(&mut state, &prompt, Logits::Last);
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let mut history = prompt.clone();
+    let mut generated = Vec::new();
+    let mut stream = Utf8Stream::default();
+    let mut text = String::new();
+    let stdout = std::io::stdout();
+    let t1 = Instant::now();
+    for step in 0..args.gen {
+        if let Some(w) = dump.as_mut() {
+            let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let path = args.dump_logits.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
+            w.write_all(&bytes).map_err(|e| Error::Write { path, source: e })?;
+        }
+        let next = sampler.sample(&logits, &history)?;
+        generated.push(next);
+        history.push(next);
+        if let Some(t) = &tok {
+            let piece = stream.push(&t.decode_bytes(&[next])?);
+            if !args.json {
+                let mut out = stdout.lock();
+                let _ = out.write_all(terminal_safe(&piece).as_bytes());
+                let _ = out.flush();
+            }
+            text.push_str(&piece);
+        }
+        if args.stop_ids.contains(&next) || step + 1 == args.gen {
+            break;
+        }
+        logits = model.forward(&mut state, &[next], Logits::Last);
+    }
+    let tail = stream.finish();
+    text.push_str(&tail);
+    if let Some(mut w) = dump {
+        let path = args.dump_logits.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
+        w.flush().map_err(|e| Error::Write { path, source: e })?;
+    }
+    let decode_s = t1.elapsed().as_secs_f64();
+    let s_per_tok = if generated.len() > 1 { decode_s / (generated.len() - 1) as f64 } else { 0.0 };
+    let prefill_tps = prompt.len() as f64 / prefill_s.max(1e-9);
+    let peak = peak_rss_bytes();
+    if args.json {
+        let j = serde_json::json!({
+            "prompt_ids": prompt,
+            "generated_ids": generated,
+            "text": text,
+            "prefill_tokens_per_second": prefill_tps,
+            "decode_seconds_per_token": s_per_tok,
+            "peak_rss_bytes": peak,
+            "bytes_read": bytes_read,
+        });
+        println!("{j}");
+    } else {
+        print!("{}", terminal_safe(&tail));
+        println!();
+        eprintln!(
+            "k3: {} prompt tokens at {:.1} tokens/s; {} generated at {:.4} s/token; peak RSS {:.1} MB",
+            prompt.len(),
+            prefill_tps,
+            generated.len(),
+            s_per_tok,
+            peak as f64 / 1e6
+        );
+    }
+    Ok(())
+}

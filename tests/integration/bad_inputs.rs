@@ -1,0 +1,185 @@
+//! Bad inputs through the real binary: each refusal names its problem and exits with its code,
+//! and nothing panics (RELIABILITY.md §3.1–3.4).
+
+use crate::common::fixture;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A scratch copy of the tiny checkpoint.
+fn copy_tiny() -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dst = tmp.path().join("tiny");
+    std::fs::create_dir(&dst).unwrap();
+    for e in std::fs::read_dir(fixture("tiny")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+    }
+    (tmp, dst)
+}
+
+fn shard(dir: &Path, k: usize) -> PathBuf {
+    dir.join(format!("model-0000{k}-of-000003.safetensors"))
+}
+
+/// Run `k3 run DIR --ids 1,2 --gen 1`; returns (exit code, stderr).
+fn run_k3(dir: &Path) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .args(["run", dir.to_str().unwrap(), "--ids", "1,2", "--gen", "1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!err.contains("panicked"), "panic: {err}");
+    (out.status.code().unwrap_or(-1), err)
+}
+
+/// Split a shard into (header JSON, data).
+fn split(path: &Path) -> (serde_json::Map<String, serde_json::Value>, Vec<u8>) {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let v: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    (v.as_object().unwrap().clone(), bytes[8 + n..].to_vec())
+}
+
+fn join(path: &Path, header: &serde_json::Map<String, serde_json::Value>, data: &[u8]) {
+    let json = serde_json::to_vec(header).unwrap();
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&json);
+    out.extend_from_slice(data);
+    std::fs::write(path, out).unwrap();
+}
+
+#[test]
+fn control_copy_loads() {
+    let (_t, dir) = copy_tiny();
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 0, "{err}");
+}
+
+#[test]
+fn truncated_shard_is_refused_at_open() {
+    let (_t, dir) = copy_tiny();
+    let p = shard(&dir, 2);
+    let len = std::fs::metadata(&p).unwrap().len();
+    for cut in [len - 1, len / 2, 100, 4] {
+        let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+        f.set_len(cut).unwrap();
+        let (code, err) = run_k3(&dir);
+        assert_eq!(code, 3, "cut at {cut}: {err}");
+        assert!(err.contains("model-00002-of-000003.safetensors"), "{err}");
+    }
+}
+
+#[test]
+fn header_length_beyond_file_is_refused() {
+    let (_t, dir) = copy_tiny();
+    let p = shard(&dir, 1);
+    let mut bytes = std::fs::read(&p).unwrap();
+    let len = bytes.len() as u64;
+    bytes[..8].copy_from_slice(&len.to_le_bytes());
+    std::fs::write(&p, &bytes).unwrap();
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("exceeds file size"), "{err}");
+}
+
+#[test]
+fn git_lfs_pointer_gets_a_hint() {
+    let (_t, dir) = copy_tiny();
+    std::fs::write(
+        shard(&dir, 3),
+        "version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 263448\n",
+    )
+    .unwrap();
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("Git LFS pointer"), "{err}");
+}
+
+#[test]
+fn overlapping_offsets_are_refused() {
+    let (_t, dir) = copy_tiny();
+    let p = shard(&dir, 1);
+    let (mut h, data) = split(&p);
+    let a = "language_model.model.layers.0.input_layernorm.weight";
+    let b = "language_model.model.layers.0.post_attention_layernorm.weight";
+    let offs = h[a]["data_offsets"].clone();
+    h.get_mut(b).unwrap()["data_offsets"] = offs;
+    join(&p, &h, &data);
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("overlaps") || err.contains("unindexed"), "{err}");
+}
+
+#[test]
+fn dtype_shape_mismatch_is_refused() {
+    let (_t, dir) = copy_tiny();
+    let p = shard(&dir, 1);
+    let (mut h, data) = split(&p);
+    let a = "language_model.model.layers.0.input_layernorm.weight";
+    h.get_mut(a).unwrap()["dtype"] = serde_json::json!("F32");
+    join(&p, &h, &data);
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("input_layernorm") && err.contains("span"), "{err}");
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    let (_t, dir) = copy_tiny();
+    std::fs::remove_file(dir.join("model.safetensors.index.json")).unwrap();
+    let p = shard(&dir, 1);
+    let (mut h, data) = split(&p);
+    let a = "language_model.model.layers.2.self_attn.dt_bias";
+    let v = h.remove(a).unwrap();
+    h.insert("language_model.model.layers.2.self_attn.dt_bias_renamed".into(), v);
+    join(&p, &h, &data);
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("missing tensor language_model.model.layers.2.self_attn.dt_bias"), "{err}");
+    assert!(err.contains("not used by the configured graph"), "{err}");
+}
+
+#[test]
+fn missing_shard_is_named() {
+    let (_t, dir) = copy_tiny();
+    std::fs::remove_file(shard(&dir, 2)).unwrap();
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("missing shard") && err.contains("model-00002-of-000003"), "{err}");
+}
+
+#[test]
+fn missing_config_keys_are_all_listed() {
+    let (_t, dir) = copy_tiny();
+    let p = dir.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    let tc = v["text_config"].as_object_mut().unwrap();
+    tc.remove("hidden_size");
+    tc.remove("kv_lora_rank");
+    std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("hidden_size") && err.contains("kv_lora_rank"), "{err}");
+}
+
+#[test]
+fn corrupt_rank_file_is_refused_with_its_line() {
+    let (_t, dir) = copy_tiny();
+    let p = dir.join("tiktoken.model");
+    let mut text = std::fs::read_to_string(&p).unwrap();
+    text = text.replacen("JA== 3", "JA== x3", 1);
+    std::fs::write(&p, text).unwrap();
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("line 4"), "{err}");
+}
+
+#[test]
+fn out_of_vocabulary_id_is_a_usage_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .args(["run", fixture("tiny").to_str().unwrap(), "--ids", "1,99999"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("99999"));
+}

@@ -11,7 +11,9 @@ use std::hint::black_box;
 use std::time::Duration;
 
 fn lcg(seed: &mut u64) -> u32 {
-    *seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+    *seed = seed
+        .wrapping_mul(6_364_136_223_846_793_005)
+        .wrapping_add(1_442_695_040_888_963_407);
     (*seed >> 33) as u32
 }
 
@@ -27,7 +29,9 @@ fn paths() -> Vec<Isa> {
 fn bf16_matvec(c: &mut Criterion) {
     let (rows, cols) = (7168usize, 7168usize);
     let mut s = 1u64;
-    let w: Vec<u16> = (0..rows * cols).map(|_| kernels::f32_to_bf16((lcg(&mut s) as f32 / 4e9) - 0.5)).collect();
+    let w: Vec<u16> = (0..rows * cols)
+        .map(|_| kernels::f32_to_bf16((lcg(&mut s) as f32 / 4e9) - 0.5))
+        .collect();
     let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.001).sin()).collect();
     let mut y = vec![0f32; rows];
     let mut g = c.benchmark_group("bf16_matvec_7168x7168");
@@ -35,7 +39,9 @@ fn bf16_matvec(c: &mut Criterion) {
     g.sample_size(20).measurement_time(Duration::from_secs(4));
     for isa in paths() {
         g.bench_with_input(BenchmarkId::from_parameter(isa.name()), &isa, |b, &isa| {
-            b.iter(|| kernels::matmul_with(isa, DenseRef::Bf16(&w), rows, cols, black_box(&x), &mut y));
+            b.iter(|| {
+                kernels::matmul_with(isa, DenseRef::Bf16(&w), rows, cols, black_box(&x), &mut y)
+            });
         });
     }
     g.finish();
@@ -46,7 +52,9 @@ fn mxfp4_matvec(c: &mut Criterion) {
     let (rows, cols) = (3072usize, 3584usize);
     let mut s = 7u64;
     let packed: Vec<u8> = (0..rows * cols / 2).map(|_| lcg(&mut s) as u8).collect();
-    let scales: Vec<u8> = (0..rows * cols / 32).map(|_| 120 + (lcg(&mut s) % 3) as u8).collect();
+    let scales: Vec<u8> = (0..rows * cols / 32)
+        .map(|_| 120 + (lcg(&mut s) % 3) as u8)
+        .collect();
     let m = Mxfp4Matrix::new(&packed, &scales, rows, cols).expect("sizes");
     let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.003).cos()).collect();
     let mut y = vec![0f32; rows];

@@ -233,7 +233,10 @@ pub fn matmul(w: DenseRef<'_>, rows: usize, cols: usize, x: &[f32], y: &mut [f32
 /// [`matmul`] on an explicit path.
 pub fn matmul_with(isa: Isa, w: DenseRef<'_>, rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
     assert_eq!(w.len(), rows * cols, "matmul: weight size");
-    assert!(cols > 0 && x.len() % cols == 0, "matmul: input size");
+    assert!(
+        cols > 0 && x.len().is_multiple_of(cols),
+        "matmul: input size"
+    );
     let n_tok = x.len() / cols;
     assert_eq!(y.len(), n_tok * rows, "matmul: output size");
     let per_task = rows_per_task(rows, cols);
@@ -245,11 +248,13 @@ pub fn matmul_with(isa: Isa, w: DenseRef<'_>, rows: usize, cols: usize, x: &[f32
         }
     };
     if n_tok == 1 {
-        y.par_chunks_mut(per_task).enumerate().for_each(|(ci, out)| {
-            for (k, o) in out.iter_mut().enumerate() {
-                *o = row_dot(ci * per_task + k, 0);
-            }
-        });
+        y.par_chunks_mut(per_task)
+            .enumerate()
+            .for_each(|(ci, out)| {
+                for (k, o) in out.iter_mut().enumerate() {
+                    *o = row_dot(ci * per_task + k, 0);
+                }
+            });
         return;
     }
     // Row-major [rows, n_tok] scratch so each task owns a contiguous slice, then transpose.
@@ -280,7 +285,10 @@ pub fn matmul_mxfp4(w: &Mxfp4Matrix<'_>, x: &[f32], y: &mut [f32]) {
 /// [`matmul_mxfp4`] on an explicit path.
 pub fn matmul_mxfp4_with(isa: Isa, w: &Mxfp4Matrix<'_>, x: &[f32], y: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
-    assert!(cols > 0 && x.len() % cols == 0, "mxfp4: input size");
+    assert!(
+        cols > 0 && x.len().is_multiple_of(cols),
+        "mxfp4: input size"
+    );
     let n_tok = x.len() / cols;
     assert_eq!(y.len(), n_tok * rows, "mxfp4: output size");
     let per_task = rows_per_task(rows, cols / 2);

@@ -64,7 +64,10 @@ pub struct RunArgs {
 fn parse_ids(s: &str) -> Result<Vec<u32>> {
     s.split(|c: char| c == ',' || c.is_whitespace())
         .filter(|t| !t.is_empty())
-        .map(|t| t.parse::<u32>().map_err(|_| Error::Usage(format!("--ids: {t:?} is not a token id"))))
+        .map(|t| {
+            t.parse::<u32>()
+                .map_err(|_| Error::Usage(format!("--ids: {t:?} is not a token id")))
+        })
         .collect()
 }
 
@@ -90,7 +93,9 @@ pub fn peak_rss_bytes() -> u64 {
         .ok()
         .and_then(|s| {
             s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| {
-                l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok())
+                l.split_whitespace()
+                    .nth(1)
+                    .and_then(|kb| kb.parse::<u64>().ok())
             })
         })
         .map_or(0, |kb| kb * 1024)
@@ -157,12 +162,17 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     let vocab = model.cfg.vocab_size;
     if let Some(bad) = prompt.iter().find(|&&id| id as usize >= vocab) {
-        return Err(Error::Usage(format!("token id {bad} is outside the vocabulary (0..{vocab})")));
+        return Err(Error::Usage(format!(
+            "token id {bad} is outside the vocabulary (0..{vocab})"
+        )));
     }
     let mut dump = match &args.dump_logits {
-        Some(p) => Some(std::io::BufWriter::new(std::fs::File::create(p).map_err(|e| {
-            Error::Write { path: p.display().to_string(), source: e }
-        })?)),
+        Some(p) => Some(std::io::BufWriter::new(std::fs::File::create(p).map_err(
+            |e| Error::Write {
+                path: p.display().to_string(),
+                source: e,
+            },
+        )?)),
         None => None,
     };
     let mut state = SeqState::new(&model.cfg);
@@ -178,8 +188,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
     for step in 0..args.gen {
         if let Some(w) = dump.as_mut() {
             let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
-            let path = args.dump_logits.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
-            w.write_all(&bytes).map_err(|e| Error::Write { path, source: e })?;
+            let path = args
+                .dump_logits
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default();
+            w.write_all(&bytes)
+                .map_err(|e| Error::Write { path, source: e })?;
         }
         let next = sampler.sample(&logits, &history)?;
         generated.push(next);
@@ -201,11 +216,19 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let tail = stream.finish();
     text.push_str(&tail);
     if let Some(mut w) = dump {
-        let path = args.dump_logits.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
+        let path = args
+            .dump_logits
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
         w.flush().map_err(|e| Error::Write { path, source: e })?;
     }
     let decode_s = t1.elapsed().as_secs_f64();
-    let s_per_tok = if generated.len() > 1 { decode_s / (generated.len() - 1) as f64 } else { 0.0 };
+    let s_per_tok = if generated.len() > 1 {
+        decode_s / (generated.len() - 1) as f64
+    } else {
+        0.0
+    };
     let prefill_tps = prompt.len() as f64 / prefill_s.max(1e-9);
     let peak = peak_rss_bytes();
     if args.json {

@@ -125,15 +125,19 @@ pub struct ModelConfig {
 impl ModelConfig {
     /// Read and validate `path`.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConfigError::Read { path: path.to_path_buf(), source: e })?;
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
         Self::parse(&text, path)
     }
 
     /// Validate the text of a `config.json` (`path` is used in messages).
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        let v: Value = serde_json::from_str(text)
-            .map_err(|e| ConfigError::Parse { path: path.to_path_buf(), reason: e.to_string() })?;
+        let v: Value = serde_json::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
         let root = v.as_object().ok_or_else(|| ConfigError::Parse {
             path: path.to_path_buf(),
             reason: "the top level is not an object".into(),
@@ -142,7 +146,10 @@ impl ModelConfig {
         let cfg = r.build();
         match cfg {
             Some(c) if r.problems.is_empty() => Ok(c),
-            _ => Err(ConfigError::Invalid { path: path.to_path_buf(), problems: r.problems }),
+            _ => Err(ConfigError::Invalid {
+                path: path.to_path_buf(),
+                problems: r.problems,
+            }),
         }
     }
 
@@ -155,7 +162,7 @@ impl ModelConfig {
     /// Whether layer `il` starts an AttnRes block.
     #[must_use]
     pub fn is_block_start(&self, il: usize) -> bool {
-        il % self.attn_res_block_size == 0
+        il.is_multiple_of(self.attn_res_block_size)
     }
 
     /// KDA projection width (heads × head dim).
@@ -192,7 +199,9 @@ impl<'a> Reader<'a> {
             _ => root,
         };
         let text = root.get("text_config").and_then(Value::as_object);
-        let lin_in_text = text.and_then(|t| t.get("linear_attn_config")).and_then(Value::as_object);
+        let lin_in_text = text
+            .and_then(|t| t.get("linear_attn_config"))
+            .and_then(Value::as_object);
         let lin_in_root = root.get("linear_attn_config").and_then(Value::as_object);
         let lin = lin_in_text
             .map(|l| ("text_config.linear_attn_config", l))
@@ -206,7 +215,12 @@ impl<'a> Reader<'a> {
         }
         scopes.push(("", root));
         let flat = text.is_none().then_some(root);
-        Reader { scopes, lin, flat, problems: Vec::new() }
+        Reader {
+            scopes,
+            lin,
+            flat,
+            problems: Vec::new(),
+        }
     }
 
     fn path(scope: &str, key: &str) -> String {
@@ -236,7 +250,8 @@ impl<'a> Reader<'a> {
     fn number(&mut self, names: &[&str]) -> Option<(String, f64)> {
         match self.find(names) {
             None => {
-                self.problems.push(format!("missing key `{}`", Self::where_(names)));
+                self.problems
+                    .push(format!("missing key `{}`", Self::where_(names)));
                 None
             }
             Some((p, Value::Number(n))) => match n.as_f64() {
@@ -247,7 +262,8 @@ impl<'a> Reader<'a> {
                 }
             },
             Some((p, v)) => {
-                self.problems.push(format!("`{p}` must be a number, found {v}"));
+                self.problems
+                    .push(format!("`{p}` must be a number, found {v}"));
                 None
             }
         }
@@ -256,7 +272,8 @@ impl<'a> Reader<'a> {
     fn size(&mut self, names: &[&str], min: usize) -> Option<usize> {
         let (p, x) = self.number(names)?;
         if x.fract() != 0.0 || x < min as f64 || x > 1e9 {
-            self.problems.push(format!("`{p}` = {x} must be an integer ≥ {min}"));
+            self.problems
+                .push(format!("`{p}` = {x} must be an integer ≥ {min}"));
             return None;
         }
         Some(x as usize)
@@ -271,7 +288,8 @@ impl<'a> Reader<'a> {
             None => default,
             Some((_, Value::Bool(b))) => *b,
             Some((p, v)) => {
-                self.problems.push(format!("`{p}` must be true or false, found {v}"));
+                self.problems
+                    .push(format!("`{p}` must be true or false, found {v}"));
                 default
             }
         }
@@ -293,16 +311,23 @@ impl<'a> Reader<'a> {
         } else {
             None
         }
-        .or_else(|| self.flat.and_then(|f| f.get(alias)).map(|v| (alias.to_string(), v)));
+        .or_else(|| {
+            self.flat
+                .and_then(|f| f.get(alias))
+                .map(|v| (alias.to_string(), v))
+        });
         match found {
             None => {
-                self.problems.push(format!("missing key `linear_attn_config.{key}` (or flat `{alias}`)"));
+                self.problems.push(format!(
+                    "missing key `linear_attn_config.{key}` (or flat `{alias}`)"
+                ));
                 None
             }
             Some((p, v)) => match v.as_u64() {
-                Some(n) if n >= 1 && n <= 1 << 20 => Some(n as usize),
+                Some(n) if (1..=1 << 20).contains(&n) => Some(n as usize),
                 _ => {
-                    self.problems.push(format!("`{p}` = {v} must be a positive integer"));
+                    self.problems
+                        .push(format!("`{p}` = {v} must be a positive integer"));
                     None
                 }
             },
@@ -312,7 +337,8 @@ impl<'a> Reader<'a> {
     fn layer_list(&mut self, name: &str, n_layers: usize) -> Option<(String, Vec<usize>)> {
         let (p, v) = self.find(&[name])?;
         let Some(arr) = v.as_array() else {
-            self.problems.push(format!("`{p}` must be an array of one-based layer numbers"));
+            self.problems
+                .push(format!("`{p}` must be an array of one-based layer numbers"));
             return None;
         };
         let mut out = Vec::with_capacity(arr.len());
@@ -353,7 +379,8 @@ impl<'a> Reader<'a> {
             is_mla[i - 1] = true;
         }
         if is_mla.iter().all(|&m| m) {
-            self.problems.push(format!("`{p}` covers every layer: no KDA layer is left"));
+            self.problems
+                .push(format!("`{p}` covers every layer: no KDA layer is left"));
         }
         if let Some((pk, kda)) = self.layer_list("kda_layers", n) {
             let mut want: Vec<usize> = (1..=n).filter(|i| !is_mla[i - 1]).collect();
@@ -371,17 +398,59 @@ impl<'a> Reader<'a> {
 
     fn check_semantics(&mut self) {
         let is_false = |v: &Value| v.as_bool() == Some(false);
-        self.require_if_present("mla_use_nope", |v| v.as_bool() == Some(true), "only NoPE MLA is implemented");
-        self.require_if_present("use_full_rank_gate", |v| v.as_bool() == Some(true), "only the full-rank KDA gate is implemented");
-        self.require_if_present("hidden_act", |v| v.as_str() == Some("situ"), "only `situ` is implemented");
-        self.require_if_present("moe_router_activation_func", |v| v.as_str() == Some("sigmoid"), "only the sigmoid router is implemented");
-        self.require_if_present("moe_layer_freq", |v| v.as_f64() == Some(1.0), "only moe_layer_freq 1 is implemented");
-        self.require_if_present("q_lora_rank", |v| !v.is_null(), "the direct q_proj variant is not implemented");
-        self.require_if_present("routed_expert_hidden_size", |v| !v.is_null(), "non-latent MoE is not implemented");
-        self.require_if_present("num_nextn_predict_layers", |v| v.as_f64().is_none_or(|x| x == 0.0), "MTP layers are not implemented");
-        self.require_if_present("tie_word_embeddings", is_false, "tied embeddings are not supported (a separate lm_head is required)");
-        self.require_if_present("gate_lower_bound", |v| !v.is_null(), "null selects a different decay law that is not implemented");
-        let groups = self.find(&["num_expert_group"]).and_then(|(_, v)| v.as_f64());
+        self.require_if_present(
+            "mla_use_nope",
+            |v| v.as_bool() == Some(true),
+            "only NoPE MLA is implemented",
+        );
+        self.require_if_present(
+            "use_full_rank_gate",
+            |v| v.as_bool() == Some(true),
+            "only the full-rank KDA gate is implemented",
+        );
+        self.require_if_present(
+            "hidden_act",
+            |v| v.as_str() == Some("situ"),
+            "only `situ` is implemented",
+        );
+        self.require_if_present(
+            "moe_router_activation_func",
+            |v| v.as_str() == Some("sigmoid"),
+            "only the sigmoid router is implemented",
+        );
+        self.require_if_present(
+            "moe_layer_freq",
+            |v| v.as_f64() == Some(1.0),
+            "only moe_layer_freq 1 is implemented",
+        );
+        self.require_if_present(
+            "q_lora_rank",
+            |v| !v.is_null(),
+            "the direct q_proj variant is not implemented",
+        );
+        self.require_if_present(
+            "routed_expert_hidden_size",
+            |v| !v.is_null(),
+            "non-latent MoE is not implemented",
+        );
+        self.require_if_present(
+            "num_nextn_predict_layers",
+            |v| v.as_f64().is_none_or(|x| x == 0.0),
+            "MTP layers are not implemented",
+        );
+        self.require_if_present(
+            "tie_word_embeddings",
+            is_false,
+            "tied embeddings are not supported (a separate lm_head is required)",
+        );
+        self.require_if_present(
+            "gate_lower_bound",
+            |v| !v.is_null(),
+            "null selects a different decay law that is not implemented",
+        );
+        let groups = self
+            .find(&["num_expert_group"])
+            .and_then(|(_, v)| v.as_f64());
         let topk_group = self.find(&["topk_group"]).and_then(|(_, v)| v.as_f64());
         if let (Some(g), Some(tg)) = (groups, topk_group) {
             if g > 1.0 && g > tg {
@@ -394,18 +463,24 @@ impl<'a> Reader<'a> {
     }
 
     fn check_quantization(&mut self) {
-        let Some((p, q)) = self.find(&["quantization_config"]) else { return };
+        let Some((p, q)) = self.find(&["quantization_config"]) else {
+            return;
+        };
         if q.is_null() {
             return;
         }
         if let Some(m) = q.get("quant_method") {
             if m.as_str() != Some("compressed-tensors") {
-                self.problems.push(format!("`{p}.quant_method` = {m}: expected \"compressed-tensors\""));
+                self.problems.push(format!(
+                    "`{p}.quant_method` = {m}: expected \"compressed-tensors\""
+                ));
             }
         }
         if let Some(f) = q.get("format") {
             if f.as_str() != Some("mxfp4-pack-quantized") {
-                self.problems.push(format!("`{p}.format` = {f}: expected \"mxfp4-pack-quantized\""));
+                self.problems.push(format!(
+                    "`{p}.format` = {f}: expected \"mxfp4-pack-quantized\""
+                ));
             }
         }
         // Every group_size / num_bits stated anywhere inside must be 32 / 4.
@@ -416,10 +491,12 @@ impl<'a> Reader<'a> {
                     let cp = format!("{path}.{k}");
                     match k.as_str() {
                         "group_size" if !child.is_null() && child.as_f64() != Some(32.0) => {
-                            self.problems.push(format!("`{cp}` = {child}: MXFP4 needs group size 32"));
+                            self.problems
+                                .push(format!("`{cp}` = {child}: MXFP4 needs group size 32"));
                         }
                         "num_bits" if !child.is_null() && child.as_f64() != Some(4.0) => {
-                            self.problems.push(format!("`{cp}` = {child}: expected 4-bit weights"));
+                            self.problems
+                                .push(format!("`{cp}` = {child}: expected 4-bit weights"));
                         }
                         _ => stack.push((cp, child)),
                     }
@@ -432,22 +509,26 @@ impl<'a> Reader<'a> {
         let hidden_size = self.size(&["hidden_size"], 1);
         let num_hidden_layers = self.size(&["num_hidden_layers"], 1);
         if num_hidden_layers.is_some_and(|n| n > MAX_LAYERS) {
-            self.problems.push(format!("`num_hidden_layers` above {MAX_LAYERS}"));
+            self.problems
+                .push(format!("`num_hidden_layers` above {MAX_LAYERS}"));
         }
         let vocab_size = self.size(&["vocab_size"], 1);
         let rms_norm_eps = self.float(&["rms_norm_eps"]);
         if rms_norm_eps.is_some_and(|e| e <= 0.0 || e >= 1.0) {
-            self.problems.push("`rms_norm_eps` must be in (0, 1)".into());
+            self.problems
+                .push("`rms_norm_eps` must be in (0, 1)".into());
         }
         let kda_num_heads = self.kda_size("num_heads", "kda_num_heads");
         let kda_head_dim = self.kda_size("head_dim", "kda_head_dim");
         let short_conv_kernel_size = self.size(&["short_conv_kernel_size"], 1);
         let gate_lower_bound = self.float(&["gate_lower_bound"]);
         if gate_lower_bound.is_some_and(|g| g >= 0.0) {
-            self.problems.push("`gate_lower_bound` must be negative".into());
+            self.problems
+                .push("`gate_lower_bound` must be negative".into());
         }
         let num_attention_heads = self.size(&["num_attention_heads"], 1);
-        if let (Some(h), Some((p, kv))) = (num_attention_heads, self.find(&["num_key_value_heads"])) {
+        if let (Some(h), Some((p, kv))) = (num_attention_heads, self.find(&["num_key_value_heads"]))
+        {
             if kv.as_f64() != Some(h as f64) {
                 self.problems.push(format!("`{p}` = {kv} must equal num_attention_heads ({h}): grouped KV is not implemented"));
             }
@@ -461,11 +542,15 @@ impl<'a> Reader<'a> {
         let top_k = self.size(&["num_experts_per_token", "num_experts_per_tok"], 1);
         if let (Some(k), Some(e)) = (top_k, num_experts) {
             if k > e {
-                self.problems.push(format!("`num_experts_per_token` = {k} exceeds `num_experts` = {e}"));
+                self.problems.push(format!(
+                    "`num_experts_per_token` = {k} exceeds `num_experts` = {e}"
+                ));
             }
         }
         if top_k.is_some_and(|k| k > MAX_TOP_K) {
-            self.problems.push(format!("`num_experts_per_token` above the engine maximum {MAX_TOP_K}"));
+            self.problems.push(format!(
+                "`num_experts_per_token` above the engine maximum {MAX_TOP_K}"
+            ));
         }
         let num_shared_experts = self.size(&["num_shared_experts"], 0);
         let routed_expert_hidden_size = self.size(&["routed_expert_hidden_size"], 1);
@@ -476,7 +561,10 @@ impl<'a> Reader<'a> {
         let attn_res_block_size = self.size(&["attn_res_block_size"], 1);
         let situ_beta = self.float(&["activation_situ_beta", "situ_beta"]);
         let situ_linear_beta = self.float(&["activation_situ_linear_beta", "situ_linear_beta"]);
-        for (n, b) in [("activation_situ_beta", situ_beta), ("activation_situ_linear_beta", situ_linear_beta)] {
+        for (n, b) in [
+            ("activation_situ_beta", situ_beta),
+            ("activation_situ_linear_beta", situ_linear_beta),
+        ] {
             if b.is_some_and(|x| x <= 0.0) {
                 self.problems.push(format!("`{n}` must be positive"));
             }
@@ -484,11 +572,13 @@ impl<'a> Reader<'a> {
         let moe_renormalize = self.optional_bool("moe_renormalize", true);
         let latent_moe_use_norm = self.optional_bool("latent_moe_use_norm", true);
         if !latent_moe_use_norm {
-            self.problems.push("`latent_moe_use_norm` false is not implemented".into());
+            self.problems
+                .push("`latent_moe_use_norm` false is not implemented".into());
         }
         let mla_use_output_gate = self.optional_bool("mla_use_output_gate", true);
         if !mla_use_output_gate {
-            self.problems.push("`mla_use_output_gate` false is not implemented".into());
+            self.problems
+                .push("`mla_use_output_gate` false is not implemented".into());
         }
         let is_mla = self.layer_map(num_hidden_layers);
         self.check_semantics();

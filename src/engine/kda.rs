@@ -104,27 +104,29 @@ pub fn recur_head(
     let mut out = vec![0f32; n_tok * d];
     let mut u = vec![0f32; d];
     let mut w = vec![0f32; d];
-    for t in 0..n_tok {
+    for (t, (o, &bt)) in out.chunks_mut(d).zip(beta).enumerate() {
         let row = t * d..(t + 1) * d;
-        let (qt, kt, vt, at) = (&q[row.clone()], &k[row.clone()], &v[row.clone()], &alpha[row.clone()]);
+        let (qt, kt, vt, at) = (
+            &q[row.clone()],
+            &k[row.clone()],
+            &v[row.clone()],
+            &alpha[row],
+        );
         // a + b: decay the key rows, then read u = Sᵀk.
         u.fill(0.0);
-        for i in 0..d {
-            let si = &mut s[i * d..(i + 1) * d];
+        for ((si, &ai), &ki) in s.chunks_mut(d).zip(at).zip(kt) {
             for x in si.iter_mut() {
-                *x *= at[i];
+                *x *= ai;
             }
-            kernels::axpy(kt[i], si, &mut u);
+            kernels::axpy(ki, si, &mut u);
         }
         // c: delta write S += k (β (v − u))ᵀ; d: o = Sᵀ q̂ from the updated state.
-        for j in 0..d {
-            w[j] = beta[t] * (vt[j] - u[j]);
+        for ((wj, &vj), &uj) in w.iter_mut().zip(vt).zip(&u) {
+            *wj = bt * (vj - uj);
         }
-        let o = &mut out[row];
-        for i in 0..d {
-            let si = &mut s[i * d..(i + 1) * d];
-            kernels::axpy(kt[i], &w, si);
-            kernels::axpy(qt[i], si, o);
+        for ((si, &ki), &qi) in s.chunks_mut(d).zip(kt).zip(qt) {
+            kernels::axpy(ki, &w, si);
+            kernels::axpy(qi, si, o);
         }
     }
     out
@@ -159,9 +161,27 @@ pub fn forward(w: &KdaWeights, p: &KdaParams, x: &[f32], state: &mut KdaState) -
     let (heads, d) = (p.heads, p.head_dim);
     let width = heads * d;
     let n_tok = x.len() / w.q_proj.cols;
-    let mut q = conv_chunk(&w.q_proj.apply(x), &w.q_conv, &mut state.conv[0], p.kernel, width);
-    let mut k = conv_chunk(&w.k_proj.apply(x), &w.k_conv, &mut state.conv[1], p.kernel, width);
-    let v = conv_chunk(&w.v_proj.apply(x), &w.v_conv, &mut state.conv[2], p.kernel, width);
+    let mut q = conv_chunk(
+        &w.q_proj.apply(x),
+        &w.q_conv,
+        &mut state.conv[0],
+        p.kernel,
+        width,
+    );
+    let mut k = conv_chunk(
+        &w.k_proj.apply(x),
+        &w.k_conv,
+        &mut state.conv[1],
+        p.kernel,
+        width,
+    );
+    let v = conv_chunk(
+        &w.v_proj.apply(x),
+        &w.v_conv,
+        &mut state.conv[2],
+        p.kernel,
+        width,
+    );
     let beta: Vec<f32> = w.b_proj.apply(x).into_iter().map(ops::sigmoid).collect();
     let z = w.f_b.apply(&w.f_a.apply(x));
     let gate = w.g_proj.apply(x);

@@ -101,7 +101,9 @@ pub fn forward(w: &MlaWeights, p: &MlaParams, x: &[f32], cache: &mut Vec<f32>) -
             for (tau, &at) in a.iter().enumerate() {
                 kernels::axpy(at, &cache[tau * cw..tau * cw + p.kv_lora], &mut ctx);
             }
-            (0..p.v).map(|j| w.kv_b.row_dot(h * (p.nope + p.v) + p.nope + j, &ctx)).collect()
+            (0..p.v)
+                .map(|j| w.kv_b.row_dot(h * (p.nope + p.v) + p.nope + j, &ctx))
+                .collect()
         })
         .collect();
     let gate = w.g_proj.apply(x);

@@ -31,7 +31,7 @@ pub enum FeedForward {
     /// Dense SiTU MLP (leading layers).
     Dense(DenseMlp),
     /// Latent MoE.
-    Moe(MoeWeights),
+    Moe(Box<MoeWeights>),
 }
 
 /// One decoder layer.
@@ -240,10 +240,16 @@ impl Model {
         }
         let mut x = vec![0f32; n_tok * d];
         for (row, &id) in x.chunks_mut(d).zip(tokens) {
-            assert!((id as usize) < cfg.vocab_size, "token id {id} outside the vocabulary");
+            assert!(
+                (id as usize) < cfg.vocab_size,
+                "token id {id} outside the vocabulary"
+            );
             self.embed.row_into(id as usize, row);
         }
-        let mut res = Residuals { blocks: Vec::new(), partial: Some(x) };
+        let mut res = Residuals {
+            blocks: Vec::new(),
+            partial: Some(x),
+        };
         for (il, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
             let routing = layer.forward(il, cfg, &mut res, ls);
             if let Some(t) = trace.as_deref_mut() {

@@ -147,13 +147,14 @@ pub fn forward(w: &MoeWeights, p: &MoeParams, x: &[f32]) -> (Vec<f32>, Routing) 
     let n_tok = x.len() / hidden;
     let n_exp = w.gate.rows;
     let logits = w.gate.apply(x);
-    let routing: Routing =
-        logits.chunks(n_exp).map(|l| route(l, &w.bias, p)).collect();
+    let routing: Routing = logits.chunks(n_exp).map(|l| route(l, &w.bias, p)).collect();
     let z = w.down.apply(x);
     let latent = w.down.rows;
     // Run each used expert once over the tokens that chose it.
-    let mut outs: Vec<Vec<Vec<f32>>> =
-        routing.iter().map(|(idx, _)| vec![Vec::new(); idx.len()]).collect();
+    let mut outs: Vec<Vec<Vec<f32>>> = routing
+        .iter()
+        .map(|(idx, _)| vec![Vec::new(); idx.len()])
+        .collect();
     for e in 0..n_exp {
         let users: Vec<(usize, usize)> = routing
             .iter()
@@ -184,7 +185,14 @@ pub fn forward(w: &MoeWeights, p: &MoeParams, x: &[f32]) -> (Vec<f32>, Routing) 
         ops::rmsnorm(ut, &w.norm, p.rms_eps);
     }
     let mut y = w.up.apply(&u);
-    let ys = situ_glu_mlp(&w.shared_gate, &w.shared_up, &w.shared_down, x, p.beta1, p.beta2);
+    let ys = situ_glu_mlp(
+        &w.shared_gate,
+        &w.shared_up,
+        &w.shared_down,
+        x,
+        p.beta1,
+        p.beta2,
+    );
     for (a, b) in y.iter_mut().zip(&ys) {
         *a += b;
     }

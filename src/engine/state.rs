@@ -32,7 +32,13 @@ impl SeqState {
         let layers = cfg
             .is_mla
             .iter()
-            .map(|&m| if m { LayerState::Mla(Vec::new()) } else { LayerState::Kda(KdaState::new(&kp)) })
+            .map(|&m| {
+                if m {
+                    LayerState::Mla(Vec::new())
+                } else {
+                    LayerState::Kda(KdaState::new(&kp))
+                }
+            })
             .collect();
         SeqState { n_pos: 0, layers }
     }

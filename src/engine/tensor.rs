@@ -28,7 +28,11 @@ impl Dense {
     #[must_use]
     pub fn f32(data: Vec<f32>, rows: usize, cols: usize) -> Self {
         assert_eq!(data.len(), rows * cols, "Dense::f32 size");
-        Dense { data: DenseData::F32(data), rows, cols }
+        Dense {
+            data: DenseData::F32(data),
+            rows,
+            cols,
+        }
     }
 
     /// Borrowed view for the kernels.

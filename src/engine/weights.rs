@@ -82,10 +82,13 @@ impl Binder<'_> {
     ) -> Result<Option<TensorData>, StreamError> {
         self.claimed.insert(name.to_string());
         let Some(info) = self.ck.info(name) else {
-            self.problems.push(format!("missing tensor {name} (expected shape {:?})", shapes[0]));
+            self.problems.push(format!(
+                "missing tensor {name} (expected shape {:?})",
+                shapes[0]
+            ));
             return Ok(None);
         };
-        if !shapes.iter().any(|s| *s == info.shape.as_slice()) {
+        if !shapes.contains(&info.shape.as_slice()) {
             self.problems.push(format!(
                 "tensor {name}: shape {:?}, expected {:?}",
                 info.shape, shapes[0]
@@ -104,36 +107,78 @@ impl Binder<'_> {
         Ok(Some(self.ck.read(name)?.1))
     }
 
-    fn dense(&mut self, name: &str, rows: usize, cols: usize) -> Result<Option<Dense>, StreamError> {
-        Ok(match self.fetch(name, &[&[rows, cols]], &[Dtype::Bf16, Dtype::F32, Dtype::F16])? {
-            Some(TensorData::Bf16(v)) => Some(Dense { data: DenseData::Bf16(v), rows, cols }),
-            Some(TensorData::F32(v)) => Some(Dense { data: DenseData::F32(v), rows, cols }),
-            _ => None,
-        })
+    fn dense(
+        &mut self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<Dense>, StreamError> {
+        Ok(
+            match self.fetch(
+                name,
+                &[&[rows, cols]],
+                &[Dtype::Bf16, Dtype::F32, Dtype::F16],
+            )? {
+                Some(TensorData::Bf16(v)) => Some(Dense {
+                    data: DenseData::Bf16(v),
+                    rows,
+                    cols,
+                }),
+                Some(TensorData::F32(v)) => Some(Dense {
+                    data: DenseData::F32(v),
+                    rows,
+                    cols,
+                }),
+                _ => None,
+            },
+        )
     }
 
     /// A small vector stored as `[n]` or `[1, n]`, F32/BF16/F16, widened to f32.
     fn vector(&mut self, name: &str, n: usize) -> Result<Option<Vec<f32>>, StreamError> {
-        Ok(match self.fetch(name, &[&[n], &[1, n]], &[Dtype::F32, Dtype::Bf16, Dtype::F16])? {
-            Some(TensorData::F32(v)) => Some(v),
-            Some(TensorData::Bf16(v)) => Some(v.into_iter().map(crate::kernels::bf16_to_f32).collect()),
-            _ => None,
-        })
+        Ok(
+            match self.fetch(
+                name,
+                &[&[n], &[1, n]],
+                &[Dtype::F32, Dtype::Bf16, Dtype::F16],
+            )? {
+                Some(TensorData::F32(v)) => Some(v),
+                Some(TensorData::Bf16(v)) => {
+                    Some(v.into_iter().map(crate::kernels::bf16_to_f32).collect())
+                }
+                _ => None,
+            },
+        )
     }
 
     fn conv(&mut self, name: &str, c: usize, k: usize) -> Result<Option<Vec<f32>>, StreamError> {
-        Ok(match self.fetch(name, &[&[c, 1, k], &[c, k]], &[Dtype::F32, Dtype::Bf16, Dtype::F16])? {
-            Some(TensorData::F32(v)) => Some(v),
-            Some(TensorData::Bf16(v)) => Some(v.into_iter().map(crate::kernels::bf16_to_f32).collect()),
-            _ => None,
-        })
+        Ok(
+            match self.fetch(
+                name,
+                &[&[c, 1, k], &[c, k]],
+                &[Dtype::F32, Dtype::Bf16, Dtype::F16],
+            )? {
+                Some(TensorData::F32(v)) => Some(v),
+                Some(TensorData::Bf16(v)) => {
+                    Some(v.into_iter().map(crate::kernels::bf16_to_f32).collect())
+                }
+                _ => None,
+            },
+        )
     }
 
     /// `A_log`: `[heads]`, or padded to `[head_dim]` with an exactly-zero tail.
-    fn a_log(&mut self, name: &str, heads: usize, head_dim: usize) -> Result<Option<Vec<f32>>, StreamError> {
+    fn a_log(
+        &mut self,
+        name: &str,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<Option<Vec<f32>>, StreamError> {
         let len = self.ck.info(name).map_or(heads, |i| i.numel());
         let want = if len == heads { heads } else { head_dim };
-        let Some(v) = self.vector(name, want)? else { return Ok(None) };
+        let Some(v) = self.vector(name, want)? else {
+            return Ok(None);
+        };
         if v[heads..].iter().any(|&x| x != 0.0) {
             self.problems.push(format!(
                 "tensor {name}: padding after the first {heads} values must be exactly zero"
@@ -143,11 +188,18 @@ impl Binder<'_> {
         Ok(Some(v[..heads].to_vec()))
     }
 
-    fn mxfp4(&mut self, prefix: &str, rows: usize, cols: usize) -> Result<Option<Matrix>, StreamError> {
+    fn mxfp4(
+        &mut self,
+        prefix: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<Matrix>, StreamError> {
         let pk = format!("{prefix}.weight_packed");
         let sc = format!("{prefix}.weight_scale");
-        if cols % 32 != 0 {
-            self.problems.push(format!("{prefix}: logical width {cols} is not a multiple of 32"));
+        if !cols.is_multiple_of(32) {
+            self.problems.push(format!(
+                "{prefix}: logical width {cols} is not a multiple of 32"
+            ));
             return Ok(None);
         }
         let (same_shard, p_info) = match (self.ck.info(&pk), self.ck.info(&sc)) {
@@ -163,13 +215,20 @@ impl Binder<'_> {
             }
         }
         if !same_shard {
-            self.problems.push(format!("{prefix}: packed and scale tensors are in different shards"));
+            self.problems.push(format!(
+                "{prefix}: packed and scale tensors are in different shards"
+            ));
         }
         let packed = self.fetch(&pk, &[&[rows, cols / 2]], &[Dtype::U8])?;
         let scales = self.fetch(&sc, &[&[rows, cols / 32]], &[Dtype::U8])?;
         Ok(match (packed, scales) {
             (Some(TensorData::U8(packed)), Some(TensorData::U8(scales))) => {
-                Some(Matrix::Mxfp4(Mxfp4 { packed, scales, rows, cols }))
+                Some(Matrix::Mxfp4(Mxfp4 {
+                    packed,
+                    scales,
+                    rows,
+                    cols,
+                }))
             }
             _ => None,
         })
@@ -178,11 +237,16 @@ impl Binder<'_> {
     fn fold(&mut self, norm: &str, proj: &str, n: usize) -> Result<Option<Vec<f32>>, StreamError> {
         let a = self.vector(norm, n)?;
         let b = self.vector(proj, n)?;
-        Ok(a.zip(b).map(|(a, b)| a.iter().zip(&b).map(|(x, y)| x * y).collect()))
+        Ok(a.zip(b)
+            .map(|(a, b)| a.iter().zip(&b).map(|(x, y)| x * y).collect()))
     }
 }
 
-fn bind_kda(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<KdaWeights>, StreamError> {
+fn bind_kda(
+    b: &mut Binder,
+    cfg: &ModelConfig,
+    il: usize,
+) -> Result<Option<KdaWeights>, StreamError> {
     let (dm, p, dk, h, k) = (
         cfg.hidden_size,
         cfg.kda_width(),
@@ -225,15 +289,22 @@ fn bind_kda(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<KdaWe
     })())
 }
 
-fn bind_mla(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<MlaWeights>, StreamError> {
+fn bind_mla(
+    b: &mut Binder,
+    cfg: &ModelConfig,
+    il: usize,
+) -> Result<Option<MlaWeights>, StreamError> {
     let dm = cfg.hidden_size;
     let h = cfg.num_attention_heads;
     let n = |r: &str| names::layer(il, &format!("self_attn.{r}"));
     let q_a = b.dense(&n("q_a_proj.weight"), cfg.q_lora_rank, dm)?;
     let q_a_norm = b.vector(&n("q_a_layernorm.weight"), cfg.q_lora_rank)?;
     let q_b = b.dense(&n("q_b_proj.weight"), h * cfg.mla_q_head(), cfg.q_lora_rank)?;
-    let kv_a =
-        b.dense(&n("kv_a_proj_with_mqa.weight"), cfg.kv_lora_rank + cfg.qk_rope_head_dim, dm)?;
+    let kv_a = b.dense(
+        &n("kv_a_proj_with_mqa.weight"),
+        cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+        dm,
+    )?;
     let kv_a_norm = b.vector(&n("kv_a_layernorm.weight"), cfg.kv_lora_rank)?;
     let kv_b = b.dense(
         &n("kv_b_proj.weight"),
@@ -256,7 +327,11 @@ fn bind_mla(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<MlaWe
     })())
 }
 
-fn bind_moe(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<MoeWeights>, StreamError> {
+fn bind_moe(
+    b: &mut Binder,
+    cfg: &ModelConfig,
+    il: usize,
+) -> Result<Option<MoeWeights>, StreamError> {
     let dm = cfg.hidden_size;
     let lat = cfg.routed_expert_hidden_size;
     let inter = cfg.moe_intermediate_size;
@@ -300,10 +375,16 @@ fn bind_moe(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<MoeWe
 fn bind_layer(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<Layer>, StreamError> {
     let dm = cfg.hidden_size;
     let has_kda = b.ck.info(&names::layer(il, "self_attn.A_log")).is_some();
-    let has_mla = b.ck.info(&names::layer(il, "self_attn.kv_a_proj_with_mqa.weight")).is_some();
+    let has_mla =
+        b.ck.info(&names::layer(il, "self_attn.kv_a_proj_with_mqa.weight"))
+            .is_some();
     let is_mla = cfg.is_mla[il];
     if (is_mla && has_kda) || (!is_mla && has_mla) {
-        let (said, found) = if is_mla { ("MLA", "KDA") } else { ("KDA", "MLA") };
+        let (said, found) = if is_mla {
+            ("MLA", "KDA")
+        } else {
+            ("KDA", "MLA")
+        };
         b.problems.push(format!(
             "layer {il} (one-based {}) is {said} in config.json but holds {found} tensors",
             il + 1
@@ -331,9 +412,15 @@ fn bind_layer(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<Lay
         let gate = b.dense(&n("gate_proj.weight"), cfg.intermediate_size, dm)?;
         let up = b.dense(&n("up_proj.weight"), cfg.intermediate_size, dm)?;
         let down = b.dense(&n("down_proj.weight"), dm, cfg.intermediate_size)?;
-        (|| Some(FeedForward::Dense(DenseMlp { gate: gate?, up: up?, down: down? })))()
+        (|| {
+            Some(FeedForward::Dense(DenseMlp {
+                gate: gate?,
+                up: up?,
+                down: down?,
+            }))
+        })()
     } else {
-        bind_moe(b, cfg, il)?.map(FeedForward::Moe)
+        bind_moe(b, cfg, il)?.map(|m| FeedForward::Moe(Box::new(m)))
     };
     Ok((|| {
         Some(Layer {
@@ -363,7 +450,11 @@ impl Model {
 
     /// Bind an open checkpoint to `cfg`.
     pub fn bind(cfg: ModelConfig, ck: &Checkpoint) -> Result<Model, LoadError> {
-        let mut b = Binder { ck, claimed: HashSet::new(), problems: Vec::new() };
+        let mut b = Binder {
+            ck,
+            claimed: HashSet::new(),
+            problems: Vec::new(),
+        };
         let dm = cfg.hidden_size;
         let embed = b.dense(names::EMBED, cfg.vocab_size, dm)?;
         let lm_head = b.dense(names::LM_HEAD, cfg.vocab_size, dm)?;
@@ -391,9 +482,20 @@ impl Model {
             (Some(embed), Some(lm_head), Some(norm), Some(out_res_fold))
                 if b.problems.is_empty() && layers.len() == cfg.num_hidden_layers =>
             {
-                Ok(Model { cfg, embed, layers, out_res_fold, norm, lm_head })
+                Ok(Model {
+                    cfg,
+                    embed,
+                    layers,
+                    out_res_fold,
+                    norm,
+                    lm_head,
+                })
             }
-            _ => Err(BindError { dir: ck.dir().to_path_buf(), problems: b.problems }.into()),
+            _ => Err(BindError {
+                dir: ck.dir().to_path_buf(),
+                problems: b.problems,
+            }
+            .into()),
         }
     }
 }

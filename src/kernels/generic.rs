@@ -84,7 +84,11 @@ pub fn mxfp4_row(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
         let xs = &x[32 * g..32 * g + 32];
         let nibble = |k: usize| {
             let byte = bytes[k / 2];
-            usize::from(if k % 2 == 0 { byte & 0x0f } else { byte >> 4 })
+            usize::from(if k.is_multiple_of(2) {
+                byte & 0x0f
+            } else {
+                byte >> 4
+            })
         };
         let mut p = [0f32; 8];
         for k in 0..8 {

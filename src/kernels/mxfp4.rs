@@ -50,7 +50,11 @@ pub(crate) fn scale_half_units(s: u8) -> f32 {
 #[must_use]
 pub fn element(packed: &[u8], scales: &[u8], i: usize) -> f32 {
     let byte = packed[i / 2];
-    let nib = if i % 2 == 0 { byte & 0x0f } else { byte >> 4 };
+    let nib = if i.is_multiple_of(2) {
+        byte & 0x0f
+    } else {
+        byte >> 4
+    };
     E2M1[usize::from(nib)] * SCALE[usize::from(scales[i / 32])]
 }
 
@@ -72,8 +76,15 @@ impl<'a> Mxfp4Matrix<'a> {
     /// `cols` is a multiple of 32.
     #[must_use]
     pub fn new(packed: &'a [u8], scales: &'a [u8], rows: usize, cols: usize) -> Option<Self> {
-        (cols % 32 == 0 && packed.len() == rows * cols / 2 && scales.len() == rows * cols / 32)
-            .then_some(Self { packed, scales, rows, cols })
+        (cols.is_multiple_of(32)
+            && packed.len() == rows * cols / 2
+            && scales.len() == rows * cols / 32)
+            .then_some(Self {
+                packed,
+                scales,
+                rows,
+                cols,
+            })
     }
 
     /// The packed bytes and scales of row `r`.
@@ -82,6 +93,9 @@ impl<'a> Mxfp4Matrix<'a> {
     pub fn row(&self, r: usize) -> (&'a [u8], &'a [u8]) {
         let pb = self.cols / 2;
         let sb = self.cols / 32;
-        (&self.packed[r * pb..(r + 1) * pb], &self.scales[r * sb..(r + 1) * sb])
+        (
+            &self.packed[r * pb..(r + 1) * pb],
+            &self.scales[r * sb..(r + 1) * sb],
+        )
     }
 }

@@ -36,9 +36,15 @@ pub enum TensorData {
 
 fn index_err(path: &Path, name: &str, e: IndexError) -> StreamError {
     match e {
-        IndexError::Duplicate { name, first, second } => {
-            StreamError::DuplicateTensor { name, first, second }
-        }
+        IndexError::Duplicate {
+            name,
+            first,
+            second,
+        } => StreamError::DuplicateTensor {
+            name,
+            first,
+            second,
+        },
         IndexError::Unrepresentable(reason) => StreamError::Unrepresentable {
             path: path.to_path_buf(),
             name: name.to_string(),
@@ -49,9 +55,14 @@ fn index_err(path: &Path, name: &str, e: IndexError) -> StreamError {
 
 /// Shard files named by `model.safetensors.index.json`, each with the tensors it should hold.
 fn read_weight_map(path: &Path) -> Result<BTreeMap<String, Vec<String>>, StreamError> {
-    let bad = |reason: String| StreamError::Index { path: path.to_path_buf(), reason };
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| StreamError::Open { path: path.to_path_buf(), source: e })?;
+    let bad = |reason: String| StreamError::Index {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| StreamError::Open {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
     let v: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
     let map = v
@@ -64,9 +75,14 @@ fn read_weight_map(path: &Path) -> Result<BTreeMap<String, Vec<String>>, StreamE
             .as_str()
             .ok_or_else(|| bad(format!("weight_map[{tensor:?}] is not a string")))?;
         if file.contains('/') || file.contains('\\') || file == ".." || file.is_empty() {
-            return Err(bad(format!("weight_map[{tensor:?}] names {file:?}, not a plain file name")));
+            return Err(bad(format!(
+                "weight_map[{tensor:?}] names {file:?}, not a plain file name"
+            )));
         }
-        by_file.entry(file.to_string()).or_default().push(tensor.clone());
+        by_file
+            .entry(file.to_string())
+            .or_default()
+            .push(tensor.clone());
     }
     Ok(by_file)
 }
@@ -84,7 +100,10 @@ impl Checkpoint {
                 .map(|(f, t)| format!("{f} (needed by {} tensors, e.g. {:?})", t.len(), t[0]))
                 .collect();
             if !missing.is_empty() {
-                return Err(StreamError::MissingShards { dir: dir.to_path_buf(), files: missing });
+                return Err(StreamError::MissingShards {
+                    dir: dir.to_path_buf(),
+                    files: missing,
+                });
             }
             let shards: Vec<String> = map.keys().cloned().collect();
             (shards, Some(map))
@@ -92,7 +111,10 @@ impl Checkpoint {
             (vec!["model.safetensors".to_string()], None)
         } else {
             let mut v: Vec<String> = std::fs::read_dir(dir)
-                .map_err(|e| StreamError::Open { path: dir.to_path_buf(), source: e })?
+                .map_err(|e| StreamError::Open {
+                    path: dir.to_path_buf(),
+                    source: e,
+                })?
                 .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
                 .filter(|n| n.ends_with(".safetensors"))
                 .collect();
@@ -100,7 +122,9 @@ impl Checkpoint {
             (v, None)
         };
         if shards.is_empty() {
-            return Err(StreamError::NoShards { dir: dir.to_path_buf() });
+            return Err(StreamError::NoShards {
+                dir: dir.to_path_buf(),
+            });
         }
         let mut ck = Checkpoint {
             dir: dir.to_path_buf(),
@@ -110,7 +134,11 @@ impl Checkpoint {
             bytes_read: AtomicU64::new(0),
         };
         for name in &shards {
-            ck.add_shard(name, expected.as_ref().and_then(|m| m.get(name)), &index_path)?;
+            ck.add_shard(
+                name,
+                expected.as_ref().and_then(|m| m.get(name)),
+                &index_path,
+            )?;
         }
         if let Some(map) = &expected {
             ck.check_strays(map, &index_path)?;
@@ -127,10 +155,16 @@ impl Checkpoint {
         index_path: &Path,
     ) -> Result<(), StreamError> {
         let path = self.dir.join(name);
-        let open_err = |e| StreamError::Open { path: path.clone(), source: e };
+        let open_err = |e| StreamError::Open {
+            path: path.clone(),
+            source: e,
+        };
         let file = File::open(&path).map_err(open_err)?;
         let file_len = file.metadata().map_err(open_err)?.len();
-        let header_err = |e| StreamError::Header { path: path.clone(), source: e };
+        let header_err = |e| StreamError::Header {
+            path: path.clone(),
+            source: e,
+        };
         let mut prefix = [0u8; 16];
         let got = read_prefix(&file, &mut prefix).map_err(open_err)?;
         let n = header_len(&prefix[..got], file_len).map_err(header_err)?;
@@ -160,7 +194,10 @@ impl Checkpoint {
                 });
             }
         }
-        let shard = self.index.add_shard(name).map_err(|e| index_err(&path, "", e))?;
+        let shard = self
+            .index
+            .add_shard(name)
+            .map_err(|e| index_err(&path, "", e))?;
         for e in &entries {
             self.index
                 .push(shard, &e.name, e.dtype, &e.shape, data_start + e.begin)
@@ -178,7 +215,10 @@ impl Checkpoint {
         index_path: &Path,
     ) -> Result<(), StreamError> {
         let strays: Vec<String> = std::fs::read_dir(&self.dir)
-            .map_err(|e| StreamError::Open { path: self.dir.clone(), source: e })?
+            .map_err(|e| StreamError::Open {
+                path: self.dir.clone(),
+                source: e,
+            })?
             .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
             .filter(|n| n.ends_with(".safetensors") && !map.contains_key(n))
             .collect();
@@ -187,7 +227,10 @@ impl Checkpoint {
         } else {
             Err(StreamError::Index {
                 path: index_path.to_path_buf(),
-                reason: format!("shard file(s) not named by the index: {}", strays.join(", ")),
+                reason: format!(
+                    "shard file(s) not named by the index: {}",
+                    strays.join(", ")
+                ),
             })
         }
     }
@@ -218,7 +261,9 @@ impl Checkpoint {
 
     /// Read a tensor's raw bytes into `buf` (resized to fit).
     pub fn read_raw(&self, name: &str, buf: &mut Vec<u8>) -> Result<TensorInfo, StreamError> {
-        let info = self.info(name).ok_or_else(|| StreamError::NoSuchTensor(name.to_string()))?;
+        let info = self
+            .info(name)
+            .ok_or_else(|| StreamError::NoSuchTensor(name.to_string()))?;
         let len = info.n_bytes();
         buf.clear();
         buf.resize(len as usize, 0);
@@ -250,9 +295,11 @@ impl Checkpoint {
                     .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                     .collect(),
             ),
-            Dtype::Bf16 => {
-                TensorData::Bf16(raw.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
-            }
+            Dtype::Bf16 => TensorData::Bf16(
+                raw.chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            ),
             Dtype::F16 => TensorData::F32(
                 raw.chunks_exact(2)
                     .map(|c| crate::kernels::f16_to_f32(u16::from_le_bytes([c[0], c[1]])))

@@ -7,7 +7,11 @@
 use super::safetensors::Dtype;
 
 /// Prefixes stripped from names before they enter the arena (longest first).
-const PREFIXES: [&str; 3] = ["language_model.model.layers.", "language_model.model.", "language_model."];
+const PREFIXES: [&str; 3] = [
+    "language_model.model.layers.",
+    "language_model.model.",
+    "language_model.",
+];
 
 #[derive(Clone, Copy, Debug)]
 struct Entry {
@@ -79,7 +83,9 @@ impl TensorIndex {
     /// Register a shard name; returns its number.
     pub fn add_shard(&mut self, name: &str) -> Result<usize, IndexError> {
         if self.shard_names.len() >= usize::from(u16::MAX) {
-            return Err(IndexError::Unrepresentable("more than 65,535 shards".into()));
+            return Err(IndexError::Unrepresentable(
+                "more than 65,535 shards".into(),
+            ));
         }
         self.shard_names.push(name.to_string());
         Ok(self.shard_names.len() - 1)
@@ -105,7 +111,9 @@ impl TensorIndex {
             .map_err(|_| IndexError::Unrepresentable("name arena above 4 GiB".into()))?;
         let mut dims = [0u32; 4];
         if shape.len() > 4 {
-            return Err(IndexError::Unrepresentable(format!("{name:?} has rank above 4")));
+            return Err(IndexError::Unrepresentable(format!(
+                "{name:?} has rank above 4"
+            )));
         }
         for (d, &s) in dims.iter_mut().zip(shape) {
             *d = u32::try_from(s).map_err(|_| {
@@ -170,13 +178,19 @@ impl TensorIndex {
     #[must_use]
     pub fn get(&self, name: &str) -> Option<TensorInfo> {
         let key = Self::split_name(name);
-        let i = self.entries.binary_search_by(|e| self.key(e).cmp(&key)).ok()?;
+        let i = self
+            .entries
+            .binary_search_by(|e| self.key(e).cmp(&key))
+            .ok()?;
         let e = &self.entries[i];
         Some(TensorInfo {
             shard: usize::from(e.shard),
             offset: e.offset,
             dtype: e.dtype,
-            shape: e.shape[..usize::from(e.rank)].iter().map(|&d| d as usize).collect(),
+            shape: e.shape[..usize::from(e.rank)]
+                .iter()
+                .map(|&d| d as usize)
+                .collect(),
         })
     }
 
@@ -209,7 +223,11 @@ impl TensorIndex {
         std::mem::size_of::<Self>()
             + self.arena.capacity()
             + self.entries.capacity() * std::mem::size_of::<Entry>()
-            + self.shard_names.iter().map(|s| s.capacity() + 24).sum::<usize>()
+            + self
+                .shard_names
+                .iter()
+                .map(|s| s.capacity() + 24)
+                .sum::<usize>()
     }
 }
 
@@ -228,8 +246,14 @@ mod tests {
             if l > 0 {
                 for e in 0..896 {
                     for w in ["w1", "w2", "w3"] {
-                        v.push((format!("{p}block_sparse_moe.experts.{e}.{w}.weight_packed"), vec![3072, 1792]));
-                        v.push((format!("{p}block_sparse_moe.experts.{e}.{w}.weight_scale"), vec![3072, 112]));
+                        v.push((
+                            format!("{p}block_sparse_moe.experts.{e}.{w}.weight_packed"),
+                            vec![3072, 1792],
+                        ));
+                        v.push((
+                            format!("{p}block_sparse_moe.experts.{e}.{w}.weight_scale"),
+                            vec![3072, 112],
+                        ));
                     }
                 }
             }
@@ -249,21 +273,39 @@ mod tests {
         let per = idx.memory_bytes() as f64 / idx.len() as f64;
         println!("index: {} tensors, {:.1} bytes per tensor", idx.len(), per);
         assert!(per <= 150.0, "{per} bytes per tensor");
-        let info = idx.get("language_model.model.layers.92.block_sparse_moe.experts.895.w3.weight_scale").unwrap();
+        let info = idx
+            .get("language_model.model.layers.92.block_sparse_moe.experts.895.w3.weight_scale")
+            .unwrap();
         assert_eq!(info.shape, vec![3072, 112]);
-        assert!(idx.get("language_model.model.layers.93.input_layernorm.weight").is_none());
+        assert!(idx
+            .get("language_model.model.layers.93.input_layernorm.weight")
+            .is_none());
     }
 
     #[test]
     fn prefixes_are_distinct_keys() {
         let mut idx = TensorIndex::default();
         let s = idx.add_shard("a").unwrap();
-        idx.push(s, "language_model.lm_head.weight", Dtype::Bf16, &[4, 2], 0).unwrap();
-        idx.push(s, "language_model.model.lm_head.weight", Dtype::Bf16, &[4, 2], 16).unwrap();
-        idx.push(s, "lm_head.weight", Dtype::Bf16, &[4, 2], 32).unwrap();
+        idx.push(s, "language_model.lm_head.weight", Dtype::Bf16, &[4, 2], 0)
+            .unwrap();
+        idx.push(
+            s,
+            "language_model.model.lm_head.weight",
+            Dtype::Bf16,
+            &[4, 2],
+            16,
+        )
+        .unwrap();
+        idx.push(s, "lm_head.weight", Dtype::Bf16, &[4, 2], 32)
+            .unwrap();
         idx.finish().unwrap();
         assert_eq!(idx.get("language_model.lm_head.weight").unwrap().offset, 0);
-        assert_eq!(idx.get("language_model.model.lm_head.weight").unwrap().offset, 16);
+        assert_eq!(
+            idx.get("language_model.model.lm_head.weight")
+                .unwrap()
+                .offset,
+            16
+        );
         assert_eq!(idx.get("lm_head.weight").unwrap().offset, 32);
         let mut names: Vec<String> = idx.names().collect();
         names.sort();

@@ -145,9 +145,7 @@ pub enum HeaderError {
         len: u64,
     },
     /// Data region and tensors disagree at the end.
-    #[error(
-        "tensors end at data byte {covered} but the data region is {data_len} bytes{detail}"
-    )]
+    #[error("tensors end at data byte {covered} but the data region is {data_len} bytes{detail}")]
     Coverage {
         /// End of the last tensor.
         covered: u64,
@@ -215,8 +213,13 @@ fn as_u64(v: &serde_json::Value) -> Option<u64> {
 }
 
 fn parse_entry(name: &str, v: &serde_json::Value) -> Result<HeaderEntry, HeaderError> {
-    let bad = |reason: String| HeaderError::Entry { name: name.to_string(), reason };
-    let obj = v.as_object().ok_or_else(|| bad("entry is not an object".into()))?;
+    let bad = |reason: String| HeaderError::Entry {
+        name: name.to_string(),
+        reason,
+    };
+    let obj = v
+        .as_object()
+        .ok_or_else(|| bad("entry is not an object".into()))?;
     for key in obj.keys() {
         if !matches!(key.as_str(), "dtype" | "shape" | "data_offsets") {
             return Err(bad(format!("unknown field {key:?}")));
@@ -233,7 +236,10 @@ fn parse_entry(name: &str, v: &serde_json::Value) -> Result<HeaderEntry, HeaderE
         .and_then(|s| s.as_array())
         .ok_or_else(|| bad("missing or non-array `shape`".into()))?;
     if shape_v.len() > MAX_RANK {
-        return Err(bad(format!("rank {} above the maximum {MAX_RANK}", shape_v.len())));
+        return Err(bad(format!(
+            "rank {} above the maximum {MAX_RANK}",
+            shape_v.len()
+        )));
     }
     let shape = shape_v
         .iter()
@@ -244,14 +250,19 @@ fn parse_entry(name: &str, v: &serde_json::Value) -> Result<HeaderEntry, HeaderE
         .and_then(|s| s.as_array())
         .ok_or_else(|| bad("missing or non-array `data_offsets`".into()))?;
     if offs.len() != 2 {
-        return Err(bad(format!("`data_offsets` has {} values, expected 2", offs.len())));
+        return Err(bad(format!(
+            "`data_offsets` has {} values, expected 2",
+            offs.len()
+        )));
     }
-    let begin = as_u64(&offs[0])
-        .ok_or_else(|| bad(format!("begin offset {} is not a u64", offs[0])))?;
+    let begin =
+        as_u64(&offs[0]).ok_or_else(|| bad(format!("begin offset {} is not a u64", offs[0])))?;
     let end =
         as_u64(&offs[1]).ok_or_else(|| bad(format!("end offset {} is not a u64", offs[1])))?;
     if end < begin {
-        return Err(bad(format!("end offset {end} is before begin offset {begin}")));
+        return Err(bad(format!(
+            "end offset {end} is before begin offset {begin}"
+        )));
     }
     let numel = shape
         .iter()
@@ -269,7 +280,13 @@ fn parse_entry(name: &str, v: &serde_json::Value) -> Result<HeaderEntry, HeaderE
             got: end - begin,
         });
     }
-    Ok(HeaderEntry { name: name.to_string(), dtype, shape, begin, end })
+    Ok(HeaderEntry {
+        name: name.to_string(),
+        dtype,
+        shape,
+        begin,
+        end,
+    })
 }
 
 /// Parse and validate a header's JSON bytes for a data region of `data_len` bytes.
@@ -277,7 +294,10 @@ fn parse_entry(name: &str, v: &serde_json::Value) -> Result<HeaderEntry, HeaderE
 /// Entries come back in data order. `__metadata__` is skipped (it must be a string map).
 pub fn parse_header(json: &[u8], data_len: u64) -> Result<Vec<HeaderEntry>, HeaderError> {
     let text = std::str::from_utf8(json).map_err(|e| {
-        HeaderError::Json(format!("not UTF-8 at byte {} of the header", e.valid_up_to()))
+        HeaderError::Json(format!(
+            "not UTF-8 at byte {} of the header",
+            e.valid_up_to()
+        ))
     })?;
     if !text.starts_with('{') {
         return Err(HeaderError::Json("the header must start with `{`".into()));
@@ -291,7 +311,9 @@ pub fn parse_header(json: &[u8], data_len: u64) -> Result<Vec<HeaderEntry>, Head
             return Err(HeaderError::Duplicate(name.clone()));
         }
         if name == "__metadata__" {
-            let ok = v.as_object().is_some_and(|m| m.values().all(serde_json::Value::is_string));
+            let ok = v
+                .as_object()
+                .is_some_and(|m| m.values().all(serde_json::Value::is_string));
             if !ok {
                 return Err(HeaderError::Json(
                     "`__metadata__` must be an object of strings".into(),
@@ -307,7 +329,7 @@ pub fn parse_header(json: &[u8], data_len: u64) -> Result<Vec<HeaderEntry>, Head
 
 /// Sort by offset and require exact, non-overlapping coverage of `[0, data_len)`.
 fn check_coverage(entries: &mut [HeaderEntry], data_len: u64) -> Result<(), HeaderError> {
-    entries.sort_by(|a, b| (a.begin, a.end).cmp(&(b.begin, b.end)));
+    entries.sort_by_key(|a| (a.begin, a.end));
     let mut covered = 0u64;
     let mut last: Option<&HeaderEntry> = None;
     for e in entries.iter() {
@@ -324,7 +346,10 @@ fn check_coverage(entries: &mut [HeaderEntry], data_len: u64) -> Result<(), Head
             });
         }
         if e.begin > covered {
-            return Err(HeaderError::Hole { at: covered, len: e.begin - covered });
+            return Err(HeaderError::Hole {
+                at: covered,
+                len: e.begin - covered,
+            });
         }
         covered = e.end;
         last = Some(e);
@@ -336,9 +361,16 @@ fn check_coverage(entries: &mut [HeaderEntry], data_len: u64) -> Result<(), Head
                 covered - data_len
             )
         } else {
-            format!(" ({} trailing bytes after the last tensor)", data_len - covered)
+            format!(
+                " ({} trailing bytes after the last tensor)",
+                data_len - covered
+            )
         };
-        return Err(HeaderError::Coverage { covered, data_len, detail });
+        return Err(HeaderError::Coverage {
+            covered,
+            data_len,
+            detail,
+        });
     }
     Ok(())
 }

@@ -107,7 +107,10 @@ fn overlapping_offsets_are_refused() {
     join(&p, &h, &data);
     let (code, err) = run_k3(&dir);
     assert_eq!(code, 3, "{err}");
-    assert!(err.contains("overlaps") || err.contains("unindexed"), "{err}");
+    assert!(
+        err.contains("overlaps") || err.contains("unindexed"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -120,7 +123,10 @@ fn dtype_shape_mismatch_is_refused() {
     join(&p, &h, &data);
     let (code, err) = run_k3(&dir);
     assert_eq!(code, 3, "{err}");
-    assert!(err.contains("input_layernorm") && err.contains("span"), "{err}");
+    assert!(
+        err.contains("input_layernorm") && err.contains("span"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -131,11 +137,17 @@ fn missing_tensor_is_named() {
     let (mut h, data) = split(&p);
     let a = "language_model.model.layers.2.self_attn.dt_bias";
     let v = h.remove(a).unwrap();
-    h.insert("language_model.model.layers.2.self_attn.dt_bias_renamed".into(), v);
+    h.insert(
+        "language_model.model.layers.2.self_attn.dt_bias_renamed".into(),
+        v,
+    );
     join(&p, &h, &data);
     let (code, err) = run_k3(&dir);
     assert_eq!(code, 3, "{err}");
-    assert!(err.contains("missing tensor language_model.model.layers.2.self_attn.dt_bias"), "{err}");
+    assert!(
+        err.contains("missing tensor language_model.model.layers.2.self_attn.dt_bias"),
+        "{err}"
+    );
     assert!(err.contains("not used by the configured graph"), "{err}");
 }
 
@@ -145,7 +157,10 @@ fn missing_shard_is_named() {
     std::fs::remove_file(shard(&dir, 2)).unwrap();
     let (code, err) = run_k3(&dir);
     assert_eq!(code, 3, "{err}");
-    assert!(err.contains("missing shard") && err.contains("model-00002-of-000003"), "{err}");
+    assert!(
+        err.contains("missing shard") && err.contains("model-00002-of-000003"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -159,7 +174,10 @@ fn missing_config_keys_are_all_listed() {
     std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
     let (code, err) = run_k3(&dir);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("hidden_size") && err.contains("kv_lora_rank"), "{err}");
+    assert!(
+        err.contains("hidden_size") && err.contains("kv_lora_rank"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -4,7 +4,9 @@ use std::path::PathBuf;
 
 /// Path of a fixture under `tests/fixtures`.
 pub fn fixture(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(rel)
 }
 
 /// Read and parse a JSON fixture.
@@ -15,7 +17,11 @@ pub fn json(rel: &str) -> serde_json::Value {
 
 /// A JSON array of numbers as u32.
 pub fn u32s(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 /// A JSON array of float32 bit patterns as f32.
@@ -26,7 +32,11 @@ pub fn f32_bits(v: &serde_json::Value) -> Vec<f32> {
 /// `max|got − want| / max|want|`.
 pub fn rel_err(got: &[f32], want: &[f32]) -> f64 {
     assert_eq!(got.len(), want.len());
-    let num = got.iter().zip(want).map(|(a, b)| f64::from((a - b).abs())).fold(0.0, f64::max);
+    let num = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| f64::from((a - b).abs()))
+        .fold(0.0, f64::max);
     let den = want.iter().map(|b| f64::from(b.abs())).fold(0.0, f64::max);
     num / den
 }

@@ -1,7 +1,8 @@
 //! The single integration-test binary.
+#![allow(clippy::unwrap_used)]
 
-mod common;
 mod bad_inputs;
+mod common;
 mod config;
-mod oracle_tiny;
 mod ops;
+mod oracle_tiny;

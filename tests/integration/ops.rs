@@ -15,8 +15,8 @@ use k3::engine::tensor::{Dense, DenseData, Matrix};
 use k3::kernels::mxfp4::{element, E2M1};
 use k3::kernels::ops::{rmsnorm, shortconv_step, situ_glu};
 use k3::kernels::{
-    axpy_with, bf16_to_f32, detected_isa, dot_bf16_with, dot_with, f32_to_bf16,
-    matmul_mxfp4_with, matmul_with, DenseRef, Isa, Mxfp4Matrix,
+    axpy_with, bf16_to_f32, detected_isa, dot_bf16_with, dot_with, f32_to_bf16, matmul_mxfp4_with,
+    matmul_with, DenseRef, Isa, Mxfp4Matrix,
 };
 use serde_json::Value;
 use std::sync::OnceLock;
@@ -33,7 +33,10 @@ fn manifest() -> &'static Value {
 /// `(fp32_abs, fp32_rel)` from MANIFEST.json.
 fn tolerance() -> (f64, f64) {
     let t = &manifest()["tolerance"];
-    (t["fp32_abs"].as_f64().unwrap(), t["fp32_rel"].as_f64().unwrap())
+    (
+        t["fp32_abs"].as_f64().unwrap(),
+        t["fp32_rel"].as_f64().unwrap(),
+    )
 }
 
 fn cfg(key: &str) -> &'static Value {
@@ -60,9 +63,15 @@ fn int(v: &Value) -> usize {
 
 /// `data` of a `{shape, data}` tensor as f32.
 fn t(v: &Value) -> Vec<f32> {
-    let d = v["data"].as_array().unwrap_or_else(|| panic!("not a tensor: {v:.80}"));
+    let d = v["data"]
+        .as_array()
+        .unwrap_or_else(|| panic!("not a tensor: {v:.80}"));
     let out: Vec<f32> = d.iter().map(|x| x.as_f64().unwrap() as f32).collect();
-    assert_eq!(out.len(), shape(v).iter().product::<usize>(), "tensor size vs shape");
+    assert_eq!(
+        out.len(),
+        shape(v).iter().product::<usize>(),
+        "tensor size vs shape"
+    );
     out
 }
 
@@ -74,14 +83,22 @@ fn t_u8(v: &Value) -> Vec<u8> {
         .iter()
         .map(|x| {
             let f = x.as_f64().unwrap();
-            assert!((0.0..=255.0).contains(&f) && f.fract() == 0.0, "not a byte: {f}");
+            assert!(
+                (0.0..=255.0).contains(&f) && f.fract() == 0.0,
+                "not a byte: {f}"
+            );
             f as u8
         })
         .collect()
 }
 
 fn shape(v: &Value) -> Vec<usize> {
-    v["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect()
+    v["shape"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as usize)
+        .collect()
 }
 
 /// A 2-D `[out, in]` weight as an F32 dense matrix.
@@ -100,7 +117,11 @@ struct Report {
 
 impl Report {
     fn new(test: &'static str) -> Self {
-        Report { test, worst: 0.0, failures: Vec::new() }
+        Report {
+            test,
+            worst: 0.0,
+            failures: Vec::new(),
+        }
     }
 
     /// Element-wise tolerance comparison.
@@ -121,7 +142,10 @@ impl Report {
                 at = i;
             }
         }
-        let (g, w) = (got.get(at).copied().unwrap_or(0.0), want.get(at).copied().unwrap_or(0.0));
+        let (g, w) = (
+            got.get(at).copied().unwrap_or(0.0),
+            want.get(at).copied().unwrap_or(0.0),
+        );
         println!(
             "{} {what}: worst ratio {worst:.3e} at [{at}] (got {g:e}, want {w:e}); {over}/{} over",
             self.test,
@@ -149,7 +173,12 @@ impl Report {
 
     fn finish(self) {
         println!("{}: WORST RATIO {:.3e}", self.test, self.worst);
-        assert!(self.failures.is_empty(), "{}: {:#?}", self.test, self.failures);
+        assert!(
+            self.failures.is_empty(),
+            "{}: {:#?}",
+            self.test,
+            self.failures
+        );
         assert!(self.worst <= 1.0);
     }
 }
@@ -157,7 +186,9 @@ impl Report {
 /// Bitwise equality of two f32 slices; returns the first differing index.
 fn first_bit_diff(a: &[f32], b: &[f32]) -> Option<usize> {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).position(|(x, y)| x.to_bits() != y.to_bits())
+    a.iter()
+        .zip(b)
+        .position(|(x, y)| x.to_bits() != y.to_bits())
 }
 
 /// `[n_tok, n_snap, d]` (token, snapshot, hidden) → one `[n_tok, d]` buffer per snapshot.
@@ -450,10 +481,16 @@ fn kda_decay_fixture() {
     let g: Vec<f32> = alpha.iter().map(|a| a.ln()).collect();
     rep.cmp("g (= ln alpha)", &g, &t(&f["g"]));
     let lo = p.lower_bound.exp();
-    rep.require(alpha.iter().all(|&a| a > lo && a <= 1.0), || "alpha outside (e^lb, 1]".into());
+    rep.require(alpha.iter().all(|&a| a > lo && a <= 1.0), || {
+        "alpha outside (e^lb, 1]".into()
+    });
     let sat = alpha.iter().filter(|&&a| a == 1.0).count();
-    rep.require(sat == int(&f["n_alpha_saturated_at_1"]), || format!("{sat} alphas saturated"));
-    rep.require(alpha.len() == int(&f["n_alpha_total"]), || "alpha count".into());
+    rep.require(sat == int(&f["n_alpha_saturated_at_1"]), || {
+        format!("{sat} alphas saturated")
+    });
+    rep.require(alpha.len() == int(&f["n_alpha_total"]), || {
+        "alpha count".into()
+    });
     rep.finish();
 }
 
@@ -464,7 +501,13 @@ fn kda_recur_fixture(name: &'static str) {
     assert_eq!(dk, dv, "recur_head takes d_k = d_v");
     let d = dk;
     let q_scale = num(&f["q_scale"]) as f32;
-    let (q, k, v, a, beta) = (t(&f["q"]), t(&f["k"]), t(&f["v"]), t(&f["alpha"]), t(&f["beta"]));
+    let (q, k, v, a, beta) = (
+        t(&f["q"]),
+        t(&f["k"]),
+        t(&f["v"]),
+        t(&f["alpha"]),
+        t(&f["beta"]),
+    );
     assert_eq!(q.len(), n_t * heads * d);
     assert_eq!(beta.len(), n_t * heads);
     let mut out = vec![0f32; n_t * heads * d];
@@ -472,14 +515,27 @@ fn kda_recur_fixture(name: &'static str) {
     for h in 0..heads {
         let gather = |x: &[f32], scale: f32| -> Vec<f32> {
             (0..n_t)
-                .flat_map(|tt| x[(tt * heads + h) * d..(tt * heads + h + 1) * d].iter().map(move |&e| e * scale))
+                .flat_map(|tt| {
+                    x[(tt * heads + h) * d..(tt * heads + h + 1) * d]
+                        .iter()
+                        .map(move |&e| e * scale)
+                })
                 .collect()
         };
         let bh: Vec<f32> = (0..n_t).map(|tt| beta[tt * heads + h]).collect();
         let s = &mut state[h * d * d..(h + 1) * d * d];
-        let o = kda::recur_head(&gather(&q, q_scale), &gather(&k, 1.0), &gather(&v, 1.0), &gather(&a, 1.0), &bh, s, d);
+        let o = kda::recur_head(
+            &gather(&q, q_scale),
+            &gather(&k, 1.0),
+            &gather(&v, 1.0),
+            &gather(&a, 1.0),
+            &bh,
+            s,
+            d,
+        );
         for tt in 0..n_t {
-            out[(tt * heads + h) * d..(tt * heads + h + 1) * d].copy_from_slice(&o[tt * d..(tt + 1) * d]);
+            out[(tt * heads + h) * d..(tt * heads + h + 1) * d]
+                .copy_from_slice(&o[tt * d..(tt + 1) * d]);
         }
     }
     rep.cmp("out", &out, &t(&f["out"]));
@@ -524,7 +580,10 @@ fn kda_layer_fixture(name: &'static str) {
         out1.extend(kda::forward(&w, &p, xt, &mut st1));
     }
     rep.require(first_bit_diff(&out, &out1).is_none() && st == st1, || {
-        format!("token-by-token differs from chunk (first out diff {:?})", first_bit_diff(&out, &out1))
+        format!(
+            "token-by-token differs from chunk (first out diff {:?})",
+            first_bit_diff(&out, &out1)
+        )
     });
     rep.finish();
 }
@@ -565,17 +624,29 @@ fn router_fixture() {
     let want_idx = t(&f["topk_idx"]);
     let want_w = t(&f["topk_weight"]);
     let mut logits = vec![0f32; n_tok * n_exp];
-    matmul_with(detected_isa(), DenseRef::F32(&gw), n_exp, cols, &x, &mut logits);
+    matmul_with(
+        detected_isa(),
+        DenseRef::F32(&gw),
+        n_exp,
+        cols,
+        &x,
+        &mut logits,
+    );
     let (mut got_w, mut exp_w) = (Vec::new(), Vec::new());
     let mut changed = 0;
     for tok in 0..n_tok {
         let l = &logits[tok * n_exp..(tok + 1) * n_exp];
         let (idx, w) = moe::route(l, &bias, &p);
-        let mut want: Vec<usize> = want_idx[tok * top_k..(tok + 1) * top_k].iter().map(|&e| e as usize).collect();
+        let mut want: Vec<usize> = want_idx[tok * top_k..(tok + 1) * top_k]
+            .iter()
+            .map(|&e| e as usize)
+            .collect();
         let mut got = idx.clone();
         got.sort_unstable();
         want.sort_unstable();
-        rep.require(got == want, || format!("token {tok}: selected {got:?}, want {want:?}"));
+        rep.require(got == want, || {
+            format!("token {tok}: selected {got:?}, want {want:?}")
+        });
         for j in 0..top_k {
             let e = want_idx[tok * top_k + j] as usize;
             if let Some(pos) = idx.iter().position(|&i| i == e) {
@@ -591,10 +662,13 @@ fn router_fixture() {
         }
     }
     rep.cmp("topk_weight (per expert)", &got_w, &exp_w);
-    rep.require(got_w.len() == n_tok * top_k, || "not every expected expert selected".into());
-    rep.require(changed == int(&f["rows_where_bias_changed_selection"]), || {
-        format!("bias changed {changed} rows")
+    rep.require(got_w.len() == n_tok * top_k, || {
+        "not every expected expert selected".into()
     });
+    rep.require(
+        changed == int(&f["rows_where_bias_changed_selection"]),
+        || format!("bias changed {changed} rows"),
+    );
 
     // A BF16-typed router is bit-identical to an F32 router on the widened weights, on every
     // path, through the kernels and through `Dense`.
@@ -604,22 +678,37 @@ fn router_fixture() {
         let (mut yb, mut yf) = (vec![0f32; n_tok * n_exp], vec![0f32; n_tok * n_exp]);
         matmul_with(isa, DenseRef::Bf16(&bits), n_exp, cols, &x, &mut yb);
         matmul_with(isa, DenseRef::F32(&wide), n_exp, cols, &x, &mut yf);
-        rep.require(first_bit_diff(&yb, &yf).is_none(), || format!("{isa:?}: BF16 router logits != F32-widened"));
+        rep.require(first_bit_diff(&yb, &yf).is_none(), || {
+            format!("{isa:?}: BF16 router logits != F32-widened")
+        });
         match &reference {
             None => reference = Some(yb),
-            Some(r) => rep.require(first_bit_diff(r, &yb).is_none(), || format!("{isa:?}: BF16 logits differ from Generic")),
+            Some(r) => rep.require(first_bit_diff(r, &yb).is_none(), || {
+                format!("{isa:?}: BF16 logits differ from Generic")
+            }),
         }
     }
-    let db = Dense { data: DenseData::Bf16(bits), rows: n_exp, cols };
+    let db = Dense {
+        data: DenseData::Bf16(bits),
+        rows: n_exp,
+        cols,
+    };
     let df = Dense::f32(wide, n_exp, cols);
     let (lb, lf) = (db.apply(&x), df.apply(&x));
-    rep.require(first_bit_diff(&lb, &lf).is_none(), || "Dense BF16 apply != F32-widened".into());
+    rep.require(first_bit_diff(&lb, &lf).is_none(), || {
+        "Dense BF16 apply != F32-widened".into()
+    });
     for tok in 0..n_tok {
         let (ib, wb) = moe::route(&lb[tok * n_exp..(tok + 1) * n_exp], &bias, &p);
         let (i_f, wf) = moe::route(&lf[tok * n_exp..(tok + 1) * n_exp], &bias, &p);
-        rep.require(ib == i_f && first_bit_diff(&wb, &wf).is_none(), || format!("token {tok}: BF16 routing differs"));
+        rep.require(ib == i_f && first_bit_diff(&wb, &wf).is_none(), || {
+            format!("token {tok}: BF16 routing differs")
+        });
     }
-    println!("router: BF16 vs F32-widened logits and routing bit-identical on {:?}", paths());
+    println!(
+        "router: BF16 vs F32-widened logits and routing bit-identical on {:?}",
+        paths()
+    );
     rep.finish();
 }
 
@@ -660,7 +749,10 @@ fn mla_fixture() {
     assert_eq!(w.q_a.rows, int(&f["q_lora"]));
     // The engine scales by (nope + rope)^-0.5; the fixture's scale must be that.
     let scale = num(&f["scale"]);
-    assert!((scale - 1.0 / ((p.nope + p.rope) as f64).sqrt()).abs() < 1e-7, "scale {scale}");
+    assert!(
+        (scale - 1.0 / ((p.nope + p.rope) as f64).sqrt()).abs() < 1e-7,
+        "scale {scale}"
+    );
     let x = t(&f["in"]);
     let mut cache = Vec::new();
     let out = mla::forward(&w, &p, &x, &mut cache);
@@ -668,8 +760,14 @@ fn mla_fixture() {
     let cw = p.cache_width();
     let n_tok = x.len() / w.q_a.cols;
     assert_eq!(cache.len(), n_tok * cw, "cache rows appended");
-    let lat: Vec<f32> = cache.chunks(cw).flat_map(|r| r[..p.kv_lora].to_vec()).collect();
-    let rope: Vec<f32> = cache.chunks(cw).flat_map(|r| r[p.kv_lora..].to_vec()).collect();
+    let lat: Vec<f32> = cache
+        .chunks(cw)
+        .flat_map(|r| r[..p.kv_lora].to_vec())
+        .collect();
+    let rope: Vec<f32> = cache
+        .chunks(cw)
+        .flat_map(|r| r[p.kv_lora..].to_vec())
+        .collect();
     rep.cmp("cache kv_latent", &lat, &t(&f["kv_latent"]));
     rep.cmp("cache k_rope", &rope, &t(&f["k_rope"]));
     // Token-by-token decode over the growing cache gives the same bits as the chunk.
@@ -679,9 +777,15 @@ fn mla_fixture() {
     for xt in x.chunks(hidden) {
         out1.extend(mla::forward(&w, &p, xt, &mut cache1));
     }
-    rep.require(first_bit_diff(&out, &out1).is_none() && first_bit_diff(&cache, &cache1).is_none(), || {
-        format!("token-by-token differs from chunk (first out diff {:?})", first_bit_diff(&out, &out1))
-    });
+    rep.require(
+        first_bit_diff(&out, &out1).is_none() && first_bit_diff(&cache, &cache1).is_none(),
+        || {
+            format!(
+                "token-by-token differs from chunk (first out diff {:?})",
+                first_bit_diff(&out, &out1)
+            )
+        },
+    );
     rep.finish();
 }
 
@@ -690,10 +794,17 @@ fn moe_fixture() {
     let f = fx("moe");
     let mut rep = Report::new("moe");
     let n_exp = int(&f["n_experts"]);
-    assert_eq!(int(&f["latent_norm"]), 1, "the engine always norms the routed aggregate");
+    assert_eq!(
+        int(&f["latent_norm"]),
+        1,
+        "the engine always norms the routed aggregate"
+    );
     let w = moe_weights(&f, "", n_exp);
     assert_eq!(w.down.rows, int(&f["latent"]));
-    assert_eq!(w.shared_gate.rows, int(&f["n_shared"]) * int(&f["moe_inter"]));
+    assert_eq!(
+        w.shared_gate.rows,
+        int(&f["n_shared"]) * int(&f["moe_inter"])
+    );
     let p = MoeParams {
         top_k: int(&f["top_k"]),
         renormalize: int(&f["renorm"]) == 1,
@@ -714,13 +825,20 @@ fn moe_fixture() {
     let (bits, wide) = bf16_round(&gw);
     let (rows, cols) = (w.gate.rows, w.gate.cols);
     let mut wb = w.clone();
-    wb.gate = Dense { data: DenseData::Bf16(bits), rows, cols };
+    wb.gate = Dense {
+        data: DenseData::Bf16(bits),
+        rows,
+        cols,
+    };
     let mut wf = w;
     wf.gate = Dense::f32(wide, rows, cols);
     let (ob, rb) = moe::forward(&wb, &p, &x);
     let (of, rf) = moe::forward(&wf, &p, &x);
     let same_routing = rb.len() == rf.len()
-        && rb.iter().zip(&rf).all(|(a, b)| a.0 == b.0 && first_bit_diff(&a.1, &b.1).is_none());
+        && rb
+            .iter()
+            .zip(&rf)
+            .all(|(a, b)| a.0 == b.0 && first_bit_diff(&a.1, &b.1).is_none());
     rep.require(same_routing && first_bit_diff(&ob, &of).is_none(), || {
         "BF16-gated MoE differs from F32-widened gate".into()
     });
@@ -763,7 +881,11 @@ fn layer_fixture(name: &'static str) {
     // 1. p ← h.
     let p_in = t(&f["in"]);
     // 2. Pre-attention mix when B is non-empty.
-    let mut h = if blocks.is_empty() { p_in.clone() } else { mix(&blocks, Some(&p_in), &attn_fold) };
+    let mut h = if blocks.is_empty() {
+        p_in.clone()
+    } else {
+        mix(&blocks, Some(&p_in), &attn_fold)
+    };
     // 3. Block boundary: push p, clear it.
     let mut partial = if il % block == 0 {
         blocks.push(p_in);
@@ -825,10 +947,18 @@ fn layer_fixture(name: &'static str) {
     rep.cmp("out", &partial, &t(&f["out"]));
     let want_blocks = &f["block_residual_out"];
     rep.require(blocks.len() == shape(want_blocks)[1], || {
-        format!("{} snapshots after the layer, want {}", blocks.len(), shape(want_blocks)[1])
+        format!(
+            "{} snapshots after the layer, want {}",
+            blocks.len(),
+            shape(want_blocks)[1]
+        )
     });
     if blocks.len() == shape(want_blocks)[1] {
-        rep.cmp("block_residual_out", &join_snapshots(&blocks, d), &t(want_blocks));
+        rep.cmp(
+            "block_residual_out",
+            &join_snapshots(&blocks, d),
+            &t(want_blocks),
+        );
     }
     rep.finish();
 }
@@ -856,36 +986,65 @@ fn mxfp4_fixture() {
     assert_eq!(int(&f["group_size"]), 32);
     assert_eq!(int(&f["packed_cols"]) * 2, cols);
     assert_eq!(int(&f["scale_cols"]) * 32, cols);
-    let lut: Vec<f32> = f["e2m1_lut"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
-    rep.require(lut.iter().zip(E2M1.iter()).all(|(a, b)| a.to_bits() == b.to_bits()) && lut.len() == 16, || {
-        format!("E2M1 table {E2M1:?} != fixture {lut:?}")
-    });
+    let lut: Vec<f32> = f["e2m1_lut"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap() as f32)
+        .collect();
+    rep.require(
+        lut.iter()
+            .zip(E2M1.iter())
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+            && lut.len() == 16,
+        || format!("E2M1 table {E2M1:?} != fixture {lut:?}"),
+    );
     let packed = t_u8(&f["packed"]);
     let scales = t_u8(&f["scales"]);
     let expected = t(&f["expected"]);
     assert_eq!(expected.len(), rows * cols);
 
     // Exact decode, element by element, including the sign of zero.
-    let decoded: Vec<f32> = (0..rows * cols).map(|i| element(&packed, &scales, i)).collect();
-    let n_diff = decoded.iter().zip(&expected).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+    let decoded: Vec<f32> = (0..rows * cols)
+        .map(|i| element(&packed, &scales, i))
+        .collect();
+    let n_diff = decoded
+        .iter()
+        .zip(&expected)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
     let first = first_bit_diff(&decoded, &expected);
-    println!("mxfp4: decode {n_diff}/{} elements differ bitwise", rows * cols);
+    println!(
+        "mxfp4: decode {n_diff}/{} elements differ bitwise",
+        rows * cols
+    );
     rep.require(n_diff == 0, || {
         let i = first.unwrap_or(0);
-        format!("decode: {n_diff} differ; first [{i}] got {} want {}", decoded[i], expected[i])
+        format!(
+            "decode: {n_diff} differ; first [{i}] got {} want {}",
+            decoded[i], expected[i]
+        )
     });
     // Worked example of MODEL.md §2.11.
-    let worked = [0.0625f32, 0.0078125, -0.0078125, -0.0234375, -0.0625, -0.03125];
-    rep.require(decoded[..6] == worked, || format!("worked example: {:?}", &decoded[..6]));
+    let worked = [
+        0.0625f32, 0.0078125, -0.0078125, -0.0234375, -0.0625, -0.03125,
+    ];
+    rep.require(decoded[..6] == worked, || {
+        format!("worked example: {:?}", &decoded[..6])
+    });
     // The swapped nibble order gives different values, and is what the fixture records.
     let swapped = t(&serde_json::json!({
         "shape": [f["expected_swapped_nibbles"]["first64"].as_array().unwrap().len()],
         "data": f["expected_swapped_nibbles"]["first64"].clone(),
     }));
     let n = swapped.len();
-    rep.require(first_bit_diff(&decoded[..n], &swapped).is_some(), || "swapped nibbles equal the decode".into());
+    rep.require(first_bit_diff(&decoded[..n], &swapped).is_some(), || {
+        "swapped nibbles equal the decode".into()
+    });
     let mine_swapped: Vec<f32> = (0..n).map(|i| element(&packed, &scales, i ^ 1)).collect();
-    rep.require(first_bit_diff(&mine_swapped, &swapped).is_none(), || "swapped-nibble record not reproduced".into());
+    rep.require(first_bit_diff(&mine_swapped, &swapped).is_none(), || {
+        "swapped-nibble record not reproduced".into()
+    });
 
     // Fused products on every path vs an f64 reference on the decoded matrix.
     let m = Mxfp4Matrix::new(&packed, &scales, rows, cols).expect("mxfp4 geometry");
@@ -901,8 +1060,16 @@ fn mxfp4_fixture() {
     let y = &ys[0].1;
     for r in 0..rows {
         let row = &expected[r * cols..(r + 1) * cols];
-        let reference: f64 = row.iter().zip(&x).map(|(&w, &xi)| f64::from(w) * f64::from(xi)).sum();
-        let mag: f64 = row.iter().zip(&x).map(|(&w, &xi)| (f64::from(w) * f64::from(xi)).abs()).sum();
+        let reference: f64 = row
+            .iter()
+            .zip(&x)
+            .map(|(&w, &xi)| f64::from(w) * f64::from(xi))
+            .sum();
+        let mag: f64 = row
+            .iter()
+            .zip(&x)
+            .map(|(&w, &xi)| (f64::from(w) * f64::from(xi)).abs())
+            .sum();
         let dlt = (f64::from(y[r]) - reference).abs();
         max_d = max_d.max(dlt);
         max_ref = max_ref.max(reference.abs());
@@ -911,9 +1078,13 @@ fn mxfp4_fixture() {
     let rel = max_d / max_ref;
     println!("mxfp4: matmul vs f64 reference: max|d| {max_d:.3e}, max|d|/max|ref| {rel:.3e}, worst |d|/sum|w x| {worst_cond:.3e}");
     rep.require(rel <= 1e-5, || format!("matmul relative error {rel:e}"));
-    rep.require(worst_cond <= 1e-5, || format!("matmul per-row error {worst_cond:e} of sum|w x|"));
+    rep.require(worst_cond <= 1e-5, || {
+        format!("matmul per-row error {worst_cond:e} of sum|w x|")
+    });
     for (isa, yi) in &ys[1..] {
-        rep.require(first_bit_diff(y, yi).is_none(), || format!("mxfp4 matmul {isa:?} differs from Generic"));
+        rep.require(first_bit_diff(y, yi).is_none(), || {
+            format!("mxfp4 matmul {isa:?} differs from Generic")
+        });
     }
     // A batch of 3 equals 3 single products, bit for bit.
     let xb: Vec<f32> = (0..3 * cols).map(|_| rng.unit()).collect();
@@ -923,9 +1094,10 @@ fn mxfp4_fixture() {
         for tok in 0..3 {
             let mut y1 = vec![0f32; rows];
             matmul_mxfp4_with(isa, &m, &xb[tok * cols..(tok + 1) * cols], &mut y1);
-            rep.require(first_bit_diff(&yb[tok * rows..(tok + 1) * rows], &y1).is_none(), || {
-                format!("mxfp4 {isa:?}: batch row {tok} != single")
-            });
+            rep.require(
+                first_bit_diff(&yb[tok * rows..(tok + 1) * rows], &y1).is_none(),
+                || format!("mxfp4 {isa:?}: batch row {tok} != single"),
+            );
         }
     }
     println!("mxfp4: paths {:?} bitwise equal", paths());
@@ -952,11 +1124,23 @@ fn kernel_paths_bitwise() {
         let e0 = dot_bf16_with(Isa::Generic, &wb, &b);
         for &isa in &isas {
             let d = dot_with(isa, &a, &b);
-            assert_eq!(d.to_bits(), d0.to_bits(), "dot f32 width {n} {isa:?}: {d} vs {d0}");
+            assert_eq!(
+                d.to_bits(),
+                d0.to_bits(),
+                "dot f32 width {n} {isa:?}: {d} vs {d0}"
+            );
             let e = dot_bf16_with(isa, &wb, &b);
-            assert_eq!(e.to_bits(), e0.to_bits(), "dot bf16 width {n} {isa:?}: {e} vs {e0}");
+            assert_eq!(
+                e.to_bits(),
+                e0.to_bits(),
+                "dot bf16 width {n} {isa:?}: {e} vs {e0}"
+            );
             let ew = dot_with(isa, &wide, &b);
-            assert_eq!(e.to_bits(), ew.to_bits(), "dot bf16 vs widened f32 width {n} {isa:?}");
+            assert_eq!(
+                e.to_bits(),
+                ew.to_bits(),
+                "dot bf16 vs widened f32 width {n} {isa:?}"
+            );
             n_cmp += 3;
         }
         // axpy.
@@ -976,7 +1160,10 @@ fn kernel_paths_bitwise() {
             let mut ref_f: Option<Vec<f32>> = None;
             let mut ref_b: Option<Vec<f32>> = None;
             for &isa in &isas {
-                for (kind, w) in [("f32", DenseRef::F32(&wf)), ("bf16", DenseRef::Bf16(&wbits))] {
+                for (kind, w) in [
+                    ("f32", DenseRef::F32(&wf)),
+                    ("bf16", DenseRef::Bf16(&wbits)),
+                ] {
                     let mut y5 = vec![0f32; 5 * rows];
                     matmul_with(isa, w, rows, n, &x5, &mut y5);
                     for tok in 0..5 {
@@ -989,16 +1176,35 @@ fn kernel_paths_bitwise() {
                         // Each output is the same fixed-order dot product.
                         for r in 0..rows {
                             let dr = match w {
-                                DenseRef::F32(m) => dot_with(isa, &m[r * n..(r + 1) * n], &x5[tok * n..(tok + 1) * n]),
-                                DenseRef::Bf16(m) => dot_bf16_with(isa, &m[r * n..(r + 1) * n], &x5[tok * n..(tok + 1) * n]),
+                                DenseRef::F32(m) => dot_with(
+                                    isa,
+                                    &m[r * n..(r + 1) * n],
+                                    &x5[tok * n..(tok + 1) * n],
+                                ),
+                                DenseRef::Bf16(m) => dot_bf16_with(
+                                    isa,
+                                    &m[r * n..(r + 1) * n],
+                                    &x5[tok * n..(tok + 1) * n],
+                                ),
                             };
-                            assert_eq!(dr.to_bits(), y1[r].to_bits(), "matmul {kind} {rows}x{n} {isa:?} row {r} != dot");
+                            assert_eq!(
+                                dr.to_bits(),
+                                y1[r].to_bits(),
+                                "matmul {kind} {rows}x{n} {isa:?} row {r} != dot"
+                            );
                         }
                     }
-                    let slot = if kind == "f32" { &mut ref_f } else { &mut ref_b };
+                    let slot = if kind == "f32" {
+                        &mut ref_f
+                    } else {
+                        &mut ref_b
+                    };
                     match slot {
                         None => *slot = Some(y5),
-                        Some(r0) => assert!(first_bit_diff(r0, &y5).is_none(), "matmul {kind} {rows}x{n}: {isa:?} != Generic"),
+                        Some(r0) => assert!(
+                            first_bit_diff(r0, &y5).is_none(),
+                            "matmul {kind} {rows}x{n}: {isa:?} != Generic"
+                        ),
                     }
                     n_cmp += 1;
                 }
@@ -1006,7 +1212,10 @@ fn kernel_paths_bitwise() {
                 let (mut yb, mut yw) = (vec![0f32; 5 * rows], vec![0f32; 5 * rows]);
                 matmul_with(isa, DenseRef::Bf16(&wbits), rows, n, &x5, &mut yb);
                 matmul_with(isa, DenseRef::F32(&wwide), rows, n, &x5, &mut yw);
-                assert!(first_bit_diff(&yb, &yw).is_none(), "matmul bf16 vs widened f32 {rows}x{n} {isa:?}");
+                assert!(
+                    first_bit_diff(&yb, &yw).is_none(),
+                    "matmul bf16 vs widened f32 {rows}x{n} {isa:?}"
+                );
                 n_cmp += 1;
             }
         }

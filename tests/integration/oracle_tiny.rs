@@ -32,8 +32,14 @@ fn teacher_forcing_matches_every_position() {
     let preds: Vec<u32> = logits.chunks(vocab()).map(argmax).collect();
     assert_eq!(preds, u32s(&o["tf_pred"]));
     let n_prompt = o["prompt_ids"].as_array().unwrap().len();
-    let e1 = rel_err(&logits[(n_prompt - 1) * vocab()..n_prompt * vocab()], &f32_bits(&o["logits_last_prompt_f32_bits"]));
-    let e2 = rel_err(&logits[(full.len() - 1) * vocab()..], &f32_bits(&o["logits_last_f32_bits"]));
+    let e1 = rel_err(
+        &logits[(n_prompt - 1) * vocab()..n_prompt * vocab()],
+        &f32_bits(&o["logits_last_prompt_f32_bits"]),
+    );
+    let e2 = rel_err(
+        &logits[(full.len() - 1) * vocab()..],
+        &f32_bits(&o["logits_last_f32_bits"]),
+    );
     println!("tiny oracle: teacher-forced logit error {e1:.3e} (last prompt), {e2:.3e} (last)");
     assert!(e1 < LOGIT_TOL && e2 < LOGIT_TOL, "{e1} {e2}");
     // Layer trace at the two recorded positions.
@@ -99,7 +105,11 @@ fn multi_turn_carried_state() {
     let all = m.forward(&mut st, &chunk, Logits::All);
     let start = t1.len() + r1.len() - 1;
     let preds: Vec<u32> = all.chunks(v).map(argmax).collect();
-    assert_eq!(preds, tf[start..start + chunk.len()], "turn 2 chunk argmaxes");
+    assert_eq!(
+        preds,
+        tf[start..start + chunk.len()],
+        "turn 2 chunk argmaxes"
+    );
     let last = &all[(chunk.len() - 1) * v..];
     let e2 = rel_err(last, &f32_bits(&mt["logits_end_turn2_prompt_f32_bits"]));
     let mut logits = last.to_vec();
@@ -116,9 +126,15 @@ fn multi_turn_carried_state() {
     let all = m.forward(&mut fresh, &full, Logits::All);
     let preds: Vec<u32> = all.chunks(v).map(argmax).collect();
     assert_eq!(preds, tf);
-    let e3 = rel_err(&all[(full.len() - 1) * v..], &f32_bits(&mt["logits_last_f32_bits"]));
+    let e3 = rel_err(
+        &all[(full.len() - 1) * v..],
+        &f32_bits(&mt["logits_last_f32_bits"]),
+    );
     println!("tiny oracle multi-turn: logit error {e1:.3e} / {e2:.3e} / {e3:.3e}");
-    assert!(e1 < LOGIT_TOL && e2 < LOGIT_TOL && e3 < LOGIT_TOL, "{e1} {e2} {e3}");
+    assert!(
+        e1 < LOGIT_TOL && e2 < LOGIT_TOL && e3 < LOGIT_TOL,
+        "{e1} {e2} {e3}"
+    );
 }
 
 #[test]
@@ -170,7 +186,10 @@ fn thread_count_does_not_change_a_bit() {
     let m = model();
     let full = u32s(&oracle()["full_ids"]);
     let run = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
         pool.install(|| {
             let mut st = SeqState::new(&m.cfg);
             m.forward(&mut st, &full, Logits::All)

@@ -101,9 +101,9 @@ pub fn peak_rss_bytes() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-fn load_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
+fn load_tokenizer(dir: &Path, vocab: u32) -> Result<Option<Tokenizer>> {
     if dir.join("tiktoken.model").is_file() {
-        Ok(Some(Tokenizer::load(dir)?))
+        Ok(Some(Tokenizer::load_expecting(dir, vocab)?))
     } else {
         Ok(None)
     }
@@ -155,7 +155,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
     };
     let mut sampler = Sampler::new(sampler_cfg).map_err(|e| Error::Usage(e.to_string()))?;
     let (model, bytes_read) = Model::load_counted(&args.model_dir)?;
-    let tok = load_tokenizer(&args.model_dir)?;
+    let vocab_u32 = u32::try_from(model.cfg.vocab_size)
+        .map_err(|_| Error::Usage("vocab_size above u32".into()))?;
+    let tok = load_tokenizer(&args.model_dir, vocab_u32)?;
     let prompt = prompt_ids(args, tok.as_ref())?;
     if prompt.is_empty() {
         return Err(Error::Usage("the prompt is empty".into()));

@@ -570,6 +570,14 @@ mod tests {
     }
 
     #[test]
+    fn sampler_is_send_and_sync() {
+        fn check<T: Send + Sync + Clone>() {}
+        check::<Sampler>();
+        check::<SampleError>();
+        check::<ConfigError>();
+    }
+
+    #[test]
     fn rng_known_answers() {
         let mut one = Rng::from_seed(1);
         assert_eq!(one.state(), 0x910a_2dec_8902_5cc1);

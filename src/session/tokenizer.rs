@@ -746,6 +746,11 @@ impl Tokenizer {
     }
 
     /// BPE-encodes text containing no special tokens.
+    ///
+    /// The core's regex matcher has a backtracking budget (one million
+    /// steps per match). Every character starts a match of some branch of
+    /// [`PAT_STR`], so each match needs only a handful of backtracking steps
+    /// whatever the input, far below that budget.
     fn encode_ordinary_into(&self, text: &str, out: &mut Vec<u32>) {
         if !text.is_empty() {
             out.extend(self.bpe.encode_ordinary(text));
@@ -1387,6 +1392,14 @@ mod tests {
             out.push(slice[start..].iter().collect());
         }
         out
+    }
+
+    #[test]
+    fn tokenizer_and_stream_are_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<Tokenizer>();
+        check::<Utf8Stream>();
+        check::<TokenizerError>();
     }
 
     // ---- fixtures against stored ids -------------------------------------

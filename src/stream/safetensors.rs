@@ -374,3 +374,162 @@ fn check_coverage(entries: &mut [HeaderEntry], data_len: u64) -> Result<(), Head
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str, data_len: u64) -> Result<Vec<HeaderEntry>, HeaderError> {
+        parse_header(json.as_bytes(), data_len)
+    }
+
+    #[test]
+    fn header_length_bounds() {
+        let mut p = [0u8; 16];
+        assert_eq!(
+            header_len(&p[..4], 4),
+            Err(HeaderError::TooShort { len: 4 })
+        );
+        // Zero, beyond the file, beyond the cap, u64::MAX, exactly 8 bytes of file.
+        for (n, file_len) in [
+            (0u64, 100u64),
+            (93, 100),
+            (MAX_HEADER_LEN + 1, u64::MAX),
+            (u64::MAX, 100),
+            (1, 8),
+        ] {
+            p[..8].copy_from_slice(&n.to_le_bytes());
+            assert!(
+                matches!(
+                    header_len(&p, file_len),
+                    Err(HeaderError::HeaderLength { .. })
+                ),
+                "{n}"
+            );
+        }
+        p[..8].copy_from_slice(&92u64.to_le_bytes());
+        assert_eq!(header_len(&p, 100), Ok(92));
+    }
+
+    #[test]
+    fn html_page_gets_a_hint() {
+        let p = b"<!DOCTYPE html><html>";
+        match header_len(p, 4000) {
+            Err(HeaderError::HeaderLength { hint, .. }) => assert!(hint.contains("HTML")),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn valid_header_with_metadata_padding_and_empty_tensor() {
+        let j = r#"{"__metadata__":{"format":"pt"},"b":{"dtype":"BF16","shape":[2],"data_offsets":[4,8]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"e":{"dtype":"U8","shape":[0,3],"data_offsets":[8,8]}}   "#;
+        let e = parse(j, 8).unwrap();
+        let names: Vec<&str> = e.iter().map(|x| x.name.as_str()).collect();
+        assert_eq!(names, ["a", "b", "e"]);
+        assert_eq!(e.len(), 3);
+    }
+
+    #[test]
+    fn malformed_json_and_shapes_are_refused() {
+        let cases: &[(&str, u64, &str)] = &[
+            ("[1,2]", 0, "start with"),
+            (" {}", 0, "start with"),
+            (
+                "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}",
+                4,
+                "EOF",
+            ),
+            (
+                r#"{"a":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}}"#,
+                8,
+                "unsupported dtype",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4.0]}}"#,
+                4,
+                "not a u64",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[-1,3]}}"#,
+                4,
+                "not a u64",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,18446744073709551616]}}"#,
+                4,
+                "not a u64",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}}"#,
+                4,
+                "before begin",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#,
+                4,
+                "span is 4",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[4,9223372036854775807],"data_offsets":[0,4]}}"#,
+                4,
+                "overflows",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[1,1,1,1,1],"data_offsets":[0,1]}}"#,
+                1,
+                "rank 5",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":1}}"#,
+                1,
+                "unknown field",
+            ),
+            (r#"{"__metadata__":{"k":1}}"#, 0, "__metadata__"),
+        ];
+        for (j, len, needle) in cases {
+            let err = parse(j, *len).unwrap_err().to_string();
+            assert!(err.contains(needle), "{j}: {err}");
+        }
+        let err = parse_header(b"{\"a\xff\":1}", 0).unwrap_err();
+        assert!(
+            matches!(err, HeaderError::Json(ref m) if m.contains("UTF-8")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn duplicate_names_overlaps_holes_and_trailing_bytes_are_refused() {
+        let dup = r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#;
+        assert_eq!(parse(dup, 2), Err(HeaderError::Duplicate("a".into())));
+        let overlap = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}"#;
+        assert!(matches!(
+            parse(overlap, 6),
+            Err(HeaderError::Overlap { .. })
+        ));
+        let aliased = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#;
+        assert!(matches!(
+            parse(aliased, 4),
+            Err(HeaderError::Overlap { .. })
+        ));
+        let hole = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[6,10]}}"#;
+        assert_eq!(parse(hole, 10), Err(HeaderError::Hole { at: 4, len: 2 }));
+        let late = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}"#;
+        assert_eq!(parse(late, 6), Err(HeaderError::Hole { at: 0, len: 2 }));
+        let one = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#;
+        assert!(parse(one, 5)
+            .unwrap_err()
+            .to_string()
+            .contains("1 trailing bytes"));
+        assert!(parse(one, 3).unwrap_err().to_string().contains("truncated"));
+    }
+
+    #[test]
+    fn escaped_names_stay_distinct() {
+        let j = r#"{"a\u0000":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a\u00e9":{"dtype":"U8","shape":[1],"data_offsets":[1,2]},"a\u00e8":{"dtype":"U8","shape":[1],"data_offsets":[2,3]}}"#;
+        let e = parse(j, 3).unwrap();
+        let mut names: Vec<String> = e.into_iter().map(|x| x.name).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), 3);
+    }
+}

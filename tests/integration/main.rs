@@ -6,3 +6,4 @@ mod common;
 mod config;
 mod ops;
 mod oracle_tiny;
+mod reader;

@@ -1,0 +1,63 @@
+//! The safetensors reader on the C reference's torture shards (`tests/fixtures/ops/st`):
+//! `__metadata__`, every dtype, odd F16 length, a scalar, an empty tensor, rank 3 and 4, a second
+//! shard, and a name with quotes and a backslash.
+
+use crate::common::fixture;
+use k3::stream::{Checkpoint, Dtype, TensorData};
+
+#[test]
+fn torture_shards_index_and_read() {
+    let ck = Checkpoint::open(&fixture("ops/st")).unwrap();
+    assert_eq!(
+        ck.index().len(),
+        13,
+        "{:?}",
+        ck.index().names().collect::<Vec<_>>()
+    );
+    assert!(ck.info("__metadata__").is_none());
+    let (info, data) = ck.read("scalar.f32").unwrap();
+    assert!(info.shape.is_empty());
+    assert_eq!(data, TensorData::F32(vec![3.5]));
+    let (info, data) = ck.read("empty.f32").unwrap();
+    assert_eq!(info.shape, vec![0, 8]);
+    assert_eq!(data, TensorData::F32(vec![]));
+    let (_, data) = ck.read("weird\\name.\"with\"quotes").unwrap();
+    assert_eq!(data, TensorData::F32(vec![1.0, 2.0, 3.0]));
+    let (info, data) = ck.read("rank4.u8").unwrap();
+    assert_eq!(
+        (info.dtype, info.shape.clone()),
+        (Dtype::U8, vec![2, 2, 2, 2])
+    );
+    assert!(matches!(data, TensorData::U8(v) if v.len() == 16));
+    // BF16 and F16 special values widen exactly.
+    let TensorData::Bf16(b) = ck.read("plain.bf16.1d").unwrap().1 else {
+        panic!("bf16")
+    };
+    let w: Vec<f32> = b.iter().map(|&x| k3::kernels::bf16_to_f32(x)).collect();
+    assert!(w[0] == f32::INFINITY && w[1] == f32::NEG_INFINITY && w[2].is_nan());
+    assert!(w[4] == 0.0 && w[4].is_sign_negative());
+    assert_eq!(w[5], f32::MIN_POSITIVE);
+    let TensorData::F32(h) = ck.read("tricky.f16.1d").unwrap().1 else {
+        panic!("f16")
+    };
+    assert_eq!(h.len(), 64);
+    assert!(h[0] == f32::INFINITY && h[1] == f32::NEG_INFINITY && h[2].is_nan());
+    assert_eq!(h[5], 2f32.powi(-24), "smallest f16 subnormal");
+    assert_eq!(h[6], 6.097_555e-5, "largest f16 subnormal");
+    assert_eq!(h[7], 2f32.powi(-14), "smallest f16 normal");
+    let (info, _) = ck.read("second.shard.u8").unwrap();
+    assert_eq!(info.shard, 1);
+    assert_eq!(ck.bytes_read(), 4 + 12 + 16 + 256 + 128 + 300);
+}
+
+#[test]
+fn tiny_checkpoint_names_resolve_with_their_prefixes() {
+    let ck = Checkpoint::open(&fixture("tiny")).unwrap();
+    assert!(ck.info("language_model.lm_head.weight").is_some());
+    assert!(ck.info("language_model.model.lm_head.weight").is_none());
+    assert!(ck.info("lm_head.weight").is_none());
+    assert!(ck.info("model.embed_tokens.weight").is_none());
+    assert!(ck
+        .info("language_model.model.embed_tokens.weight")
+        .is_some());
+}

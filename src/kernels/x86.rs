@@ -296,3 +296,46 @@ unsafe fn mxfp4_row_avx2_impl(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
     fold8(&lanes)
 }
+
+avx512_wrapper!(
+    /// Four BF16 rows against one vector, AVX-512 (each row in the single-row order).
+    dot4_bf16_avx512, dot4_bf16_avx512_impl, (w: [&[u16]; 4], x: &[f32]) -> [f32; 4],
+    dot4_bf16_fallback
+);
+
+fn dot4_bf16_fallback(w: [&[u16]; 4], x: &[f32]) -> [f32; 4] {
+    w.map(|r| dot_bf16_avx2(r, x))
+}
+
+/// # Safety
+/// AVX-512F, AVX2 and FMA must be available; every row must be at least `x.len()` long.
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn dot4_bf16_avx512_impl(w: [&[u16]; 4], x: &[f32]) -> [f32; 4] {
+    let n = w.iter().map(|r| r.len()).min().unwrap_or(0).min(x.len());
+    let full = n - n % 16;
+    let px = x.as_ptr();
+    let pw = w.map(<[u16]>::as_ptr);
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut i = 0;
+    while i < full {
+        // SAFETY: i + 16 ≤ full ≤ n ≤ every row's length and x's length.
+        unsafe {
+            let xv = _mm512_loadu_ps(px.add(i));
+            for r in 0..4 {
+                let h = _mm256_loadu_si256(pw[r].add(i).cast());
+                let wv = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
+                acc[r] = _mm512_fmadd_ps(wv, xv, acc[r]);
+            }
+        }
+        i += 16;
+    }
+    let mut out = [0f32; 4];
+    for r in 0..4 {
+        let mut s = hsum16(acc[r]);
+        for k in full..n {
+            s = super::bf16_to_f32(w[r][k]).mul_add(x[k], s);
+        }
+        out[r] = s;
+    }
+    out
+}

@@ -483,7 +483,9 @@ fn kda_decay_fixture() {
     // Range: mathematically (e^lb, 1); in float32 σ can round to 1 (α = e^lb exactly) and
     // g = lb·σ ≈ −3e-9 rounds α to 1.0, so both ends are closed here.
     let lo = p.lower_bound.exp();
-    let (a_min, a_max) = alpha.iter().fold((f32::MAX, f32::MIN), |(m, x), &a| (m.min(a), x.max(a)));
+    let (a_min, a_max) = alpha
+        .iter()
+        .fold((f32::MAX, f32::MIN), |(m, x), &a| (m.min(a), x.max(a)));
     println!("kda_decay: alpha in [{a_min:e}, {a_max:e}], e^lb = {lo:e}");
     rep.require(alpha.iter().all(|&a| a >= lo && a <= 1.0), || {
         format!("alpha outside [e^lb, 1]: [{a_min:e}, {a_max:e}]")
@@ -500,7 +502,9 @@ fn kda_decay_fixture() {
     rep.require(got_ones == want_ones, || {
         format!("alpha == 1 at {got_ones:?}, fixture {want_ones:?}")
     });
-    rep.require(alpha.len() == int(&f["n_alpha_total"]), || "alpha count".into());
+    rep.require(alpha.len() == int(&f["n_alpha_total"]), || {
+        "alpha count".into()
+    });
     rep.finish();
 }
 
@@ -897,7 +901,7 @@ fn layer_fixture(name: &'static str) {
         mix(&blocks, Some(&p_in), &attn_fold)
     };
     // 3. Block boundary: push p, clear it.
-    let mut partial = if il % block == 0 {
+    let mut partial = if il.is_multiple_of(block) {
         blocks.push(p_in);
         None
     } else {

@@ -19,6 +19,9 @@ fn lcg(seed: &mut u64) -> u32 {
 
 fn paths() -> Vec<Isa> {
     let mut v = vec![kernels::detected_isa()];
+    if v[0] == Isa::Avx512 {
+        v.push(Isa::Avx2);
+    }
     if v[0] != Isa::Generic {
         v.push(Isa::Generic);
     }

@@ -222,6 +222,25 @@ fn rows_per_task(rows: usize, cols: usize) -> usize {
     by_work.max(by_threads).clamp(1, rows.max(1))
 }
 
+/// Dot products of rows `r..r+4` of `w` with `x` through a 4-row kernel, when one exists for
+/// this path. Each result equals the single-row kernel's bit for bit.
+#[inline]
+fn dot4_rows(isa: Isa, w: DenseRef<'_>, r: usize, cols: usize, x: &[f32]) -> Option<[f32; 4]> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let span = |j: usize| (r + j) * cols..(r + j + 1) * cols;
+        match w {
+            DenseRef::Bf16(m) => x86::dot4(isa, [0, 1, 2, 3].map(|j| &m[span(j)]), x),
+            DenseRef::F32(m) => x86::dot4(isa, [0, 1, 2, 3].map(|j| &m[span(j)]), x),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (isa, w, r, cols, x);
+        None
+    }
+}
+
 /// Products of one dense matrix `w` `[rows, cols]` with a batch of vectors.
 ///
 /// `x` is `[n_tok, cols]`, `y` is `[n_tok, rows]` (overwritten). Each output element is one
@@ -239,36 +258,45 @@ pub fn matmul_with(isa: Isa, w: DenseRef<'_>, rows: usize, cols: usize, x: &[f32
     );
     let n_tok = x.len() / cols;
     assert_eq!(y.len(), n_tok * rows, "matmul: output size");
-    let per_task = rows_per_task(rows, cols);
-    let row_dot = |r: usize, t: usize| -> f32 {
-        let xt = &x[t * cols..(t + 1) * cols];
+    let per_task = rows_per_task(rows, cols).next_multiple_of(4);
+    let row_dot = |r: usize, xt: &[f32]| -> f32 {
         match w {
             DenseRef::F32(m) => dot_with(isa, &m[r * cols..(r + 1) * cols], xt),
             DenseRef::Bf16(m) => dot_bf16_with(isa, &m[r * cols..(r + 1) * cols], xt),
         }
     };
+    // One task owns `per_task` consecutive rows and writes them as [rows, n_tok] (row-major
+    // per task) into `tmp`; a transpose afterwards yields [n_tok, rows].
+    let fill = |ci: usize, out: &mut [f32]| {
+        let base = ci * per_task;
+        let n_rows = out.len() / n_tok;
+        for t in 0..n_tok {
+            let xt = &x[t * cols..(t + 1) * cols];
+            let mut k = 0;
+            while k + 4 <= n_rows {
+                let Some(v) = dot4_rows(isa, w, base + k, cols, xt) else {
+                    break;
+                };
+                for (j, vj) in v.into_iter().enumerate() {
+                    out[(k + j) * n_tok + t] = vj;
+                }
+                k += 4;
+            }
+            for kk in k..n_rows {
+                out[kk * n_tok + t] = row_dot(base + kk, xt);
+            }
+        }
+    };
     if n_tok == 1 {
         y.par_chunks_mut(per_task)
             .enumerate()
-            .for_each(|(ci, out)| {
-                for (k, o) in out.iter_mut().enumerate() {
-                    *o = row_dot(ci * per_task + k, 0);
-                }
-            });
+            .for_each(|(ci, out)| fill(ci, out));
         return;
     }
-    // Row-major [rows, n_tok] scratch so each task owns a contiguous slice, then transpose.
     let mut tmp = vec![0f32; rows * n_tok];
     tmp.par_chunks_mut(per_task * n_tok)
         .enumerate()
-        .for_each(|(ci, out)| {
-            for (k, row_out) in out.chunks_mut(n_tok).enumerate() {
-                let r = ci * per_task + k;
-                for (t, o) in row_out.iter_mut().enumerate() {
-                    *o = row_dot(r, t);
-                }
-            }
-        });
+        .for_each(|(ci, out)| fill(ci, out));
     for r in 0..rows {
         for t in 0..n_tok {
             y[t * rows + r] = tmp[r * n_tok + t];

@@ -297,24 +297,82 @@ unsafe fn mxfp4_row_avx2_impl(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     fold8(&lanes)
 }
 
-avx512_wrapper!(
-    /// Four BF16 rows against one vector, AVX-512 (each row in the single-row order).
-    dot4_bf16_avx512, dot4_bf16_avx512_impl, (w: [&[u16]; 4], x: &[f32]) -> [f32; 4],
-    dot4_bf16_fallback
-);
+/// Weights widened to f32 eight or sixteen at a time.
+pub(super) trait Elem: Copy {
+    /// Widen one element.
+    fn widen(self) -> f32;
+    /// # Safety
+    /// `p` must be valid for 8 elements; AVX2 must be available.
+    unsafe fn load8(p: *const Self) -> __m256;
+    /// # Safety
+    /// `p` must be valid for 16 elements; AVX-512F must be available.
+    unsafe fn load16(p: *const Self) -> __m512;
+}
 
-fn dot4_bf16_fallback(w: [&[u16]; 4], x: &[f32]) -> [f32; 4] {
-    w.map(|r| dot_bf16_avx2(r, x))
+impl Elem for f32 {
+    #[inline]
+    fn widen(self) -> f32 {
+        self
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable floats.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn load16(p: *const f32) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable floats.
+        unsafe { _mm512_loadu_ps(p) }
+    }
+}
+
+impl Elem for u16 {
+    #[inline]
+    fn widen(self) -> f32 {
+        super::bf16_to_f32(self)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load8(p: *const u16) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable values.
+        unsafe { load_bf16x8(p) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn load16(p: *const u16) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable values.
+        let h = unsafe { _mm256_loadu_si256(p.cast()) };
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+}
+
+/// Add the `n mod 16` tail of each row sequentially, as the single-row kernels do.
+fn finish_rows<E: Elem>(
+    sums: [f32; 4],
+    w: [&[E]; 4],
+    x: &[f32],
+    full: usize,
+    n: usize,
+) -> [f32; 4] {
+    let mut out = sums;
+    for (r, o) in out.iter_mut().enumerate() {
+        for k in full..n {
+            *o = w[r][k].widen().mul_add(x[k], *o);
+        }
+    }
+    out
 }
 
 /// # Safety
-/// AVX-512F, AVX2 and FMA must be available; every row must be at least `x.len()` long.
+/// AVX-512F, AVX2 and FMA must be available.
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn dot4_bf16_avx512_impl(w: [&[u16]; 4], x: &[f32]) -> [f32; 4] {
+unsafe fn dot4_avx512_impl<E: Elem>(w: [&[E]; 4], x: &[f32]) -> [f32; 4] {
     let n = w.iter().map(|r| r.len()).min().unwrap_or(0).min(x.len());
     let full = n - n % 16;
     let px = x.as_ptr();
-    let pw = w.map(<[u16]>::as_ptr);
+    let pw = w.map(<[E]>::as_ptr);
     let mut acc = [_mm512_setzero_ps(); 4];
     let mut i = 0;
     while i < full {
@@ -322,20 +380,53 @@ unsafe fn dot4_bf16_avx512_impl(w: [&[u16]; 4], x: &[f32]) -> [f32; 4] {
         unsafe {
             let xv = _mm512_loadu_ps(px.add(i));
             for r in 0..4 {
-                let h = _mm256_loadu_si256(pw[r].add(i).cast());
-                let wv = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
-                acc[r] = _mm512_fmadd_ps(wv, xv, acc[r]);
+                acc[r] = _mm512_fmadd_ps(E::load16(pw[r].add(i)), xv, acc[r]);
             }
         }
         i += 16;
     }
-    let mut out = [0f32; 4];
-    for r in 0..4 {
-        let mut s = hsum16(acc[r]);
-        for k in full..n {
-            s = super::bf16_to_f32(w[r][k]).mul_add(x[k], s);
+    finish_rows(acc.map(|a| hsum16(a)), w, x, full, n)
+}
+
+/// # Safety
+/// AVX2 and FMA must be available.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot4_avx2_impl<E: Elem>(w: [&[E]; 4], x: &[f32]) -> [f32; 4] {
+    let n = w.iter().map(|r| r.len()).min().unwrap_or(0).min(x.len());
+    let full = n - n % 16;
+    let px = x.as_ptr();
+    let pw = w.map(<[E]>::as_ptr);
+    let mut lo = [_mm256_setzero_ps(); 4];
+    let mut hi = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i < full {
+        // SAFETY: i + 16 ≤ full ≤ n ≤ every row's length and x's length.
+        unsafe {
+            let x0 = _mm256_loadu_ps(px.add(i));
+            let x1 = _mm256_loadu_ps(px.add(i + 8));
+            for r in 0..4 {
+                lo[r] = _mm256_fmadd_ps(E::load8(pw[r].add(i)), x0, lo[r]);
+                hi[r] = _mm256_fmadd_ps(E::load8(pw[r].add(i + 8)), x1, hi[r]);
+            }
         }
-        out[r] = s;
+        i += 16;
     }
-    out
+    let sums = [0, 1, 2, 3].map(|r| hsum8(_mm256_add_ps(lo[r], hi[r])));
+    finish_rows(sums, w, x, full, n)
+}
+
+/// Four rows (F32 or BF16) against one vector, each reduced exactly as the single-row kernel
+/// reduces it; `None` when this CPU lacks the path.
+pub(super) fn dot4<E: Elem>(isa: super::Isa, w: [&[E]; 4], x: &[f32]) -> Option<[f32; 4]> {
+    match isa {
+        super::Isa::Avx512 if has_avx512() => {
+            // SAFETY: AVX-512F, AVX2 and FMA are available (checked in this arm's guard).
+            Some(unsafe { dot4_avx512_impl(w, x) })
+        }
+        super::Isa::Avx2 | super::Isa::Avx512 if has_avx2_fma() => {
+            // SAFETY: AVX2 and FMA are available (checked in this arm's guard).
+            Some(unsafe { dot4_avx2_impl(w, x) })
+        }
+        _ => None,
+    }
 }

@@ -225,7 +225,7 @@ def load_config(ckpt):
 # --------------------------------------------------------------------------------------
 
 def sigmoid(x):
-    x = np.asarray(x, dtype=np.float64)
+    x = np.asarray(x)
     out = np.empty_like(x)
     pos = x >= 0
     out[pos] = 1.0 / (1.0 + np.exp(-x[pos]))
@@ -272,6 +272,7 @@ class State:
     def __init__(self, m):
         c = m.cfg
         P = c.kda_heads * c.kda_dim
+        dt = m.dt
         self.pos = 0
         self.kda_S = {}
         self.conv = {}
@@ -280,8 +281,8 @@ class State:
             if c.is_mla[L]:
                 self.mla[L] = {"k": [], "v": [], "r": []}
             else:
-                self.kda_S[L] = np.zeros((c.kda_heads, c.kda_dim, c.kda_dim))
-                self.conv[L] = {x: np.zeros((P, c.conv_k - 1)) for x in "qkv"}
+                self.kda_S[L] = np.zeros((c.kda_heads, c.kda_dim, c.kda_dim), dtype=dt)
+                self.conv[L] = {x: np.zeros((P, c.conv_k - 1), dtype=dt) for x in "qkv"}
 
     def copy(self):
         import copy
@@ -293,9 +294,11 @@ class Model:
     L2_EPS = 1e-6
 
     @classmethod
-    def load(cls, ckpt, mla_lora_eps=1e-6):
+    def load(cls, ckpt, mla_lora_eps=1e-6, dtype=np.float64):
+        """dtype=np.float32 gives a plain float32 emulation (robustness checks only)."""
         m = cls()
         m.MLA_LORA_EPS = mla_lora_eps
+        m.dt = dtype
         m.cfg = c = load_config(ckpt)
         t = load_tensors(ckpt)
         m.used = set()
@@ -307,7 +310,7 @@ class Model:
             dt, shp, arr = t[name]
             if dt == "U8":
                 raise ValueError(f"{name}: expected a float tensor")
-            a = np.asarray(arr, dtype=np.float64)
+            a = np.asarray(arr, dtype=m.dt)
             if shape is not None:
                 if a.size != int(np.prod(shape)):
                     raise ValueError(f"{name}: {shp} does not match expected {shape}")
@@ -325,7 +328,7 @@ class Model:
                 raise ValueError(f"{name}: logical {W.shape} != {(rows, cols)}")
             if not np.any(W != 0):
                 raise ValueError(f"{name}: quantises to all zeros")
-            return W
+            return W.astype(m.dt)
 
         H = c.hidden
         P = c.kda_heads * c.kda_dim
@@ -407,12 +410,11 @@ class Model:
         c = self.cfg
         T = x.shape[0]
         nh, D, K = c.kda_heads, c.kda_dim, c.conv_k
-        out = np.empty((T, nh * D))
         proj = {n: x @ d[n].T for n in "qkv"}           # [T, P] pre-conv
         conv = {}
         for n in "qkv":
             hist = np.concatenate([st.conv[L][n].T, proj[n]], axis=0)   # [(K-1)+T, P]
-            y = np.zeros((T, nh * D))
+            y = np.zeros((T, nh * D), dtype=self.dt)
             for j in range(K):
                 y += d[n + "conv"][:, j][None, :] * hist[j:j + T]
             conv[n] = silu(y)
@@ -426,7 +428,7 @@ class Model:
         gdec = c.g_min * sigmoid(scale * (z + d["dt_bias"][None, :]))
         alpha = np.exp(gdec).reshape(T, nh, D)
         S = st.kda_S[L]
-        o = np.empty((T, nh, D))
+        o = np.empty((T, nh, D), dtype=self.dt)
         for t in range(T):
             S = alpha[t][:, :, None] * S                                # decay key rows
             u = np.einsum("hi,hij->hj", k[t], S)                        # read
@@ -449,7 +451,7 @@ class Model:
         kvb = (lat @ d["kv_b"].T).reshape(T, nh, nope + vd)
         cache = st.mla[L]
         scale = (nope + rope) ** -0.5
-        o = np.empty((T, nh, vd))
+        o = np.empty((T, nh, vd), dtype=self.dt)
         for t in range(T):
             cache["k"].append(kvb[t, :, :nope])
             cache["v"].append(kvb[t, :, nope:])
@@ -478,7 +480,7 @@ class Model:
         s = sigmoid(logits)
         choice = s + d["bias"][None, :]
         z = x @ d["ldown"].T
-        u = np.zeros((T, c.latent))
+        u = np.zeros((T, c.latent), dtype=self.dt)
         idx_all = np.empty((T, c.top_k), dtype=np.int64)
         margins = np.empty(T)
         for t in range(T):
@@ -690,6 +692,8 @@ def check_oracle(m, o, log=print):
     for k, v in fig.items():
         if isinstance(v, float):
             log(f"  {k}: {v:.3e}")
+        elif k == "trace_bits_exact":
+            log(f"  {k}: {v}")
     return ok, fig
 
 
@@ -700,9 +704,11 @@ def main():
     ap.add_argument("--generate", type=int, default=0)
     ap.add_argument("--check-oracle", nargs="?", const="", default=None, metavar="ORACLE_JSON")
     ap.add_argument("--mla-lora-eps", type=float, default=1e-6)
+    ap.add_argument("--float32", action="store_true", help="plain float32 emulation instead of float64")
     ap.add_argument("--json-out", help="write check figures here")
     a = ap.parse_args()
-    m = Model.load(a.ckpt, mla_lora_eps=a.mla_lora_eps)
+    m = Model.load(a.ckpt, mla_lora_eps=a.mla_lora_eps,
+                   dtype=np.float32 if a.float32 else np.float64)
     if m.unused:
         print(f"warning: {len(m.unused)} language_model tensors unused, e.g. {m.unused[:3]}", file=sys.stderr)
     if a.check_oracle is not None:

@@ -7,14 +7,28 @@ use std::sync::OnceLock;
 /// Relative logit tolerance: max|Δ| / max|want| per row.
 const LOGIT_TOL: f64 = 1e-4;
 
+/// The two oracle sets: `tiny` (the shared oracle's shape) and `tiny2` (another shape: 9
+/// layers, block size 2, two dense layers, 16 experts top-4, scaling 2.5, eps 3e-6).
+const SETS: [&str; 2] = ["tiny", "tiny2"];
+
+fn model_of(set: &str) -> &'static Model {
+    static M: [OnceLock<Model>; 2] = [OnceLock::new(), OnceLock::new()];
+    let i = SETS.iter().position(|s| *s == set).unwrap();
+    M[i].get_or_init(|| Model::load(&fixture(set)).expect("checkpoint loads"))
+}
+
+fn oracle_of(set: &str) -> &'static serde_json::Value {
+    static O: [OnceLock<serde_json::Value>; 2] = [OnceLock::new(), OnceLock::new()];
+    let i = SETS.iter().position(|s| *s == set).unwrap();
+    O[i].get_or_init(|| json(&format!("{set}/oracle.json")))
+}
+
 fn model() -> &'static Model {
-    static M: OnceLock<Model> = OnceLock::new();
-    M.get_or_init(|| Model::load(&fixture("tiny")).expect("tiny checkpoint loads"))
+    model_of("tiny")
 }
 
 fn oracle() -> &'static serde_json::Value {
-    static O: OnceLock<serde_json::Value> = OnceLock::new();
-    O.get_or_init(|| json("tiny/oracle.json"))
+    oracle_of("tiny")
 }
 
 fn vocab() -> usize {
@@ -23,8 +37,15 @@ fn vocab() -> usize {
 
 #[test]
 fn teacher_forcing_matches_every_position() {
-    let m = model();
-    let o = oracle();
+    for set in SETS {
+        teacher_forcing(set);
+    }
+}
+
+fn teacher_forcing(set: &str) {
+    let m = model_of(set);
+    let o = oracle_of(set);
+    let vocab = || m.cfg.vocab_size;
     let full = u32s(&o["full_ids"]);
     let mut st = SeqState::new(&m.cfg);
     let mut trace = Trace::default();
@@ -40,7 +61,7 @@ fn teacher_forcing_matches_every_position() {
         &logits[(full.len() - 1) * vocab()..],
         &f32_bits(&o["logits_last_f32_bits"]),
     );
-    println!("tiny oracle: teacher-forced logit error {e1:.3e} (last prompt), {e2:.3e} (last)");
+    println!("{set} oracle: teacher-forced logit error {e1:.3e} (last prompt), {e2:.3e} (last)");
     assert!(e1 < LOGIT_TOL && e2 < LOGIT_TOL, "{e1} {e2}");
     // Layer trace at the two recorded positions.
     let pos = u32s(&o["trace"]["positions"]);
@@ -57,14 +78,20 @@ fn teacher_forcing_matches_every_position() {
 
 #[test]
 fn greedy_prefill_then_incremental_decode() {
-    let m = model();
-    let o = oracle();
+    for set in SETS {
+        greedy(set);
+    }
+}
+
+fn greedy(set: &str) {
+    let m = model_of(set);
+    let o = oracle_of(set);
     let prompt = u32s(&o["prompt_ids"]);
     let full = u32s(&o["full_ids"]);
     let mut st = SeqState::new(&m.cfg);
     let mut logits = m.forward(&mut st, &prompt, Logits::Last);
     let e = rel_err(&logits, &f32_bits(&o["logits_last_prompt_f32_bits"]));
-    println!("tiny oracle: prefill logit error {e:.3e}");
+    println!("{set} oracle: prefill logit error {e:.3e}");
     assert!(e < LOGIT_TOL);
     let mut ids = prompt.clone();
     let n_gen = o["n_generated"].as_u64().unwrap() as usize;
@@ -138,9 +165,15 @@ fn multi_turn_carried_state() {
 }
 
 #[test]
-fn routing_matches_the_oracle_where_margins_allow() {
-    let m = model();
-    let o = oracle();
+fn routing_matches_the_oracle() {
+    for set in SETS {
+        routing(set);
+    }
+}
+
+fn routing(set: &str) {
+    let m = model_of(set);
+    let o = oracle_of(set);
     let full = u32s(&o["full_ids"]);
     let mut st = SeqState::new(&m.cfg);
     let mut trace = Trace::default();
@@ -152,7 +185,7 @@ fn routing_matches_the_oracle_where_margins_allow() {
             let mut got: Vec<u32> = trace.routing[il][t].0.iter().map(|&e| e as u32).collect();
             want.sort_unstable();
             got.sort_unstable();
-            assert_eq!(got, want, "layer {il} position {t}");
+            assert_eq!(got, want, "{set} layer {il} position {t}");
         }
     }
 }

@@ -1,7 +1,10 @@
 //! Command line: argument parsing (clap) and the wiring of each subcommand. No terminal types;
 //! errors are values until [`main`] turns them into an exit status.
 
+pub mod chat;
+pub mod protocol;
 pub mod run;
+pub mod worker;
 
 use clap::{Parser, Subcommand};
 
@@ -23,6 +26,11 @@ pub enum Command {
     /// peak RSS) goes to stderr. Exit status: 0 ok, 1 runtime failure, 2 usage or config
     /// refusal, 3 an input file failed validation, 4 the output is unsound (non-finite logits).
     Run(run::RunArgs),
+    /// Chat with a model: the K3 template, state carried across turns, raw mode, saved sessions.
+    ///
+    /// Lines starting with `/` are commands (`/help`); end a line with `\` to continue it.
+    /// Ctrl-C stops a reply and keeps the session.
+    Chat(chat::ChatArgs),
 }
 
 /// Parse the command line, run, and return the process exit status.
@@ -30,10 +38,11 @@ pub enum Command {
 pub fn main() -> i32 {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run(args) => run::run(&args),
+        Command::Run(args) => run::run(&args).map(|()| 0),
+        Command::Chat(args) => chat::run(&args),
     };
     match result {
-        Ok(()) => 0,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("k3: error: {e}");
             e.exit_code()

@@ -10,5 +10,6 @@ pub mod error;
 pub mod kernels;
 pub mod session;
 pub mod stream;
+pub mod ui;
 
 pub use error::{Error, Result};

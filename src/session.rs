@@ -1,4 +1,8 @@
-//! One conversation's text side: the tokenizer (and, later, the chat template and saved
-//! sessions).
+//! One conversation's text side: tokenizer, chat template, slash commands, the session with its
+//! carried engine state, and saved session files.
 
+pub mod chat;
+pub mod commands;
+pub mod store;
+pub mod template;
 pub mod tokenizer;

@@ -134,9 +134,9 @@ fn prompt_ids(args: &RunArgs, tok: Option<&Tokenizer>) -> Result<Vec<u32>> {
     Ok(tok.encode(&text, true))
 }
 
-/// Run `k3 run`.
-pub fn run(args: &RunArgs) -> Result<()> {
-    if let Some(n) = args.threads {
+/// Size the compute pool (`--threads`); `None` keeps one thread per core.
+pub fn set_threads(threads: Option<usize>) -> Result<()> {
+    if let Some(n) = threads {
         if n == 0 {
             return Err(Error::Usage("--threads must be at least 1".into()));
         }
@@ -145,6 +145,12 @@ pub fn run(args: &RunArgs) -> Result<()> {
             .build_global()
             .map_err(|e| Error::Usage(format!("--threads: {e}")))?;
     }
+    Ok(())
+}
+
+/// Run `k3 run`.
+pub fn run(args: &RunArgs) -> Result<()> {
+    set_threads(args.threads)?;
     let sampler_cfg = SamplerConfig {
         temperature: args.temperature,
         top_k: args.top_k,

@@ -47,6 +47,15 @@ impl From<LoadError> for crate::Error {
     }
 }
 
+/// What loading read.
+#[derive(Clone, Debug)]
+pub struct LoadInfo {
+    /// Tensor bytes read.
+    pub bytes_read: u64,
+    /// SHA-256 over every tensor's name, dtype, shape and offset.
+    pub index_digest: [u8; 32],
+}
+
 /// Tensor names of the released checkpoint.
 pub mod names {
     /// Prefix of every decoder-layer tensor.
@@ -442,10 +451,21 @@ impl Model {
 
     /// [`Model::load`], also returning the number of tensor bytes read.
     pub fn load_counted(dir: &Path) -> Result<(Model, u64), LoadError> {
+        Self::load_full(dir).map(|(m, info)| (m, info.bytes_read))
+    }
+
+    /// [`Model::load`], also returning what was read and a digest of the tensor index.
+    pub fn load_full(dir: &Path) -> Result<(Model, LoadInfo), LoadError> {
         let cfg = ModelConfig::load(&dir.join("config.json"))?;
         let ck = Checkpoint::open(dir)?;
         let model = Self::bind(cfg, &ck)?;
-        Ok((model, ck.bytes_read()))
+        Ok((
+            model,
+            LoadInfo {
+                bytes_read: ck.bytes_read(),
+                index_digest: ck.index_digest(),
+            },
+        ))
     }
 
     /// Bind an open checkpoint to `cfg`.

@@ -247,6 +247,30 @@ impl Checkpoint {
         self.bytes_read.load(Ordering::Relaxed)
     }
 
+    /// SHA-256 over every tensor's shard name, name, dtype, shape and offset, in name order:
+    /// it changes whenever the checkpoint's layout does.
+    #[must_use]
+    pub fn index_digest(&self) -> [u8; 32] {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        for name in self.index.names() {
+            if let Some(i) = self.index.get(&name) {
+                h.update((name.len() as u64).to_le_bytes());
+                h.update(name.as_bytes());
+                let shard = &self.index.shard_names()[i.shard];
+                h.update((shard.len() as u64).to_le_bytes());
+                h.update(shard.as_bytes());
+                h.update(i.dtype.name().as_bytes());
+                h.update((i.shape.len() as u64).to_le_bytes());
+                for d in &i.shape {
+                    h.update((*d as u64).to_le_bytes());
+                }
+                h.update(i.offset.to_le_bytes());
+            }
+        }
+        h.finalize().into()
+    }
+
     /// The tensor index.
     #[must_use]
     pub fn index(&self) -> &TensorIndex {

@@ -1,0 +1,537 @@
+//! The engine worker: one thread that loads the model, owns the session and answers
+//! [`Request`]s with [`EngineEvent`]s. The front end never touches weights; the worker never
+//! draws. Cancelling is a flag the worker checks between tokens.
+
+use super::protocol::{EngineEvent, Request, TurnId};
+use crate::engine::weights::LoadInfo;
+use crate::engine::Model;
+use crate::session::chat::{Entry, Mode, Session, Settings};
+use crate::session::commands::{Command, ExportFormat, Setting, Think, HELP};
+use crate::session::store::{self, ModelIdentity, SessionRecord, SessionStore, Summary};
+use crate::session::tokenizer::Tokenizer;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// What the worker needs to start.
+#[derive(Clone, Debug)]
+pub struct ChatConfig {
+    /// Checkpoint directory.
+    pub model_dir: PathBuf,
+    /// Initial settings.
+    pub settings: Settings,
+    /// Initial system message.
+    pub system: Option<String>,
+    /// Session to resume.
+    pub resume: Option<String>,
+    /// Name to save under (default: derived from the start time).
+    pub session_name: Option<String>,
+    /// Session directory (default: the data directory).
+    pub session_dir: Option<PathBuf>,
+}
+
+/// Handle on a running worker.
+pub struct Worker {
+    tx: Sender<Request>,
+    rx: Receiver<EngineEvent>,
+    cancel: Arc<AtomicBool>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Worker {
+    /// Start the worker thread; it loads the model and sends `Ready` (or `Stopped` on failure).
+    #[must_use]
+    pub fn spawn(cfg: ChatConfig) -> Worker {
+        let (tx, rx_req) = channel::<Request>();
+        let (tx_ev, rx) = channel::<EngineEvent>();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&cancel);
+        let handle = std::thread::Builder::new()
+            .name("k3-engine".into())
+            .spawn(move || run(&cfg, &rx_req, &tx_ev, &flag))
+            .ok();
+        Worker {
+            tx,
+            rx,
+            cancel,
+            handle,
+        }
+    }
+
+    /// The flag that stops the current reply at the next token.
+    #[must_use]
+    pub fn cancel_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.cancel)
+    }
+
+    /// Send a request; false when the worker is gone.
+    pub fn send(&self, r: Request) -> bool {
+        self.tx.send(r).is_ok()
+    }
+
+    /// Wait for the next event; `None` when the worker is gone.
+    #[must_use]
+    pub fn recv(&self) -> Option<EngineEvent> {
+        self.rx.recv().ok()
+    }
+
+    /// Next event if one is waiting.
+    #[must_use]
+    pub fn try_recv(&self) -> Option<EngineEvent> {
+        self.rx.try_recv().ok()
+    }
+
+    /// Ask the worker to stop and wait for it.
+    pub fn shutdown(mut self) {
+        self.cancel.store(true, Ordering::Relaxed);
+        let _ = self.tx.send(Request::Shutdown);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The transcript section of a saved session (JSON, readable on its own).
+#[derive(Debug, Serialize, Deserialize)]
+struct SavedTranscript {
+    system: Option<String>,
+    mode: Mode,
+    entries: Vec<Entry>,
+    /// A sampled id the engine has not been fed yet.
+    pending: Option<u32>,
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn model_identity(dir: &Path, info: &LoadInfo) -> std::io::Result<ModelIdentity> {
+    let config = std::fs::read(dir.join("config.json"))?;
+    let ranks = std::fs::read(dir.join("tiktoken.model"))?;
+    let tok_cfg = std::fs::read(dir.join("tokenizer_config.json"))?;
+    Ok(ModelIdentity::compute(
+        &config,
+        &[&ranks, &tok_cfg],
+        &info.index_digest,
+    ))
+}
+
+/// Everything the worker loop holds.
+struct Ctx<'a> {
+    session: Session<'a>,
+    store: SessionStore,
+    identity: ModelIdentity,
+    name: String,
+    created: u64,
+    tx: &'a Sender<EngineEvent>,
+    cancel: &'a AtomicBool,
+}
+
+fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cancel: &AtomicBool) {
+    let fail = |msg: String, code: i32| {
+        let _ = tx.send(EngineEvent::Failed {
+            turn: 0,
+            message: msg,
+        });
+        let _ = tx.send(EngineEvent::Stopped { exit_code: code });
+    };
+    let (model, info) = match Model::load_full(&cfg.model_dir) {
+        Ok(m) => m,
+        Err(e) => {
+            let e: crate::Error = e.into();
+            return fail(e.to_string(), e.exit_code());
+        }
+    };
+    let vocab = u32::try_from(model.cfg.vocab_size).unwrap_or(u32::MAX);
+    let tok = match Tokenizer::load_expecting(&cfg.model_dir, vocab) {
+        Ok(t) => t,
+        Err(e) => return fail(e.to_string(), 3),
+    };
+    let identity = match model_identity(&cfg.model_dir, &info) {
+        Ok(i) => i,
+        Err(e) => return fail(format!("{}: {e}", cfg.model_dir.display()), 3),
+    };
+    let store = match &cfg.session_dir {
+        Some(d) => SessionStore::new(d.clone()),
+        None => SessionStore::new(SessionStore::default_dir()),
+    };
+    let session = match Session::new(&model, &tok, cfg.settings.clone()) {
+        Ok(s) => s,
+        Err(e) => return fail(e.to_string(), 2),
+    };
+    let mut ctx = Ctx {
+        session,
+        store,
+        identity,
+        name: cfg
+            .session_name
+            .clone()
+            .unwrap_or_else(|| format!("session-{}", unix_now())),
+        created: unix_now(),
+        tx,
+        cancel,
+    };
+    ctx.session.system.clone_from(&cfg.system);
+    if let Some(name) = &cfg.resume {
+        if let Err(msg) = ctx.load(name) {
+            return fail(msg, 3);
+        }
+    }
+    let info_line = format!(
+        "k3: {} ({} layers, vocabulary {}), session {:?}, {} mode",
+        cfg.model_dir.display(),
+        model.cfg.num_hidden_layers,
+        model.cfg.vocab_size,
+        ctx.name,
+        ctx.session.mode.name()
+    );
+    if tx.send(EngineEvent::Ready { info: info_line }).is_err() {
+        return;
+    }
+    while let Ok(req) = rx.recv() {
+        cancel.store(false, Ordering::Relaxed);
+        let ok = match req {
+            Request::Shutdown => break,
+            Request::Send { turn, text } => ctx.send(turn, &text),
+            Request::Command { turn, command } => ctx.command(turn, command),
+        };
+        if !ok {
+            break; // the front end is gone
+        }
+    }
+    let _ = tx.send(EngineEvent::Stopped { exit_code: 0 });
+}
+
+impl Ctx<'_> {
+    fn event(&self, e: EngineEvent) -> bool {
+        self.tx.send(e).is_ok()
+    }
+
+    fn notice(&self, turn: TurnId, text: impl Into<String>) -> bool {
+        self.event(EngineEvent::Notice {
+            turn,
+            text: text.into(),
+        })
+    }
+
+    fn failed(&self, turn: TurnId, message: impl Into<String>) -> bool {
+        self.event(EngineEvent::Failed {
+            turn,
+            message: message.into(),
+        })
+    }
+
+    /// Run a generating call and report it.
+    fn turn_result(
+        &mut self,
+        turn: TurnId,
+        f: impl FnOnce(
+            &mut Session<'_>,
+            &AtomicBool,
+            &mut dyn FnMut(u32, &str),
+        )
+            -> Result<crate::session::chat::TurnReport, crate::session::chat::TurnError>,
+    ) -> bool {
+        let tx = self.tx;
+        let mut alive = true;
+        let mut emit = |id: u32, text: &str| {
+            alive &= tx
+                .send(EngineEvent::Token {
+                    turn,
+                    id,
+                    text: text.to_string(),
+                })
+                .is_ok();
+        };
+        let result = f(&mut self.session, self.cancel, &mut emit);
+        match result {
+            Ok(report) => {
+                alive
+                    && self.event(EngineEvent::TurnDone {
+                        turn,
+                        report: Box::new(report),
+                    })
+            }
+            Err(e) => alive && self.failed(turn, e.to_string()),
+        }
+    }
+
+    fn send(&mut self, turn: TurnId, text: &str) -> bool {
+        self.turn_result(turn, |s, c, e| s.send(text, c, e))
+    }
+
+    fn record(&self) -> Result<SessionRecord, String> {
+        let s = &self.session;
+        let transcript = SavedTranscript {
+            system: s.system.clone(),
+            mode: s.mode,
+            entries: s.entries.clone(),
+            pending: s.pending(),
+        };
+        Ok(SessionRecord {
+            name: self.name.clone(),
+            created_unix: self.created,
+            saved_unix: unix_now(),
+            identity: self.identity,
+            summary: Summary {
+                turns: s.turns() as u32,
+                mode: s.mode.name().to_string(),
+            },
+            transcript_json: serde_json::to_vec(&transcript).map_err(|e| e.to_string())?,
+            settings_json: serde_json::to_vec(&s.settings).map_err(|e| e.to_string())?,
+            tokens: s.tokens().to_vec(),
+            state: s.state().clone(),
+            sampler: s.settings.sampler(),
+            rng_state: s.rng_state(),
+        })
+    }
+
+    fn apply_transcript(&mut self, json: &[u8]) -> Result<Option<u32>, String> {
+        let t: SavedTranscript =
+            serde_json::from_slice(json).map_err(|e| format!("transcript: {e}"))?;
+        self.session.system = t.system;
+        self.session.entries = t.entries;
+        self.session.mode = t.mode;
+        Ok(t.pending)
+    }
+
+    /// Load `name`: full restore, or the transcript alone when the state is refused.
+    fn load(&mut self, name: &str) -> Result<String, String> {
+        match self
+            .store
+            .load(name, &self.session.model().cfg, &self.identity)
+        {
+            Ok(rec) => {
+                let settings: Settings = serde_json::from_slice(&rec.settings_json)
+                    .map_err(|e| format!("session {name:?}: settings: {e}"))?;
+                self.session
+                    .set_settings(settings)
+                    .map_err(|e| e.to_string())?;
+                let pending = self.apply_transcript(&rec.transcript_json)?;
+                self.session
+                    .restore(rec.tokens, rec.state, pending, rec.rng_state)
+                    .map_err(|e| e.to_string())?;
+                self.name = rec.name;
+                self.created = rec.created_unix;
+                Ok(format!(
+                    "loaded session {name:?}: {} turns, {} positions, no re-prefill needed",
+                    self.session.turns(),
+                    self.session.tokens().len()
+                ))
+            }
+            Err(store::LoadError::StateRefused {
+                reason,
+                transcript_json,
+            }) => {
+                self.session.reset().map_err(|e| e.to_string())?;
+                self.apply_transcript(&transcript_json)?;
+                self.name = name.to_string();
+                Ok(format!(
+                    "session {name:?}: the saved state was refused ({reason}); its transcript \
+                     is loaded and the next turn re-reads the history"
+                ))
+            }
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    fn save(&mut self, name: Option<String>) -> Result<String, String> {
+        if let Some(n) = name {
+            self.name = n;
+        }
+        let rec = self.record()?;
+        let t0 = std::time::Instant::now();
+        let bytes = self.store.save(&rec).map_err(|e| e.to_string())?;
+        Ok(format!(
+            "saved session {:?} ({} positions, {:.1} KB, {:.0} ms)",
+            self.name,
+            rec.tokens.len(),
+            bytes as f64 / 1e3,
+            t0.elapsed().as_secs_f64() * 1e3
+        ))
+    }
+
+    fn sessions(&self) -> Result<String, String> {
+        let list = self.store.list().map_err(|e| e.to_string())?;
+        if list.is_empty() {
+            return Ok(format!(
+                "no saved sessions in {}",
+                self.store.dir().display()
+            ));
+        }
+        let mut out = format!(
+            "{} saved session(s) in {}:",
+            list.len(),
+            self.store.dir().display()
+        );
+        for s in list {
+            out.push_str(&format!(
+                "\n  {:<24} saved {}  {} turns  {} positions  {:.1} KB  {:.0} B/position",
+                s.name,
+                s.saved_unix,
+                s.turns,
+                s.positions,
+                s.bytes as f64 / 1e3,
+                s.bytes_per_position
+            ));
+        }
+        Ok(out)
+    }
+
+    fn export(&self, fmt: ExportFormat, path: &str) -> Result<String, String> {
+        let s = &self.session;
+        let text = match fmt {
+            ExportFormat::Json => {
+                let t = SavedTranscript {
+                    system: s.system.clone(),
+                    mode: s.mode,
+                    entries: s.entries.clone(),
+                    pending: None,
+                };
+                serde_json::to_string_pretty(&t).map_err(|e| e.to_string())?
+            }
+            ExportFormat::Markdown => {
+                let mut md = format!("# {}\n", self.name);
+                if let Some(sys) = &s.system {
+                    md.push_str(&format!("\n**system**\n\n{sys}\n"));
+                }
+                for e in &s.entries {
+                    match e {
+                        Entry::Message {
+                            role,
+                            content,
+                            reasoning,
+                        } => {
+                            md.push_str(&format!("\n**{role}**\n\n"));
+                            if let Some(r) = reasoning.as_ref().filter(|r| !r.trim().is_empty()) {
+                                for line in r.lines() {
+                                    md.push_str(&format!("> {line}\n"));
+                                }
+                                md.push('\n');
+                            }
+                            md.push_str(content);
+                            md.push('\n');
+                        }
+                        Entry::Raw { prompt, output } => {
+                            md.push_str(&format!("\n**raw**\n\n```\n{prompt}{output}\n```\n"));
+                        }
+                        Entry::Mode { mode } => md.push_str(&format!("\n*{} mode*\n", mode.name())),
+                    }
+                }
+                md
+            }
+        };
+        std::fs::write(path, text).map_err(|e| format!("/export {path}: {e}"))?;
+        Ok(format!("transcript written to {path}"))
+    }
+
+    fn set(&mut self, setting: Setting, v: f64) -> Result<String, String> {
+        let mut s = self.session.settings.clone();
+        match setting {
+            Setting::Temperature => s.temperature = v as f32,
+            Setting::TopP => s.top_p = v as f32,
+            Setting::TopK => s.top_k = v as usize,
+            Setting::MinP => s.min_p = v as f32,
+            Setting::RepeatPenalty => s.repeat_penalty = v as f32,
+            Setting::Seed => s.seed = v as u64,
+            Setting::MaxTokens => s.max_tokens = v as usize,
+        }
+        self.session.set_settings(s).map_err(|e| e.to_string())?;
+        Ok(format!("{} = {v}", setting.name()))
+    }
+
+    fn stats(&self) -> String {
+        let s = &self.session;
+        format!(
+            "positions {} / {}; carried state {:.2} MB; mode {}; thinking {} ({}); peak RSS {:.1} MB",
+            s.tokens().len(),
+            s.settings.context_limit,
+            s.state().bytes() as f64 / 1e6,
+            s.mode.name(),
+            if s.settings.thinking { "on" } else { "off" },
+            s.settings.effort,
+            super::run::peak_rss_bytes() as f64 / 1e6
+        )
+    }
+
+    fn command(&mut self, turn: TurnId, command: Command) -> bool {
+        let answer: Result<String, String> = match command {
+            Command::Regen => return self.turn_result(turn, |s, c, e| s.regen(c, e)),
+            Command::Edit(text) => return self.turn_result(turn, |s, c, e| s.edit(&text, c, e)),
+            Command::New => self
+                .session
+                .reset()
+                .map(|()| "new conversation".into())
+                .map_err(|e| e.to_string()),
+            Command::System(text) => {
+                let cleared = text.is_empty();
+                self.session.system = (!cleared).then_some(text);
+                Ok(if cleared {
+                    "system message cleared"
+                } else {
+                    "system message set"
+                }
+                .into())
+            }
+            Command::Raw => {
+                self.session.set_mode(Mode::Raw);
+                Ok("raw mode: text continues with no template (the context is kept)".into())
+            }
+            Command::Chat => {
+                self.session.set_mode(Mode::Chat);
+                Ok("chat mode".into())
+            }
+            Command::Think(t) => {
+                let mut s = self.session.settings.clone();
+                match t {
+                    Think::On => s.thinking = true,
+                    Think::Off => s.thinking = false,
+                    Think::Low | Think::High | Think::Max => {
+                        s.thinking = true;
+                        s.effort = match t {
+                            Think::Low => "low",
+                            Think::High => "high",
+                            _ => "max",
+                        }
+                        .into();
+                    }
+                }
+                let line = format!(
+                    "thinking {}{}",
+                    if s.thinking { "on, effort " } else { "off" },
+                    if s.thinking { s.effort.as_str() } else { "" }
+                );
+                self.session
+                    .set_settings(s)
+                    .map(|()| line)
+                    .map_err(|e| e.to_string())
+            }
+            Command::Undo => self
+                .session
+                .undo()
+                .map(|()| "last exchange removed".into())
+                .map_err(|e| e.to_string()),
+            Command::Save(name) => self.save(name),
+            Command::Load(name) => self.load(&name),
+            Command::Sessions => self.sessions(),
+            Command::Export(fmt, path) => self.export(fmt, &path),
+            Command::Set(setting, v) => self.set(setting, v),
+            Command::Budget(gb) => Err(format!(
+                "/budget {gb}: this build holds the whole model in memory; budgets need the \
+                 streaming engine"
+            )),
+            Command::Stats => Ok(self.stats()),
+            Command::Help => Ok(HELP.to_string()),
+            Command::Quit => Ok("bye".into()),
+        };
+        match answer {
+            Ok(text) => self.notice(turn, text),
+            Err(msg) => self.failed(turn, msg),
+        }
+    }
+}

@@ -1,0 +1,707 @@
+//! One conversation: transcript, render options, the engine state it has built, and the turn
+//! logic that reuses that state.
+//!
+//! Every chat turn re-renders the whole conversation canonically and feeds the engine only what
+//! it has not seen: the state is reused up to the longest common prefix of the tokens it covers
+//! and the new render. KDA state cannot be rolled back, so a snapshot (state + logits) is kept at
+//! the end of each prompt; a regenerate, an undo, an edit, or a re-render that diverges restarts
+//! from the newest snapshot that is a prefix of the new render and prefills only the tail.
+
+use super::template::{self, Markers, Message, RenderOptions, Role};
+use super::tokenizer::{Tokenizer, Utf8Stream};
+use crate::engine::model::Logits;
+use crate::engine::sampling::{Sampler, SamplerConfig};
+use crate::engine::{Model, SeqState};
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+/// Chat (templated) or raw continuation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// K3 chat template.
+    Chat,
+    /// Plain text continuation, no template.
+    Raw,
+}
+
+impl Mode {
+    /// Lowercase name.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Chat => "chat",
+            Mode::Raw => "raw",
+        }
+    }
+}
+
+/// One transcript entry (the transcript is saved as JSON and readable on its own).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Entry {
+    /// A chat message.
+    Message {
+        /// `system`, `user` or `assistant`.
+        role: String,
+        /// Text.
+        content: String,
+        /// Assistant reasoning (think channel), if any.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reasoning: Option<String>,
+    },
+    /// A raw-mode exchange: the text given and the continuation produced.
+    Raw {
+        /// Text appended to the context.
+        prompt: String,
+        /// Generated continuation.
+        output: String,
+    },
+    /// A switch between chat and raw.
+    Mode {
+        /// The mode switched to.
+        mode: Mode,
+    },
+}
+
+/// Settings that change what a turn produces.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Settings {
+    /// Sampler settings.
+    pub temperature: f32,
+    /// Top-k (0 = off).
+    pub top_k: usize,
+    /// Nucleus threshold.
+    pub top_p: f32,
+    /// Min-p.
+    pub min_p: f32,
+    /// Repetition penalty.
+    pub repeat_penalty: f32,
+    /// Seed.
+    pub seed: u64,
+    /// Reply length limit.
+    pub max_tokens: usize,
+    /// Thinking channel on.
+    pub thinking: bool,
+    /// Thinking effort: low, high or max.
+    pub effort: String,
+    /// Most positions the session may hold.
+    pub context_limit: usize,
+    /// Extra stop ids (raw mode stops only on these).
+    #[serde(default)]
+    pub stop_ids: Vec<u32>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        let s = SamplerConfig::default();
+        Settings {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            min_p: s.min_p,
+            repeat_penalty: s.repeat_penalty,
+            seed: s.seed,
+            max_tokens: 512,
+            thinking: true,
+            effort: "max".into(),
+            context_limit: 32_768,
+            stop_ids: Vec::new(),
+        }
+    }
+}
+
+impl Settings {
+    /// The sampler configuration.
+    #[must_use]
+    pub fn sampler(&self) -> SamplerConfig {
+        SamplerConfig {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            seed: self.seed,
+        }
+    }
+
+    /// Render options.
+    pub fn render_options(&self) -> Result<RenderOptions, String> {
+        Ok(RenderOptions {
+            thinking: self.thinking,
+            effort: template::Effort::parse(&self.effort).map_err(|e| e.to_string())?,
+        })
+    }
+}
+
+/// Why generation stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stop {
+    /// An end id was sampled.
+    End(u32),
+    /// The reply reached `max_tokens`.
+    MaxTokens,
+    /// The caller cancelled.
+    Cancelled,
+    /// The context limit was reached.
+    ContextFull,
+}
+
+/// What one turn did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TurnReport {
+    /// Chat or raw.
+    pub mode: Mode,
+    /// Every id the first generated token was conditioned on.
+    pub prompt_ids: Vec<u32>,
+    /// Generated ids (including a final end id).
+    pub generated_ids: Vec<u32>,
+    /// Reply text (chat: the response channel; raw: the continuation).
+    pub reply: String,
+    /// Reasoning text (chat with thinking).
+    pub reasoning: Option<String>,
+    /// Prompt tokens whose state was reused.
+    pub reused_tokens: usize,
+    /// Prompt tokens prefilled this turn.
+    pub prefilled_tokens: usize,
+    /// Why generation stopped.
+    pub stop: Stop,
+    /// Whether the reply was added to the history (a malformed or cut-off chat reply is not).
+    pub accepted: bool,
+    /// Why a chat reply was not accepted.
+    pub rejected_because: Option<String>,
+    /// Prefill time.
+    pub prefill_seconds: f64,
+    /// Decode time.
+    pub decode_seconds: f64,
+    /// Set when the context is more than 90% full.
+    pub context_warning: Option<String>,
+}
+
+/// A failure that leaves the session usable.
+#[derive(Debug, thiserror::Error)]
+pub enum TurnError {
+    /// The request cannot be served in the current session (empty history for /regen, …).
+    #[error("{0}")]
+    Refused(String),
+    /// The prompt would not fit in the context limit.
+    #[error("the context is full ({needed} positions needed, limit {limit}); /new starts over")]
+    ContextFull {
+        /// Positions the prompt needs.
+        needed: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// The template could not render.
+    #[error(transparent)]
+    Template(#[from] template::TemplateError),
+    /// Sampling failed (non-finite logits).
+    #[error(transparent)]
+    Sample(#[from] crate::engine::sampling::SampleError),
+    /// Decoding generated ids failed.
+    #[error(transparent)]
+    Tokenizer(#[from] super::tokenizer::TokenizerError),
+}
+
+/// State at the end of a prompt, with the logits that follow it.
+#[derive(Clone, Debug)]
+struct Snapshot {
+    tokens: Vec<u32>,
+    state: SeqState,
+    logits: Vec<f32>,
+}
+
+/// A conversation bound to a model and tokenizer.
+pub struct Session<'a> {
+    model: &'a Model,
+    tok: &'a Tokenizer,
+    markers: Markers,
+    /// System message, rendered first.
+    pub system: Option<String>,
+    /// Transcript in order.
+    pub entries: Vec<Entry>,
+    /// Current mode.
+    pub mode: Mode,
+    /// Settings.
+    pub settings: Settings,
+    sampler: Sampler,
+    /// Ids the engine state covers.
+    tokens: Vec<u32>,
+    /// A sampled id not yet fed to the engine (the last id of a reply).
+    pending: Option<u32>,
+    state: SeqState,
+    snapshots: Vec<Snapshot>,
+    max_snapshots: usize,
+}
+
+/// Length of the longest common prefix.
+fn lcp(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl<'a> Session<'a> {
+    /// A new, empty session.
+    pub fn new(
+        model: &'a Model,
+        tok: &'a Tokenizer,
+        settings: Settings,
+    ) -> Result<Self, TurnError> {
+        let markers = Markers::resolve(tok)?;
+        settings.render_options().map_err(TurnError::Refused)?;
+        let sampler =
+            Sampler::new(settings.sampler()).map_err(|e| TurnError::Refused(e.to_string()))?;
+        Ok(Session {
+            model,
+            tok,
+            markers,
+            system: None,
+            entries: Vec::new(),
+            mode: Mode::Chat,
+            settings,
+            sampler,
+            tokens: Vec::new(),
+            pending: None,
+            state: SeqState::new(&model.cfg),
+            snapshots: Vec::new(),
+            max_snapshots: 8,
+        })
+    }
+
+    /// The tokenizer.
+    #[must_use]
+    pub fn tokenizer(&self) -> &Tokenizer {
+        self.tok
+    }
+
+    /// The model.
+    #[must_use]
+    pub fn model(&self) -> &Model {
+        self.model
+    }
+
+    /// Ids the engine state covers.
+    #[must_use]
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The carried engine state.
+    #[must_use]
+    pub fn state(&self) -> &SeqState {
+        &self.state
+    }
+
+    /// The sampled-but-not-forwarded id, if any.
+    #[must_use]
+    pub fn pending(&self) -> Option<u32> {
+        self.pending
+    }
+
+    /// The sampler's generator state.
+    #[must_use]
+    pub fn rng_state(&self) -> u64 {
+        self.sampler.rng_state()
+    }
+
+    /// Restore engine-side state (tokens covered, state, pending id, sampler stream).
+    pub fn restore(
+        &mut self,
+        tokens: Vec<u32>,
+        state: SeqState,
+        pending: Option<u32>,
+        rng_state: u64,
+    ) -> Result<(), TurnError> {
+        self.sampler = Sampler::with_rng_state(self.settings.sampler(), rng_state)
+            .map_err(|e| TurnError::Refused(e.to_string()))?;
+        self.tokens = tokens;
+        self.state = state;
+        self.pending = pending;
+        self.snapshots.clear();
+        Ok(())
+    }
+
+    /// Chat messages in render order (system first).
+    #[must_use]
+    pub fn messages(&self) -> Vec<Message> {
+        let mut out = Vec::new();
+        if let Some(s) = &self.system {
+            out.push(Message {
+                role: Role::System,
+                content: s.clone(),
+                reasoning: None,
+            });
+        }
+        for e in &self.entries {
+            if let Entry::Message {
+                role,
+                content,
+                reasoning,
+            } = e
+            {
+                let role = match role.as_str() {
+                    "system" => Role::System,
+                    "assistant" => Role::Assistant,
+                    _ => Role::User,
+                };
+                out.push(Message {
+                    role,
+                    content: content.clone(),
+                    reasoning: reasoning.clone(),
+                });
+            }
+        }
+        out
+    }
+
+    /// Number of completed chat exchanges.
+    #[must_use]
+    pub fn turns(&self) -> usize {
+        self.entries
+            .iter()
+            .filter(|e| matches!(e, Entry::Message { role, .. } if role == "assistant"))
+            .count()
+            + self
+                .entries
+                .iter()
+                .filter(|e| matches!(e, Entry::Raw { .. }))
+                .count()
+    }
+
+    /// Change settings; the sampler keeps its random stream unless the seed changed.
+    pub fn set_settings(&mut self, s: Settings) -> Result<(), TurnError> {
+        s.render_options().map_err(TurnError::Refused)?;
+        let rng = if s.seed == self.settings.seed {
+            Some(self.sampler.rng_state())
+        } else {
+            None
+        };
+        let sampler = match rng {
+            Some(r) => Sampler::with_rng_state(s.sampler(), r),
+            None => Sampler::new(s.sampler()),
+        }
+        .map_err(|e| TurnError::Refused(e.to_string()))?;
+        self.sampler = sampler;
+        self.settings = s;
+        Ok(())
+    }
+
+    /// Switch mode (recorded in the transcript; the engine state is kept).
+    pub fn set_mode(&mut self, mode: Mode) {
+        if mode != self.mode {
+            self.mode = mode;
+            self.entries.push(Entry::Mode { mode });
+        }
+    }
+
+    /// Forget everything: history, state, snapshots (settings are kept; the random stream
+    /// restarts from the seed).
+    pub fn reset(&mut self) -> Result<(), TurnError> {
+        self.entries.clear();
+        self.tokens.clear();
+        self.pending = None;
+        self.state = SeqState::new(&self.model.cfg);
+        self.snapshots.clear();
+        self.sampler =
+            Sampler::new(self.settings.sampler()).map_err(|e| TurnError::Refused(e.to_string()))?;
+        Ok(())
+    }
+
+    /// Keep a snapshot of the current state (with the logits that follow it), bounded.
+    fn snapshot(&mut self, logits: &[f32]) {
+        if self.snapshots.iter().any(|s| s.tokens == self.tokens) {
+            return;
+        }
+        self.snapshots.push(Snapshot {
+            tokens: self.tokens.clone(),
+            state: self.state.clone(),
+            logits: logits.to_vec(),
+        });
+        if self.snapshots.len() > self.max_snapshots {
+            self.snapshots.remove(0);
+        }
+    }
+
+    /// Bring the engine to the end of `prompt` and return the logits that follow it, reusing
+    /// state; returns (logits, reused tokens). When `history_end` is given (the prompt length
+    /// before the generation prompt), the state there is snapshotted too, so that a later
+    /// render that diverges only after the history (a rejected reply, an undo) can start from it.
+    fn prefill(&mut self, prompt: &[u32], history_end: Option<usize>) -> (Vec<f32>, usize) {
+        // Candidates: the live state (if its tokens are a prefix of the prompt and leave at
+        // least one token to feed) and every snapshot that is a prefix of the prompt.
+        let live = lcp(&self.tokens, prompt);
+        let live_ok = live == self.tokens.len() && live < prompt.len();
+        let best_snap = self
+            .snapshots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.tokens.len() <= prompt.len() && prompt.starts_with(&s.tokens))
+            .max_by_key(|(i, s)| (s.tokens.len(), *i))
+            .map(|(i, s)| (i, s.tokens.len()));
+        let use_snap = match best_snap {
+            Some((_, n)) if !live_ok || n > live => best_snap,
+            _ => None,
+        };
+        let (start, logits) = if let Some((i, n)) = use_snap {
+            let snap = &self.snapshots[i];
+            self.state = snap.state.clone();
+            self.tokens = snap.tokens.clone();
+            (n, (n == prompt.len()).then(|| snap.logits.clone()))
+        } else if live_ok {
+            (live, None)
+        } else {
+            self.state = SeqState::new(&self.model.cfg);
+            self.tokens.clear();
+            (0, None)
+        };
+        self.pending = None;
+        let logits = match logits {
+            Some(l) => l,
+            None => {
+                let mut from = start;
+                if let Some(h) = history_end.filter(|&h| h > start && h < prompt.len()) {
+                    let l = self
+                        .model
+                        .forward(&mut self.state, &prompt[start..h], Logits::Last);
+                    self.tokens.extend_from_slice(&prompt[start..h]);
+                    self.snapshot(&l);
+                    from = h;
+                }
+                let l = self
+                    .model
+                    .forward(&mut self.state, &prompt[from..], Logits::Last);
+                self.tokens.extend_from_slice(&prompt[from..]);
+                l
+            }
+        };
+        self.snapshot(&logits);
+        (logits, start)
+    }
+
+    /// Prefill `prompt`, then sample until a stop id, the length limit, the context limit or
+    /// cancellation. `emit` receives each id and its printable text as it is generated.
+    fn generate(
+        &mut self,
+        prompt: &[u32],
+        history_end: Option<usize>,
+        stops: &[u32],
+        cancel: &AtomicBool,
+        emit: &mut dyn FnMut(u32, &str),
+    ) -> Result<(Vec<u32>, usize, Stop, f64, f64), TurnError> {
+        let limit = self.settings.context_limit;
+        if prompt.len() >= limit {
+            return Err(TurnError::ContextFull {
+                needed: prompt.len() + 1,
+                limit,
+            });
+        }
+        let t0 = Instant::now();
+        let (mut logits, reused) = self.prefill(prompt, history_end);
+        let prefill_s = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let mut history = prompt.to_vec();
+        let mut generated = Vec::new();
+        let mut utf8 = Utf8Stream::default();
+        let stop = loop {
+            if cancel.load(Ordering::Relaxed) {
+                break Stop::Cancelled;
+            }
+            let next = self.sampler.sample(&logits, &history)?;
+            generated.push(next);
+            history.push(next);
+            let text = utf8.push(&self.tok.decode_bytes(&[next])?);
+            emit(next, &text);
+            if stops.contains(&next) {
+                self.pending = Some(next);
+                break Stop::End(next);
+            }
+            if generated.len() >= self.settings.max_tokens {
+                self.pending = Some(next);
+                break Stop::MaxTokens;
+            }
+            if self.tokens.len() + 1 >= limit {
+                self.pending = Some(next);
+                break Stop::ContextFull;
+            }
+            logits = self.model.forward(&mut self.state, &[next], Logits::Last);
+            self.tokens.push(next);
+        };
+        let tail = utf8.finish();
+        if !tail.is_empty() {
+            emit(u32::MAX, &tail);
+        }
+        Ok((
+            generated,
+            reused,
+            stop,
+            prefill_s,
+            t1.elapsed().as_secs_f64(),
+        ))
+    }
+
+    fn context_warning(&self) -> Option<String> {
+        let used = self.tokens.len() + usize::from(self.pending.is_some());
+        let limit = self.settings.context_limit;
+        (used * 10 >= limit * 9).then(|| {
+            format!("context {used}/{limit} positions used; /new starts a fresh conversation")
+        })
+    }
+
+    /// Run one chat turn on the current history (the last message must be the user's).
+    fn chat_turn(
+        &mut self,
+        cancel: &AtomicBool,
+        emit: &mut dyn FnMut(u32, &str),
+    ) -> Result<TurnReport, TurnError> {
+        let opts = self.settings.render_options().map_err(TurnError::Refused)?;
+        let messages = self.messages();
+        let prompt = template::render(self.tok, &messages, &opts, true)?;
+        let history_end = template::render(self.tok, &messages, &opts, false)?.len();
+        let mut stops = self.markers.stop_ids().to_vec();
+        stops.extend(self.settings.stop_ids.iter().copied());
+        let (generated, reused, stop, prefill_s, decode_s) =
+            self.generate(&prompt, Some(history_end), &stops, cancel, emit)?;
+        let parsed = template::parse_strict(self.tok, &self.markers, &generated, opts.thinking);
+        let (reply, reasoning, accepted, why) = match parsed {
+            Ok(p) => (p.content, p.reasoning, true, None),
+            Err(e) => {
+                let text = self.tok.decode_lossy(&generated)?;
+                (text, None, false, Some(e.to_string()))
+            }
+        };
+        if accepted {
+            self.entries.push(Entry::Message {
+                role: "assistant".into(),
+                content: reply.clone(),
+                reasoning: reasoning.clone(),
+            });
+        }
+        Ok(TurnReport {
+            mode: Mode::Chat,
+            prefilled_tokens: prompt.len() - reused,
+            prompt_ids: prompt,
+            generated_ids: generated,
+            reply,
+            reasoning,
+            reused_tokens: reused,
+            stop,
+            accepted,
+            rejected_because: why,
+            prefill_seconds: prefill_s,
+            decode_seconds: decode_s,
+            context_warning: self.context_warning(),
+        })
+    }
+
+    /// Send `text`: a user message in chat mode, or text to continue in raw mode.
+    pub fn send(
+        &mut self,
+        text: &str,
+        cancel: &AtomicBool,
+        emit: &mut dyn FnMut(u32, &str),
+    ) -> Result<TurnReport, TurnError> {
+        match self.mode {
+            Mode::Chat => {
+                self.entries.push(Entry::Message {
+                    role: "user".into(),
+                    content: text.to_string(),
+                    reasoning: None,
+                });
+                self.chat_turn(cancel, emit)
+            }
+            Mode::Raw => self.raw_turn(text, cancel, emit),
+        }
+    }
+
+    fn raw_turn(
+        &mut self,
+        text: &str,
+        cancel: &AtomicBool,
+        emit: &mut dyn FnMut(u32, &str),
+    ) -> Result<TurnReport, TurnError> {
+        let mut prompt = self.tokens.clone();
+        prompt.extend(self.pending);
+        prompt.extend(template::render_raw(self.tok, text));
+        if prompt.is_empty() {
+            return Err(TurnError::Refused(
+                "raw mode needs some text to continue".into(),
+            ));
+        }
+        let stops = self.settings.stop_ids.clone();
+        let (generated, reused, stop, prefill_s, decode_s) =
+            self.generate(&prompt, None, &stops, cancel, emit)?;
+        let output = self.tok.decode_lossy(&generated)?;
+        self.entries.push(Entry::Raw {
+            prompt: text.to_string(),
+            output: output.clone(),
+        });
+        Ok(TurnReport {
+            mode: Mode::Raw,
+            prefilled_tokens: prompt.len() - reused,
+            prompt_ids: prompt,
+            generated_ids: generated,
+            reply: output,
+            reasoning: None,
+            reused_tokens: reused,
+            stop,
+            accepted: true,
+            rejected_because: None,
+            prefill_seconds: prefill_s,
+            decode_seconds: decode_s,
+            context_warning: self.context_warning(),
+        })
+    }
+
+    fn last_message_index(&self, role: &str) -> Option<usize> {
+        self.entries
+            .iter()
+            .rposition(|e| matches!(e, Entry::Message { role: r, .. } if r == role))
+    }
+
+    /// Drop the last assistant reply and generate it again.
+    pub fn regen(
+        &mut self,
+        cancel: &AtomicBool,
+        emit: &mut dyn FnMut(u32, &str),
+    ) -> Result<TurnReport, TurnError> {
+        let Some(u) = self.last_message_index("user") else {
+            return Err(TurnError::Refused(
+                "/regen: there is no message to answer yet".into(),
+            ));
+        };
+        self.entries.truncate(u + 1);
+        self.mode = Mode::Chat;
+        self.chat_turn(cancel, emit)
+    }
+
+    /// Remove the last exchange (user message and its reply).
+    pub fn undo(&mut self) -> Result<(), TurnError> {
+        let Some(u) = self.last_message_index("user") else {
+            return Err(TurnError::Refused("/undo: nothing to undo".into()));
+        };
+        self.entries.truncate(u);
+        Ok(())
+    }
+
+    /// Replace the last user message with `text` and answer it again.
+    pub fn edit(
+        &mut self,
+        text: &str,
+        cancel: &AtomicBool,
+        emit: &mut dyn FnMut(u32, &str),
+    ) -> Result<TurnReport, TurnError> {
+        let Some(u) = self.last_message_index("user") else {
+            return Err(TurnError::Refused(
+                "/edit: there is no message to edit yet".into(),
+            ));
+        };
+        self.entries.truncate(u);
+        self.entries.push(Entry::Message {
+            role: "user".into(),
+            content: text.to_string(),
+            reasoning: None,
+        });
+        self.mode = Mode::Chat;
+        self.chat_turn(cancel, emit)
+    }
+}

@@ -1,0 +1,234 @@
+//! The plain REPL: one line (or a `\`-continued block) per message, replies streamed as they
+//! are generated, Ctrl-C stops the reply and keeps the session, a second Ctrl-C while idle
+//! leaves. Used for `k3 chat --plain` and whenever stdin or stdout is not a terminal.
+
+use crate::app::protocol::{EngineEvent, Request, TurnId};
+use crate::app::worker::Worker;
+use crate::session::chat::{Stop, TurnReport};
+use crate::session::commands::{self, Command};
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// REPL options.
+#[derive(Clone, Debug, Default)]
+pub struct ReplOptions {
+    /// Print one JSON line per finished turn instead of streamed text.
+    pub jsonl: bool,
+    /// Where to keep the line history (interactive only).
+    pub history_file: Option<PathBuf>,
+}
+
+/// Where input lines come from.
+enum Input {
+    Editor(Box<rustyline::DefaultEditor>),
+    Stdin(std::io::Lines<std::io::StdinLock<'static>>),
+}
+
+impl Input {
+    fn new(opts: &ReplOptions) -> Input {
+        if std::io::stdin().is_terminal() && std::io::stdout().is_terminal() {
+            if let Ok(mut ed) = rustyline::DefaultEditor::new() {
+                if let Some(h) = &opts.history_file {
+                    let _ = ed.load_history(h);
+                }
+                return Input::Editor(Box::new(ed));
+            }
+        }
+        Input::Stdin(std::io::stdin().lock().lines())
+    }
+
+    /// One logical input: lines ending in `\` continue. `None` at end of input.
+    fn read(&mut self, interrupted: &AtomicBool) -> Option<String> {
+        let mut text = String::new();
+        let mut prompt = "> ";
+        loop {
+            let line = match self {
+                Input::Editor(ed) => match ed.readline(prompt) {
+                    Ok(l) => l,
+                    Err(rustyline::error::ReadlineError::Interrupted) => {
+                        if text.is_empty() {
+                            interrupted.store(true, Ordering::Relaxed);
+                            return None;
+                        }
+                        text.clear();
+                        prompt = "> ";
+                        continue;
+                    }
+                    Err(_) => return None,
+                },
+                Input::Stdin(lines) => match lines.next() {
+                    Some(Ok(l)) => l,
+                    _ => return (!text.is_empty()).then_some(text),
+                },
+            };
+            if let Some(head) = line.strip_suffix('\\') {
+                text.push_str(head);
+                text.push('\n');
+                prompt = ". ";
+                continue;
+            }
+            text.push_str(&line);
+            if let Input::Editor(ed) = self {
+                let _ = ed.add_history_entry(text.as_str());
+            }
+            return Some(text);
+        }
+    }
+
+    fn save_history(&mut self, opts: &ReplOptions) {
+        if let (Input::Editor(ed), Some(h)) = (self, &opts.history_file) {
+            if let Some(dir) = h.parent() {
+                let _ = std::fs::create_dir_all(dir);
+            }
+            let _ = ed.save_history(h);
+        }
+    }
+}
+
+/// Control characters from model output are shown escaped, never sent to the terminal.
+fn safe(text: &str) -> String {
+    crate::app::run::terminal_safe(text)
+}
+
+fn jsonl_line(turn: TurnId, r: &TurnReport) -> String {
+    serde_json::json!({
+        "turn": turn,
+        "mode": r.mode.name(),
+        "prompt_ids": r.prompt_ids,
+        "generated_ids": r.generated_ids,
+        "reply": r.reply,
+        "reasoning": r.reasoning.clone().unwrap_or_default(),
+        "reused_tokens": r.reused_tokens,
+        "prefilled_tokens": r.prefilled_tokens,
+    })
+    .to_string()
+}
+
+fn summary(r: &TurnReport) -> String {
+    let stop = match r.stop {
+        Stop::End(_) => "end of message".to_string(),
+        Stop::MaxTokens => "token limit".to_string(),
+        Stop::Cancelled => "stopped".to_string(),
+        Stop::ContextFull => "context full".to_string(),
+    };
+    let n = r.generated_ids.len();
+    let tps = if r.decode_seconds > 0.0 {
+        n as f64 / r.decode_seconds
+    } else {
+        0.0
+    };
+    let mut s = format!(
+        "[{} tokens, {:.1} tokens/s; prompt {} reused + {} prefilled; {}]",
+        n, tps, r.reused_tokens, r.prefilled_tokens, stop
+    );
+    if let Some(why) = &r.rejected_because {
+        s.push_str(&format!("\n[reply not added to the history: {why}]"));
+    }
+    if let Some(w) = &r.context_warning {
+        s.push_str(&format!("\n[{w}]"));
+    }
+    s
+}
+
+/// Run the REPL until the input ends or `/quit`; returns the exit status.
+#[must_use]
+pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
+    let cancel = worker.cancel_flag();
+    let idle = Arc::new(AtomicBool::new(true));
+    // Ctrl-C while generating stops the reply; while idle it leaves (status 130).
+    let _ = signal_hook::flag::register_conditional_shutdown(
+        signal_hook::consts::SIGINT,
+        130,
+        Arc::clone(&idle),
+    );
+    let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&cancel));
+    let mut out = std::io::stdout();
+    let mut err = std::io::stderr();
+    match worker.recv() {
+        Some(EngineEvent::Ready { info }) => {
+            let _ = writeln!(
+                err,
+                "{info}\n/help lists the commands; end a line with \\ to continue it."
+            );
+        }
+        Some(EngineEvent::Stopped { exit_code }) => return exit_code,
+        _ => return 1,
+    }
+    let mut input = Input::new(opts);
+    let interrupted = AtomicBool::new(false);
+    let mut turn: TurnId = 0;
+    let mut exit_code = 0;
+    loop {
+        idle.store(true, Ordering::Relaxed);
+        let Some(line) = input.read(&interrupted) else {
+            break;
+        };
+        if line.trim().is_empty() {
+            continue;
+        }
+        turn += 1;
+        let request = match commands::parse(&line) {
+            Some(Ok(Command::Quit)) => break,
+            Some(Ok(command)) => Request::Command { turn, command },
+            Some(Err(msg)) => {
+                let _ = writeln!(err, "{msg}");
+                continue;
+            }
+            None => {
+                // `//text` sends a literal `/text`.
+                let text = line
+                    .strip_prefix('/')
+                    .filter(|l| l.starts_with('/'))
+                    .unwrap_or(&line);
+                Request::Send {
+                    turn,
+                    text: text.to_string(),
+                }
+            }
+        };
+        cancel.store(false, Ordering::Relaxed);
+        idle.store(false, Ordering::Relaxed);
+        if !worker.send(request) {
+            exit_code = 1;
+            break;
+        }
+        loop {
+            match worker.recv() {
+                Some(EngineEvent::Token { turn: t, text, .. }) if t == turn => {
+                    if !opts.jsonl {
+                        let _ = out.write_all(safe(&text).as_bytes());
+                        let _ = out.flush();
+                    }
+                }
+                Some(EngineEvent::TurnDone { turn: t, report }) if t == turn => {
+                    if opts.jsonl {
+                        let _ = writeln!(out, "{}", jsonl_line(turn, &report));
+                    } else {
+                        let _ = writeln!(out);
+                        let _ = writeln!(err, "{}", summary(&report));
+                    }
+                    break;
+                }
+                Some(EngineEvent::Notice { turn: t, text }) if t == turn => {
+                    let _ = writeln!(err, "{}", safe(&text));
+                    break;
+                }
+                Some(EngineEvent::Failed { turn: t, message }) if t == turn => {
+                    let _ = writeln!(err, "error: {}", safe(&message));
+                    break;
+                }
+                Some(EngineEvent::Stopped { exit_code: c }) => return c,
+                Some(_) => {}
+                None => return 1,
+            }
+        }
+    }
+    input.save_history(opts);
+    worker.shutdown();
+    if interrupted.load(Ordering::Relaxed) {
+        exit_code = 130;
+    }
+    exit_code
+}

@@ -160,6 +160,7 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         Some(d) => SessionStore::new(d.clone()),
         None => SessionStore::new(SessionStore::default_dir()),
     };
+    let stale = store.remove_stale_temps().unwrap_or(0);
     let session = match Session::new(&model, &tok, cfg.settings.clone()) {
         Ok(s) => s,
         Err(e) => return fail(e.to_string(), 2),
@@ -178,11 +179,11 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
     };
     ctx.session.system.clone_from(&cfg.system);
     if let Some(name) = &cfg.resume {
-        if let Err(msg) = ctx.load(name) {
-            return fail(msg, 3);
+        if let Err((msg, code)) = ctx.load(name) {
+            return fail(msg, code);
         }
     }
-    let info_line = format!(
+    let mut info_line = format!(
         "k3: {} ({} layers, vocabulary {}), session {:?}, {} mode",
         cfg.model_dir.display(),
         model.cfg.num_hidden_layers,
@@ -190,6 +191,11 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         ctx.name,
         ctx.session.mode.name()
     );
+    if stale > 0 {
+        info_line.push_str(&format!(
+            "\nremoved {stale} unfinished save file(s) left by a crash"
+        ));
+    }
     if tx.send(EngineEvent::Ready { info: info_line }).is_err() {
         return;
     }
@@ -300,22 +306,30 @@ impl Ctx<'_> {
         Ok(t.pending)
     }
 
-    /// Load `name`: full restore, or the transcript alone when the state is refused.
-    fn load(&mut self, name: &str) -> Result<String, String> {
+    /// Load `name`: full restore, or the transcript alone when the state is refused. The error
+    /// carries the exit status a non-interactive caller should use.
+    fn load(&mut self, name: &str) -> Result<String, (String, i32)> {
+        self.load_inner(name)
+    }
+
+    fn load_inner(&mut self, name: &str) -> Result<String, (String, i32)> {
+        let refused = |m: String| (m, 3);
         match self
             .store
             .load(name, &self.session.model().cfg, &self.identity)
         {
             Ok(rec) => {
                 let settings: Settings = serde_json::from_slice(&rec.settings_json)
-                    .map_err(|e| format!("session {name:?}: settings: {e}"))?;
+                    .map_err(|e| refused(format!("session {name:?}: settings: {e}")))?;
                 self.session
                     .set_settings(settings)
-                    .map_err(|e| e.to_string())?;
-                let pending = self.apply_transcript(&rec.transcript_json)?;
+                    .map_err(|e| refused(e.to_string()))?;
+                let pending = self
+                    .apply_transcript(&rec.transcript_json)
+                    .map_err(refused)?;
                 self.session
                     .restore(rec.tokens, rec.state, pending, rec.rng_state)
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| refused(e.to_string()))?;
                 self.name = rec.name;
                 self.created = rec.created_unix;
                 Ok(format!(
@@ -328,15 +342,15 @@ impl Ctx<'_> {
                 reason,
                 transcript_json,
             }) => {
-                self.session.reset().map_err(|e| e.to_string())?;
-                self.apply_transcript(&transcript_json)?;
+                self.session.reset().map_err(|e| refused(e.to_string()))?;
+                self.apply_transcript(&transcript_json).map_err(refused)?;
                 self.name = name.to_string();
                 Ok(format!(
                     "session {name:?}: the saved state was refused ({reason}); its transcript \
                      is loaded and the next turn re-reads the history"
                 ))
             }
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err((e.to_string(), e.exit_code())),
         }
     }
 
@@ -517,7 +531,7 @@ impl Ctx<'_> {
                 .map(|()| "last exchange removed".into())
                 .map_err(|e| e.to_string()),
             Command::Save(name) => self.save(name),
-            Command::Load(name) => self.load(&name),
+            Command::Load(name) => self.load(&name).map_err(|(m, _)| m),
             Command::Sessions => self.sessions(),
             Command::Export(fmt, path) => self.export(fmt, &path),
             Command::Set(setting, v) => self.set(setting, v),

@@ -146,15 +146,22 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
     let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&cancel));
     let mut out = std::io::stdout();
     let mut err = std::io::stderr();
-    match worker.recv() {
-        Some(EngineEvent::Ready { info }) => {
-            let _ = writeln!(
-                err,
-                "{info}\n/help lists the commands; end a line with \\ to continue it."
-            );
+    loop {
+        match worker.recv() {
+            Some(EngineEvent::Ready { info }) => {
+                let _ = writeln!(
+                    err,
+                    "{info}\n/help lists the commands; end a line with \\ to continue it."
+                );
+                break;
+            }
+            Some(EngineEvent::Failed { message, .. }) => {
+                let _ = writeln!(err, "k3: error: {}", safe(&message));
+            }
+            Some(EngineEvent::Stopped { exit_code }) => return exit_code,
+            Some(_) => {}
+            None => return 1,
         }
-        Some(EngineEvent::Stopped { exit_code }) => return exit_code,
-        _ => return 1,
     }
     let mut input = Input::new(opts);
     let interrupted = AtomicBool::new(false);

@@ -7,3 +7,4 @@ mod config;
 mod ops;
 mod oracle_tiny;
 mod reader;
+mod session;

@@ -1,0 +1,364 @@
+//! Chat sessions on the tiny oracle model: carried state equals a fresh full forward, reuse
+//! counts, regenerate/undo/edit, raw mode, and save → new process → resume.
+
+use crate::common::fixture;
+use k3::engine::model::Logits;
+use k3::engine::sampling::Sampler;
+use k3::engine::{Model, SeqState};
+use k3::session::chat::{Mode, Session, Settings, TurnReport};
+use k3::session::tokenizer::Tokenizer;
+use std::process::{Command, Stdio};
+use std::sync::atomic::AtomicBool;
+use std::sync::OnceLock;
+
+fn model() -> &'static Model {
+    static M: OnceLock<Model> = OnceLock::new();
+    M.get_or_init(|| Model::load(&fixture("tiny")).unwrap())
+}
+
+fn tok() -> &'static Tokenizer {
+    static T: OnceLock<Tokenizer> = OnceLock::new();
+    T.get_or_init(|| Tokenizer::load(&fixture("tiny")).unwrap())
+}
+
+fn settings(temperature: f32) -> Settings {
+    Settings {
+        temperature,
+        seed: 7,
+        max_tokens: 10,
+        thinking: false,
+        ..Settings::default()
+    }
+}
+
+/// Replay a turn from scratch: fresh state, one forward over the whole prompt, then decode with
+/// a sampler whose stream starts where the session's did.
+fn replay(report: &TurnReport, s: &Settings, rng: u64) -> Vec<u32> {
+    let m = model();
+    let mut st = SeqState::new(&m.cfg);
+    let mut logits = m.forward(&mut st, &report.prompt_ids, Logits::Last);
+    let mut sampler = Sampler::with_rng_state(s.sampler(), rng).unwrap();
+    let mut history = report.prompt_ids.clone();
+    let mut out = Vec::new();
+    for _ in 0..report.generated_ids.len() {
+        let next = sampler.sample(&logits, &history).unwrap();
+        out.push(next);
+        history.push(next);
+        logits = m.forward(&mut st, &[next], Logits::Last);
+    }
+    out
+}
+
+fn no_cancel() -> AtomicBool {
+    AtomicBool::new(false)
+}
+
+#[test]
+fn carried_state_equals_a_fresh_full_forward_greedy_and_seeded() {
+    for temperature in [0.0, 1.0] {
+        let s = settings(temperature);
+        let mut sess = Session::new(model(), tok(), s.clone()).unwrap();
+        for text in ["Hello K3", "Why?", "Tell me more."] {
+            let rng = sess.rng_state();
+            let r = sess.send(text, &no_cancel(), &mut |_, _| {}).unwrap();
+            assert_eq!(r.reused_tokens + r.prefilled_tokens, r.prompt_ids.len());
+            assert_eq!(
+                r.generated_ids,
+                replay(&r, &s, rng),
+                "{text} at T={temperature}"
+            );
+        }
+    }
+}
+
+#[test]
+fn history_is_reused_and_only_the_tail_prefilled() {
+    // Hand the session a well-formed history so the re-render extends what the engine saw.
+    let s = settings(0.0);
+    let mut sess = Session::new(model(), tok(), s).unwrap();
+    let r1 = sess.send("Hello K3", &no_cancel(), &mut |_, _| {}).unwrap();
+    assert_eq!(
+        (r1.reused_tokens, r1.prefilled_tokens),
+        (0, r1.prompt_ids.len())
+    );
+    // The random model's reply is not well formed, so it is not added to the history; the next
+    // turn reuses the state at the end of the first message (a snapshot), not from zero.
+    assert!(!r1.accepted);
+    let r2 = sess.send("Why?", &no_cancel(), &mut |_, _| {}).unwrap();
+    let opts = k3::session::template::RenderOptions {
+        thinking: false,
+        ..Default::default()
+    };
+    let first_message = k3::session::template::render(
+        tok(),
+        &[k3::session::template::Message::user("Hello K3")],
+        &opts,
+        false,
+    )
+    .unwrap()
+    .len();
+    assert_eq!(r2.reused_tokens, first_message);
+    // Regenerate: the whole prompt is reused, nothing prefilled, and the same tokens come out.
+    let r3 = sess.regen(&no_cancel(), &mut |_, _| {}).unwrap();
+    assert_eq!(
+        (r3.reused_tokens, r3.prefilled_tokens),
+        (r3.prompt_ids.len(), 0)
+    );
+    assert_eq!(r3.generated_ids, r2.generated_ids);
+    // Edit the last message: same tokens as a fresh session given the same history.
+    let r4 = sess.edit("How?", &no_cancel(), &mut |_, _| {}).unwrap();
+    assert_eq!(
+        r4.reused_tokens, r2.reused_tokens,
+        "edit restarts after the first message"
+    );
+    let mut fresh = Session::new(model(), tok(), settings(0.0)).unwrap();
+    fresh
+        .send("Hello K3", &no_cancel(), &mut |_, _| {})
+        .unwrap();
+    let f = fresh.send("How?", &no_cancel(), &mut |_, _| {}).unwrap();
+    assert_eq!(f.prompt_ids, r4.prompt_ids);
+    assert_eq!(f.generated_ids, r4.generated_ids);
+    // Undo, then ask again: identical to the fresh session's second turn.
+    sess.undo().unwrap();
+    let r5 = sess.send("How?", &no_cancel(), &mut |_, _| {}).unwrap();
+    assert_eq!(r5.generated_ids, f.generated_ids);
+    assert!(r5.reused_tokens > 0);
+}
+
+#[test]
+fn raw_mode_continues_the_context_and_switching_keeps_state() {
+    let s = settings(0.0);
+    let mut sess = Session::new(model(), tok(), s.clone()).unwrap();
+    sess.set_mode(Mode::Raw);
+    let r1 = sess
+        .send("Once upon a time", &no_cancel(), &mut |_, _| {})
+        .unwrap();
+    assert_eq!(r1.prompt_ids, tok().encode("Once upon a time", true));
+    let r2 = sess.send(" there", &no_cancel(), &mut |_, _| {}).unwrap();
+    // The second raw prompt is everything before plus the new text: only the tail is fed.
+    assert!(r2.prompt_ids.starts_with(&r1.prompt_ids));
+    assert_eq!(
+        r2.reused_tokens,
+        r1.prompt_ids.len() + r1.generated_ids.len() - 1
+    );
+    // Greedy: the random stream is not consumed, any start state replays it.
+    assert_eq!(r2.generated_ids, replay(&r2, &s, 1));
+    sess.set_mode(Mode::Chat);
+    let r3 = sess.send("Hello K3", &no_cancel(), &mut |_, _| {}).unwrap();
+    assert_eq!(r3.generated_ids, replay(&r3, &s, 1));
+    assert!(sess
+        .entries
+        .iter()
+        .any(|e| matches!(e, k3::session::chat::Entry::Mode { mode: Mode::Raw })));
+}
+
+/// Run `k3 chat --plain --jsonl` with `input` on stdin; returns the JSON lines.
+fn chat(args: &[&str], input: &str, dir: &std::path::Path) -> Vec<serde_json::Value> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .arg("chat")
+        .arg(fixture("tiny"))
+        .args([
+            "--plain",
+            "--jsonl",
+            "--no-think",
+            "--max-tokens",
+            "9",
+            "--session-dir",
+        ])
+        .arg(dir)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn save_then_resume_in_a_new_process_continues_exactly() {
+    for sampling in [
+        &["--greedy"][..],
+        &["--temperature", "1", "--seed", "11"][..],
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let whole = chat(sampling, "Hello K3\nWhy?\nGo on.\nAnd then?\n", dir.path());
+        assert_eq!(whole.len(), 4);
+        let first = chat(sampling, "Hello K3\nWhy?\n/save resume-test\n", dir.path());
+        assert_eq!(first.len(), 2);
+        let mut args = sampling.to_vec();
+        args.extend(["--resume", "resume-test"]);
+        let rest = chat(&args, "Go on.\nAnd then?\n", dir.path());
+        assert_eq!(rest.len(), 2);
+        for (a, b) in whole[2..].iter().zip(&rest) {
+            assert_eq!(a["generated_ids"], b["generated_ids"], "{sampling:?}");
+            assert_eq!(a["prompt_ids"], b["prompt_ids"]);
+            assert_eq!(
+                b["reused_tokens"].as_u64().unwrap() + b["prefilled_tokens"].as_u64().unwrap(),
+                b["prompt_ids"].as_array().unwrap().len() as u64
+            );
+        }
+    }
+}
+
+#[test]
+fn resumed_raw_session_reuses_the_saved_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let whole = chat(
+        &["--greedy"],
+        "/raw\nOnce upon\n a time\n there\n",
+        dir.path(),
+    );
+    let first = chat(
+        &["--greedy"],
+        "/raw\nOnce upon\n a time\n/save raw-test\n",
+        dir.path(),
+    );
+    let rest = chat(
+        &["--greedy", "--resume", "raw-test"],
+        " there\n",
+        dir.path(),
+    );
+    assert_eq!(first.len(), 2);
+    assert_eq!(whole[2]["generated_ids"], rest[0]["generated_ids"]);
+    assert_eq!(whole[2]["prompt_ids"], rest[0]["prompt_ids"]);
+    // Nothing before the new text is read again.
+    let prompt = rest[0]["prompt_ids"].as_array().unwrap().len() as u64;
+    let new_text = k3::session::tokenizer::Tokenizer::load(&fixture("tiny"))
+        .unwrap()
+        .encode(" there", true)
+        .len() as u64;
+    assert_eq!(
+        rest[0]["reused_tokens"].as_u64().unwrap(),
+        prompt - new_text - 1
+    );
+}
+
+#[test]
+fn ctrl_c_stops_the_reply_and_keeps_the_session() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .arg("chat")
+        .arg(fixture("tiny"))
+        .args([
+            "--plain",
+            "--greedy",
+            "--no-think",
+            "--max-tokens",
+            "1000000",
+            "--context",
+            "2000000",
+        ])
+        .arg("--session-dir")
+        .arg(dir.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"/raw\nOnce upon a time\n").unwrap();
+    stdin.flush().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    stdin.write_all(b"/stats\n").unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("; stopped]"), "{err}");
+    assert!(
+        err.contains("positions "),
+        "the session answered after the interrupt: {err}"
+    );
+}
+
+#[test]
+fn the_context_limit_stops_generation_and_refuses_an_oversized_prompt() {
+    let mut s = settings(0.0);
+    s.context_limit = 90;
+    s.max_tokens = 1000;
+    let mut sess = Session::new(model(), tok(), s).unwrap();
+    let r = sess.send("Hello K3", &no_cancel(), &mut |_, _| {}).unwrap();
+    assert_eq!(r.stop, k3::session::chat::Stop::ContextFull);
+    assert!(r.context_warning.is_some());
+    assert!(r.prompt_ids.len() + r.generated_ids.len() <= 90);
+    let e = sess.send(
+        "And a much longer question than the first one?",
+        &no_cancel(),
+        &mut |_, _| {},
+    );
+    assert!(
+        matches!(e, Err(k3::session::chat::TurnError::ContextFull { .. })),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn bad_commands_and_resumes_explain_without_exiting() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .arg("chat")
+        .arg(fixture("tiny"))
+        .args([
+            "--plain",
+            "--greedy",
+            "--no-think",
+            "--max-tokens",
+            "3",
+            "--session-dir",
+        ])
+        .arg(dir.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().unwrap().write_all(
+                b"/frob\n/set top_p 7\n/load nope\n/load ../x\n/regen\n/think medium\nhi\n",
+            )?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    for needle in [
+        "unknown command /frob",
+        "top_p",
+        "not found",
+        "/regen",
+        "medium",
+        "tokens/s",
+    ] {
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
+    let missing = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .arg("chat")
+        .arg(fixture("tiny"))
+        .args(["--plain", "--resume", "absent", "--session-dir"])
+        .arg(dir.path())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_ne!(missing.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("absent"));
+}

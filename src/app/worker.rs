@@ -178,9 +178,11 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         cancel,
     };
     ctx.session.system.clone_from(&cfg.system);
+    let mut resumed = None;
     if let Some(name) = &cfg.resume {
-        if let Err((msg, code)) = ctx.load(name) {
-            return fail(msg, code);
+        match ctx.load(name) {
+            Ok(msg) => resumed = Some(msg),
+            Err((msg, code)) => return fail(msg, code),
         }
     }
     let mut info_line = format!(
@@ -191,6 +193,10 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         ctx.name,
         ctx.session.mode.name()
     );
+    if let Some(msg) = resumed {
+        info_line.push('\n');
+        info_line.push_str(&msg);
+    }
     if stale > 0 {
         info_line.push_str(&format!(
             "\nremoved {stale} unfinished save file(s) left by a crash"

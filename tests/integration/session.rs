@@ -362,3 +362,75 @@ fn bad_commands_and_resumes_explain_without_exiting() {
     assert_ne!(missing.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&missing.stderr).contains("absent"));
 }
+
+#[test]
+fn another_models_session_is_refused_and_its_transcript_offered() {
+    let dir = tempfile::tempdir().unwrap();
+    chat(&["--greedy"], "Hello K3\n/save other\n", dir.path());
+    let before = std::fs::read(dir.path().join("other.k3session")).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .arg("chat")
+        .arg(fixture("tiny2"))
+        .args([
+            "--plain",
+            "--jsonl",
+            "--greedy",
+            "--no-think",
+            "--max-tokens",
+            "4",
+            "--resume",
+            "other",
+        ])
+        .arg("--session-dir")
+        .arg(dir.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            let cmds = format!(
+                "Why?\n/export md {0}/out.md\n/export json {0}/out.json\n",
+                dir.path().display()
+            );
+            c.stdin.take().unwrap().write_all(cmds.as_bytes())?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    let md = std::fs::read_to_string(dir.path().join("out.md")).unwrap();
+    assert!(
+        md.contains("**user**") && md.contains("Hello K3") && md.contains("Why?"),
+        "{md}"
+    );
+    let js: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("out.json")).unwrap()).unwrap();
+    assert_eq!(js["entries"][0]["content"], "Hello K3");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("refused") && err.contains("re-reads the history"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(dir.path().join("other.k3session")).unwrap(),
+        before,
+        "file untouched"
+    );
+    // The transcript came along: the first turn re-prefills it (nothing reused) and renders
+    // the earlier user message before the new one.
+    let line: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
+    assert_eq!(line["reused_tokens"], 0);
+    let t = Tokenizer::load(&fixture("tiny2")).unwrap();
+    let ids: Vec<u32> = line["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let text = t.decode_lossy(&ids).unwrap();
+    assert!(
+        text.find("Hello K3").unwrap() < text.find("Why?").unwrap(),
+        "{text}"
+    );
+}

@@ -8,6 +8,7 @@
 pub mod checkpoint;
 pub mod index;
 pub mod safetensors;
+pub mod stats;
 
 pub use checkpoint::{Checkpoint, TensorData};
 pub use index::{TensorIndex, TensorInfo};

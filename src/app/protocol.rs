@@ -4,6 +4,7 @@
 
 use crate::session::chat::TurnReport;
 use crate::session::commands::Command;
+use crate::stream::stats::StatsSnapshot;
 
 /// Identifies one request/turn; assigned by the front end, increasing.
 pub type TurnId = u64;
@@ -52,6 +53,13 @@ pub enum EngineEvent {
         turn: TurnId,
         /// What happened.
         report: Box<TurnReport>,
+    },
+    /// Engine figures, sent a few times a second while a turn runs and once when it ends.
+    Stats {
+        /// Turn (0 outside a turn).
+        turn: TurnId,
+        /// The figures.
+        stats: Box<StatsSnapshot>,
     },
     /// A command's answer, as text.
     Notice {

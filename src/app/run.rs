@@ -89,16 +89,7 @@ pub fn terminal_safe(text: &str) -> String {
 /// Peak resident set size of this process, from /proc (0 where unavailable).
 #[must_use]
 pub fn peak_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| {
-                l.split_whitespace()
-                    .nth(1)
-                    .and_then(|kb| kb.parse::<u64>().ok())
-            })
-        })
-        .map_or(0, |kb| kb * 1024)
+    crate::stream::stats::rss_bytes().1
 }
 
 fn load_tokenizer(dir: &Path, vocab: u32) -> Result<Option<Tokenizer>> {

@@ -9,12 +9,14 @@ use crate::session::chat::{Entry, Mode, Session, Settings};
 use crate::session::commands::{Command, ExportFormat, Setting, Think, HELP};
 use crate::session::store::{self, ModelIdentity, SessionRecord, SessionStore, Summary};
 use crate::session::tokenizer::Tokenizer;
+use crate::stream::stats::{self, LayerResidency, Residency, StatsSnapshot};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 /// What the worker needs to start.
 #[derive(Clone, Debug)]
@@ -130,7 +132,14 @@ struct Ctx<'a> {
     created: u64,
     tx: &'a Sender<EngineEvent>,
     cancel: &'a AtomicBool,
+    /// Bytes of weights read at load (the whole model is resident).
+    model_bytes: u64,
+    /// The turn being served (read by the prefill-progress hook).
+    current_turn: Arc<AtomicU64>,
 }
+
+/// Least time between two `Stats` events while a turn runs.
+const STATS_INTERVAL_S: f64 = 0.2;
 
 fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cancel: &AtomicBool) {
     let fail = |msg: String, code: i32| {
@@ -165,6 +174,36 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         Ok(s) => s,
         Err(e) => return fail(e.to_string(), 2),
     };
+    let current_turn = Arc::new(AtomicU64::new(0));
+    let mut session = session;
+    {
+        let tx = tx.clone();
+        let turn = Arc::clone(&current_turn);
+        let mut last = Instant::now();
+        let (positions_limit, model_bytes) = (cfg.settings.context_limit as u64, info.bytes_read);
+        session.on_prefill(Box::new(move |done, total| {
+            if done < total && last.elapsed().as_secs_f64() < STATS_INTERVAL_S {
+                return;
+            }
+            last = Instant::now();
+            let (rss, peak) = stats::rss_bytes();
+            let snap = StatsSnapshot {
+                prefill_done: done as u64,
+                prefill_total: total as u64,
+                rss_bytes: rss,
+                peak_rss_bytes: peak,
+                model_bytes,
+                disk_bytes_read: model_bytes,
+                context_limit: positions_limit,
+                ..StatsSnapshot::default()
+            };
+            let t = turn.load(Ordering::Relaxed);
+            let _ = tx.send(EngineEvent::Stats {
+                turn: t,
+                stats: Box::new(snap),
+            });
+        }));
+    }
     let mut ctx = Ctx {
         session,
         store,
@@ -176,6 +215,8 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         created: unix_now(),
         tx,
         cancel,
+        model_bytes: info.bytes_read,
+        current_turn,
     };
     ctx.session.system.clone_from(&cfg.system);
     let mut resumed = None;
@@ -205,12 +246,22 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
     if tx.send(EngineEvent::Ready { info: info_line }).is_err() {
         return;
     }
+    let _ = tx.send(EngineEvent::Stats {
+        turn: 0,
+        stats: Box::new(ctx.stats_snapshot(0, 0.0, 0.0)),
+    });
     while let Ok(req) = rx.recv() {
         cancel.store(false, Ordering::Relaxed);
         let ok = match req {
             Request::Shutdown => break,
-            Request::Send { turn, text } => ctx.send(turn, &text),
-            Request::Command { turn, command } => ctx.command(turn, command),
+            Request::Send { turn, text } => {
+                ctx.current_turn.store(turn, Ordering::Relaxed);
+                ctx.send(turn, &text)
+            }
+            Request::Command { turn, command } => {
+                ctx.current_turn.store(turn, Ordering::Relaxed);
+                ctx.command(turn, command)
+            }
         };
         if !ok {
             break; // the front end is gone
@@ -238,6 +289,42 @@ impl Ctx<'_> {
         })
     }
 
+    /// The engine's figures now. The whole model is resident: every layer is pinned and every
+    /// expert lookup is a hit.
+    fn stats_snapshot(&self, turn_tokens: u64, turn_seconds: f64, tps: f64) -> StatsSnapshot {
+        let cfg = &self.session.model().cfg;
+        let (rss, peak) = stats::rss_bytes();
+        let n_exp = if cfg.first_k_dense_replace < cfg.num_hidden_layers {
+            cfg.num_experts
+        } else {
+            0
+        };
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|il| {
+                let e = if cfg.is_dense(il) { 0 } else { n_exp as u32 };
+                LayerResidency {
+                    trunk: Residency::Pinned,
+                    experts_resident: e,
+                    experts_total: e,
+                }
+            })
+            .collect();
+        StatsSnapshot {
+            tokens_per_second: tps,
+            turn_tokens,
+            turn_seconds,
+            rss_bytes: rss,
+            peak_rss_bytes: peak,
+            budget_bytes: None,
+            model_bytes: self.model_bytes,
+            disk_bytes_read: self.model_bytes,
+            layers,
+            positions: self.session.tokens().len() as u64,
+            context_limit: self.session.settings.context_limit as u64,
+            ..StatsSnapshot::default()
+        }
+    }
+
     /// Run a generating call and report it.
     fn turn_result(
         &mut self,
@@ -251,16 +338,54 @@ impl Ctx<'_> {
     ) -> bool {
         let tx = self.tx;
         let mut alive = true;
+        let start = Instant::now();
+        let mut last_token = Instant::now();
+        let mut last_stats: Option<Instant> = None;
+        let mut n = 0u64;
+        let base = self.stats_snapshot(0, 0.0, 0.0);
         let mut emit = |id: u32, text: &str| {
-            alive &= tx
-                .send(EngineEvent::Token {
-                    turn,
-                    id,
-                    text: text.to_string(),
-                })
-                .is_ok();
+            let token = EngineEvent::Token {
+                turn,
+                id,
+                text: text.to_string(),
+            };
+            alive &= tx.send(token).is_ok();
+            if id == u32::MAX {
+                return; // a flushed UTF-8 tail, not a token
+            }
+            n += 1;
+            let dt = last_token.elapsed().as_secs_f64();
+            last_token = Instant::now();
+            if last_stats.is_none_or(|t| t.elapsed().as_secs_f64() >= STATS_INTERVAL_S) {
+                last_stats = Some(Instant::now());
+                let (rss, peak) = stats::rss_bytes();
+                let snap = StatsSnapshot {
+                    tokens_per_second: if n > 1 && dt > 0.0 { 1.0 / dt } else { 0.0 },
+                    turn_tokens: n,
+                    turn_seconds: start.elapsed().as_secs_f64(),
+                    rss_bytes: rss,
+                    peak_rss_bytes: peak,
+                    ..base.clone()
+                };
+                alive &= tx
+                    .send(EngineEvent::Stats {
+                        turn,
+                        stats: Box::new(snap),
+                    })
+                    .is_ok();
+            }
         };
         let result = f(&mut self.session, self.cancel, &mut emit);
+        let (n_tok, secs) = match &result {
+            Ok(r) => (r.generated_ids.len() as u64, r.decode_seconds),
+            Err(_) => (0, start.elapsed().as_secs_f64()),
+        };
+        let tps = if secs > 0.0 { n_tok as f64 / secs } else { 0.0 };
+        let snap = self.stats_snapshot(n_tok, secs, tps);
+        alive &= self.event(EngineEvent::Stats {
+            turn,
+            stats: Box::new(snap),
+        });
         match result {
             Ok(report) => {
                 alive

@@ -233,7 +233,12 @@ pub struct Session<'a> {
     state: SeqState,
     snapshots: Vec<Snapshot>,
     max_snapshots: usize,
+    on_prefill: Option<Box<dyn FnMut(usize, usize) + 'a>>,
 }
+
+/// Prompt tokens fed to the engine per forward call while prefilling (results do not depend
+/// on it; it only sets how often progress is reported).
+pub const PREFILL_CHUNK: usize = 64;
 
 /// Length of the longest common prefix.
 fn lcp(a: &[u32], b: &[u32]) -> usize {
@@ -265,7 +270,28 @@ impl<'a> Session<'a> {
             state: SeqState::new(&model.cfg),
             snapshots: Vec::new(),
             max_snapshots: 8,
+            on_prefill: None,
         })
+    }
+
+    /// Call `f(done, total)` as prompt tokens are prefilled.
+    pub fn on_prefill(&mut self, f: Box<dyn FnMut(usize, usize) + 'a>) {
+        self.on_prefill = Some(f);
+    }
+
+    /// Feed `ids` in chunks, reporting progress; returns the logits after the last id.
+    fn feed(&mut self, ids: &[u32], done_before: usize, total: usize) -> Vec<f32> {
+        let mut logits = Vec::new();
+        let mut done = done_before;
+        for chunk in ids.chunks(PREFILL_CHUNK) {
+            logits = self.model.forward(&mut self.state, chunk, Logits::Last);
+            self.tokens.extend_from_slice(chunk);
+            done += chunk.len();
+            if let Some(f) = self.on_prefill.as_mut() {
+                f(done, total);
+            }
+        }
+        logits
     }
 
     /// The tokenizer.
@@ -460,18 +486,11 @@ impl<'a> Session<'a> {
             None => {
                 let mut from = start;
                 if let Some(h) = history_end.filter(|&h| h > start && h < prompt.len()) {
-                    let l = self
-                        .model
-                        .forward(&mut self.state, &prompt[start..h], Logits::Last);
-                    self.tokens.extend_from_slice(&prompt[start..h]);
+                    let l = self.feed(&prompt[start..h], 0, prompt.len() - start);
                     self.snapshot(&l);
                     from = h;
                 }
-                let l = self
-                    .model
-                    .forward(&mut self.state, &prompt[from..], Logits::Last);
-                self.tokens.extend_from_slice(&prompt[from..]);
-                l
+                self.feed(&prompt[from..], from - start, prompt.len() - start)
             }
         };
         self.snapshot(&logits);

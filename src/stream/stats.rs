@@ -1,0 +1,98 @@
+//! Engine statistics: a cheap, cloneable snapshot the front ends poll (tokens/s, memory, disk,
+//! expert-cache residency, compute vs I/O time). Everything here is a measurement; nothing
+//! feeds back into the arithmetic.
+
+use serde::Serialize;
+
+/// Where a layer's weights live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Residency {
+    /// Held in memory for the whole run.
+    Pinned,
+    /// Streamed from disk through the read-ahead ring.
+    Ring,
+}
+
+/// One layer's residency.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct LayerResidency {
+    /// Trunk weights.
+    pub trunk: Residency,
+    /// Routed experts of this layer currently resident.
+    pub experts_resident: u32,
+    /// Routed experts of this layer.
+    pub experts_total: u32,
+}
+
+/// A snapshot of the engine's figures.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct StatsSnapshot {
+    /// Tokens per second over the most recent token.
+    pub tokens_per_second: f64,
+    /// Tokens generated in the current turn.
+    pub turn_tokens: u64,
+    /// Seconds spent generating in the current turn.
+    pub turn_seconds: f64,
+    /// Prompt tokens already prefilled in the current turn.
+    pub prefill_done: u64,
+    /// Prompt tokens to prefill in the current turn.
+    pub prefill_total: u64,
+    /// Resident set size now (bytes).
+    pub rss_bytes: u64,
+    /// Peak resident set size (bytes).
+    pub peak_rss_bytes: u64,
+    /// Memory budget in force (bytes); `None` when the whole model is held resident.
+    pub budget_bytes: Option<u64>,
+    /// Bytes of weights in the checkpoint.
+    pub model_bytes: u64,
+    /// Bytes read from the checkpoint since start.
+    pub disk_bytes_read: u64,
+    /// Bytes read from the checkpoint in the current turn.
+    pub turn_disk_bytes: u64,
+    /// Disk throughput over the most recent token (MB/s).
+    pub disk_mb_per_s: f64,
+    /// Routed-expert lookups that found the expert in memory.
+    pub expert_hits: u64,
+    /// Routed-expert lookups that had to read it.
+    pub expert_misses: u64,
+    /// Per layer residency.
+    pub layers: Vec<LayerResidency>,
+    /// Seconds spent computing since start.
+    pub compute_seconds: f64,
+    /// Seconds spent waiting on reads since start.
+    pub io_wait_seconds: f64,
+    /// Positions the session holds.
+    pub positions: u64,
+    /// Most positions the session may hold.
+    pub context_limit: u64,
+}
+
+impl StatsSnapshot {
+    /// Hits over lookups (1.0 when nothing was looked up).
+    #[must_use]
+    pub fn expert_hit_rate(&self) -> f64 {
+        let n = self.expert_hits + self.expert_misses;
+        if n == 0 {
+            1.0
+        } else {
+            self.expert_hits as f64 / n as f64
+        }
+    }
+}
+
+/// Resident and peak set size of this process from `/proc/self/status` (0 where unavailable).
+#[must_use]
+pub fn rss_bytes() -> (u64, u64) {
+    let Ok(s) = std::fs::read_to_string("/proc/self/status") else {
+        return (0, 0);
+    };
+    let field = |key: &str| {
+        s.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}

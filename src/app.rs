@@ -2,8 +2,11 @@
 //! errors are values until [`main`] turns them into an exit status.
 
 pub mod chat;
+pub mod config;
 pub mod protocol;
 pub mod run;
+pub mod state;
+pub mod synth;
 pub mod worker;
 
 use clap::{Parser, Subcommand};
@@ -31,6 +34,14 @@ pub enum Command {
     /// Lines starting with `/` are commands (`/help`); end a line with `\` to continue it.
     /// Ctrl-C stops a reply and keeps the session.
     Chat(chat::ChatArgs),
+    /// Show or create the user configuration file (`path`, `show`, `init`).
+    Config(config::ConfigArgs),
+    /// Write a synthetic checkpoint in the released format (deterministic random weights).
+    ///
+    /// Shapes: tiny (the oracle's), small (~400 MB), bench (~6 GB), k3 (the released
+    /// dimensions as sparse files). Exit status: 0 ok, 1 write failure, 2 usage (including an
+    /// existing non-empty OUT_DIR).
+    Synth(synth::SynthArgs),
 }
 
 /// Parse the command line, run, and return the process exit status.
@@ -40,6 +51,8 @@ pub fn main() -> i32 {
     let result = match cli.command {
         Command::Run(args) => run::run(&args).map(|()| 0),
         Command::Chat(args) => chat::run(&args),
+        Command::Config(args) => config::run(&args),
+        Command::Synth(args) => synth::run(&args).map(|()| 0),
     };
     match result {
         Ok(code) => code,

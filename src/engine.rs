@@ -7,6 +7,7 @@ pub mod kda;
 pub mod mla;
 pub mod model;
 pub mod moe;
+pub mod residency;
 pub mod sampling;
 pub mod state;
 pub mod tensor;

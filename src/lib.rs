@@ -4,6 +4,8 @@
 //! (checkpoint files, validation, reads), [`engine`] (config, weights, forward pass, sampling),
 //! [`session`] (tokenizer), [`app`] (command line). Dependencies point downwards only.
 
+#![recursion_limit = "256"]
+
 pub mod app;
 pub mod engine;
 pub mod error;

@@ -5,10 +5,13 @@
 //! truncated or shrinks while k3 runs produces an error, not a SIGBUS. Every shard is validated
 //! in full when the checkpoint is opened.
 
+pub mod budget;
+pub mod cache_policy;
 pub mod checkpoint;
 pub mod index;
 pub mod safetensors;
 pub mod stats;
+pub mod synth;
 
 pub use checkpoint::{Checkpoint, TensorData};
 pub use index::{TensorIndex, TensorInfo};

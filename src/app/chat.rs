@@ -1,17 +1,27 @@
-//! `k3 chat`: a conversation with carried state, in the plain REPL.
+//! `k3 chat`: a conversation with carried state, in the terminal interface (when stdin and
+//! stdout are terminals and TERM is not `dumb`) or the plain REPL (otherwise, or `--plain`).
+//! Settings come from the flags, then the user config file, then the built-in defaults.
 
+use super::config::Config;
+use super::state::{AppInit, KeyLabels};
 use super::worker::{ChatConfig, Worker};
 use crate::session::chat::Settings;
+use crate::session::store::SessionStore;
+use crate::ui::input::KeyMap;
 use crate::ui::repl::{self, ReplOptions};
+use crate::ui::tui::{self, TuiOptions};
 use clap::Args;
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 /// Arguments of `k3 chat`.
 #[derive(Debug, Args)]
 pub struct ChatArgs {
-    /// Checkpoint directory (config.json, safetensors shards, tokenizer files).
-    pub model_dir: PathBuf,
-    /// Use the plain line-mode client (automatic when stdin or stdout is not a terminal).
+    /// Checkpoint directory (config.json, safetensors shards, tokenizer files); default: the
+    /// config file's `model_dir`.
+    pub model_dir: Option<PathBuf>,
+    /// Use the plain line-mode client instead of the terminal interface (automatic when stdin
+    /// or stdout is not a terminal, or TERM is `dumb`).
     #[arg(long)]
     pub plain: bool,
     /// Print one JSON line per finished turn (prompt ids, generated ids, reply, reuse counts).
@@ -30,38 +40,42 @@ pub struct ChatArgs {
     #[arg(long)]
     pub system: Option<String>,
     /// Turn the thinking channel off.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "think")]
     pub no_think: bool,
-    /// Thinking effort: low, high or max.
-    #[arg(long, default_value = "max")]
-    pub effort: String,
+    /// Turn the thinking channel on (when the config file turns it off).
+    #[arg(long)]
+    pub think: bool,
+    /// Thinking effort: low, high or max [default: max, or the config file's].
+    #[arg(long)]
+    pub effort: Option<String>,
     /// Greedy decoding (overrides the sampling flags).
     #[arg(long)]
     pub greedy: bool,
-    /// Sampling temperature (K3 recommends 1.0; 0 is greedy).
-    #[arg(long, default_value_t = 1.0)]
-    pub temperature: f32,
-    /// Top-k (0 = off).
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
-    /// Nucleus threshold in (0, 1].
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    /// Min-p (0 = off).
-    #[arg(long, default_value_t = 0.0)]
-    pub min_p: f32,
-    /// Repetition penalty (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    pub repeat_penalty: f32,
-    /// Random seed.
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
-    /// Longest reply in tokens.
-    #[arg(long, default_value_t = 512)]
-    pub max_tokens: usize,
-    /// Most positions a session may hold.
-    #[arg(long, default_value_t = 32_768)]
-    pub context: usize,
+    /// Sampling temperature (K3 recommends 1.0; 0 is greedy) [default: 1.0, or the config
+    /// file's; likewise for the sampling flags below].
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Top-k (0 = off) [default: 0].
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Nucleus threshold in (0, 1] [default: 1.0].
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// Min-p (0 = off) [default: 0].
+    #[arg(long)]
+    pub min_p: Option<f32>,
+    /// Repetition penalty (1 = off) [default: 1.0].
+    #[arg(long)]
+    pub repeat_penalty: Option<f32>,
+    /// Random seed [default: 1].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Longest reply in tokens [default: 512].
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    /// Most positions a session may hold [default: 32768].
+    #[arg(long)]
+    pub context: Option<usize>,
     /// Extra stop id (repeatable; raw mode stops only on these).
     #[arg(long = "stop-id", value_name = "ID")]
     pub stop_ids: Vec<u32>,
@@ -70,33 +84,106 @@ pub struct ChatArgs {
     pub threads: Option<usize>,
 }
 
+/// Whether the terminal interface can run here: stdin and stdout are terminals and TERM is set
+/// and not `dumb`.
+#[must_use]
+pub fn terminal_usable() -> bool {
+    let term = std::env::var("TERM").unwrap_or_default();
+    std::io::stdin().is_terminal()
+        && std::io::stdout().is_terminal()
+        && !term.is_empty()
+        && term != "dumb"
+}
+
+/// The settings: flags over the config file over the defaults.
+fn settings(args: &ChatArgs, cfg: &Config) -> Settings {
+    let s = &cfg.sampling;
+    let temperature = args.temperature.unwrap_or(s.temperature);
+    Settings {
+        temperature: if args.greedy { 0.0 } else { temperature },
+        top_k: args.top_k.unwrap_or(s.top_k),
+        top_p: args.top_p.unwrap_or(s.top_p),
+        min_p: args.min_p.unwrap_or(s.min_p),
+        repeat_penalty: args.repeat_penalty.unwrap_or(s.repeat_penalty),
+        seed: args.seed.unwrap_or(s.seed),
+        max_tokens: args.max_tokens.unwrap_or(s.max_tokens).max(1),
+        thinking: if args.no_think {
+            false
+        } else {
+            args.think || cfg.thinking.enabled
+        },
+        effort: args
+            .effort
+            .clone()
+            .unwrap_or_else(|| cfg.thinking.effort.clone()),
+        context_limit: args.context.unwrap_or(s.context).max(2),
+        stop_ids: args.stop_ids.clone(),
+    }
+}
+
 /// Run `k3 chat`; returns the exit status.
 pub fn run(args: &ChatArgs) -> crate::Result<i32> {
+    let cfg = Config::load().map_err(|e| crate::Error::Usage(e.to_string()))?;
+    let model_dir = args
+        .model_dir
+        .clone()
+        .or_else(|| cfg.model_dir.clone())
+        .ok_or_else(|| {
+            crate::Error::Usage(
+                "k3 chat needs a checkpoint directory (or model_dir in the config file; see \
+                 `k3 config path`)"
+                    .into(),
+            )
+        })?;
     super::run::set_threads(args.threads)?;
-    let settings = Settings {
-        temperature: if args.greedy { 0.0 } else { args.temperature },
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repeat_penalty: args.repeat_penalty,
-        seed: args.seed,
-        max_tokens: args.max_tokens.max(1),
-        thinking: !args.no_think,
-        effort: args.effort.clone(),
-        context_limit: args.context.max(2),
-        stop_ids: args.stop_ids.clone(),
-    };
+    let settings = settings(args, &cfg);
     settings.render_options().map_err(crate::Error::Usage)?;
     crate::engine::sampling::Sampler::new(settings.sampler())
         .map_err(|e| crate::Error::Usage(e.to_string()))?;
+    let tui = !args.plain && !args.jsonl && terminal_usable();
+    let keys = match cfg.keys.bindings() {
+        Ok(b) => KeyMap::new(b),
+        Err((field, msg)) => return Err(crate::Error::Usage(format!("{field}: {msg}"))),
+    };
     let worker = Worker::spawn(ChatConfig {
-        model_dir: args.model_dir.clone(),
-        settings,
+        model_dir: model_dir.clone(),
+        settings: settings.clone(),
         system: args.system.clone(),
         resume: args.resume.clone(),
         session_name: args.session.clone().or_else(|| args.resume.clone()),
         session_dir: args.session_dir.clone(),
     });
+    if tui {
+        let session_dir = args
+            .session_dir
+            .clone()
+            .unwrap_or_else(SessionStore::default_dir);
+        let model = model_dir
+            .file_name()
+            .map_or_else(|| model_dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+        let labels: KeyLabels = keys.labels();
+        let init = AppInit {
+            model,
+            session: args.session.clone().or_else(|| args.resume.clone()),
+            resume: args.resume.is_some(),
+            thinking: settings.thinking,
+            context_limit: settings.context_limit as u64,
+            // The worker exports the transcript here for the pane to show a loaded session; it
+            // is read and removed at once. The session directory is private to the user.
+            history_path: session_dir.join(format!(".transcript-view-{}.json", std::process::id())),
+            budget_gb: cfg.memory.budget_gb,
+            keys: labels,
+            theme: cfg.theme,
+        };
+        return Ok(tui::run(
+            worker,
+            TuiOptions {
+                init,
+                keys,
+                session_dir,
+            },
+        ));
+    }
     let history_file =
         directories::ProjectDirs::from("", "", "k3").map(|d| d.data_dir().join("repl_history"));
     Ok(repl::run(

@@ -176,7 +176,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     };
     let mut state = SeqState::new(&model.cfg);
     let t0 = Instant::now();
-    let mut logits = model.forward(&mut state, &prompt, Logits::Last);
+    let mut logits = model.forward(&mut state, &prompt, Logits::Last)?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let mut history = prompt.clone();
     let mut generated = Vec::new();
@@ -210,7 +210,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         if args.stop_ids.contains(&next) || step + 1 == args.gen {
             break;
         }
-        logits = model.forward(&mut state, &[next], Logits::Last);
+        logits = model.forward(&mut state, &[next], Logits::Last)?;
     }
     let tail = stream.finish();
     text.push_str(&tail);

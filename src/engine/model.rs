@@ -13,8 +13,11 @@ use super::kda::{self, KdaParams, KdaWeights};
 use super::mla::{self, MlaParams, MlaWeights};
 use super::moe::{self, DenseMlp, MoeParams, MoeWeights, Routing};
 use super::state::{LayerState, SeqState};
+use super::residency::Streamer;
 use super::tensor::Dense;
 use crate::kernels::{self, ops};
+use crate::stream::StreamError;
+use std::sync::Arc;
 
 /// The attention block of a layer.
 #[derive(Clone, Debug)]
@@ -51,21 +54,34 @@ pub struct Layer {
     pub ffn: FeedForward,
 }
 
-/// A loaded model (immutable; share it between sequences).
-#[derive(Clone, Debug)]
+/// Where a model's large weights come from.
+#[derive(Debug)]
+pub enum Weights {
+    /// Everything held in memory.
+    Resident {
+        /// `[vocab, hidden]`.
+        embed: Dense,
+        /// Decoder layers (experts included).
+        layers: Vec<Arc<Layer>>,
+        /// `[vocab, hidden]`.
+        lm_head: Dense,
+    },
+    /// Read from the checkpoint under a memory plan (pinned layers, a read-ahead ring, an
+    /// expert cache, streamed embedding rows and output head).
+    Streamed(Box<Streamer>),
+}
+
+/// A loaded model (share it between sequences; the memory plan can change between calls).
+#[derive(Debug)]
 pub struct Model {
     /// Configuration.
     pub cfg: ModelConfig,
-    /// `[vocab, hidden]`.
-    pub embed: Dense,
-    /// Decoder layers.
-    pub layers: Vec<Layer>,
     /// `[hidden]` output AttnRes score vector.
     pub out_res_fold: Vec<f32>,
     /// `[hidden]` final norm gain.
     pub norm: Vec<f32>,
-    /// `[vocab, hidden]`.
-    pub lm_head: Dense,
+    /// The large weights.
+    pub weights: Weights,
 }
 
 /// Which positions of a chunk need logits.
@@ -167,7 +183,8 @@ impl Layer {
         cfg: &ModelConfig,
         res: &mut Residuals,
         state: &mut LayerState,
-    ) -> Option<Routing> {
+        weights: &Weights,
+    ) -> Result<Option<Routing>, StreamError> {
         let d = cfg.hidden_size;
         let eps = cfg.rms_norm_eps;
         let p_in = res.partial.take().unwrap_or_default();
@@ -205,12 +222,15 @@ impl Layer {
         let (f, routing) = match &self.ffn {
             FeedForward::Dense(m) => (m.forward(&h, cfg.situ_beta, cfg.situ_linear_beta), None),
             FeedForward::Moe(m) => {
-                let (y, r) = moe::forward(m, &moe_params(cfg), &h);
+                let (y, r) = match weights {
+                    Weights::Resident { .. } => moe::forward(m, &moe_params(cfg), &h),
+                    Weights::Streamed(st) => st.moe(il, m, &moe_params(cfg), &h)?,
+                };
                 (y, Some(r))
             }
         };
         res.add(f);
-        routing
+        Ok(routing)
     }
 }
 
@@ -220,38 +240,58 @@ impl Model {
     ///
     /// # Panics
     /// If a token id is not below the vocabulary size (callers validate ids first).
-    pub fn forward(&self, state: &mut SeqState, tokens: &[u32], want: Logits) -> Vec<f32> {
+    pub fn forward(
+        &self,
+        state: &mut SeqState,
+        tokens: &[u32],
+        want: Logits,
+    ) -> Result<Vec<f32>, StreamError> {
         self.forward_traced(state, tokens, want, None)
     }
 
     /// [`Model::forward`] that also records per-layer outputs and routing into `trace`.
+    ///
+    /// A read failure leaves `state` untouched only up to the failing layer: callers restore a
+    /// snapshot (the session does) before retrying.
     pub fn forward_traced(
         &self,
         state: &mut SeqState,
         tokens: &[u32],
         want: Logits,
         mut trace: Option<&mut Trace>,
-    ) -> Vec<f32> {
+    ) -> Result<Vec<f32>, StreamError> {
         let cfg = &self.cfg;
         let d = cfg.hidden_size;
         let n_tok = tokens.len();
         if n_tok == 0 {
-            return Vec::new();
+            return Ok(Vec::new());
         }
-        let mut x = vec![0f32; n_tok * d];
-        for (row, &id) in x.chunks_mut(d).zip(tokens) {
-            assert!(
-                (id as usize) < cfg.vocab_size,
-                "token id {id} outside the vocabulary"
-            );
-            self.embed.row_into(id as usize, row);
+        for &id in tokens {
+            assert!((id as usize) < cfg.vocab_size, "token id {id} outside the vocabulary");
         }
-        let mut res = Residuals {
-            blocks: Vec::new(),
-            partial: Some(x),
+        let x = match &self.weights {
+            Weights::Resident { embed, .. } => {
+                let mut x = vec![0f32; n_tok * d];
+                for (row, &id) in x.chunks_mut(d).zip(tokens) {
+                    embed.row_into(id as usize, row);
+                }
+                x
+            }
+            Weights::Streamed(st) => st.embed_rows(tokens)?,
         };
-        for (il, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
-            let routing = layer.forward(il, cfg, &mut res, ls);
+        let mut res = Residuals { blocks: Vec::new(), partial: Some(x) };
+        for (il, ls) in state.layers.iter_mut().enumerate() {
+            let routing = match &self.weights {
+                Weights::Resident { layers, .. } => {
+                    layers[il].forward(il, cfg, &mut res, ls, &self.weights)?
+                }
+                Weights::Streamed(st) => {
+                    let layer = st.layer(il)?;
+                    let r = layer.forward(il, cfg, &mut res, ls, &self.weights)?;
+                    drop(layer);
+                    r
+                }
+            };
             if let Some(t) = trace.as_deref_mut() {
                 t.layer_out.push(res.partial.clone().unwrap_or_default());
                 t.routing.push(routing.unwrap_or_default());
@@ -266,12 +306,26 @@ impl Model {
             t.final_hidden.clone_from(&h);
         }
         let rows: &[f32] = match want {
-            Logits::None => return Vec::new(),
+            Logits::None => return Ok(Vec::new()),
             Logits::Last => &h[(n_tok - 1) * d..],
             Logits::All => &h,
         };
-        let mut logits = vec![0f32; rows.len() / d * cfg.vocab_size];
-        kernels::matmul(self.lm_head.view(), cfg.vocab_size, d, rows, &mut logits);
-        logits
+        match &self.weights {
+            Weights::Resident { lm_head, .. } => {
+                let mut logits = vec![0f32; rows.len() / d * cfg.vocab_size];
+                kernels::matmul(lm_head.view(), cfg.vocab_size, d, rows, &mut logits);
+                Ok(logits)
+            }
+            Weights::Streamed(st) => st.head(rows),
+        }
+    }
+
+    /// The streamer, when the model reads its weights under a memory plan.
+    #[must_use]
+    pub fn streamer(&self) -> Option<&Streamer> {
+        match &self.weights {
+            Weights::Streamed(s) => Some(s),
+            Weights::Resident { .. } => None,
+        }
     }
 }

@@ -7,6 +7,7 @@
 
 use super::tensor::{Dense, Matrix};
 use crate::kernels::{self, ops};
+use std::sync::Arc;
 
 /// One routed expert: w1 = gate, w3 = up, w2 = down.
 #[derive(Clone, Debug)]
@@ -38,8 +39,8 @@ pub struct MoeWeights {
     pub shared_up: Dense,
     /// `[hidden, shared]`.
     pub shared_down: Dense,
-    /// Routed experts.
-    pub experts: Vec<Expert>,
+    /// Routed experts held with the layer (empty when they are fetched through a cache).
+    pub experts: Vec<Arc<Expert>>,
 }
 
 /// Constants of an MoE block.
@@ -140,9 +141,33 @@ impl DenseMlp {
 /// Routing decisions of a chunk: per token, experts and weights.
 pub type Routing = Vec<(Vec<usize>, Vec<f32>)>;
 
-/// One MoE block over `x` `[n_tok, hidden]`; also returns the routing decisions.
+/// One MoE block over `x` `[n_tok, hidden]` with the experts held in `w`; also returns the
+/// routing decisions.
+///
+/// # Panics
+/// If `w.experts` does not hold every routed expert.
 #[must_use]
 pub fn forward(w: &MoeWeights, p: &MoeParams, x: &[f32]) -> (Vec<f32>, Routing) {
+    let mut fetch = |ids: &[usize]| -> Result<Vec<Arc<Expert>>, std::convert::Infallible> {
+        Ok(ids.iter().map(|&e| Arc::clone(&w.experts[e])).collect())
+    };
+    match forward_with(w, p, x, usize::MAX, &mut fetch) {
+        Ok(r) => r,
+        Err(never) => match never {},
+    }
+}
+
+/// One MoE block whose routed experts come from `fetch`, asked for at most `group` experts at
+/// a time (each group is fetched together, in parallel, then used and released). Outputs are
+/// accumulated per token in top-k order whatever the grouping, so the result does not depend
+/// on it.
+pub fn forward_with<E>(
+    w: &MoeWeights,
+    p: &MoeParams,
+    x: &[f32],
+    group: usize,
+    fetch: &mut dyn FnMut(&[usize]) -> Result<Vec<Arc<Expert>>, E>,
+) -> Result<(Vec<f32>, Routing), E> {
     let hidden = w.gate.cols;
     let n_tok = x.len() / hidden;
     let n_exp = w.gate.rows;
@@ -150,28 +175,28 @@ pub fn forward(w: &MoeWeights, p: &MoeParams, x: &[f32]) -> (Vec<f32>, Routing) 
     let routing: Routing = logits.chunks(n_exp).map(|l| route(l, &w.bias, p)).collect();
     let z = w.down.apply(x);
     let latent = w.down.rows;
-    // Run each used expert once over the tokens that chose it.
-    let mut outs: Vec<Vec<Vec<f32>>> = routing
-        .iter()
-        .map(|(idx, _)| vec![Vec::new(); idx.len()])
-        .collect();
-    for e in 0..n_exp {
-        let users: Vec<(usize, usize)> = routing
-            .iter()
-            .enumerate()
-            .filter_map(|(t, (idx, _))| idx.iter().position(|&i| i == e).map(|j| (t, j)))
-            .collect();
-        if users.is_empty() {
-            continue;
-        }
-        let mut zs = Vec::with_capacity(users.len() * latent);
-        for &(t, _) in &users {
-            zs.extend_from_slice(&z[t * latent..(t + 1) * latent]);
-        }
-        let ex = &w.experts[e];
-        let y = situ_glu_mlp(&ex.w1, &ex.w3, &ex.w2, &zs, p.beta1, p.beta2);
-        for (n, &(t, j)) in users.iter().enumerate() {
-            outs[t][j] = y[n * latent..(n + 1) * latent].to_vec();
+    // Experts in use, in id order; each runs once over the tokens that chose it.
+    let mut used: Vec<usize> = routing.iter().flat_map(|(idx, _)| idx.iter().copied()).collect();
+    used.sort_unstable();
+    used.dedup();
+    let mut outs: Vec<Vec<Vec<f32>>> =
+        routing.iter().map(|(idx, _)| vec![Vec::new(); idx.len()]).collect();
+    for ids in used.chunks(group.max(1)) {
+        let experts = fetch(ids)?;
+        for (&e, ex) in ids.iter().zip(&experts) {
+            let users: Vec<(usize, usize)> = routing
+                .iter()
+                .enumerate()
+                .filter_map(|(t, (idx, _))| idx.iter().position(|&i| i == e).map(|j| (t, j)))
+                .collect();
+            let mut zs = Vec::with_capacity(users.len() * latent);
+            for &(t, _) in &users {
+                zs.extend_from_slice(&z[t * latent..(t + 1) * latent]);
+            }
+            let y = situ_glu_mlp(&ex.w1, &ex.w3, &ex.w2, &zs, p.beta1, p.beta2);
+            for (n, &(t, j)) in users.iter().enumerate() {
+                outs[t][j] = y[n * latent..(n + 1) * latent].to_vec();
+            }
         }
     }
     let mut u = vec![0f32; n_tok * latent];
@@ -185,16 +210,9 @@ pub fn forward(w: &MoeWeights, p: &MoeParams, x: &[f32]) -> (Vec<f32>, Routing) 
         ops::rmsnorm(ut, &w.norm, p.rms_eps);
     }
     let mut y = w.up.apply(&u);
-    let ys = situ_glu_mlp(
-        &w.shared_gate,
-        &w.shared_up,
-        &w.shared_down,
-        x,
-        p.beta1,
-        p.beta2,
-    );
+    let ys = situ_glu_mlp(&w.shared_gate, &w.shared_up, &w.shared_down, x, p.beta1, p.beta2);
     for (a, b) in y.iter_mut().zip(&ys) {
         *a += b;
     }
-    (y, routing)
+    Ok((y, routing))
 }

@@ -5,7 +5,9 @@
 use super::config::ModelConfig;
 use super::kda::KdaWeights;
 use super::mla::MlaWeights;
-use super::model::{Attention, FeedForward, Layer, Model};
+use super::model::{Attention, FeedForward, Layer, Model, Weights};
+use super::residency::Streamer;
+use crate::stream::budget::{BudgetRequest, ModelSizes, Plan};
 use super::moe::{DenseMlp, Expert, MoeWeights};
 use super::tensor::{Dense, DenseData, Matrix, Mxfp4};
 use crate::stream::{Checkpoint, Dtype, StreamError, TensorData};
@@ -35,6 +37,9 @@ pub enum LoadError {
     /// Graph mismatch.
     #[error(transparent)]
     Bind(#[from] BindError),
+    /// The memory budget is below what the model needs to run.
+    #[error("{0}")]
+    Budget(String),
 }
 
 impl From<LoadError> for crate::Error {
@@ -43,17 +48,22 @@ impl From<LoadError> for crate::Error {
             LoadError::Config(e) => e.into(),
             LoadError::Stream(e) => e.into(),
             LoadError::Bind(e) => e.into(),
+            LoadError::Budget(m) => crate::Error::Usage(m),
         }
     }
 }
 
-/// What loading read.
+/// What loading read, and the plan it followed.
 #[derive(Clone, Debug)]
 pub struct LoadInfo {
     /// Tensor bytes read.
     pub bytes_read: u64,
     /// SHA-256 over every tensor's name, dtype, shape and offset.
     pub index_digest: [u8; 32],
+    /// The memory plan.
+    pub plan: Plan,
+    /// The model's byte sizes.
+    pub sizes: ModelSizes,
 }
 
 /// Tensor names of the released checkpoint.
@@ -75,10 +85,29 @@ pub mod names {
     pub const OUT_RES_PROJ: &str = "language_model.model.output_attn_res_proj.weight";
 }
 
-struct Binder<'a> {
+pub(crate) struct Binder<'a> {
     ck: &'a Checkpoint,
     claimed: HashSet<String>,
     problems: Vec<String>,
+    /// Read tensor data (else only check names, shapes and dtypes).
+    read: bool,
+    /// Bind routed experts with their layer (else they are fetched on demand).
+    experts: bool,
+}
+
+impl<'a> Binder<'a> {
+    pub(crate) fn new(ck: &'a Checkpoint, read: bool, experts: bool) -> Self {
+        Binder { ck, claimed: HashSet::new(), problems: Vec::new(), read, experts }
+    }
+
+    /// Problems found so far, as an error.
+    pub(crate) fn into_result(self) -> Result<(), BindError> {
+        if self.problems.is_empty() {
+            Ok(())
+        } else {
+            Err(BindError { dir: self.ck.dir().to_path_buf(), problems: self.problems })
+        }
+    }
 }
 
 impl Binder<'_> {
@@ -112,6 +141,13 @@ impl Binder<'_> {
                 want.join(" or ")
             ));
             return Ok(None);
+        }
+        if !self.read {
+            return Ok(Some(match info.dtype {
+                Dtype::Bf16 => TensorData::Bf16(Vec::new()),
+                Dtype::U8 => TensorData::U8(Vec::new()),
+                Dtype::F32 | Dtype::F16 => TensorData::F32(Vec::new()),
+            }));
         }
         Ok(Some(self.ck.read(name)?.1))
     }
@@ -188,6 +224,9 @@ impl Binder<'_> {
         let Some(v) = self.vector(name, want)? else {
             return Ok(None);
         };
+        if !self.read {
+            return Ok(Some(v));
+        }
         if v[heads..].iter().any(|&x| x != 0.0) {
             self.problems.push(format!(
                 "tensor {name}: padding after the first {heads} values must be exactly zero"
@@ -336,6 +375,24 @@ fn bind_mla(
     })())
 }
 
+/// Bind routed expert `e` of layer `il`.
+pub(crate) fn bind_expert(
+    b: &mut Binder,
+    cfg: &ModelConfig,
+    il: usize,
+    e: usize,
+) -> Result<Option<Expert>, StreamError> {
+    let n = |r: &str| names::layer(il, &format!("block_sparse_moe.experts.{e}.{r}"));
+    let (lat, inter) = (cfg.routed_expert_hidden_size, cfg.moe_intermediate_size);
+    let w1 = b.mxfp4(&n("w1"), inter, lat)?;
+    let w2 = b.mxfp4(&n("w2"), lat, inter)?;
+    let w3 = b.mxfp4(&n("w3"), inter, lat)?;
+    Ok(match (w1, w2, w3) {
+        (Some(w1), Some(w2), Some(w3)) => Some(Expert { w1, w2, w3 }),
+        _ => None,
+    })
+}
+
 fn bind_moe(
     b: &mut Binder,
     cfg: &ModelConfig,
@@ -356,12 +413,13 @@ fn bind_moe(
     let shared_down = b.dense(&n("shared_experts.down_proj.weight"), dm, sh)?;
     let mut experts = Vec::with_capacity(cfg.num_experts);
     let mut all = true;
-    for e in 0..cfg.num_experts {
+    let n_bind = if b.experts { cfg.num_experts } else { 0 };
+    for e in 0..n_bind {
         let w1 = b.mxfp4(&n(&format!("experts.{e}.w1")), inter, lat)?;
         let w2 = b.mxfp4(&n(&format!("experts.{e}.w2")), lat, inter)?;
         let w3 = b.mxfp4(&n(&format!("experts.{e}.w3")), inter, lat)?;
         match (w1, w2, w3) {
-            (Some(w1), Some(w2), Some(w3)) => experts.push(Expert { w1, w2, w3 }),
+            (Some(w1), Some(w2), Some(w3)) => experts.push(std::sync::Arc::new(Expert { w1, w2, w3 })),
             _ => all = false,
         }
     }
@@ -381,7 +439,7 @@ fn bind_moe(
     })())
 }
 
-fn bind_layer(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<Layer>, StreamError> {
+pub(crate) fn bind_layer(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<Layer>, StreamError> {
     let dm = cfg.hidden_size;
     let has_kda = b.ck.info(&names::layer(il, "self_attn.A_log")).is_some();
     let has_mla =
@@ -443,6 +501,91 @@ fn bind_layer(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<Lay
     })())
 }
 
+/// Bind everything outside the layers, and optionally the layers, reading or just checking.
+fn bind_model(
+    b: &mut Binder,
+    cfg: &ModelConfig,
+    with_layers: bool,
+) -> Result<Option<(Dense, Dense, Vec<f32>, Vec<f32>, Vec<Layer>)>, StreamError> {
+    let dm = cfg.hidden_size;
+    let embed = b.dense(names::EMBED, cfg.vocab_size, dm)?;
+    let lm_head = b.dense(names::LM_HEAD, cfg.vocab_size, dm)?;
+    let norm = b.vector(names::NORM, dm)?;
+    let out_res_fold = b.fold(names::OUT_RES_NORM, names::OUT_RES_PROJ, dm)?;
+    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+    let mut complete = true;
+    for il in 0..cfg.num_hidden_layers {
+        match bind_layer(b, cfg, il)? {
+            Some(l) if with_layers => layers.push(l),
+            Some(_) => {}
+            None => complete = false,
+        }
+    }
+    let unclaimed: Vec<String> = b
+        .ck
+        .index()
+        .names()
+        .filter(|n| n.starts_with("language_model.") && !b.claimed.contains(n))
+        .collect();
+    if !unclaimed.is_empty() {
+        b.problems.push(format!(
+            "{} language-model tensor(s) not used by the configured graph, e.g. {:?}",
+            unclaimed.len(),
+            &unclaimed[..unclaimed.len().min(3)]
+        ));
+    }
+    Ok(match (embed, lm_head, norm, out_res_fold) {
+        (Some(e), Some(h), Some(n), Some(f)) if complete && b.problems.is_empty() => {
+            Some((e, h, n, f, layers))
+        }
+        _ => None,
+    })
+}
+
+/// Byte sizes the memory planner needs, from the config and the checkpoint index.
+#[must_use]
+pub fn model_sizes(cfg: &ModelConfig, ck: &Checkpoint) -> crate::stream::budget::ModelSizes {
+    let bytes = |name: &str| ck.info(name).map_or(0, |i| i.n_bytes());
+    let mut layer_trunk = vec![0u64; cfg.num_hidden_layers];
+    let mut expert_bytes = 0u64;
+    for name in ck.index().names() {
+        let Some(rest) = name.strip_prefix("language_model.model.layers.") else { continue };
+        let Some((il, tail)) = rest.split_once('.') else { continue };
+        let Ok(il) = il.parse::<usize>() else { continue };
+        if il >= layer_trunk.len() {
+            continue;
+        }
+        if tail.starts_with("block_sparse_moe.experts.") {
+            if tail.starts_with("block_sparse_moe.experts.0.") {
+                expert_bytes = expert_bytes.max(0) + bytes(&name);
+            }
+        } else {
+            layer_trunk[il] += bytes(&name);
+        }
+    }
+    let moe_layers = (0..cfg.num_hidden_layers).filter(|&il| !cfg.is_dense(il)).count() as u64;
+    let n_mla = cfg.is_mla.iter().filter(|&&m| m).count() as u64;
+    let kp = super::model::kda_params(cfg);
+    let kda_layer = (kp.heads * kp.head_dim * kp.head_dim
+        + 3 * kp.heads * kp.head_dim * (kp.kernel - 1)) as u64
+        * 4;
+    ModelSizes {
+        expert_bytes: if moe_layers > 0 { expert_bytes / moe_layers.max(1) } else { 0 },
+        layer_trunk,
+        experts_per_layer: cfg.num_experts as u64,
+        moe_layers,
+        top_k: cfg.num_experts_per_token as u64,
+        embed: bytes(names::EMBED),
+        head: bytes(names::LM_HEAD),
+        small: bytes(names::NORM) + bytes(names::OUT_RES_NORM) + bytes(names::OUT_RES_PROJ),
+        row_bytes: bytes(names::EMBED) / cfg.vocab_size.max(1) as u64,
+        state_bytes: kda_layer * (cfg.num_hidden_layers as u64 - n_mla),
+        kv_per_position: n_mla * super::state::SeqState::mla_floats_per_position(cfg) as u64 * 4,
+        hidden: cfg.hidden_size as u64,
+        vocab: cfg.vocab_size as u64,
+    }
+}
+
 impl Model {
     /// Load `dir/config.json` and every weight of the checkpoint in `dir`, resident.
     pub fn load(dir: &Path) -> Result<Model, LoadError> {
@@ -456,66 +599,64 @@ impl Model {
 
     /// [`Model::load`], also returning what was read and a digest of the tensor index.
     pub fn load_full(dir: &Path) -> Result<(Model, LoadInfo), LoadError> {
-        let cfg = ModelConfig::load(&dir.join("config.json"))?;
-        let ck = Checkpoint::open(dir)?;
-        let model = Self::bind(cfg, &ck)?;
-        Ok((
-            model,
-            LoadInfo {
-                bytes_read: ck.bytes_read(),
-                index_digest: ck.index_digest(),
-            },
-        ))
+        Self::open(dir, BudgetRequest::Resident, 4096)
     }
 
-    /// Bind an open checkpoint to `cfg`.
-    pub fn bind(cfg: ModelConfig, ck: &Checkpoint) -> Result<Model, LoadError> {
-        let mut b = Binder {
-            ck,
-            claimed: HashSet::new(),
-            problems: Vec::new(),
+    /// Open the checkpoint in `dir` under a memory budget: everything is validated first
+    /// (names, shapes, dtypes, unclaimed tensors); a resident request reads everything, any
+    /// other reads only what the plan pins and streams the rest. `context` sizes the state
+    /// reserve of the plan.
+    pub fn open(
+        dir: &Path,
+        req: BudgetRequest,
+        context: u64,
+    ) -> Result<(Model, LoadInfo), LoadError> {
+        let cfg = ModelConfig::load(&dir.join("config.json"))?;
+        let ck = Checkpoint::open(dir)?;
+        let digest = ck.index_digest();
+        let sizes = model_sizes(&cfg, &ck);
+        let plan = crate::stream::budget::plan(&sizes, req, context, crate::stream::budget::cgroup_limit())
+            .map_err(|e| LoadError::Budget(e.to_string()))?;
+        if plan.budget_bytes.is_none() {
+            let model = Self::bind(cfg, &ck)?;
+            let info = LoadInfo { bytes_read: ck.bytes_read(), index_digest: digest, plan, sizes };
+            return Ok((model, info));
+        }
+        // Validate the whole graph without reading, then read what the plan keeps.
+        let mut check = Binder::new(&ck, false, true);
+        let ok = bind_model(&mut check, &cfg, false)?.is_some();
+        check.into_result()?;
+        if !ok {
+            return Err(BindError { dir: dir.to_path_buf(), problems: vec!["incomplete graph".into()] }.into());
+        }
+        let mut b = Binder::new(&ck, true, false);
+        let norm = b.vector(names::NORM, cfg.hidden_size)?;
+        let fold = b.fold(names::OUT_RES_NORM, names::OUT_RES_PROJ, cfg.hidden_size)?;
+        b.into_result()?;
+        let (Some(norm), Some(out_res_fold)) = (norm, fold) else {
+            return Err(BindError { dir: dir.to_path_buf(), problems: vec!["final norm".into()] }.into());
         };
-        let dm = cfg.hidden_size;
-        let embed = b.dense(names::EMBED, cfg.vocab_size, dm)?;
-        let lm_head = b.dense(names::LM_HEAD, cfg.vocab_size, dm)?;
-        let norm = b.vector(names::NORM, dm)?;
-        let out_res_fold = b.fold(names::OUT_RES_NORM, names::OUT_RES_PROJ, dm)?;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for il in 0..cfg.num_hidden_layers {
-            if let Some(l) = bind_layer(&mut b, &cfg, il)? {
-                layers.push(l);
+        let streamer = Streamer::new(cfg.clone(), std::sync::Arc::new(ck), sizes.clone(), plan.clone())?;
+        let info = LoadInfo {
+            bytes_read: streamer.stats().disk_bytes_read,
+            index_digest: digest,
+            plan,
+            sizes,
+        };
+        let model = Model { cfg, out_res_fold, norm, weights: Weights::Streamed(Box::new(streamer)) };
+        Ok((model, info))
+    }
+
+    /// Bind an open checkpoint to `cfg`, reading every weight.
+    pub fn bind(cfg: ModelConfig, ck: &Checkpoint) -> Result<Model, LoadError> {
+        let mut b = Binder::new(ck, true, true);
+        let bound = bind_model(&mut b, &cfg, true)?;
+        match bound {
+            Some((embed, lm_head, norm, out_res_fold, layers)) if b.problems.is_empty() => {
+                let layers = layers.into_iter().map(std::sync::Arc::new).collect();
+                Ok(Model { cfg, out_res_fold, norm, weights: Weights::Resident { embed, layers, lm_head } })
             }
-        }
-        let unclaimed: Vec<String> = ck
-            .index()
-            .names()
-            .filter(|n| n.starts_with("language_model.") && !b.claimed.contains(n))
-            .collect();
-        if !unclaimed.is_empty() {
-            b.problems.push(format!(
-                "{} language-model tensor(s) not used by the configured graph, e.g. {:?}",
-                unclaimed.len(),
-                &unclaimed[..unclaimed.len().min(3)]
-            ));
-        }
-        match (embed, lm_head, norm, out_res_fold) {
-            (Some(embed), Some(lm_head), Some(norm), Some(out_res_fold))
-                if b.problems.is_empty() && layers.len() == cfg.num_hidden_layers =>
-            {
-                Ok(Model {
-                    cfg,
-                    embed,
-                    layers,
-                    out_res_fold,
-                    norm,
-                    lm_head,
-                })
-            }
-            _ => Err(BindError {
-                dir: ck.dir().to_path_buf(),
-                problems: b.problems,
-            }
-            .into()),
+            _ => Err(BindError { dir: ck.dir().to_path_buf(), problems: b.problems }.into()),
         }
     }
 }

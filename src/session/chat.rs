@@ -12,6 +12,7 @@ use super::tokenizer::{Tokenizer, Utf8Stream};
 use crate::engine::model::Logits;
 use crate::engine::sampling::{Sampler, SamplerConfig};
 use crate::engine::{Model, SeqState};
+use crate::stream::StreamError;
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -202,6 +203,9 @@ pub enum TurnError {
     /// Decoding generated ids failed.
     #[error(transparent)]
     Tokenizer(#[from] super::tokenizer::TokenizerError),
+    /// Weights could not be read; the turn was abandoned and the state rolled back.
+    #[error("{0}; the turn was abandoned and the conversation state kept as before it")]
+    Stream(#[from] StreamError),
 }
 
 /// State at the end of a prompt, with the logits that follow it.
@@ -280,18 +284,23 @@ impl<'a> Session<'a> {
     }
 
     /// Feed `ids` in chunks, reporting progress; returns the logits after the last id.
-    fn feed(&mut self, ids: &[u32], done_before: usize, total: usize) -> Vec<f32> {
+    fn feed(
+        &mut self,
+        ids: &[u32],
+        done_before: usize,
+        total: usize,
+    ) -> Result<Vec<f32>, StreamError> {
         let mut logits = Vec::new();
         let mut done = done_before;
         for chunk in ids.chunks(PREFILL_CHUNK) {
-            logits = self.model.forward(&mut self.state, chunk, Logits::Last);
+            logits = self.model.forward(&mut self.state, chunk, Logits::Last)?;
             self.tokens.extend_from_slice(chunk);
             done += chunk.len();
             if let Some(f) = self.on_prefill.as_mut() {
                 f(done, total);
             }
         }
-        logits
+        Ok(logits)
     }
 
     /// The tokenizer.
@@ -433,6 +442,14 @@ impl<'a> Session<'a> {
         Ok(())
     }
 
+    /// Forget the live state after a failed forward (it may be partly advanced); the next turn
+    /// starts again from a snapshot.
+    fn drop_live_state(&mut self) {
+        self.tokens.clear();
+        self.pending = None;
+        self.state = SeqState::new(&self.model.cfg);
+    }
+
     /// Keep a snapshot of the current state (with the logits that follow it), bounded.
     fn snapshot(&mut self, logits: &[f32]) {
         if self.snapshots.iter().any(|s| s.tokens == self.tokens) {
@@ -452,7 +469,11 @@ impl<'a> Session<'a> {
     /// state; returns (logits, reused tokens). When `history_end` is given (the prompt length
     /// before the generation prompt), the state there is snapshotted too, so that a later
     /// render that diverges only after the history (a rejected reply, an undo) can start from it.
-    fn prefill(&mut self, prompt: &[u32], history_end: Option<usize>) -> (Vec<f32>, usize) {
+    fn prefill(
+        &mut self,
+        prompt: &[u32],
+        history_end: Option<usize>,
+    ) -> Result<(Vec<f32>, usize), StreamError> {
         // Candidates: the live state (if its tokens are a prefix of the prompt and leave at
         // least one token to feed) and every snapshot that is a prefix of the prompt.
         let live = lcp(&self.tokens, prompt);
@@ -486,15 +507,15 @@ impl<'a> Session<'a> {
             None => {
                 let mut from = start;
                 if let Some(h) = history_end.filter(|&h| h > start && h < prompt.len()) {
-                    let l = self.feed(&prompt[start..h], 0, prompt.len() - start);
+                    let l = self.feed(&prompt[start..h], 0, prompt.len() - start)?;
                     self.snapshot(&l);
                     from = h;
                 }
-                self.feed(&prompt[from..], from - start, prompt.len() - start)
+                self.feed(&prompt[from..], from - start, prompt.len() - start)?
             }
         };
         self.snapshot(&logits);
-        (logits, start)
+        Ok((logits, start))
     }
 
     /// Prefill `prompt`, then sample until a stop id, the length limit, the context limit or
@@ -515,7 +536,13 @@ impl<'a> Session<'a> {
             });
         }
         let t0 = Instant::now();
-        let (mut logits, reused) = self.prefill(prompt, history_end);
+        let (mut logits, reused) = match self.prefill(prompt, history_end) {
+            Ok(r) => r,
+            Err(e) => {
+                self.drop_live_state();
+                return Err(e.into());
+            }
+        };
         let prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let mut history = prompt.to_vec();
@@ -542,7 +569,13 @@ impl<'a> Session<'a> {
                 self.pending = Some(next);
                 break Stop::ContextFull;
             }
-            logits = self.model.forward(&mut self.state, &[next], Logits::Last);
+            logits = match self.model.forward(&mut self.state, &[next], Logits::Last) {
+                Ok(l) => l,
+                Err(e) => {
+                    self.drop_live_state();
+                    return Err(e.into());
+                }
+            };
             self.tokens.push(next);
         };
         let tail = utf8.finish();

@@ -309,6 +309,48 @@ impl Checkpoint {
         Ok(info)
     }
 
+    /// Read `len` bytes starting `offset` bytes into tensor `name` (e.g. a few rows).
+    pub fn read_span(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+        buf: &mut Vec<u8>,
+    ) -> Result<TensorInfo, StreamError> {
+        let info = self.info(name).ok_or_else(|| StreamError::NoSuchTensor(name.to_string()))?;
+        let end = offset.checked_add(len).filter(|&e| e <= info.n_bytes());
+        let Some(_) = end else {
+            return Err(StreamError::Read {
+                path: self.paths[info.shard].clone(),
+                offset: info.offset + offset,
+                len,
+                name: name.to_string(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "span outside the tensor",
+                ),
+            });
+        };
+        buf.clear();
+        buf.resize(len as usize, 0);
+        let file = &self.files[info.shard];
+        let mut done = 0usize;
+        while done < buf.len() {
+            let take = (buf.len() - done).min(MAX_READ);
+            let at = info.offset + offset + done as u64;
+            file.read_exact_at(&mut buf[done..done + take], at).map_err(|e| StreamError::Read {
+                path: self.paths[info.shard].clone(),
+                offset: at,
+                len,
+                name: name.to_string(),
+                source: e,
+            })?;
+            done += take;
+        }
+        self.bytes_read.fetch_add(len, Ordering::Relaxed);
+        Ok(info)
+    }
+
     /// Read a tensor into a typed owned buffer (F16 is widened to f32).
     pub fn read(&self, name: &str) -> Result<(TensorInfo, TensorData), StreamError> {
         let mut raw = Vec::new();

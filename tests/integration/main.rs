@@ -8,3 +8,5 @@ mod ops;
 mod oracle_tiny;
 mod reader;
 mod session;
+mod streaming;
+mod synth;

@@ -331,10 +331,12 @@ fn moe_weights(f: &Value, prefix: &str, n_experts: usize) -> MoeWeights {
         v
     };
     let experts = (0..n_experts)
-        .map(|e| Expert {
-            w1: Matrix::Dense(dense(g(&format!("experts_{e}_w1_weight")))),
-            w2: Matrix::Dense(dense(g(&format!("experts_{e}_w2_weight")))),
-            w3: Matrix::Dense(dense(g(&format!("experts_{e}_w3_weight")))),
+        .map(|e| {
+            std::sync::Arc::new(Expert {
+                w1: Matrix::Dense(dense(g(&format!("experts_{e}_w1_weight")))),
+                w2: Matrix::Dense(dense(g(&format!("experts_{e}_w2_weight")))),
+                w3: Matrix::Dense(dense(g(&format!("experts_{e}_w3_weight")))),
+            })
         })
         .collect();
     MoeWeights {

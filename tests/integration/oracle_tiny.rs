@@ -49,7 +49,9 @@ fn teacher_forcing(set: &str) {
     let full = u32s(&o["full_ids"]);
     let mut st = SeqState::new(&m.cfg);
     let mut trace = Trace::default();
-    let logits = m.forward_traced(&mut st, &full, Logits::All, Some(&mut trace));
+    let logits = m
+        .forward_traced(&mut st, &full, Logits::All, Some(&mut trace))
+        .unwrap();
     let preds: Vec<u32> = logits.chunks(vocab()).map(argmax).collect();
     assert_eq!(preds, u32s(&o["tf_pred"]));
     let n_prompt = o["prompt_ids"].as_array().unwrap().len();
@@ -89,7 +91,7 @@ fn greedy(set: &str) {
     let prompt = u32s(&o["prompt_ids"]);
     let full = u32s(&o["full_ids"]);
     let mut st = SeqState::new(&m.cfg);
-    let mut logits = m.forward(&mut st, &prompt, Logits::Last);
+    let mut logits = m.forward(&mut st, &prompt, Logits::Last).unwrap();
     let e = rel_err(&logits, &f32_bits(&o["logits_last_prompt_f32_bits"]));
     println!("{set} oracle: prefill logit error {e:.3e}");
     assert!(e < LOGIT_TOL);
@@ -98,7 +100,7 @@ fn greedy(set: &str) {
     for _ in 0..n_gen {
         let next = argmax(&logits);
         ids.push(next);
-        logits = m.forward(&mut st, &[next], Logits::Last);
+        logits = m.forward(&mut st, &[next], Logits::Last).unwrap();
     }
     assert_eq!(ids, full, "greedy {n_gen}/{n_gen}");
 }
@@ -114,14 +116,14 @@ fn multi_turn_carried_state() {
     let r2 = u32s(&mt["turn2_reply_ids"]);
     let tf = u32s(&mt["tf_pred"]);
     let mut st = SeqState::new(&m.cfg);
-    let mut logits = m.forward(&mut st, &t1, Logits::Last);
+    let mut logits = m.forward(&mut st, &t1, Logits::Last).unwrap();
     let e1 = rel_err(&logits, &f32_bits(&mt["logits_end_turn1_f32_bits"]));
     let mut reply = Vec::new();
     for i in 0..r1.len() {
         let next = argmax(&logits);
         reply.push(next);
         if i + 1 < r1.len() {
-            logits = m.forward(&mut st, &[next], Logits::Last);
+            logits = m.forward(&mut st, &[next], Logits::Last).unwrap();
         }
     }
     assert_eq!(reply, r1, "turn 1 reply");
@@ -129,7 +131,7 @@ fn multi_turn_carried_state() {
     // followed by the new turn.
     let mut chunk = vec![*reply.last().unwrap()];
     chunk.extend_from_slice(&t2);
-    let all = m.forward(&mut st, &chunk, Logits::All);
+    let all = m.forward(&mut st, &chunk, Logits::All).unwrap();
     let start = t1.len() + r1.len() - 1;
     let preds: Vec<u32> = all.chunks(v).map(argmax).collect();
     assert_eq!(
@@ -144,13 +146,13 @@ fn multi_turn_carried_state() {
     for _ in 0..r2.len() {
         let next = argmax(&logits);
         reply.push(next);
-        logits = m.forward(&mut st, &[next], Logits::Last);
+        logits = m.forward(&mut st, &[next], Logits::Last).unwrap();
     }
     assert_eq!(reply, r2, "turn 2 reply");
     // One fresh teacher-forced pass over the whole conversation.
     let full = u32s(&mt["full_ids"]);
     let mut fresh = SeqState::new(&m.cfg);
-    let all = m.forward(&mut fresh, &full, Logits::All);
+    let all = m.forward(&mut fresh, &full, Logits::All).unwrap();
     let preds: Vec<u32> = all.chunks(v).map(argmax).collect();
     assert_eq!(preds, tf);
     let e3 = rel_err(
@@ -177,7 +179,8 @@ fn routing(set: &str) {
     let full = u32s(&o["full_ids"]);
     let mut st = SeqState::new(&m.cfg);
     let mut trace = Trace::default();
-    m.forward_traced(&mut st, &full, Logits::None, Some(&mut trace));
+    m.forward_traced(&mut st, &full, Logits::None, Some(&mut trace))
+        .unwrap();
     for entry in o["routing"].as_array().unwrap() {
         let il = entry["layer"].as_u64().unwrap() as usize;
         for (t, want) in entry["topk_idx"].as_array().unwrap().iter().enumerate() {
@@ -200,15 +203,15 @@ fn prefill_and_incremental_decode_are_bitwise_identical() {
     let full = u32s(&oracle()["full_ids"]);
     let v = vocab();
     let mut a = SeqState::new(&m.cfg);
-    let all = m.forward(&mut a, &full, Logits::All);
+    let all = m.forward(&mut a, &full, Logits::All).unwrap();
     let mut b = SeqState::new(&m.cfg);
     let mut stepwise = Vec::new();
     // Mixed chunk sizes: 5, then 1 at a time, then the rest as one chunk.
-    stepwise.extend(m.forward(&mut b, &full[..5], Logits::All));
+    stepwise.extend(m.forward(&mut b, &full[..5], Logits::All).unwrap());
     for &id in &full[5..20] {
-        stepwise.extend(m.forward(&mut b, &[id], Logits::All));
+        stepwise.extend(m.forward(&mut b, &[id], Logits::All).unwrap());
     }
-    stepwise.extend(m.forward(&mut b, &full[20..], Logits::All));
+    stepwise.extend(m.forward(&mut b, &full[20..], Logits::All).unwrap());
     assert_eq!(bits(&all), bits(&stepwise));
     assert_eq!(a, b, "carried state");
     assert_eq!(all.len(), full.len() * v);
@@ -225,7 +228,7 @@ fn thread_count_does_not_change_a_bit() {
             .unwrap();
         pool.install(|| {
             let mut st = SeqState::new(&m.cfg);
-            m.forward(&mut st, &full, Logits::All)
+            m.forward(&mut st, &full, Logits::All).unwrap()
         })
     };
     let one = run(1);
@@ -242,7 +245,7 @@ fn scalar_and_simd_paths_agree_bitwise() {
     let run = |isa: Isa| {
         set_isa(isa);
         let mut st = SeqState::new(&m.cfg);
-        m.forward(&mut st, &full, Logits::All)
+        m.forward(&mut st, &full, Logits::All).unwrap()
     };
     let simd = run(detected_isa());
     let scalar = run(Isa::Generic);

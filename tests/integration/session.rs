@@ -36,7 +36,9 @@ fn settings(temperature: f32) -> Settings {
 fn replay(report: &TurnReport, s: &Settings, rng: u64) -> Vec<u32> {
     let m = model();
     let mut st = SeqState::new(&m.cfg);
-    let mut logits = m.forward(&mut st, &report.prompt_ids, Logits::Last);
+    let mut logits = m
+        .forward(&mut st, &report.prompt_ids, Logits::Last)
+        .unwrap();
     let mut sampler = Sampler::with_rng_state(s.sampler(), rng).unwrap();
     let mut history = report.prompt_ids.clone();
     let mut out = Vec::new();
@@ -44,7 +46,7 @@ fn replay(report: &TurnReport, s: &Settings, rng: u64) -> Vec<u32> {
         let next = sampler.sample(&logits, &history).unwrap();
         out.push(next);
         history.push(next);
-        logits = m.forward(&mut st, &[next], Logits::Last);
+        logits = m.forward(&mut st, &[next], Logits::Last).unwrap();
     }
     out
 }

@@ -1,0 +1,866 @@
+//! The user's configuration file (`config.toml` in the platform config directory, or the file
+//! named by `K3_CONFIG`): default model directory, memory budget, sampling and thinking
+//! defaults, theme and key bindings; and the `k3 config path|show|init` subcommand.
+//!
+//! Unknown keys are refused with their line and column, so a typo never silently does nothing.
+//! Precedence: command-line flags, then this file, then the built-in defaults. Key chords are
+//! plain data here ([`KeyChord`]); the terminal front end maps its key events onto them.
+
+use clap::{Args, Subcommand};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// Environment variable naming the config file to use instead of the default path.
+pub const CONFIG_ENV: &str = "K3_CONFIG";
+
+/// A user config file could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigFileError {
+    /// The file exists but could not be read.
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this schema (syntax, unknown key, wrong type).
+    #[error("{path}:{line}:{column}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line of the problem.
+        line: usize,
+        /// 1-based column (in characters) of the problem.
+        column: usize,
+        /// What is wrong.
+        message: String,
+    },
+    /// A value is out of range or two key bindings collide.
+    #[error("{path}: {field}: {message}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// The offending key, dotted (`sampling.top_p`).
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// No config directory could be determined (no home directory and no `K3_CONFIG`).
+    #[error("no configuration directory (set {CONFIG_ENV} to a file path)")]
+    NoConfigDir,
+    /// `k3 config init` would overwrite an existing file.
+    #[error("{path} already exists (use --force to overwrite it)")]
+    Exists {
+        /// The file.
+        path: PathBuf,
+    },
+}
+
+/// Colour scheme of the terminal client.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ThemeName {
+    /// Light text on a dark terminal.
+    #[default]
+    Dark,
+    /// Dark text on a light terminal.
+    Light,
+    /// No colours, only bold, dim and reverse.
+    Mono,
+}
+
+/// Sampling defaults (the `[sampling]` table).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SamplingConfig {
+    /// Temperature (0 is greedy).
+    pub temperature: f32,
+    /// Top-k (0 = off).
+    pub top_k: usize,
+    /// Nucleus threshold in (0, 1].
+    pub top_p: f32,
+    /// Min-p in [0, 1].
+    pub min_p: f32,
+    /// Repetition penalty (1 = off).
+    pub repeat_penalty: f32,
+    /// Random seed.
+    pub seed: u64,
+    /// Longest reply in tokens.
+    pub max_tokens: usize,
+    /// Most positions a session may hold.
+    pub context: usize,
+}
+
+impl Default for SamplingConfig {
+    fn default() -> Self {
+        SamplingConfig {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            seed: 1,
+            max_tokens: 512,
+            context: 32_768,
+        }
+    }
+}
+
+/// Thinking defaults (the `[thinking]` table).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ThinkingConfig {
+    /// Whether the reasoning channel is on.
+    pub enabled: bool,
+    /// Effort: `low`, `high` or `max`.
+    pub effort: String,
+}
+
+impl Default for ThinkingConfig {
+    fn default() -> Self {
+        ThinkingConfig {
+            enabled: true,
+            effort: "max".into(),
+        }
+    }
+}
+
+/// Memory defaults (the `[memory]` table).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MemoryConfig {
+    /// Memory budget in GB asked of the engine at start; absent: hold the model resident.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub budget_gb: Option<f64>,
+}
+
+/// A key the terminal client can bind: a named key or a character.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KeyName {
+    /// A printable character (letters are stored lowercase when a modifier is held).
+    Char(char),
+    /// Function key F1–F24.
+    F(u8),
+    /// Enter / Return.
+    Enter,
+    /// Escape.
+    Esc,
+    /// Tab.
+    Tab,
+    /// Backspace.
+    Backspace,
+    /// Delete.
+    Delete,
+    /// Insert.
+    Insert,
+    /// Home.
+    Home,
+    /// End.
+    End,
+    /// Page Up.
+    PageUp,
+    /// Page Down.
+    PageDown,
+    /// Arrow up.
+    Up,
+    /// Arrow down.
+    Down,
+    /// Arrow left.
+    Left,
+    /// Arrow right.
+    Right,
+}
+
+/// A key with modifiers, e.g. `ctrl-y`, `alt-enter`, `f1`, `[`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KeyChord {
+    /// The key.
+    pub key: KeyName,
+    /// Control held.
+    pub ctrl: bool,
+    /// Alt (Meta) held.
+    pub alt: bool,
+    /// Shift held (only meaningful for named keys).
+    pub shift: bool,
+}
+
+impl KeyChord {
+    /// A chord with no modifiers.
+    #[must_use]
+    pub const fn plain(key: KeyName) -> Self {
+        KeyChord {
+            key,
+            ctrl: false,
+            alt: false,
+            shift: false,
+        }
+    }
+
+    /// Control plus a character.
+    #[must_use]
+    pub const fn ctrl(c: char) -> Self {
+        KeyChord {
+            key: KeyName::Char(c),
+            ctrl: true,
+            alt: false,
+            shift: false,
+        }
+    }
+
+    /// True for a printable character with no Control or Alt: typing it would insert it.
+    #[must_use]
+    pub fn is_printable(&self) -> bool {
+        matches!(self.key, KeyName::Char(_)) && !self.ctrl && !self.alt
+    }
+
+    /// Parse `ctrl-y`, `Ctrl+Y`, `alt-enter`, `shift-enter`, `f1`, `pageup`, `[`, `?`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let t = text.trim();
+        if t.is_empty() {
+            return Err("empty key".into());
+        }
+        let mut parts: Vec<&str> = t.split(['-', '+']).collect();
+        // `ctrl--` or `ctrl-+` ends in an empty part: the key is the separator itself.
+        let last = match parts.pop() {
+            Some("") if t.chars().count() > 1 => {
+                // Only a doubled separator names the separator key (`ctrl--`); `ctrl-` is cut off.
+                if parts.pop() != Some("") {
+                    return Err(format!("{text:?} ends without a key"));
+                }
+                &t[t.len() - 1..]
+            }
+            Some(p) if !p.is_empty() => p,
+            _ => t,
+        };
+        if t.chars().count() == 1 {
+            parts.clear();
+        }
+        let mut chord = KeyChord::plain(KeyName::Enter);
+        for m in parts.iter().filter(|m| !m.is_empty()) {
+            match m.to_ascii_lowercase().as_str() {
+                "ctrl" | "control" | "c" => chord.ctrl = true,
+                "alt" | "meta" | "m" => chord.alt = true,
+                "shift" | "s" => chord.shift = true,
+                other => return Err(format!("unknown modifier {other:?} in {text:?}")),
+            }
+        }
+        chord.key = key_name(last).ok_or_else(|| format!("unknown key {last:?} in {text:?}"))?;
+        if let KeyName::Char(c) = chord.key {
+            if chord.ctrl || chord.alt {
+                chord.key = KeyName::Char(c.to_ascii_lowercase());
+            }
+            if chord.shift {
+                return Err(format!(
+                    "{text:?}: write the shifted character itself instead of shift-"
+                ));
+            }
+        }
+        Ok(chord)
+    }
+}
+
+fn key_name(word: &str) -> Option<KeyName> {
+    let mut chars = word.chars();
+    if let (Some(c), None) = (chars.next(), chars.next()) {
+        return (!c.is_control()).then_some(KeyName::Char(c));
+    }
+    let lower = word.to_ascii_lowercase();
+    let named = match lower.as_str() {
+        "enter" | "return" => KeyName::Enter,
+        "esc" | "escape" => KeyName::Esc,
+        "tab" => KeyName::Tab,
+        "backspace" => KeyName::Backspace,
+        "delete" | "del" => KeyName::Delete,
+        "insert" | "ins" => KeyName::Insert,
+        "home" => KeyName::Home,
+        "end" => KeyName::End,
+        "pageup" | "pgup" => KeyName::PageUp,
+        "pagedown" | "pgdn" | "pgdown" => KeyName::PageDown,
+        "up" => KeyName::Up,
+        "down" => KeyName::Down,
+        "left" => KeyName::Left,
+        "right" => KeyName::Right,
+        "space" => KeyName::Char(' '),
+        "minus" => KeyName::Char('-'),
+        "plus" => KeyName::Char('+'),
+        f if f.starts_with('f') => {
+            let n: u8 = f[1..].parse().ok()?;
+            if (1..=24).contains(&n) {
+                KeyName::F(n)
+            } else {
+                return None;
+            }
+        }
+        _ => return None,
+    };
+    Some(named)
+}
+
+impl fmt::Display for KeyChord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.ctrl {
+            f.write_str("Ctrl-")?;
+        }
+        if self.alt {
+            f.write_str("Alt-")?;
+        }
+        if self.shift {
+            f.write_str("Shift-")?;
+        }
+        match self.key {
+            KeyName::Char(' ') => f.write_str("Space"),
+            KeyName::Char(c) if self.ctrl || self.alt => write!(f, "{}", c.to_ascii_uppercase()),
+            KeyName::Char(c) => write!(f, "{c}"),
+            KeyName::F(n) => write!(f, "F{n}"),
+            KeyName::Enter => f.write_str("Enter"),
+            KeyName::Esc => f.write_str("Esc"),
+            KeyName::Tab => f.write_str("Tab"),
+            KeyName::Backspace => f.write_str("Backspace"),
+            KeyName::Delete => f.write_str("Delete"),
+            KeyName::Insert => f.write_str("Insert"),
+            KeyName::Home => f.write_str("Home"),
+            KeyName::End => f.write_str("End"),
+            KeyName::PageUp => f.write_str("PgUp"),
+            KeyName::PageDown => f.write_str("PgDn"),
+            KeyName::Up => f.write_str("Up"),
+            KeyName::Down => f.write_str("Down"),
+            KeyName::Left => f.write_str("Left"),
+            KeyName::Right => f.write_str("Right"),
+        }
+    }
+}
+
+/// A bindable command of the terminal client (the `[keys]` table names them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Cmd {
+    /// Open or close the help popup.
+    Help,
+    /// Leave (asks first when the session has unsaved turns).
+    Quit,
+    /// Stop the reply being generated; close a popup.
+    Stop,
+    /// Copy the last reply to the clipboard (OSC 52).
+    Copy,
+    /// Switch between chat and raw mode.
+    Mode,
+    /// Show or hide the thinking channel.
+    Thinking,
+    /// Open the session dialog.
+    Sessions,
+    /// Lower the memory budget one step.
+    BudgetDown,
+    /// Raise the memory budget one step.
+    BudgetUp,
+    /// Insert a new line in the input box.
+    Newline,
+    /// Jump to the newest text and follow it.
+    Follow,
+    /// Move the keyboard focus between the input box and the budget slider.
+    Focus,
+}
+
+impl Cmd {
+    /// Every command with its `[keys]` name, in help order.
+    pub const ALL: [(&'static str, Cmd); 12] = [
+        ("help", Cmd::Help),
+        ("quit", Cmd::Quit),
+        ("stop", Cmd::Stop),
+        ("copy", Cmd::Copy),
+        ("mode", Cmd::Mode),
+        ("thinking", Cmd::Thinking),
+        ("sessions", Cmd::Sessions),
+        ("budget_down", Cmd::BudgetDown),
+        ("budget_up", Cmd::BudgetUp),
+        ("newline", Cmd::Newline),
+        ("follow", Cmd::Follow),
+        ("focus", Cmd::Focus),
+    ];
+
+    /// What the command does, for the help popup.
+    #[must_use]
+    pub fn describe(self) -> &'static str {
+        match self {
+            Cmd::Help => "this help",
+            Cmd::Quit => "quit (asks when the session is unsaved)",
+            Cmd::Stop => "stop the reply (keeps the session); close a popup",
+            Cmd::Copy => "copy the last reply (OSC 52 clipboard)",
+            Cmd::Mode => "switch chat / raw mode",
+            Cmd::Thinking => "show / hide the thinking channel",
+            Cmd::Sessions => "sessions: save, load, new",
+            Cmd::BudgetDown => "memory budget down (when the input is empty)",
+            Cmd::BudgetUp => "memory budget up (when the input is empty)",
+            Cmd::Newline => "new line in the input (Ctrl-J too)",
+            Cmd::Follow => "jump to the newest text",
+            Cmd::Focus => "focus the budget slider / the input",
+        }
+    }
+}
+
+/// Key bindings (the `[keys]` table); each value is a chord such as `"ctrl-y"`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KeysConfig {
+    /// Open or close the help popup.
+    pub help: String,
+    /// Leave.
+    pub quit: String,
+    /// Stop the reply; close a popup.
+    pub stop: String,
+    /// Copy the last reply.
+    pub copy: String,
+    /// Chat / raw mode.
+    pub mode: String,
+    /// Show / hide thinking.
+    pub thinking: String,
+    /// Session dialog.
+    pub sessions: String,
+    /// Budget one step down.
+    pub budget_down: String,
+    /// Budget one step up.
+    pub budget_up: String,
+    /// New line in the input box.
+    pub newline: String,
+    /// Jump to the newest text.
+    pub follow: String,
+    /// Move focus between input and budget slider.
+    pub focus: String,
+}
+
+impl Default for KeysConfig {
+    fn default() -> Self {
+        KeysConfig {
+            help: "f1".into(),
+            quit: "ctrl-q".into(),
+            stop: "esc".into(),
+            copy: "ctrl-y".into(),
+            mode: "ctrl-r".into(),
+            thinking: "ctrl-t".into(),
+            sessions: "ctrl-s".into(),
+            budget_down: "[".into(),
+            budget_up: "]".into(),
+            newline: "alt-enter".into(),
+            follow: "ctrl-l".into(),
+            focus: "tab".into(),
+        }
+    }
+}
+
+impl KeysConfig {
+    fn get(&self, cmd: Cmd) -> &str {
+        match cmd {
+            Cmd::Help => &self.help,
+            Cmd::Quit => &self.quit,
+            Cmd::Stop => &self.stop,
+            Cmd::Copy => &self.copy,
+            Cmd::Mode => &self.mode,
+            Cmd::Thinking => &self.thinking,
+            Cmd::Sessions => &self.sessions,
+            Cmd::BudgetDown => &self.budget_down,
+            Cmd::BudgetUp => &self.budget_up,
+            Cmd::Newline => &self.newline,
+            Cmd::Follow => &self.follow,
+            Cmd::Focus => &self.focus,
+        }
+    }
+
+    /// Every binding, parsed; the error names the `[keys]` entry.
+    pub fn bindings(&self) -> Result<Vec<(Cmd, KeyChord)>, (String, String)> {
+        let mut out: Vec<(Cmd, KeyChord)> = Vec::with_capacity(Cmd::ALL.len());
+        for (name, cmd) in Cmd::ALL {
+            let chord = KeyChord::parse(self.get(cmd)).map_err(|e| (format!("keys.{name}"), e))?;
+            if let Some((other, _)) = out.iter().find(|(_, c)| *c == chord) {
+                let other_name = Cmd::ALL
+                    .iter()
+                    .find(|(_, c)| c == other)
+                    .map_or("?", |(n, _)| n);
+                return Err((
+                    format!("keys.{name}"),
+                    format!("{chord} is already bound to {other_name}"),
+                ));
+            }
+            out.push((cmd, chord));
+        }
+        Ok(out)
+    }
+}
+
+/// The whole user configuration.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Checkpoint directory used when `k3 chat` is given none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_dir: Option<PathBuf>,
+    /// Colour scheme.
+    pub theme: ThemeName,
+    /// Sampling defaults.
+    pub sampling: SamplingConfig,
+    /// Thinking defaults.
+    pub thinking: ThinkingConfig,
+    /// Memory defaults.
+    pub memory: MemoryConfig,
+    /// Key bindings.
+    pub keys: KeysConfig,
+}
+
+/// The file `k3 config init` writes: every key with its default, commented.
+pub const DEFAULT_TOML: &str = r#"# k3 configuration. Command-line flags override these values; unknown keys are refused.
+
+# Checkpoint directory used when `k3 chat` is given none.
+# model_dir = "/models/Kimi-K3"
+
+# Colours of the terminal client: "dark", "light" or "mono".
+theme = "dark"
+
+[sampling]
+temperature = 1.0      # 0 is greedy
+top_k = 0              # 0 = off
+top_p = 1.0            # in (0, 1]
+min_p = 0.0            # in [0, 1]
+repeat_penalty = 1.0   # 1 = off
+seed = 1
+max_tokens = 512       # longest reply
+context = 32768        # most positions a session may hold
+
+[thinking]
+enabled = true
+effort = "max"         # low, high or max
+
+[memory]
+# Memory budget in GB asked of the engine at start; leave unset to hold the model resident.
+# budget_gb = 24.0
+
+# Key bindings: "ctrl-x", "alt-x", "shift-enter", "f1", "esc", "tab", "pageup", or a character.
+# A bare character (like "[") acts only while the input box is empty; otherwise it is typed.
+[keys]
+help = "f1"            # `?` also opens help while the input box is empty
+quit = "ctrl-q"
+stop = "esc"
+copy = "ctrl-y"
+mode = "ctrl-r"
+thinking = "ctrl-t"
+sessions = "ctrl-s"
+budget_down = "["
+budget_up = "]"
+newline = "alt-enter"  # shift-enter also works where the terminal reports it
+follow = "ctrl-l"
+focus = "tab"
+"#;
+
+/// 1-based line and column (in characters) of byte `offset` in `text`.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let offset = offset.min(text.len());
+    let mut line = 1;
+    let mut col = 1;
+    for (i, c) in text.char_indices() {
+        if i >= offset {
+            break;
+        }
+        if c == '\n' {
+            line += 1;
+            col = 1;
+        } else {
+            col += 1;
+        }
+    }
+    (line, col)
+}
+
+impl Config {
+    /// Parse and check a config file's text; `path` is only used in messages.
+    pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigFileError> {
+        let cfg: Config = toml::from_str(text).map_err(|e| {
+            let (line, column) = line_column(text, e.span().map_or(0, |s| s.start));
+            ConfigFileError::Parse {
+                path: path.to_path_buf(),
+                line,
+                column,
+                message: e.message().trim().to_string(),
+            }
+        })?;
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), ConfigFileError> {
+        let bad = |field: &str, message: String| ConfigFileError::Invalid {
+            path: path.to_path_buf(),
+            field: field.into(),
+            message,
+        };
+        let s = &self.sampling;
+        let checks: [(&str, bool, &str); 7] = [
+            ("sampling.temperature", s.temperature >= 0.0, "must be ≥ 0"),
+            (
+                "sampling.top_p",
+                s.top_p > 0.0 && s.top_p <= 1.0,
+                "must be in (0, 1]",
+            ),
+            (
+                "sampling.min_p",
+                (0.0..=1.0).contains(&s.min_p),
+                "must be in [0, 1]",
+            ),
+            (
+                "sampling.repeat_penalty",
+                s.repeat_penalty > 0.0,
+                "must be > 0",
+            ),
+            ("sampling.max_tokens", s.max_tokens >= 1, "must be ≥ 1"),
+            ("sampling.context", s.context >= 2, "must be ≥ 2"),
+            (
+                "thinking.effort",
+                matches!(self.thinking.effort.as_str(), "low" | "high" | "max"),
+                "must be low, high or max",
+            ),
+        ];
+        for (field, ok, why) in checks {
+            if !ok {
+                return Err(bad(field, why.into()));
+            }
+        }
+        if let Some(gb) = self.memory.budget_gb {
+            if !(gb.is_finite() && gb > 0.0) {
+                return Err(bad("memory.budget_gb", "must be a positive number".into()));
+            }
+        }
+        self.keys
+            .bindings()
+            .map_err(|(field, message)| bad(&field, message))?;
+        Ok(())
+    }
+
+    /// The config file path: `$K3_CONFIG` when set and non-empty, else `config.toml` in the
+    /// platform config directory (`~/.config/k3/config.toml` on Linux).
+    pub fn path() -> Result<PathBuf, ConfigFileError> {
+        if let Some(p) = std::env::var_os(CONFIG_ENV).filter(|p| !p.is_empty()) {
+            return Ok(PathBuf::from(p));
+        }
+        directories::ProjectDirs::from("", "", "k3")
+            .map(|d| d.config_dir().join("config.toml"))
+            .ok_or(ConfigFileError::NoConfigDir)
+    }
+
+    /// Read `path`; a missing file gives the defaults.
+    pub fn load_from(path: &Path) -> Result<Config, ConfigFileError> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Config::parse(&text, path),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Config::default()),
+            Err(source) => Err(ConfigFileError::Read {
+                path: path.to_path_buf(),
+                source,
+            }),
+        }
+    }
+
+    /// Read the user's config file (defaults when there is none).
+    pub fn load() -> Result<Config, ConfigFileError> {
+        match Config::path() {
+            Ok(p) => Config::load_from(&p),
+            Err(ConfigFileError::NoConfigDir) => Ok(Config::default()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The effective configuration as TOML.
+    #[must_use]
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).unwrap_or_else(|e| format!("# cannot show the configuration: {e}\n"))
+    }
+}
+
+/// Arguments of `k3 config`.
+#[derive(Debug, Args)]
+pub struct ConfigArgs {
+    /// What to do.
+    #[command(subcommand)]
+    pub action: ConfigAction,
+}
+
+/// `k3 config` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ConfigAction {
+    /// Print the config file's path.
+    Path,
+    /// Print the effective configuration (the file merged over the defaults) as TOML.
+    Show,
+    /// Write a commented default config file.
+    Init {
+        /// Overwrite an existing file.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+/// Run `k3 config`; returns the exit status.
+pub fn run(args: &ConfigArgs) -> crate::Result<i32> {
+    let usage = |e: ConfigFileError| crate::Error::Usage(e.to_string());
+    match &args.action {
+        ConfigAction::Path => {
+            println!("{}", Config::path().map_err(usage)?.display());
+        }
+        ConfigAction::Show => {
+            let cfg = Config::load().map_err(usage)?;
+            print!("{}", cfg.to_toml());
+        }
+        ConfigAction::Init { force } => {
+            let path = Config::path().map_err(usage)?;
+            if path.exists() && !force {
+                return Err(usage(ConfigFileError::Exists { path }));
+            }
+            let write_err = |source| crate::Error::Write {
+                path: path.display().to_string(),
+                source,
+            };
+            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir).map_err(write_err)?;
+            }
+            std::fs::write(&path, DEFAULT_TOML).map_err(write_err)?;
+            println!("wrote {}", path.display());
+        }
+    }
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigFileError> {
+        Config::parse(text, Path::new("config.toml"))
+    }
+
+    #[test]
+    fn the_default_file_is_the_defaults() {
+        assert_eq!(parse(DEFAULT_TOML).unwrap(), Config::default());
+        assert_eq!(parse("").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn show_round_trips() {
+        let mut cfg = Config::default();
+        cfg.model_dir = Some(PathBuf::from("/m"));
+        cfg.memory.budget_gb = Some(12.5);
+        cfg.keys.copy = "ctrl-k".into();
+        assert_eq!(parse(&cfg.to_toml()).unwrap(), cfg);
+    }
+
+    #[test]
+    fn values_override_defaults() {
+        let cfg = parse(
+            "model_dir = \"/x\"\ntheme = \"mono\"\n[sampling]\ntemperature = 0.0\n\
+             [thinking]\nenabled = false\n[keys]\ncopy = \"alt-c\"\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.model_dir, Some(PathBuf::from("/x")));
+        assert_eq!(cfg.theme, ThemeName::Mono);
+        assert_eq!(cfg.sampling.temperature, 0.0);
+        assert_eq!(cfg.sampling.top_p, 1.0);
+        assert!(!cfg.thinking.enabled);
+        let b = cfg.keys.bindings().unwrap();
+        let copy = b.iter().find(|(c, _)| *c == Cmd::Copy).unwrap().1;
+        assert_eq!(
+            copy,
+            KeyChord {
+                key: KeyName::Char('c'),
+                ctrl: false,
+                alt: true,
+                shift: false
+            }
+        );
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_with_line_and_column() {
+        let text = "theme = \"dark\"\n[sampling]\n  temprature = 0.5\n";
+        match parse(text) {
+            Err(ConfigFileError::Parse {
+                line,
+                column,
+                message,
+                ..
+            }) => {
+                assert_eq!((line, column), (3, 3), "{message}");
+                assert!(message.contains("temprature"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        match parse("colour = 1\n") {
+            Err(ConfigFileError::Parse { line: 1, .. }) => {}
+            other => panic!("{other:?}"),
+        }
+        let shown = parse("[keys]\nhelp = 3\n").unwrap_err().to_string();
+        assert!(shown.starts_with("config.toml:2:"), "{shown}");
+    }
+
+    #[test]
+    fn syntax_errors_name_the_place() {
+        match parse("theme = \n") {
+            Err(ConfigFileError::Parse { line: 1, .. }) => {}
+            other => panic!("{other:?}"),
+        }
+        match parse("theme = \"blue\"\n") {
+            Err(ConfigFileError::Parse { line: 1, column, .. }) => assert_eq!(column, 9),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn out_of_range_values_are_refused() {
+        for (text, field) in [
+            ("[sampling]\ntop_p = 0.0\n", "sampling.top_p"),
+            ("[sampling]\ntemperature = -1.0\n", "sampling.temperature"),
+            ("[sampling]\nmax_tokens = 0\n", "sampling.max_tokens"),
+            ("[thinking]\neffort = \"medium\"\n", "thinking.effort"),
+            ("[memory]\nbudget_gb = -2.0\n", "memory.budget_gb"),
+            ("[keys]\ncopy = \"ctrl-q\"\n", "keys.copy"),
+            ("[keys]\ncopy = \"hyper-x\"\n", "keys.copy"),
+        ] {
+            match parse(text) {
+                Err(ConfigFileError::Invalid { field: f, .. }) => assert_eq!(f, field, "{text}"),
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn chords_parse_and_print() {
+        for (text, shown) in [
+            ("ctrl-y", "Ctrl-Y"),
+            ("Ctrl+Y", "Ctrl-Y"),
+            ("alt-enter", "Alt-Enter"),
+            ("shift-enter", "Shift-Enter"),
+            ("f1", "F1"),
+            ("[", "["),
+            ("?", "?"),
+            ("-", "-"),
+            ("ctrl--", "Ctrl--"),
+            ("pageup", "PgUp"),
+            ("space", "Space"),
+        ] {
+            assert_eq!(KeyChord::parse(text).unwrap().to_string(), shown, "{text}");
+        }
+        for bad in ["", "ctrl-", "f99", "super-x", "shift-a", "enterr"] {
+            assert!(KeyChord::parse(bad).is_err(), "{bad}");
+        }
+        assert!(KeyChord::parse("[").unwrap().is_printable());
+        assert!(!KeyChord::parse("ctrl-y").unwrap().is_printable());
+    }
+
+    #[test]
+    fn missing_file_gives_defaults_and_bad_file_names_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("config.toml");
+        assert_eq!(Config::load_from(&p).unwrap(), Config::default());
+        std::fs::write(&p, "bogus = true\n").unwrap();
+        let e = Config::load_from(&p).unwrap_err().to_string();
+        assert!(e.contains("config.toml:1:1"), "{e}");
+        std::fs::create_dir_all(dir.path().join("d")).unwrap();
+        assert!(matches!(
+            Config::load_from(&dir.path().join("d")),
+            Err(ConfigFileError::Read { .. })
+        ));
+    }
+}

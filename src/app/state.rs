@@ -1,0 +1,604 @@
+//! The terminal client's model: a pure state machine, `App::update(Msg) -> Vec<Effect>`.
+//!
+//! It never performs I/O, reads no clock, touches no terminal and starts no thread: the driver
+//! in `ui::tui` turns key presses, timer ticks and engine events into [`Msg`]s, runs the
+//! [`Effect`]s that come back (requests to the worker, the cancel flag, the clipboard, reading
+//! the session list) and feeds their results back as `Msg`s. Rendering reads `&App` only.
+//!
+//! Every request carries a fresh [`TurnId`]; events for a turn the user cancelled, or for a turn
+//! this model never asked for, are dropped.
+
+pub mod editor;
+mod events;
+mod keys;
+#[cfg(test)]
+mod tests;
+
+use crate::app::config::{Cmd, ThemeName};
+use crate::app::protocol::{EngineEvent, Request, TurnId};
+use crate::session::chat::{Mode, Stop, TurnReport};
+use crate::session::commands::Command;
+use crate::session::template::TolerantParser;
+use crate::stream::stats::StatsSnapshot;
+use editor::{Editor, History};
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// What the conversation is doing.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Phase {
+    /// The worker is loading the model.
+    Loading,
+    /// Waiting for input.
+    Idle,
+    /// A reply was asked for and the prompt is being read (`done` of `total` tokens).
+    Prefill {
+        /// The reply's turn.
+        turn: TurnId,
+        /// Prompt tokens read.
+        done: u64,
+        /// Prompt tokens to read (0 until the engine says).
+        total: u64,
+    },
+    /// Reply tokens are arriving.
+    Streaming {
+        /// The reply's turn.
+        turn: TurnId,
+        /// Tokens received.
+        tokens: u64,
+    },
+    /// The engine stopped; any key leaves with `code`.
+    Failed {
+        /// Why, as the engine said it.
+        message: String,
+        /// Exit status to leave with.
+        code: i32,
+    },
+    /// Leaving: the driver is shutting the worker down.
+    Exiting,
+}
+
+/// How a reply ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReplyState {
+    /// Tokens are still arriving.
+    Live,
+    /// Finished (the summary says how).
+    Done,
+    /// Stopped by the user.
+    Stopped,
+}
+
+/// One reply of the model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reply {
+    /// The turn that produced it (0 for replies loaded from a saved session).
+    pub turn: TurnId,
+    /// Thinking-channel text (raw, unescaped: the view escapes it).
+    pub reasoning: String,
+    /// Answer text (raw, unescaped).
+    pub content: String,
+    /// A raw-mode continuation (no template, no channels).
+    pub raw: bool,
+    /// Live, done or stopped.
+    pub state: ReplyState,
+    /// One line of figures once it is done (tokens, tokens/s, why it stopped).
+    pub summary: Option<String>,
+    /// Why the reply was not added to the history, if it was not.
+    pub note: Option<String>,
+}
+
+/// One entry of the conversation pane.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Item {
+    /// A line from the client or the engine (start-up info, command answers).
+    Info(String),
+    /// A message from the user (or, `raw`, text given to continue).
+    User {
+        /// The text.
+        text: String,
+        /// Raw mode.
+        raw: bool,
+    },
+    /// A reply.
+    Reply(Reply),
+    /// An error, shown in the error style.
+    Error(String),
+}
+
+/// One saved session, as listed in the session dialog.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionRow {
+    /// Name.
+    pub name: String,
+    /// When it was saved (Unix seconds).
+    pub saved_unix: u64,
+    /// Completed turns.
+    pub turns: u32,
+    /// File size in bytes.
+    pub bytes: u64,
+    /// Why the file could not be read, if so.
+    pub problem: Option<String>,
+}
+
+/// The session dialog's state.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SessionDialog {
+    /// The listing; `None` while it is being read.
+    pub rows: Option<Result<Vec<SessionRow>, String>>,
+    /// Selected row.
+    pub selected: usize,
+    /// The name being typed for "save as", if the user pressed `s`.
+    pub naming: Option<Editor>,
+    /// A refusal to show in the dialog (bad name, busy engine).
+    pub message: Option<String>,
+}
+
+/// A popup over the main screen.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Dialog {
+    /// Every key and slash command.
+    Help,
+    /// Save / load / new.
+    Sessions(SessionDialog),
+    /// Quitting with unsaved turns.
+    ConfirmQuit,
+    /// Starting a new conversation with unsaved turns.
+    ConfirmNew,
+}
+
+/// Where keys go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Focus {
+    /// The input box.
+    Input,
+    /// The budget slider (arrows and `[` `]` move it).
+    Budget,
+}
+
+/// Positions of the budget slider.
+pub const BUDGET_STEPS: u32 = 20;
+
+/// The memory-budget slider and the engine's answer to it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Budget {
+    /// Slider position, 1 ..= [`BUDGET_STEPS`]; the full scale is the model's size.
+    pub step: u32,
+    /// Full scale in bytes (the checkpoint's weight bytes, from the engine's figures; 0 until
+    /// they arrive).
+    pub scale_bytes: u64,
+    /// Budget in force as the engine reports it; `None` when the model is held resident.
+    pub in_force: Option<u64>,
+    /// The slider was moved by the user since start.
+    pub touched: bool,
+    /// Request in flight: turn and bytes asked for.
+    pub asked: Option<(TurnId, u64)>,
+    /// The engine's last answer: bytes asked, and its text (`Err` for a refusal).
+    pub answer: Option<(u64, Result<String, String>)>,
+}
+
+impl Budget {
+    /// The slider's value in bytes.
+    #[must_use]
+    pub fn value_bytes(&self) -> u64 {
+        (u128::from(self.scale_bytes) * u128::from(self.step) / u128::from(BUDGET_STEPS))
+            .try_into()
+            .unwrap_or(u64::MAX)
+    }
+}
+
+/// Tokens/s and disk figures over time, for the sparklines.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StatsView {
+    /// The latest snapshot.
+    pub last: Option<StatsSnapshot>,
+    /// Recent tokens/s figures, oldest first.
+    pub tps: VecDeque<f64>,
+    /// Recent disk MB/s figures, oldest first.
+    pub disk: VecDeque<f64>,
+}
+
+/// Points kept for each sparkline.
+pub const SPARK_POINTS: usize = 120;
+
+/// Why a request was sent, so its answer can be routed.
+#[derive(Clone, Debug, PartialEq)]
+enum Purpose {
+    /// A reply: a message, `/regen` or `/edit`.
+    Reply(ReplyKind),
+    /// A slash command (other than the reply-producing ones).
+    Command(Command),
+    /// The budget slider.
+    Budget,
+    /// Exporting the transcript so the pane can show a loaded session.
+    History,
+}
+
+/// What produced a reply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ReplyKind {
+    /// A message (or raw text).
+    Send,
+    /// `/regen`: replaces the last reply.
+    Regen,
+    /// `/edit`: replaces the last message and its reply.
+    Edit,
+}
+
+/// Key names shown in the help popup and the status bar, by command.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeyLabels(pub Vec<(Cmd, String)>);
+
+impl KeyLabels {
+    /// The label of `cmd`'s key ("?" if unbound).
+    #[must_use]
+    pub fn of(&self, cmd: Cmd) -> &str {
+        self.0
+            .iter()
+            .find(|(c, _)| *c == cmd)
+            .map_or("?", |(_, l)| l.as_str())
+    }
+}
+
+/// What the driver knows at start.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AppInit {
+    /// Model name for the status bar (the checkpoint directory's name).
+    pub model: String,
+    /// Session name given on the command line, if any.
+    pub session: Option<String>,
+    /// A session is being resumed: show its history once the engine is ready.
+    pub resume: bool,
+    /// Thinking channel on at start.
+    pub thinking: bool,
+    /// Context limit in positions.
+    pub context_limit: u64,
+    /// Where the worker exports the transcript for display (a private temporary file).
+    pub history_path: PathBuf,
+    /// Budget to ask for at start (from the config file).
+    pub budget_gb: Option<f64>,
+    /// Key labels.
+    pub keys: KeyLabels,
+    /// Colour scheme.
+    pub theme: ThemeName,
+}
+
+/// A key or mouse gesture, mapped by the front end; `App` decides what it means in context.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// A bound key was pressed (see the `[keys]` config table).
+    Cmd(Cmd),
+    /// A bound printable key was pressed: its command while the input box is empty, else typed.
+    CharOr(char, Cmd),
+    /// A printable character was typed.
+    Char(char),
+    /// Enter was pressed.
+    Submit,
+    /// Backspace was pressed.
+    Backspace,
+    /// Delete was pressed.
+    Delete,
+    /// Left arrow was pressed.
+    Left,
+    /// Right arrow was pressed.
+    Right,
+    /// Home (or Ctrl-A) was pressed.
+    Home,
+    /// End (or Ctrl-E) was pressed.
+    End,
+    /// Up arrow was pressed.
+    Up,
+    /// Down arrow was pressed.
+    Down,
+    /// Ctrl-U was pressed.
+    ClearInput,
+    /// Page Up was pressed.
+    PageUp,
+    /// Page Down was pressed.
+    PageDown,
+    /// The mouse wheel turned over the conversation (positive: up, in lines).
+    Scroll(i32),
+    /// The mouse wheel turned over the budget slider (positive: up, in steps).
+    BudgetWheel(i32),
+    /// The mouse clicked or dragged on the budget slider at this fraction of its width.
+    BudgetAt(f64),
+    /// Ctrl-C was pressed.
+    Interrupt,
+}
+
+/// Input to [`App::update`].
+#[derive(Clone, Debug)]
+pub enum Msg {
+    /// The user pressed a key or used the mouse (mapped by `ui::input`).
+    Action(Action),
+    /// The terminal delivered a bracketed paste.
+    Paste(String),
+    /// The terminal was resized.
+    Resize {
+        /// Columns.
+        width: u16,
+        /// Rows.
+        height: u16,
+    },
+    /// The driver's timer fired (about ten times a second).
+    Tick(Instant),
+    /// The engine worker sent an event.
+    Engine(EngineEvent),
+    /// The driver read the session directory (answer to [`Effect::ListSessions`]).
+    SessionList(Result<Vec<SessionRow>, String>),
+    /// The driver read the exported transcript (answer to [`Effect::ReadHistory`]).
+    HistoryRead(Result<Vec<u8>, String>),
+    /// The view measured the conversation after drawing it.
+    Viewport {
+        /// Lines above the visible ones when scrolled to the bottom.
+        max_scroll: usize,
+        /// Visible lines.
+        page: usize,
+    },
+    /// The worker's channel closed without a `Stopped` event.
+    WorkerGone,
+}
+
+/// Output of [`App::update`]: what the driver must do.
+#[derive(Clone, Debug)]
+pub enum Effect {
+    /// Send a request to the worker (on submit, a slash command, a slider move, a dialog choice).
+    Send(Request),
+    /// Set the worker's cancel flag (on Esc or Ctrl-C while a reply is generated).
+    Cancel,
+    /// Put text on the clipboard with OSC 52 (on the copy key).
+    Copy(String),
+    /// List saved sessions, answering with [`Msg::SessionList`] (on opening the session dialog).
+    ListSessions,
+    /// Read and delete the exported transcript, answering with [`Msg::HistoryRead`] (after the
+    /// worker confirmed the export of a loaded or resumed session).
+    ReadHistory(PathBuf),
+    /// Shut the worker down, restore the terminal and exit with `code` (on quit).
+    Quit {
+        /// Exit status.
+        code: i32,
+    },
+}
+
+/// Ticks a transient status message stays up.
+const TOAST_TICKS: u32 = 30;
+/// Cancelled turns remembered (for dropping their late events).
+const CANCELLED_KEEP: usize = 64;
+
+/// The terminal client's whole state.
+#[derive(Clone, Debug)]
+pub struct App {
+    /// Model name.
+    pub model: String,
+    /// Session name (once known).
+    pub session: Option<String>,
+    /// Turns or settings changed since the last save or load.
+    pub dirty: bool,
+    /// Chat or raw.
+    pub mode: Mode,
+    /// Thinking channel on for new replies.
+    pub thinking: bool,
+    /// Show reasoning text (otherwise one collapsed line per reply).
+    pub show_thinking: bool,
+    /// What the conversation is doing.
+    pub phase: Phase,
+    /// The conversation.
+    pub items: Vec<Item>,
+    /// The input box.
+    pub input: Editor,
+    /// Sent inputs.
+    pub history: History,
+    /// Lines scrolled up from the bottom (0: following the newest text).
+    pub scroll: usize,
+    /// Largest useful `scroll`, as last measured by the view.
+    pub max_scroll: usize,
+    /// Visible conversation lines, as last measured by the view.
+    pub page: usize,
+    /// Open popup.
+    pub dialog: Option<Dialog>,
+    /// Lines the help popup is scrolled down.
+    pub help_scroll: usize,
+    /// Keyboard focus.
+    pub focus: Focus,
+    /// Engine figures.
+    pub stats: StatsView,
+    /// The memory-budget slider.
+    pub budget: Budget,
+    /// A transient message for the status bar, and the ticks it has left.
+    pub toast: Option<(String, u32)>,
+    /// Timer ticks seen (drives the spinner).
+    pub ticks: u64,
+    /// Context limit in positions.
+    pub context_limit: u64,
+    /// Key labels.
+    pub keys: KeyLabels,
+    /// Colour scheme.
+    pub theme: ThemeName,
+    /// Terminal size in cells.
+    pub size: (u16, u16),
+    /// Counts visible changes; the driver redraws when it moves.
+    pub revision: u64,
+    next_turn: TurnId,
+    pending: Vec<(TurnId, Purpose)>,
+    cancelled: VecDeque<TurnId>,
+    parser: Option<(TurnId, TolerantParser)>,
+    history_path: PathBuf,
+    resume: bool,
+    budget_gb: Option<f64>,
+    quit_after_save: Option<TurnId>,
+    last_error: Option<String>,
+}
+
+/// Rounds to three significant digits (for budgets asked in GB).
+fn round_sig3(x: f64) -> f64 {
+    if x <= 0.0 || !x.is_finite() {
+        return 0.0;
+    }
+    let scale = 10f64.powi(2 - x.log10().floor() as i32);
+    (x * scale).round() / scale
+}
+
+fn stop_words(stop: &Stop) -> &'static str {
+    match stop {
+        Stop::End(_) => "end of message",
+        Stop::MaxTokens => "token limit",
+        Stop::Cancelled => "stopped",
+        Stop::ContextFull => "context full",
+    }
+}
+
+/// One line of figures for a finished reply.
+fn summary(r: &TurnReport) -> String {
+    let n = r.generated_ids.len();
+    let tps = if r.decode_seconds > 0.0 {
+        n as f64 / r.decode_seconds
+    } else {
+        0.0
+    };
+    format!(
+        "{n} tokens · {tps:.1} tokens/s · prompt {} reused + {} read · {}",
+        r.reused_tokens,
+        r.prefilled_tokens,
+        stop_words(&r.stop)
+    )
+}
+
+/// The session name in the worker's `Ready` line (`session "NAME"`).
+fn session_in(info: &str) -> Option<String> {
+    let rest = &info[info.find("session \"")? + 9..];
+    Some(rest[..rest.find('"')?].to_string())
+}
+
+impl App {
+    /// A fresh model, waiting for the engine.
+    #[must_use]
+    pub fn new(init: AppInit) -> App {
+        App {
+            model: init.model,
+            session: init.session,
+            dirty: false,
+            mode: Mode::Chat,
+            thinking: init.thinking,
+            show_thinking: true,
+            phase: Phase::Loading,
+            items: Vec::new(),
+            input: Editor::default(),
+            history: History::default(),
+            scroll: 0,
+            max_scroll: 0,
+            page: 10,
+            dialog: None,
+            help_scroll: 0,
+            focus: Focus::Input,
+            stats: StatsView::default(),
+            budget: Budget {
+                step: BUDGET_STEPS,
+                ..Budget::default()
+            },
+            toast: None,
+            ticks: 0,
+            context_limit: init.context_limit,
+            keys: init.keys,
+            theme: init.theme,
+            size: (80, 24),
+            revision: 0,
+            next_turn: 1,
+            pending: Vec::new(),
+            cancelled: VecDeque::new(),
+            parser: None,
+            history_path: init.history_path,
+            resume: init.resume,
+            budget_gb: init.budget_gb,
+            quit_after_save: None,
+            last_error: None,
+        }
+    }
+
+    /// Apply one message; returns what the driver must do.
+    pub fn update(&mut self, msg: Msg) -> Vec<Effect> {
+        let mut fx = Vec::new();
+        let visible = match msg {
+            Msg::Action(a) => {
+                self.action(a, &mut fx);
+                true
+            }
+            Msg::Paste(text) => {
+                self.paste(&text);
+                true
+            }
+            Msg::Resize { width, height } => {
+                self.size = (width, height);
+                true
+            }
+            Msg::Tick(_) => self.tick(),
+            Msg::Engine(ev) => self.engine(ev, &mut fx),
+            Msg::SessionList(rows) => {
+                if let Some(Dialog::Sessions(d)) = &mut self.dialog {
+                    let n = rows.as_ref().map_or(0, Vec::len);
+                    d.selected = d.selected.min(n.saturating_sub(1));
+                    d.rows = Some(rows);
+                }
+                true
+            }
+            Msg::HistoryRead(bytes) => {
+                self.history_read(bytes);
+                true
+            }
+            Msg::Viewport { max_scroll, page } => self.viewport(max_scroll, page),
+            Msg::WorkerGone => {
+                self.worker_stopped(1);
+                true
+            }
+        };
+        if visible {
+            self.revision += 1;
+        }
+        fx
+    }
+
+    /// True while a reply is being generated.
+    #[must_use]
+    pub fn busy(&self) -> bool {
+        matches!(self.phase, Phase::Prefill { .. } | Phase::Streaming { .. })
+    }
+
+    /// The reply being generated, if any.
+    #[must_use]
+    pub fn live_turn(&self) -> Option<TurnId> {
+        match self.phase {
+            Phase::Prefill { turn, .. } | Phase::Streaming { turn, .. } => Some(turn),
+            _ => None,
+        }
+    }
+
+    /// The text of the newest reply.
+    #[must_use]
+    pub fn last_reply(&self) -> Option<&str> {
+        self.items.iter().rev().find_map(|i| match i {
+            Item::Reply(r) if !r.content.is_empty() => Some(r.content.as_str()),
+            _ => None,
+        })
+    }
+
+    fn toast(&mut self, text: impl Into<String>) {
+        self.toast = Some((text.into(), TOAST_TICKS));
+    }
+
+    fn turn(&mut self, purpose: Purpose) -> TurnId {
+        let t = self.next_turn;
+        self.next_turn += 1;
+        self.pending.push((t, purpose));
+        t
+    }
+
+    fn take_pending(&mut self, turn: TurnId) -> Option<Purpose> {
+        let i = self.pending.iter().position(|(t, _)| *t == turn)?;
+        Some(self.pending.remove(i).1)
+    }
+
+    fn is_cancelled(&self, turn: TurnId) -> bool {
+        self.cancelled.contains(&turn)
+    }
+
+}

@@ -1,0 +1,584 @@
+//! How keys, the mouse, pastes and dialog choices change the [`App`]: the input box, sending
+//! messages and slash commands, cancelling, quitting, the budget slider and the popups.
+
+use super::editor::{self, Editor};
+use super::{
+    round_sig3, Action, App, Dialog, Effect, Focus, Item, Phase, Purpose, Reply, ReplyKind,
+    ReplyState, SessionDialog, BUDGET_STEPS, CANCELLED_KEEP,
+};
+use crate::app::config::Cmd;
+use crate::app::protocol::{Request, TurnId};
+use crate::session::chat::Mode;
+use crate::session::commands::{self, Command};
+use crate::session::template::TolerantParser;
+
+impl App {
+    // ---------------------------------------------------------------------------------------
+    // Keys
+    // ---------------------------------------------------------------------------------------
+
+    pub(super) fn action(&mut self, a: Action, fx: &mut Vec<Effect>) {
+        if let Phase::Failed { code, .. } = self.phase {
+            // Any key leaves once the engine has stopped.
+            if !matches!(
+                a,
+                Action::Scroll(_) | Action::PageUp | Action::PageDown | Action::BudgetWheel(_)
+            ) {
+                self.phase = Phase::Exiting;
+                fx.push(Effect::Quit { code });
+            }
+            return;
+        }
+        if self.phase == Phase::Exiting {
+            return;
+        }
+        if self.dialog.is_some() {
+            self.dialog_action(a, fx);
+            return;
+        }
+        if self.focus == Focus::Budget && self.budget_focus_action(&a, fx) {
+            return;
+        }
+        match a {
+            Action::Cmd(c) => self.command_key(c, fx),
+            Action::CharOr(ch, c) => {
+                if self.input.is_empty() {
+                    self.command_key(c, fx);
+                } else {
+                    self.type_char(ch);
+                }
+            }
+            Action::Char(ch) => {
+                let empty = self.input.is_empty();
+                match ch {
+                    '?' if empty => self.open_help(),
+                    _ => self.type_char(ch),
+                }
+            }
+            Action::Submit => self.submit(fx),
+            Action::Backspace => self.input.backspace(),
+            Action::Delete => self.input.delete(),
+            Action::Left => self.input.left(),
+            Action::Right => self.input.right(),
+            Action::Home => self.input.home(),
+            Action::End => self.input.end(),
+            Action::Up => {
+                if !self.input.up() {
+                    if let Some(t) = self.history.older(self.input.text()) {
+                        let t = t.to_string();
+                        self.input.set(&t);
+                    }
+                }
+            }
+            Action::Down => {
+                if !self.input.down() {
+                    if let Some(t) = self.history.newer() {
+                        let t = t.to_string();
+                        self.input.set(&t);
+                    }
+                }
+            }
+            Action::ClearInput => {
+                self.input.take();
+            }
+            Action::PageUp => self.scroll_by(self.page.max(2) as i64 - 1),
+            Action::PageDown => self.scroll_by(-(self.page.max(2) as i64 - 1)),
+            Action::Scroll(n) => self.scroll_by(i64::from(n)),
+            Action::BudgetWheel(n) => self.budget_move(i64::from(n), fx),
+            Action::BudgetAt(f) => self.budget_at(f, fx),
+            Action::Interrupt => {
+                if self.busy() {
+                    self.cancel(fx);
+                } else if !self.input.is_empty() {
+                    self.input.take();
+                } else {
+                    self.request_quit(fx);
+                }
+            }
+        }
+    }
+
+    /// Keys while the budget slider has the focus; true when consumed.
+    pub(super) fn budget_focus_action(&mut self, a: &Action, fx: &mut Vec<Effect>) -> bool {
+        match a {
+            Action::Left | Action::Down | Action::Char('[' | '-') => self.budget_move(-1, fx),
+            Action::Right | Action::Up | Action::Char(']' | '+') => self.budget_move(1, fx),
+            Action::Home => self.budget_set(1, fx),
+            Action::End => self.budget_set(BUDGET_STEPS, fx),
+            Action::Cmd(Cmd::Stop | Cmd::Focus) | Action::Submit => self.focus = Focus::Input,
+            _ => return false,
+        }
+        true
+    }
+
+    pub(super) fn open_help(&mut self) {
+        self.help_scroll = 0;
+        self.dialog = Some(Dialog::Help);
+    }
+
+    pub(super) fn type_char(&mut self, ch: char) {
+        if !self.input.insert_char(ch) {
+            self.toast("the input box is full");
+        }
+    }
+
+    pub(super) fn paste(&mut self, text: &str) {
+        if self.dialog.is_some() || matches!(self.phase, Phase::Failed { .. } | Phase::Exiting) {
+            return;
+        }
+        self.focus = Focus::Input;
+        let dropped = self.input.insert_str(text);
+        if dropped > 0 {
+            self.toast(format!(
+                "paste cut to fit the input box ({} KB max): {dropped} bytes dropped",
+                editor::MAX_INPUT_BYTES / 1024
+            ));
+        }
+    }
+
+    pub(super) fn command_key(&mut self, c: Cmd, fx: &mut Vec<Effect>) {
+        match c {
+            Cmd::Help => self.open_help(),
+            Cmd::Quit => self.request_quit(fx),
+            Cmd::Stop => {
+                if self.busy() {
+                    self.cancel(fx);
+                }
+            }
+            Cmd::Copy => match self.last_reply().map(str::to_string) {
+                Some(text) => {
+                    self.toast(format!(
+                        "copied the last reply ({} characters)",
+                        text.chars().count()
+                    ));
+                    fx.push(Effect::Copy(text));
+                }
+                None => self.toast("no reply to copy yet"),
+            },
+            Cmd::Mode => {
+                let cmd = match self.mode {
+                    Mode::Chat => Command::Raw,
+                    Mode::Raw => Command::Chat,
+                };
+                self.send_command(cmd, fx);
+            }
+            Cmd::Thinking => {
+                self.show_thinking = !self.show_thinking;
+                self.toast(if self.show_thinking {
+                    "thinking shown"
+                } else {
+                    "thinking collapsed"
+                });
+            }
+            Cmd::Sessions => {
+                self.dialog = Some(Dialog::Sessions(SessionDialog::default()));
+                fx.push(Effect::ListSessions);
+            }
+            Cmd::BudgetDown => self.budget_move(-1, fx),
+            Cmd::BudgetUp => self.budget_move(1, fx),
+            Cmd::Newline => self.type_char('\n'),
+            Cmd::Follow => self.scroll = 0,
+            Cmd::Focus => self.focus = Focus::Budget,
+        }
+    }
+
+    pub(super) fn scroll_by(&mut self, n: i64) {
+        let s = (self.scroll as i64 + n).clamp(0, self.max_scroll as i64);
+        self.scroll = usize::try_from(s).unwrap_or(0);
+    }
+
+    pub(super) fn viewport(&mut self, max_scroll: usize, page: usize) -> bool {
+        let before = (self.scroll, self.max_scroll, self.page);
+        if self.scroll > 0 && max_scroll > self.max_scroll {
+            // Keep the lines being read in place while new text arrives below them.
+            self.scroll += max_scroll - self.max_scroll;
+        }
+        self.max_scroll = max_scroll;
+        self.page = page;
+        self.scroll = self.scroll.min(max_scroll);
+        // Only a change of the scroll position changes what is drawn.
+        before.0 != self.scroll
+    }
+
+    pub(super) fn tick(&mut self) -> bool {
+        self.ticks += 1;
+        let mut visible = matches!(
+            self.phase,
+            Phase::Loading | Phase::Prefill { .. } | Phase::Streaming { .. }
+        );
+        if let Some((_, left)) = &mut self.toast {
+            *left = left.saturating_sub(1);
+            if *left == 0 {
+                self.toast = None;
+                visible = true;
+            }
+        }
+        visible
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Sending
+    // ---------------------------------------------------------------------------------------
+
+    /// Refuse a request the engine cannot take now; true when refused.
+    pub(super) fn refuse_now(&mut self) -> bool {
+        let why = match self.phase {
+            Phase::Loading => "the model is still loading",
+            Phase::Prefill { .. } | Phase::Streaming { .. } => {
+                "a reply is being generated; Esc stops it"
+            }
+            _ => return false,
+        };
+        self.toast(why);
+        true
+    }
+
+    pub(super) fn submit(&mut self, fx: &mut Vec<Effect>) {
+        let text = self.input.text().to_string();
+        if text.trim().is_empty() {
+            return;
+        }
+        match commands::parse(&text) {
+            Some(Err(msg)) => {
+                self.history.push(&text);
+                self.input.take();
+                self.items.push(Item::Error(msg));
+            }
+            Some(Ok(Command::Quit)) => {
+                self.input.take();
+                self.request_quit(fx);
+            }
+            Some(Ok(Command::Help)) => {
+                self.input.take();
+                self.open_help();
+            }
+            Some(Ok(cmd)) => {
+                if self.refuse_now() {
+                    return;
+                }
+                self.history.push(&text);
+                self.input.take();
+                self.items.push(Item::Info(format!("› {}", text.trim())));
+                self.send_command(cmd, fx);
+            }
+            None => {
+                if self.refuse_now() {
+                    return;
+                }
+                self.history.push(&text);
+                self.input.take();
+                // `//text` sends a literal `/text`.
+                let literal = text
+                    .strip_prefix('/')
+                    .filter(|t| t.starts_with('/'))
+                    .unwrap_or(&text)
+                    .to_string();
+                let turn = self.start_reply(Some(literal.clone()), ReplyKind::Send);
+                fx.push(Effect::Send(Request::Send {
+                    turn,
+                    text: literal,
+                }));
+            }
+        }
+        self.scroll = 0;
+    }
+
+    /// Add the user's text (if any) and an empty live reply; returns the turn.
+    pub(super) fn start_reply(&mut self, user: Option<String>, kind: ReplyKind) -> TurnId {
+        let raw = self.mode == Mode::Raw;
+        if let Some(text) = user {
+            self.items.push(Item::User { text, raw });
+        }
+        let turn = self.turn(Purpose::Reply(kind));
+        self.items.push(Item::Reply(Reply {
+            turn,
+            reasoning: String::new(),
+            content: String::new(),
+            raw,
+            state: ReplyState::Live,
+            summary: None,
+            note: None,
+        }));
+        self.parser = (!raw).then(|| (turn, TolerantParser::new(self.thinking)));
+        self.phase = Phase::Prefill {
+            turn,
+            done: 0,
+            total: 0,
+        };
+        self.dirty = true;
+        turn
+    }
+
+    pub(super) fn send_command(&mut self, cmd: Command, fx: &mut Vec<Effect>) {
+        if self.refuse_now() {
+            return;
+        }
+        let turn = match &cmd {
+            Command::Regen => self.start_reply(None, ReplyKind::Regen),
+            Command::Edit(text) => self.start_reply(Some(text.clone()), ReplyKind::Edit),
+            _ => self.turn(Purpose::Command(cmd.clone())),
+        };
+        fx.push(Effect::Send(Request::Command { turn, command: cmd }));
+    }
+
+    pub(super) fn cancel(&mut self, fx: &mut Vec<Effect>) {
+        let Some(turn) = self.live_turn() else {
+            return;
+        };
+        fx.push(Effect::Cancel);
+        self.take_pending(turn);
+        self.cancelled.push_back(turn);
+        if self.cancelled.len() > CANCELLED_KEEP {
+            self.cancelled.pop_front();
+        }
+        self.finish_parser(turn);
+        if let Some(r) = self.reply_mut(turn) {
+            r.state = ReplyState::Stopped;
+            r.summary = Some("stopped; the session is kept".into());
+        }
+        self.phase = Phase::Idle;
+    }
+
+    pub(super) fn request_quit(&mut self, fx: &mut Vec<Effect>) {
+        if self.dirty {
+            self.dialog = Some(Dialog::ConfirmQuit);
+        } else {
+            self.quit(fx);
+        }
+    }
+
+    pub(super) fn quit(&mut self, fx: &mut Vec<Effect>) {
+        if self.busy() {
+            fx.push(Effect::Cancel);
+        }
+        self.dialog = None;
+        self.phase = Phase::Exiting;
+        fx.push(Effect::Quit { code: 0 });
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Budget slider
+    // ---------------------------------------------------------------------------------------
+
+    pub(super) fn budget_move(&mut self, delta: i64, fx: &mut Vec<Effect>) {
+        let step = (i64::from(self.budget.step) + delta).clamp(1, i64::from(BUDGET_STEPS));
+        self.budget_set(u32::try_from(step).unwrap_or(BUDGET_STEPS), fx);
+    }
+
+    pub(super) fn budget_at(&mut self, fraction: f64, fx: &mut Vec<Effect>) {
+        let f = if fraction.is_finite() {
+            fraction.clamp(0.0, 1.0)
+        } else {
+            1.0
+        };
+        let step = (f * f64::from(BUDGET_STEPS)).round() as u32;
+        self.budget_set(step.clamp(1, BUDGET_STEPS), fx);
+    }
+
+    pub(super) fn budget_set(&mut self, step: u32, fx: &mut Vec<Effect>) {
+        if self.budget.scale_bytes == 0 {
+            self.toast("the budget slider waits for the engine's figures");
+            return;
+        }
+        if step == self.budget.step && self.budget.touched {
+            return;
+        }
+        self.budget.step = step;
+        self.budget.touched = true;
+        self.budget_send(fx);
+    }
+
+    /// Ask the engine for the slider's value, unless a request is already in flight (its answer
+    /// sends the newest value).
+    pub(super) fn budget_send(&mut self, fx: &mut Vec<Effect>) {
+        if self.budget.asked.is_some() || self.phase == Phase::Loading {
+            return;
+        }
+        let bytes = self.budget.value_bytes();
+        self.budget_request(round_sig3(bytes as f64 / 1e9), bytes, fx);
+    }
+
+    pub(super) fn budget_request(&mut self, gb: f64, bytes: u64, fx: &mut Vec<Effect>) {
+        let turn = self.turn(Purpose::Budget);
+        self.budget.asked = Some((turn, bytes));
+        fx.push(Effect::Send(Request::Command {
+            turn,
+            command: Command::Budget(gb),
+        }));
+    }
+
+    pub(super) fn budget_answer(&mut self, turn: TurnId, answer: Result<String, String>, fx: &mut Vec<Effect>) {
+        let bytes = match self.budget.asked {
+            Some((t, b)) if t == turn => b,
+            _ => return,
+        };
+        self.budget.asked = None;
+        self.budget.answer = Some((bytes, answer));
+        if self.budget.touched && self.budget.value_bytes() != bytes {
+            self.budget_send(fx);
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Dialogs
+    // ---------------------------------------------------------------------------------------
+
+    pub(super) fn dialog_action(&mut self, a: Action, fx: &mut Vec<Effect>) {
+        let Some(dialog) = self.dialog.take() else {
+            return;
+        };
+        let ch = match &a {
+            Action::Char(c) | Action::CharOr(c, _) => Some(c.to_ascii_lowercase()),
+            _ => None,
+        };
+        let closes = matches!(
+            a,
+            Action::Cmd(Cmd::Stop | Cmd::Help | Cmd::Quit) | Action::Interrupt
+        );
+        match dialog {
+            Dialog::Help => {
+                // Scrolling keys scroll the help; any other key closes it.
+                let delta: i64 = match a {
+                    Action::Up => -1,
+                    Action::Down => 1,
+                    Action::PageUp => -10,
+                    Action::PageDown => 10,
+                    Action::Scroll(n) => -i64::from(n),
+                    _ => return,
+                };
+                let s = (self.help_scroll as i64 + delta).clamp(0, 200);
+                self.help_scroll = usize::try_from(s).unwrap_or(0);
+                self.dialog = Some(Dialog::Help);
+            }
+            Dialog::ConfirmQuit => match (ch, &a) {
+                (Some('s' | 'y'), _) => self.save_and_quit(fx),
+                (Some('q' | 'n'), _) | (_, Action::Cmd(Cmd::Quit)) => self.quit(fx),
+                _ if closes => {}
+                _ => self.dialog = Some(Dialog::ConfirmQuit),
+            },
+            Dialog::ConfirmNew => match ch {
+                Some('y') => self.send_command(Command::New, fx),
+                Some('n') => {}
+                _ if closes => {}
+                _ => self.dialog = Some(Dialog::ConfirmNew),
+            },
+            Dialog::Sessions(mut d) => {
+                if d.naming.is_some() {
+                    self.naming_action(d, a, fx);
+                } else if !closes && self.sessions_action(&mut d, &a, ch, fx) {
+                    self.dialog = Some(Dialog::Sessions(d));
+                }
+            }
+        }
+    }
+
+    pub(super) fn save_and_quit(&mut self, fx: &mut Vec<Effect>) {
+        if self.busy() {
+            self.cancel(fx);
+        }
+        if self.phase == Phase::Loading {
+            return self.quit(fx);
+        }
+        let turn = self.turn(Purpose::Command(Command::Save(None)));
+        self.quit_after_save = Some(turn);
+        self.items.push(Item::Info("saving before quitting…".into()));
+        fx.push(Effect::Send(Request::Command {
+            turn,
+            command: Command::Save(None),
+        }));
+    }
+
+    /// A key in the session list; returns whether the dialog stays open.
+    pub(super) fn sessions_action(
+        &mut self,
+        d: &mut SessionDialog,
+        a: &Action,
+        ch: Option<char>,
+        fx: &mut Vec<Effect>,
+    ) -> bool {
+        let names: Vec<String> = match &d.rows {
+            Some(Ok(rows)) => rows.iter().map(|r| r.name.clone()).collect(),
+            _ => Vec::new(),
+        };
+        d.message = None;
+        match (a, ch) {
+            (Action::Up, _) => d.selected = d.selected.saturating_sub(1),
+            (Action::Down, _) => {
+                d.selected = (d.selected + 1).min(names.len().saturating_sub(1));
+            }
+            (Action::Submit, _) | (_, Some('l')) => {
+                let Some(name) = names.get(d.selected).cloned() else {
+                    d.message = Some("no saved session selected".into());
+                    return true;
+                };
+                if self.refuse_now() {
+                    d.message = self.toast.as_ref().map(|t| t.0.clone());
+                    return true;
+                }
+                self.items.push(Item::Info(format!("› /load {name}")));
+                self.send_command(Command::Load(name), fx);
+                return false;
+            }
+            (_, Some('s')) => {
+                let mut e = Editor::default();
+                e.set(self.session.as_deref().unwrap_or(""));
+                d.naming = Some(e);
+            }
+            (_, Some('n')) => {
+                if self.refuse_now() {
+                    d.message = self.toast.as_ref().map(|t| t.0.clone());
+                    return true;
+                }
+                if self.dirty {
+                    self.dialog = Some(Dialog::ConfirmNew);
+                } else {
+                    self.send_command(Command::New, fx);
+                }
+                return false;
+            }
+            (_, Some('r')) => {
+                d.rows = None;
+                fx.push(Effect::ListSessions);
+            }
+            _ => {}
+        }
+        true
+    }
+
+    pub(super) fn naming_action(&mut self, mut d: SessionDialog, a: Action, fx: &mut Vec<Effect>) {
+        let Some(mut name) = d.naming.take() else {
+            return;
+        };
+        match a {
+            Action::Char(c) | Action::CharOr(c, _) if name.text().len() < 200 => {
+                name.insert_char(c);
+            }
+            Action::Backspace => name.backspace(),
+            Action::Delete => name.delete(),
+            Action::Left => name.left(),
+            Action::Right => name.right(),
+            Action::Home => name.home(),
+            Action::End => name.end(),
+            Action::Cmd(Cmd::Stop) | Action::Interrupt => {
+                self.dialog = Some(Dialog::Sessions(d));
+                return;
+            }
+            Action::Submit => {
+                let text = name.text().trim().to_string();
+                if let Err(e) = crate::session::store::validate_name(&text) {
+                    d.message = Some(e.to_string());
+                } else if self.refuse_now() {
+                    d.message = self.toast.as_ref().map(|t| t.0.clone());
+                } else {
+                    self.items.push(Item::Info(format!("› /save {text}")));
+                    self.send_command(Command::Save(Some(text)), fx);
+                    return;
+                }
+            }
+            _ => {}
+        }
+        d.naming = Some(name);
+        self.dialog = Some(Dialog::Sessions(d));
+    }
+
+}

@@ -1,0 +1,949 @@
+//! Transition tests of `App::update` against a fake engine: the tests play the worker's part by
+//! feeding `EngineEvent`s as messages and checking the effects that come back.
+
+use super::*;
+use crate::app::config::Cmd;
+use crate::session::commands::{ExportFormat, Setting};
+use crate::stream::stats::{LayerResidency, Residency};
+
+const MODEL_BYTES: u64 = 4_000_000_000;
+
+fn init() -> AppInit {
+    AppInit {
+        model: "tiny".into(),
+        session: None,
+        resume: false,
+        thinking: false,
+        context_limit: 4096,
+        history_path: PathBuf::from("/tmp/k3-test-history.json"),
+        budget_gb: None,
+        keys: KeyLabels(vec![(Cmd::Help, "F1".into()), (Cmd::Thinking, "Ctrl-T".into())]),
+        theme: ThemeName::Dark,
+    }
+}
+
+fn ready_app_with(init: AppInit) -> App {
+    let mut app = App::new(init);
+    assert_eq!(app.phase, Phase::Loading);
+    app.update(Msg::Engine(EngineEvent::Ready {
+        info: "k3: tiny (13 layers, vocabulary 512), session \"s1\", chat mode".into(),
+    }));
+    app
+}
+
+fn ready_app() -> App {
+    ready_app_with(init())
+}
+
+fn act(app: &mut App, a: Action) -> Vec<Effect> {
+    app.update(Msg::Action(a))
+}
+
+fn type_text(app: &mut App, text: &str) {
+    for c in text.chars() {
+        act(app, Action::Char(c));
+    }
+}
+
+fn ev(app: &mut App, e: EngineEvent) -> Vec<Effect> {
+    app.update(Msg::Engine(e))
+}
+
+fn token(app: &mut App, turn: TurnId, text: &str) -> Vec<Effect> {
+    ev(
+        app,
+        EngineEvent::Token {
+            turn,
+            id: 7,
+            text: text.into(),
+        },
+    )
+}
+
+fn stats(turn: TurnId, tps: f64) -> StatsSnapshot {
+    StatsSnapshot {
+        tokens_per_second: tps,
+        turn_tokens: 3,
+        turn_seconds: 0.5,
+        rss_bytes: 3_000_000_000,
+        peak_rss_bytes: 3_500_000_000,
+        budget_bytes: None,
+        model_bytes: MODEL_BYTES,
+        disk_bytes_read: MODEL_BYTES,
+        layers: vec![
+            LayerResidency {
+                trunk: Residency::Pinned,
+                experts_resident: 16,
+                experts_total: 16,
+            };
+            4
+        ],
+        positions: 40 + turn,
+        context_limit: 4096,
+        ..StatsSnapshot::default()
+    }
+}
+
+fn report(reply: &str, stop: Stop, accepted: bool) -> Box<TurnReport> {
+    Box::new(TurnReport {
+        mode: Mode::Chat,
+        prompt_ids: vec![1, 2, 3],
+        generated_ids: vec![4, 5, 6, 7],
+        reply: reply.into(),
+        reasoning: None,
+        reused_tokens: 1,
+        prefilled_tokens: 2,
+        stop,
+        accepted,
+        rejected_because: (!accepted).then(|| "malformed".to_string()),
+        prefill_seconds: 0.01,
+        decode_seconds: 0.5,
+        context_warning: None,
+    })
+}
+
+/// The turn of the single `Send` request among `fx`.
+fn sent(fx: &[Effect]) -> (TurnId, String) {
+    let sends: Vec<_> = fx
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Send(Request::Send { turn, text }) => Some((*turn, text.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(sends.len(), 1, "{fx:?}");
+    sends[0].clone()
+}
+
+/// The turn and command of the single `Command` request among `fx`.
+fn command(fx: &[Effect]) -> (TurnId, Command) {
+    let cmds: Vec<_> = fx
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Send(Request::Command { turn, command }) => Some((*turn, command.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(cmds.len(), 1, "{fx:?}");
+    cmds[0].clone()
+}
+
+fn send_message(app: &mut App, text: &str) -> TurnId {
+    type_text(app, text);
+    let fx = act(app, Action::Submit);
+    let (turn, sent_text) = sent(&fx);
+    assert_eq!(sent_text, text);
+    turn
+}
+
+fn last_reply(app: &App) -> &Reply {
+    app.items
+        .iter()
+        .rev()
+        .find_map(|i| match i {
+            Item::Reply(r) => Some(r),
+            _ => None,
+        })
+        .expect("a reply")
+}
+
+fn has_error(app: &App, needle: &str) -> bool {
+    app.items
+        .iter()
+        .any(|i| matches!(i, Item::Error(t) if t.contains(needle)))
+}
+
+fn is_quit(fx: &[Effect]) -> Option<i32> {
+    fx.iter().find_map(|e| match e {
+        Effect::Quit { code } => Some(*code),
+        _ => None,
+    })
+}
+
+#[test]
+fn ready_names_the_session_and_goes_idle() {
+    let app = ready_app();
+    assert_eq!(app.phase, Phase::Idle);
+    assert_eq!(app.session.as_deref(), Some("s1"));
+    assert_eq!(app.mode, Mode::Chat);
+    assert!(!app.dirty);
+}
+
+#[test]
+fn submit_streams_and_finishes() {
+    let mut app = ready_app();
+    let turn = send_message(&mut app, "hello");
+    assert!(app.input.is_empty());
+    assert!(matches!(app.phase, Phase::Prefill { turn: t, .. } if t == turn));
+    let prefill = StatsSnapshot {
+        prefill_done: 64,
+        prefill_total: 256,
+        ..StatsSnapshot::default()
+    };
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn,
+            stats: Box::new(prefill),
+        },
+    );
+    assert_eq!(
+        app.phase,
+        Phase::Prefill {
+            turn,
+            done: 64,
+            total: 256
+        }
+    );
+    token(&mut app, turn, "Hel");
+    token(&mut app, turn, "lo!");
+    assert_eq!(app.phase, Phase::Streaming { turn, tokens: 2 });
+    assert_eq!(last_reply(&app).content, "Hello!");
+    assert_eq!(last_reply(&app).state, ReplyState::Live);
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn,
+            stats: Box::new(stats(turn, 12.5)),
+        },
+    );
+    assert_eq!(app.stats.tps.back(), Some(&12.5));
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn,
+            report: report("Hello!", Stop::End(2), true),
+        },
+    );
+    let r = last_reply(&app);
+    assert_eq!(r.state, ReplyState::Done);
+    assert!(r.summary.as_deref().unwrap_or("").contains("8.0 tokens/s"), "{r:?}");
+    assert_eq!(app.phase, Phase::Idle);
+    assert!(app.dirty);
+    assert_eq!(app.last_reply(), Some("Hello!"));
+}
+
+#[test]
+fn thinking_text_is_split_from_the_answer() {
+    let mut app = ready_app_with(AppInit {
+        thinking: true,
+        ..init()
+    });
+    let turn = send_message(&mut app, "why?");
+    for piece in [
+        "Let me ",
+        "think.<|close|>th",
+        "ink<|sep|><|open|>response<|sep|>",
+        "Because.",
+    ] {
+        token(&mut app, turn, piece);
+    }
+    let r = last_reply(&app);
+    assert_eq!(r.reasoning, "Let me think.");
+    assert_eq!(r.content, "Because.");
+    act(&mut app, Action::Cmd(Cmd::Thinking));
+    assert!(!app.show_thinking);
+}
+
+#[test]
+fn cancel_stops_within_the_turn_and_drops_its_stale_events() {
+    let mut app = ready_app();
+    let turn = send_message(&mut app, "go");
+    token(&mut app, turn, "partial");
+    let fx = act(&mut app, Action::Cmd(Cmd::Stop));
+    assert!(fx.iter().any(|e| matches!(e, Effect::Cancel)), "{fx:?}");
+    assert_eq!(app.phase, Phase::Idle);
+    assert_eq!(last_reply(&app).state, ReplyState::Stopped);
+    // Late events of the cancelled turn change nothing.
+    let before = app.items.clone();
+    let rev = app.revision;
+    token(&mut app, turn, " more");
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn,
+            stats: Box::new(stats(turn, 99.0)),
+        },
+    );
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn,
+            report: report("partial more", Stop::Cancelled, false),
+        },
+    );
+    ev(
+        &mut app,
+        EngineEvent::Failed {
+            turn,
+            message: "late".into(),
+        },
+    );
+    assert_eq!(app.items, before);
+    assert_eq!(app.revision, rev);
+    assert!(app.stats.tps.is_empty());
+    // The session goes on: the next message gets a new turn and streams.
+    let next = send_message(&mut app, "again");
+    assert!(next > turn);
+    token(&mut app, next, "fresh");
+    assert_eq!(last_reply(&app).content, "fresh");
+}
+
+#[test]
+fn ctrl_c_stops_then_clears_then_quits() {
+    let mut app = ready_app();
+    let turn = send_message(&mut app, "go");
+    token(&mut app, turn, "x");
+    let fx = act(&mut app, Action::Interrupt);
+    assert!(fx.iter().any(|e| matches!(e, Effect::Cancel)));
+    assert!(is_quit(&fx).is_none());
+    type_text(&mut app, "draft");
+    act(&mut app, Action::Interrupt);
+    assert!(app.input.is_empty());
+    // Unsaved: asks first.
+    act(&mut app, Action::Interrupt);
+    assert_eq!(app.dialog, Some(Dialog::ConfirmQuit));
+    let fx = act(&mut app, Action::Char('q'));
+    assert_eq!(is_quit(&fx), Some(0));
+    assert_eq!(app.phase, Phase::Exiting);
+}
+
+#[test]
+fn events_for_unknown_turns_are_dropped() {
+    let mut app = ready_app();
+    let rev = app.revision;
+    let n = app.items.len();
+    token(&mut app, 42, "ghost");
+    ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn: 42,
+            text: "ghost".into(),
+        },
+    );
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn: 42,
+            report: report("ghost", Stop::End(1), true),
+        },
+    );
+    assert_eq!(app.items.len(), n);
+    assert_eq!(app.revision, rev);
+}
+
+#[test]
+fn a_failed_turn_shows_the_error_and_keeps_the_session() {
+    let mut app = ready_app();
+    let turn = send_message(&mut app, "too long");
+    ev(
+        &mut app,
+        EngineEvent::Failed {
+            turn,
+            message: "the context is full".into(),
+        },
+    );
+    assert_eq!(app.phase, Phase::Idle);
+    assert!(has_error(&app, "context is full"));
+    assert!(!app.items.iter().any(|i| matches!(i, Item::Reply(_))));
+    send_message(&mut app, "shorter");
+}
+
+#[test]
+fn a_load_failure_shows_the_reason_and_any_key_leaves_with_its_status() {
+    let mut app = App::new(init());
+    ev(
+        &mut app,
+        EngineEvent::Failed {
+            turn: 0,
+            message: "config.json: missing".into(),
+        },
+    );
+    ev(&mut app, EngineEvent::Stopped { exit_code: 3 });
+    assert_eq!(
+        app.phase,
+        Phase::Failed {
+            message: "config.json: missing".into(),
+            code: 3
+        }
+    );
+    assert!(is_quit(&act(&mut app, Action::Scroll(1))).is_none());
+    assert_eq!(is_quit(&act(&mut app, Action::Char('x'))), Some(3));
+}
+
+#[test]
+fn a_worker_that_vanishes_is_reported() {
+    let mut app = ready_app();
+    send_message(&mut app, "hi");
+    app.update(Msg::WorkerGone);
+    assert!(matches!(app.phase, Phase::Failed { code: 1, .. }));
+}
+
+#[test]
+fn requests_while_busy_or_loading_are_refused_with_a_notice() {
+    let mut app = App::new(init());
+    type_text(&mut app, "early");
+    assert!(act(&mut app, Action::Submit).is_empty());
+    assert_eq!(app.input.text(), "early");
+    assert!(app.toast.as_ref().is_some_and(|t| t.0.contains("loading")));
+    let mut app = ready_app();
+    send_message(&mut app, "one");
+    type_text(&mut app, "two");
+    assert!(act(&mut app, Action::Submit).is_empty());
+    assert_eq!(app.input.text(), "two");
+}
+
+fn with_figures(app: &mut App) {
+    ev(
+        app,
+        EngineEvent::Stats {
+            turn: 0,
+            stats: Box::new(stats(0, 0.0)),
+        },
+    );
+}
+
+#[test]
+fn the_budget_slider_asks_the_engine_and_shows_its_answer() {
+    let mut app = ready_app();
+    // No figures yet: the slider cannot move.
+    assert!(act(&mut app, Action::CharOr('[', Cmd::BudgetDown)).is_empty());
+    with_figures(&mut app);
+    assert_eq!(app.budget.scale_bytes, MODEL_BYTES);
+    assert_eq!(app.budget.in_force, None);
+    assert_eq!(app.budget.step, BUDGET_STEPS);
+    let fx = act(&mut app, Action::CharOr('[', Cmd::BudgetDown));
+    let (turn, cmd) = command(&fx);
+    assert_eq!(cmd, Command::Budget(3.8));
+    // A second move while the first is in flight waits for its answer.
+    assert!(act(&mut app, Action::CharOr('[', Cmd::BudgetDown)).is_empty());
+    assert_eq!(app.budget.step, BUDGET_STEPS - 2);
+    let fx = ev(
+        &mut app,
+        EngineEvent::Failed {
+            turn,
+            message: "/budget 3.8: this build holds the whole model in memory".into(),
+        },
+    );
+    let (turn2, cmd2) = command(&fx);
+    assert_eq!(cmd2, Command::Budget(3.6));
+    assert!(matches!(&app.budget.answer, Some((b, Err(t))) if *b == 3_800_000_000 && t.contains("whole model")));
+    // The answer is not a conversation error.
+    assert!(!has_error(&app, "whole model"));
+    ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn: turn2,
+            text: "budget 3.6 GB".into(),
+        },
+    );
+    assert!(app.budget.asked.is_none());
+    assert!(matches!(&app.budget.answer, Some((_, Ok(t))) if t == "budget 3.6 GB"));
+    // The mouse sets it directly; a bracket with text in the input box is typed instead.
+    let fx = act(&mut app, Action::BudgetAt(0.5));
+    assert_eq!(command(&fx).1, Command::Budget(2.0));
+    type_text(&mut app, "a");
+    assert!(act(&mut app, Action::CharOr(']', Cmd::BudgetUp)).is_empty());
+    assert_eq!(app.input.text(), "a]");
+    // The engine's own budget moves an untouched slider.
+    let mut fresh = ready_app();
+    let mut s = stats(0, 0.0);
+    s.budget_bytes = Some(MODEL_BYTES / 4);
+    ev(
+        &mut fresh,
+        EngineEvent::Stats {
+            turn: 0,
+            stats: Box::new(s),
+        },
+    );
+    assert_eq!(fresh.budget.step, BUDGET_STEPS / 4);
+}
+
+#[test]
+fn the_budget_slider_has_keys_when_focused() {
+    let mut app = ready_app();
+    with_figures(&mut app);
+    act(&mut app, Action::Cmd(Cmd::Focus));
+    assert_eq!(app.focus, Focus::Budget);
+    let fx = act(&mut app, Action::Left);
+    assert_eq!(command(&fx).1, Command::Budget(3.8));
+    assert_eq!(app.budget.step, BUDGET_STEPS - 1);
+    act(&mut app, Action::Cmd(Cmd::Stop));
+    assert_eq!(app.focus, Focus::Input);
+}
+
+#[test]
+fn a_budget_from_the_config_is_asked_for_at_start() {
+    let mut app = App::new(AppInit {
+        budget_gb: Some(24.0),
+        ..init()
+    });
+    let fx = ev(
+        &mut app,
+        EngineEvent::Ready {
+            info: "k3: x, session \"a\", chat mode".into(),
+        },
+    );
+    assert_eq!(command(&fx).1, Command::Budget(24.0));
+}
+
+#[test]
+fn the_mode_key_switches_to_raw_and_back() {
+    let mut app = ready_app();
+    let fx = act(&mut app, Action::Cmd(Cmd::Mode));
+    let (turn, cmd) = command(&fx);
+    assert_eq!(cmd, Command::Raw);
+    assert_eq!(app.mode, Mode::Chat, "changes only once the engine agrees");
+    ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn,
+            text: "raw mode".into(),
+        },
+    );
+    assert_eq!(app.mode, Mode::Raw);
+    let t = send_message(&mut app, "Once upon");
+    token(&mut app, t, " a time<|open|>");
+    let r = last_reply(&app);
+    assert!(r.raw);
+    assert_eq!(r.content, " a time<|open|>", "raw text is not parsed");
+    assert!(app
+        .items
+        .iter()
+        .any(|i| matches!(i, Item::User { raw: true, .. })));
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn: t,
+            report: report(" a time<|open|>", Stop::MaxTokens, true),
+        },
+    );
+    let fx = act(&mut app, Action::Cmd(Cmd::Mode));
+    assert_eq!(command(&fx).1, Command::Chat);
+}
+
+fn rows() -> Vec<SessionRow> {
+    vec![
+        SessionRow {
+            name: "alpha".into(),
+            saved_unix: 1_800_000_000,
+            turns: 3,
+            bytes: 12_345,
+            problem: None,
+        },
+        SessionRow {
+            name: "beta".into(),
+            saved_unix: 1_700_000_000,
+            turns: 1,
+            bytes: 999,
+            problem: None,
+        },
+    ]
+}
+
+#[test]
+fn the_session_dialog_loads_and_shows_the_history() {
+    let mut app = ready_app();
+    let fx = act(&mut app, Action::Cmd(Cmd::Sessions));
+    assert!(fx.iter().any(|e| matches!(e, Effect::ListSessions)));
+    assert!(matches!(
+        app.dialog,
+        Some(Dialog::Sessions(SessionDialog { rows: None, .. }))
+    ));
+    app.update(Msg::SessionList(Ok(rows())));
+    act(&mut app, Action::Down);
+    act(&mut app, Action::Down);
+    let fx = act(&mut app, Action::Submit);
+    let (turn, cmd) = command(&fx);
+    assert_eq!(cmd, Command::Load("beta".into()));
+    assert!(app.dialog.is_none());
+    let fx = ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn,
+            text: "loaded session \"beta\"".into(),
+        },
+    );
+    assert_eq!(app.session.as_deref(), Some("beta"));
+    let (export_turn, export) = command(&fx);
+    let path = "/tmp/k3-test-history.json".to_string();
+    assert_eq!(export, Command::Export(ExportFormat::Json, path.clone()));
+    let fx = ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn: export_turn,
+            text: "transcript written".into(),
+        },
+    );
+    assert!(matches!(&fx[..], [Effect::ReadHistory(p)] if p.to_string_lossy() == path));
+    let json = br#"{"system":null,"mode":"chat","entries":[
+        {"kind":"message","role":"user","content":"old question"},
+        {"kind":"message","role":"assistant","content":"old answer","reasoning":"hm"}],
+        "pending":null}"#;
+    app.update(Msg::HistoryRead(Ok(json.to_vec())));
+    assert!(app
+        .items
+        .iter()
+        .any(|i| matches!(i, Item::User { text, .. } if text == "old question")));
+    assert_eq!(last_reply(&app).content, "old answer");
+    assert_eq!(last_reply(&app).reasoning, "hm");
+    assert!(!app.dirty);
+    // A broken transcript is an error line, not a crash.
+    app.update(Msg::HistoryRead(Ok(b"{not json".to_vec())));
+    assert!(has_error(&app, "cannot show the saved history"));
+}
+
+#[test]
+fn the_session_dialog_saves_under_a_new_name() {
+    let mut app = ready_app();
+    act(&mut app, Action::Cmd(Cmd::Sessions));
+    app.update(Msg::SessionList(Ok(Vec::new())));
+    act(&mut app, Action::Char('s'));
+    match &app.dialog {
+        Some(Dialog::Sessions(d)) => assert_eq!(d.naming.as_ref().map(Editor::text), Some("s1")),
+        other => panic!("{other:?}"),
+    }
+    act(&mut app, Action::ClearInput);
+    for _ in 0..2 {
+        act(&mut app, Action::Backspace);
+    }
+    // A name the store refuses is explained in the dialog.
+    type_text(&mut app, "../x");
+    act(&mut app, Action::Submit);
+    match &app.dialog {
+        Some(Dialog::Sessions(d)) => assert!(d.message.is_some()),
+        other => panic!("{other:?}"),
+    }
+    for _ in 0..4 {
+        act(&mut app, Action::Backspace);
+    }
+    type_text(&mut app, "keep-me");
+    let fx = act(&mut app, Action::Submit);
+    let (turn, cmd) = command(&fx);
+    assert_eq!(cmd, Command::Save(Some("keep-me".into())));
+    app.dirty = true;
+    ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn,
+            text: "saved session \"keep-me\"".into(),
+        },
+    );
+    assert!(!app.dirty);
+    assert_eq!(app.session.as_deref(), Some("keep-me"));
+}
+
+#[test]
+fn new_from_the_dialog_asks_when_unsaved() {
+    let mut app = ready_app();
+    let t = send_message(&mut app, "x");
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn: t,
+            report: report("y", Stop::End(1), true),
+        },
+    );
+    act(&mut app, Action::Cmd(Cmd::Sessions));
+    act(&mut app, Action::Char('n'));
+    assert_eq!(app.dialog, Some(Dialog::ConfirmNew));
+    let fx = act(&mut app, Action::Char('y'));
+    let (turn, cmd) = command(&fx);
+    assert_eq!(cmd, Command::New);
+    ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn,
+            text: "new conversation".into(),
+        },
+    );
+    assert!(!app.items.iter().any(|i| matches!(i, Item::Reply(_))));
+    assert!(!app.dirty);
+}
+
+#[test]
+fn quitting_unsaved_asks_and_can_save_first() {
+    let mut app = ready_app();
+    let t = send_message(&mut app, "x");
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn: t,
+            report: report("y", Stop::End(1), true),
+        },
+    );
+    assert!(app.dirty);
+    let fx = act(&mut app, Action::Cmd(Cmd::Quit));
+    assert!(is_quit(&fx).is_none());
+    assert_eq!(app.dialog, Some(Dialog::ConfirmQuit));
+    act(&mut app, Action::Cmd(Cmd::Stop));
+    assert_eq!(app.dialog, None, "Esc stays");
+    act(&mut app, Action::Cmd(Cmd::Quit));
+    let fx = act(&mut app, Action::Char('s'));
+    let (turn, cmd) = command(&fx);
+    assert_eq!(cmd, Command::Save(None));
+    assert!(is_quit(&fx).is_none());
+    // A failed save does not quit.
+    let fx = ev(
+        &mut app,
+        EngineEvent::Failed {
+            turn,
+            message: "disk full".into(),
+        },
+    );
+    assert!(is_quit(&fx).is_none());
+    assert!(has_error(&app, "not quitting"));
+    act(&mut app, Action::Cmd(Cmd::Quit));
+    let fx = act(&mut app, Action::Char('s'));
+    let (turn, _) = command(&fx);
+    let fx = ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn,
+            text: "saved".into(),
+        },
+    );
+    assert_eq!(is_quit(&fx), Some(0));
+}
+
+#[test]
+fn quitting_a_clean_session_does_not_ask() {
+    let mut app = ready_app();
+    type_text(&mut app, "/quit");
+    assert_eq!(is_quit(&act(&mut app, Action::Submit)), Some(0));
+}
+
+#[test]
+fn slash_commands_from_the_input_box() {
+    let mut app = ready_app();
+    type_text(&mut app, "/set temperature 0.5");
+    let (_, cmd) = command(&act(&mut app, Action::Submit));
+    assert_eq!(cmd, Command::Set(Setting::Temperature, 0.5));
+    type_text(&mut app, "/frobnicate");
+    assert!(act(&mut app, Action::Submit).is_empty());
+    assert!(has_error(&app, "unknown command /frobnicate"));
+    type_text(&mut app, "/help");
+    act(&mut app, Action::Submit);
+    assert_eq!(app.dialog, Some(Dialog::Help));
+    act(&mut app, Action::Char('x'));
+    assert_eq!(app.dialog, None);
+    type_text(&mut app, "//literal");
+    assert_eq!(sent(&act(&mut app, Action::Submit)).1, "/literal");
+}
+
+#[test]
+fn regen_replaces_the_last_reply_once_accepted() {
+    let mut app = ready_app();
+    let t = send_message(&mut app, "q");
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn: t,
+            report: report("first", Stop::End(1), true),
+        },
+    );
+    type_text(&mut app, "/regen");
+    let (t2, cmd) = command(&act(&mut app, Action::Submit));
+    assert_eq!(cmd, Command::Regen);
+    token(&mut app, t2, "second");
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn: t2,
+            report: report("second", Stop::End(1), true),
+        },
+    );
+    let replies: Vec<&str> = app
+        .items
+        .iter()
+        .filter_map(|i| match i {
+            Item::Reply(r) => Some(r.content.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(replies, vec!["second"]);
+}
+
+#[test]
+fn input_history_and_multiline_editing() {
+    let mut app = ready_app();
+    let t = send_message(&mut app, "first");
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn: t,
+            report: report("r", Stop::End(1), true),
+        },
+    );
+    type_text(&mut app, "a");
+    act(&mut app, Action::Cmd(Cmd::Newline));
+    type_text(&mut app, "b");
+    assert_eq!(app.input.text(), "a\nb");
+    // Up moves between lines first, then into the history.
+    act(&mut app, Action::Up);
+    assert_eq!(app.input.text(), "a\nb");
+    act(&mut app, Action::Up);
+    assert_eq!(app.input.text(), "first");
+    act(&mut app, Action::Down);
+    assert_eq!(app.input.text(), "a\nb");
+}
+
+#[test]
+fn paste_is_one_insert_and_huge_pastes_are_cut_with_a_notice() {
+    let mut app = ready_app();
+    app.update(Msg::Paste("line 1\r\nline 2\u{1b}[31m".into()));
+    assert_eq!(app.input.text(), "line 1\nline 2\u{1b}[31m");
+    assert_eq!(app.phase, Phase::Idle, "a paste never submits");
+    app.update(Msg::Paste("x".repeat(editor::MAX_INPUT_BYTES)));
+    assert!(app.input.text().len() <= editor::MAX_INPUT_BYTES);
+    assert!(app.toast.as_ref().is_some_and(|t| t.0.contains("dropped")));
+}
+
+#[test]
+fn question_mark_opens_help_only_on_an_empty_input() {
+    let mut app = ready_app();
+    act(&mut app, Action::Char('?'));
+    assert_eq!(app.dialog, Some(Dialog::Help));
+    act(&mut app, Action::Cmd(Cmd::Stop));
+    type_text(&mut app, "why?");
+    assert_eq!(app.input.text(), "why?");
+    assert_eq!(app.dialog, None);
+}
+
+#[test]
+fn scrolling_is_clamped_and_keeps_its_place_as_text_arrives() {
+    let mut app = ready_app();
+    app.update(Msg::Viewport {
+        max_scroll: 100,
+        page: 20,
+    });
+    act(&mut app, Action::PageUp);
+    assert_eq!(app.scroll, 19);
+    act(&mut app, Action::Scroll(1000));
+    assert_eq!(app.scroll, 100);
+    app.update(Msg::Viewport {
+        max_scroll: 110,
+        page: 20,
+    });
+    assert_eq!(app.scroll, 110, "anchored while new lines arrive below");
+    act(&mut app, Action::Cmd(Cmd::Follow));
+    assert_eq!(app.scroll, 0);
+    act(&mut app, Action::Scroll(-5));
+    assert_eq!(app.scroll, 0);
+    // Measuring without a change is not a visible change.
+    let rev = app.revision;
+    app.update(Msg::Viewport {
+        max_scroll: 110,
+        page: 20,
+    });
+    assert_eq!(app.revision, rev);
+}
+
+#[test]
+fn idle_ticks_do_not_redraw_but_busy_ones_do() {
+    let mut app = ready_app();
+    let t0 = Instant::now();
+    let rev = app.revision;
+    app.update(Msg::Tick(t0));
+    assert_eq!(app.revision, rev);
+    send_message(&mut app, "x");
+    let rev = app.revision;
+    app.update(Msg::Tick(t0));
+    assert!(app.revision > rev);
+}
+
+#[test]
+fn copy_puts_the_last_reply_on_the_clipboard() {
+    let mut app = ready_app();
+    let fx = act(&mut app, Action::Cmd(Cmd::Copy));
+    assert!(fx.is_empty());
+    let t = send_message(&mut app, "q");
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn: t,
+            report: report("the answer", Stop::End(1), true),
+        },
+    );
+    let fx = act(&mut app, Action::Cmd(Cmd::Copy));
+    assert!(matches!(&fx[..], [Effect::Copy(t)] if t == "the answer"));
+}
+
+#[test]
+fn resuming_fetches_the_history_once_ready() {
+    let mut app = App::new(AppInit {
+        resume: true,
+        session: Some("old".into()),
+        ..init()
+    });
+    let fx = ev(
+        &mut app,
+        EngineEvent::Ready {
+            info: "k3: tiny, session \"old\", raw mode\nloaded session \"old\"".into(),
+        },
+    );
+    assert!(matches!(command(&fx).1, Command::Export(ExportFormat::Json, _)));
+    assert_eq!(app.mode, Mode::Raw);
+    assert_eq!(app.session.as_deref(), Some("old"));
+}
+
+#[test]
+fn no_message_sequence_panics() {
+    // A small deterministic walk over many messages in odd orders.
+    let actions = [
+        Action::Char('a'),
+        Action::Submit,
+        Action::Cmd(Cmd::Stop),
+        Action::Interrupt,
+        Action::Cmd(Cmd::Sessions),
+        Action::Down,
+        Action::Up,
+        Action::Char('s'),
+        Action::Backspace,
+        Action::Cmd(Cmd::Quit),
+        Action::Char('n'),
+        Action::CharOr('[', Cmd::BudgetDown),
+        Action::BudgetAt(f64::NAN),
+        Action::BudgetWheel(-100),
+        Action::Scroll(i32::MIN),
+        Action::Scroll(i32::MAX),
+        Action::PageDown,
+        Action::Cmd(Cmd::Mode),
+        Action::Cmd(Cmd::Focus),
+        Action::Left,
+        Action::Delete,
+        Action::Home,
+        Action::End,
+    ];
+    let mut app = ready_app();
+    with_figures(&mut app);
+    let mut seed = 12_345u64;
+    for i in 0..5000u64 {
+        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        let pick = (seed >> 33) as usize;
+        let msg = match pick % 7 {
+            0 => Msg::Engine(EngineEvent::Token {
+                turn: (pick % 5) as u64,
+                id: 1,
+                text: "t\u{1b}".into(),
+            }),
+            1 => Msg::Engine(EngineEvent::Notice {
+                turn: (pick % 9) as u64,
+                text: "n".into(),
+            }),
+            2 => Msg::Engine(EngineEvent::TurnDone {
+                turn: (pick % 9) as u64,
+                report: report("r", Stop::End(1), i % 2 == 0),
+            }),
+            3 => Msg::Viewport {
+                max_scroll: pick % 50,
+                page: pick % 30,
+            },
+            _ => Msg::Action(actions[pick % actions.len()].clone()),
+        };
+        let _ = app.update(msg);
+        if app.phase == Phase::Exiting {
+            app = ready_app();
+        }
+    }
+}

@@ -1,0 +1,378 @@
+//! The memory budget planner: from one total budget (or a preset, or separate trunk and cache
+//! budgets) and the model's byte sizes, decide which layers stay pinned, how many layers the
+//! read-ahead ring holds, how many routed experts the cache holds, and whether the output head
+//! stays resident. A budget below the smallest one that can run is refused with the floor, the
+//! budget and the shortfall. A budget only changes where bytes come from, never the arithmetic.
+
+use serde::Serialize;
+
+/// Byte sizes of a model, as the planner needs them.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ModelSizes {
+    /// Non-expert bytes of each layer.
+    pub layer_trunk: Vec<u64>,
+    /// Bytes of one routed expert (its six MXFP4 tensors).
+    pub expert_bytes: u64,
+    /// Routed experts per MoE layer.
+    pub experts_per_layer: u64,
+    /// MoE layers.
+    pub moe_layers: u64,
+    /// Experts per token.
+    pub top_k: u64,
+    /// Embedding bytes.
+    pub embed: u64,
+    /// Output head bytes.
+    pub head: u64,
+    /// Final norm and aggregator vectors.
+    pub small: u64,
+    /// Bytes of one embedding (or head) row.
+    pub row_bytes: u64,
+    /// Carried state of a sequence that does not grow with positions (KDA).
+    pub state_bytes: u64,
+    /// Carried state per position (MLA latent cache).
+    pub kv_per_position: u64,
+    /// Hidden width.
+    pub hidden: u64,
+    /// Vocabulary.
+    pub vocab: u64,
+}
+
+impl ModelSizes {
+    /// Bytes of every weight in the checkpoint.
+    #[must_use]
+    pub fn model_bytes(&self) -> u64 {
+        self.layer_trunk.iter().sum::<u64>()
+            + self.expert_bytes * self.experts_per_layer * self.moe_layers
+            + self.embed
+            + self.head
+            + self.small
+    }
+}
+
+/// What the user asked for.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum BudgetRequest {
+    /// Hold everything in memory.
+    Resident,
+    /// One total budget in bytes.
+    Total(u64),
+    /// Separate trunk and expert-cache budgets in bytes (the fixed costs come on top).
+    Split {
+        /// Trunk budget.
+        trunk: u64,
+        /// Expert-cache budget.
+        cache: u64,
+    },
+}
+
+/// Named presets: (trunk GB, cache GB), as the reference defines them.
+pub const PRESETS: [(&str, f64, f64); 6] = [
+    ("ultra", 2.5, 0.31),
+    ("laptop", 3.0, 1.0),
+    ("desktop", 16.0, 10.0),
+    ("workstation", 60.0, 30.0),
+    ("server", 110.0, 13.0),
+    ("max", 110.0, 109.0),
+];
+
+/// The request for a preset name, if it is one.
+#[must_use]
+pub fn preset(name: &str) -> Option<BudgetRequest> {
+    PRESETS.iter().find(|(n, _, _)| *n == name).map(|&(_, t, c)| BudgetRequest::Split {
+        trunk: (t * 1e9) as u64,
+        cache: (c * 1e9) as u64,
+    })
+}
+
+/// A memory plan.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Plan {
+    /// Bytes of weights in the checkpoint.
+    pub model_bytes: u64,
+    /// The budget the plan was made for (`None`: everything resident).
+    pub budget_bytes: Option<u64>,
+    /// The smallest total budget that runs.
+    pub floor_bytes: u64,
+    /// Whether the budget covers the plan.
+    pub fits: bool,
+    /// Per layer: pinned (held) or streamed through the ring.
+    pub pinned: Vec<bool>,
+    /// Layers the ring holds at once (0 when every layer is pinned).
+    pub ring_slots: u64,
+    /// Bytes of the ring.
+    pub ring_bytes: u64,
+    /// Routed experts the cache holds.
+    pub expert_slots: u64,
+    /// Bytes of the expert cache.
+    pub expert_cache_bytes: u64,
+    /// Whether the embedding is held (else rows are read on demand).
+    pub embed_resident: bool,
+    /// Whether the output head is held (else it is streamed in chunks).
+    pub head_resident: bool,
+    /// Rows of the output head per streamed chunk.
+    pub head_chunk_rows: u64,
+    /// Bytes reserved for the carried state at the context limit.
+    pub state_reserve: u64,
+    /// Fixed overheads (activations, logits, index, allocator slack).
+    pub fixed_bytes: u64,
+    /// Bytes of pinned layers.
+    pub pinned_bytes: u64,
+}
+
+impl Plan {
+    /// Number of pinned layers.
+    #[must_use]
+    pub fn n_pinned(&self) -> usize {
+        self.pinned.iter().filter(|&&p| p).count()
+    }
+
+    /// Planned resident bytes in total.
+    #[must_use]
+    pub fn planned_bytes(&self, sizes: &ModelSizes) -> u64 {
+        self.fixed_bytes
+            + self.state_reserve
+            + self.pinned_bytes
+            + self.ring_bytes
+            + self.expert_cache_bytes
+            + if self.embed_resident { sizes.embed } else { sizes.row_bytes * 64 }
+            + if self.head_resident { sizes.head } else { self.head_chunk_rows * sizes.row_bytes }
+            + sizes.small
+    }
+}
+
+/// A budget that cannot run.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error(
+    "a budget of {} is below the floor of {} for this model (short by {}); \
+     give at least {} (or more)",
+    gb(*.budget), gb(*.floor), gb(.floor - .budget), gb(*.floor)
+)]
+pub struct BelowFloor {
+    /// The budget asked for.
+    pub budget: u64,
+    /// The floor.
+    pub floor: u64,
+}
+
+/// Bytes as decimal GB text.
+#[must_use]
+pub fn gb(b: u64) -> String {
+    format!("{:.2} GB", b as f64 / 1e9)
+}
+
+/// Rows of the output head read per chunk when it is streamed.
+const HEAD_CHUNK_BYTES: u64 = 64 << 20;
+
+/// Fixed overhead: activations of a 64-token prefill chunk (about 40 hidden-wide buffers),
+/// two logits rows, and allocator slack.
+fn fixed_overhead(s: &ModelSizes) -> u64 {
+    64 * 40 * s.hidden * 4 + 2 * s.vocab * 4 + (32 << 20)
+}
+
+/// Make a plan for `req`, with room for `context` positions of carried state. A memory limit
+/// from the environment (a cgroup) caps a total budget.
+pub fn plan(
+    s: &ModelSizes,
+    req: BudgetRequest,
+    context: u64,
+    env_limit: Option<u64>,
+) -> Result<Plan, BelowFloor> {
+    let n = s.layer_trunk.len();
+    let state_reserve = s.state_bytes + s.kv_per_position * context;
+    let fixed = fixed_overhead(s);
+    let head_chunk_rows = (HEAD_CHUNK_BYTES / s.row_bytes.max(1)).clamp(1, s.vocab.max(1));
+    let max_layer = s.layer_trunk.iter().copied().max().unwrap_or(0);
+    let mut sorted = s.layer_trunk.clone();
+    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    let ring_min = sorted.iter().take(2).sum::<u64>();
+    let floor = fixed
+        + state_reserve
+        + ring_min
+        + s.top_k * s.expert_bytes
+        + head_chunk_rows * s.row_bytes
+        + 64 * s.row_bytes
+        + s.small;
+    let model_bytes = s.model_bytes();
+    let all_experts = s.experts_per_layer * s.moe_layers;
+    let resident = Plan {
+        model_bytes,
+        budget_bytes: None,
+        floor_bytes: floor,
+        fits: true,
+        pinned: vec![true; n],
+        ring_slots: 0,
+        ring_bytes: 0,
+        expert_slots: all_experts,
+        expert_cache_bytes: all_experts * s.expert_bytes,
+        embed_resident: true,
+        head_resident: true,
+        head_chunk_rows,
+        state_reserve,
+        fixed_bytes: fixed,
+        pinned_bytes: s.layer_trunk.iter().sum(),
+    };
+    let (trunk_budget, cache_budget, total) = match req {
+        BudgetRequest::Resident => return Ok(resident),
+        BudgetRequest::Total(b) => {
+            let b = env_limit.map_or(b, |l| b.min(l));
+            if b < floor {
+                return Err(BelowFloor { budget: b, floor });
+            }
+            let everything = fixed + state_reserve + model_bytes;
+            if b >= everything {
+                return Ok(Plan { budget_bytes: Some(b), ..resident });
+            }
+            // Trunk first (every pinned gigabyte removes a gigabyte of reads per token), then
+            // the cache; see RUNTIME §6.2.
+            let spare = b - floor;
+            let reserve_cache = s.top_k * s.expert_bytes;
+            let trunk = spare.saturating_sub(0) + ring_min;
+            (trunk, reserve_cache, b)
+        }
+        BudgetRequest::Split { trunk, cache } => {
+            let cache = cache.max(s.top_k * s.expert_bytes);
+            let trunk = trunk.max(ring_min);
+            let total = fixed
+                + state_reserve
+                + trunk
+                + cache
+                + head_chunk_rows * s.row_bytes
+                + 64 * s.row_bytes
+                + s.small;
+            (trunk, cache, total)
+        }
+    };
+    // Pin the output head first (it is read every token like a layer), then layers from the
+    // first one up, keeping room for the ring of the layers left unpinned.
+    let mut pinned = vec![false; n];
+    let mut left = trunk_budget;
+    let mut head_resident = false;
+    let ring_of = |pinned: &[bool]| -> u64 {
+        let mut rest: Vec<u64> =
+            (0..n).filter(|&i| !pinned[i]).map(|i| s.layer_trunk[i]).collect();
+        rest.sort_unstable_by(|a, b| b.cmp(a));
+        rest.iter().take(2).sum()
+    };
+    if left >= s.head + ring_min {
+        head_resident = true;
+        left -= s.head;
+    }
+    for il in 0..n {
+        let mut trial = pinned.clone();
+        trial[il] = true;
+        let need = s.layer_trunk[il] + ring_of(&trial);
+        let used: u64 = (0..n).filter(|&i| pinned[i]).map(|i| s.layer_trunk[i]).sum();
+        if used + need <= left {
+            pinned = trial;
+        } else {
+            break;
+        }
+    }
+    let pinned_bytes: u64 = (0..n).filter(|&i| pinned[i]).map(|i| s.layer_trunk[i]).sum();
+    let ring_bytes = ring_of(&pinned);
+    let ring_slots = (0..n).filter(|&i| !pinned[i]).count().min(2) as u64;
+    // Whatever the trunk did not use goes to the cache (for a total budget).
+    let trunk_used = pinned_bytes + ring_bytes + if head_resident { s.head } else { 0 };
+    let cache_bytes = match req {
+        BudgetRequest::Total(_) => cache_budget + trunk_budget.saturating_sub(trunk_used),
+        _ => cache_budget,
+    };
+    let expert_slots = (cache_bytes / s.expert_bytes.max(1)).clamp(s.top_k, all_experts.max(s.top_k));
+    let _ = max_layer;
+    Ok(Plan {
+        model_bytes,
+        budget_bytes: Some(total),
+        floor_bytes: floor,
+        fits: total >= floor,
+        pinned,
+        ring_slots,
+        ring_bytes,
+        expert_slots,
+        expert_cache_bytes: expert_slots * s.expert_bytes,
+        embed_resident: false,
+        head_resident,
+        head_chunk_rows,
+        state_reserve,
+        fixed_bytes: fixed,
+        pinned_bytes,
+    })
+}
+
+/// The memory limit of this process's cgroup (v2 `memory.max` or v1 `limit_in_bytes`), if set.
+#[must_use]
+pub fn cgroup_limit() -> Option<u64> {
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    if let Some(v) = read("/sys/fs/cgroup/memory.max") {
+        return v.trim().parse::<u64>().ok();
+    }
+    read("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|&v| v < (1 << 60))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The released model's sizes (MODEL.md §6.1).
+    fn k3_sizes() -> ModelSizes {
+        let mut layer_trunk = vec![2_341_213_184];
+        for il in 1..93u64 {
+            let mla = il % 4 == 3 || il == 92;
+            layer_trunk.push(if mla { 844_335_616 } else { 1_267_744_256 });
+        }
+        ModelSizes {
+            layer_trunk,
+            expert_bytes: 17_547_264,
+            experts_per_layer: 896,
+            moe_layers: 92,
+            top_k: 16,
+            embed: 2_348_810_240,
+            head: 2_348_810_240,
+            small: 43_008,
+            row_bytes: 14_336,
+            state_bytes: 464_633_856,
+            kv_per_position: 24 * 576 * 4,
+            hidden: 7168,
+            vocab: 163_840,
+        }
+    }
+
+    #[test]
+    fn the_real_shape_fits_in_six_gb_and_the_floor_is_reported() {
+        let s = k3_sizes();
+        assert_eq!(s.model_bytes(), 1_559_965_606_912);
+        let p = plan(&s, BudgetRequest::Total(6_000_000_000), 4096, None).unwrap();
+        assert!(p.fits);
+        assert!(p.planned_bytes(&s) <= 6_000_000_000, "{}", p.planned_bytes(&s));
+        println!("k3 at 6 GB: floor {}, {} pinned, {} expert slots", gb(p.floor_bytes), p.n_pinned(), p.expert_slots);
+        let e = plan(&s, BudgetRequest::Total(3_000_000_000), 4096, None).unwrap_err();
+        assert_eq!(e.floor, p.floor_bytes);
+        assert!(e.to_string().contains("short by"));
+    }
+
+    #[test]
+    fn more_budget_pins_more_and_never_less() {
+        let s = k3_sizes();
+        let mut last = (0, 0);
+        for gb10 in (60..=2400).step_by(60) {
+            let p = plan(&s, BudgetRequest::Total(gb10 as u64 * 100_000_000), 4096, None).unwrap();
+            assert!(p.planned_bytes(&s) <= gb10 as u64 * 100_000_000);
+            assert!((p.n_pinned(), p.expert_slots as usize) >= last || p.n_pinned() > last.0);
+            last = (p.n_pinned(), p.expert_slots as usize);
+        }
+        let p = plan(&s, BudgetRequest::Total(2_000_000_000_000), 4096, None).unwrap();
+        assert_eq!(p.n_pinned(), 93);
+        assert!(p.head_resident && p.embed_resident);
+    }
+
+    #[test]
+    fn presets_and_cgroup_cap() {
+        let s = k3_sizes();
+        let p = plan(&s, preset("server").unwrap(), 4096, None).unwrap();
+        assert!(p.n_pinned() >= 85, "{}", p.n_pinned());
+        assert!(preset("medium").is_none());
+        let capped = plan(&s, BudgetRequest::Total(200_000_000_000), 4096, Some(8_000_000_000)).unwrap();
+        assert!(capped.budget_bytes.unwrap() <= 8_000_000_000);
+    }
+}

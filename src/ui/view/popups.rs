@@ -1,0 +1,252 @@
+//! Popups over the main screen: help (every key and slash command), the session dialog,
+//! the unsaved-session questions, and the engine-stopped notice.
+
+use super::panes::bytes;
+use super::text::{clean, fit, one_line, str_width, wrap_line};
+use crate::app::config::Cmd;
+use crate::app::state::{App, SessionDialog};
+use crate::session::commands::HELP;
+use crate::ui::theme::Theme;
+use ratatui::buffer::Buffer;
+use ratatui::layout::Rect;
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Block, Clear, Paragraph, Widget};
+
+/// A centred rectangle of at most `w` × `h` inside `area`.
+fn centered(area: Rect, w: u16, h: u16) -> Rect {
+    let w = w.min(area.width);
+    let h = h.min(area.height);
+    Rect {
+        x: area.x + (area.width - w) / 2,
+        y: area.y + (area.height - h) / 2,
+        width: w,
+        height: h,
+    }
+}
+
+fn frame<'a>(title: &'a str, theme: &Theme) -> Block<'a> {
+    Block::bordered()
+        .title(Span::styled(format!(" {title} "), theme.title))
+        .border_style(theme.focus)
+}
+
+fn popup(title: &str, lines: Vec<Line<'static>>, w: u16, area: Rect, theme: &Theme, buf: &mut Buffer) {
+    let h = u16::try_from(lines.len()).unwrap_or(u16::MAX).saturating_add(2);
+    let r = centered(area, w, h);
+    Clear.render(r, buf);
+    let b = frame(title, theme);
+    let inner = b.inner(r);
+    b.render(r, buf);
+    Paragraph::new(lines).render(inner, buf);
+}
+
+/// Every key (with the configured bindings) and every slash command.
+pub fn help(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
+    let k = |c: Cmd| app.keys.of(c).to_string();
+    let rows: Vec<(String, &str)> = vec![
+        ("Enter".into(), "send the message (or /command)"),
+        (k(Cmd::Newline), Cmd::Newline.describe()),
+        ("Up / Down".into(), "input history; move between input lines"),
+        ("Left Right Home End".into(), "move in the input (Ctrl-A / Ctrl-E too)"),
+        ("Ctrl-U".into(), "clear the input"),
+        (k(Cmd::Stop), Cmd::Stop.describe()),
+        ("Ctrl-C".into(), "stop the reply; clear the input; quit when idle"),
+        (k(Cmd::Quit), Cmd::Quit.describe()),
+        ("PgUp / PgDn".into(), "scroll the conversation (also Shift-Up/Down, wheel)"),
+        (k(Cmd::Follow), Cmd::Follow.describe()),
+        (k(Cmd::Thinking), Cmd::Thinking.describe()),
+        (k(Cmd::Mode), Cmd::Mode.describe()),
+        (k(Cmd::Copy), Cmd::Copy.describe()),
+        (k(Cmd::Sessions), Cmd::Sessions.describe()),
+        (
+            format!("{} / {}", k(Cmd::BudgetDown), k(Cmd::BudgetUp)),
+            "memory budget down / up (input empty)",
+        ),
+        (k(Cmd::Focus), Cmd::Focus.describe()),
+        ("mouse".into(), "wheel scrolls; click or wheel on budget moves it"),
+        (k(Cmd::Help), Cmd::Help.describe()),
+    ];
+    let key_w = rows.iter().map(|(k, _)| str_width(k)).max().unwrap_or(0).min(28);
+    let width = area.width.saturating_sub(4).min(96);
+    let inner_w = usize::from(width.saturating_sub(2));
+    let mut lines: Vec<Line<'static>> = rows
+        .into_iter()
+        .map(|(key, what)| {
+            let key = format!("{:<key_w$}  ", fit(&key, key_w));
+            let what = fit(what, inner_w.saturating_sub(key_w + 2)).to_string();
+            Line::from(vec![Span::styled(key, theme.user), Span::styled(what, theme.text)])
+        })
+        .collect();
+    lines.push(Line::default());
+    lines.push(Line::styled("slash commands", theme.title));
+    for l in HELP.lines() {
+        lines.push(Line::styled(fit(l, inner_w).to_string(), theme.text));
+    }
+    let room = usize::from(area.height.saturating_sub(2));
+    if lines.len() > room && room > 1 {
+        // Scrolled by Up/Down/PgUp/PgDn; the last row says there is more.
+        let first = app.help_scroll.min(lines.len() - (room - 1));
+        let rest = lines.len() - first - (room - 1);
+        lines.drain(..first);
+        lines.truncate(room - 1);
+        lines.push(Line::styled(
+            if rest > 0 {
+                format!("↓ {rest} more lines (Down / PgDn)")
+            } else {
+                "↑ (Up / PgUp)".to_string()
+            },
+            theme.dim,
+        ));
+    }
+    popup("help · arrows scroll · any other key closes", lines, width, area, theme, buf);
+}
+
+/// Civil date and time (UTC) of a Unix time: `YYYY-MM-DD HH:MM`.
+#[must_use]
+pub fn date(unix: u64) -> String {
+    let days = (unix / 86_400) as i64;
+    let secs = unix % 86_400;
+    // Days since 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}", secs / 3600, secs % 3600 / 60)
+}
+
+/// The session dialog: saved sessions (name, date, turns, size), save-as, new.
+pub fn sessions(app: &App, d: &SessionDialog, theme: &Theme, area: Rect, buf: &mut Buffer) {
+    let width = area.width.saturating_sub(4).min(90);
+    let inner_w = usize::from(width.saturating_sub(2));
+    let name_w = inner_w.saturating_sub(38).clamp(4, 40);
+    let mut lines = vec![Line::styled(
+        fit(
+            &format!(
+                "current: {}{}",
+                one_line(app.session.as_deref().unwrap_or("(unnamed)")),
+                if app.dirty { " (unsaved changes)" } else { "" }
+            ),
+            inner_w,
+        )
+        .to_string(),
+        theme.dim,
+    )];
+    lines.push(Line::styled(
+        fit(
+            &format!("  {:<name_w$} {:<16} {:>5} {:>10}", "name", "saved (UTC)", "turns", "size"),
+            inner_w,
+        )
+        .to_string(),
+        theme.title,
+    ));
+    let room = usize::from(area.height.saturating_sub(8)).max(1);
+    match &d.rows {
+        None => lines.push(Line::styled("  reading…", theme.dim)),
+        Some(Err(e)) => lines.push(Line::styled(fit(&one_line(e), inner_w).to_string(), theme.error)),
+        Some(Ok(rows)) if rows.is_empty() => {
+            lines.push(Line::styled("  no saved sessions yet", theme.dim));
+        }
+        Some(Ok(rows)) => {
+            let first = d.selected.saturating_sub(room - 1);
+            for (i, r) in rows.iter().enumerate().skip(first).take(room) {
+                let name = fit(&one_line(&r.name), name_w).to_string();
+                let text = match &r.problem {
+                    Some(p) => format!("  {name:<name_w$} {}", one_line(p)),
+                    None => format!(
+                        "  {name:<name_w$} {:<16} {:>5} {:>10}",
+                        date(r.saved_unix),
+                        r.turns,
+                        bytes(r.bytes)
+                    ),
+                };
+                let style = if i == d.selected {
+                    theme.selected
+                } else {
+                    theme.text
+                };
+                lines.push(Line::styled(fit(&text, inner_w).to_string(), style));
+            }
+        }
+    }
+    lines.push(Line::default());
+    if let Some(name) = &d.naming {
+        lines.push(Line::from(vec![
+            Span::styled("save as: ", theme.title),
+            Span::styled(format!("{}▌", one_line(name.text())), theme.text),
+        ]));
+        lines.push(Line::styled("Enter saves · Esc back", theme.dim));
+    } else {
+        lines.push(Line::styled(
+            fit("Enter/l load · s save as · n new · r refresh · Esc close", inner_w).to_string(),
+            theme.dim,
+        ));
+    }
+    if let Some(m) = &d.message {
+        for piece in wrap_line(&one_line(m), inner_w.max(1)) {
+            lines.push(Line::styled(piece, theme.warn));
+        }
+    }
+    popup("sessions", lines, width, area, theme, buf);
+}
+
+/// "Quit with unsaved turns?"
+pub fn confirm_quit(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
+    let name = one_line(app.session.as_deref().unwrap_or("(unnamed)"));
+    let lines = vec![
+        Line::styled(format!("session {name} has unsaved changes"), theme.text),
+        Line::default(),
+        Line::from(vec![
+            Span::styled("s", theme.user),
+            Span::styled(" save and quit   ", theme.text),
+            Span::styled("q", theme.user),
+            Span::styled(" quit without saving   ", theme.text),
+            Span::styled("Esc", theme.user),
+            Span::styled(" stay", theme.text),
+        ]),
+    ];
+    popup("quit?", lines, 64, area, theme, buf);
+}
+
+/// "Start a new conversation and drop unsaved turns?"
+pub fn confirm_new(theme: &Theme, area: Rect, buf: &mut Buffer) {
+    let lines = vec![
+        Line::styled("the current conversation has unsaved changes", theme.text),
+        Line::styled("y start a new one   n / Esc keep this one", theme.text),
+    ];
+    popup("new conversation?", lines, 52, area, theme, buf);
+}
+
+/// The engine stopped: why, and how to leave.
+pub fn failed(message: &str, code: i32, theme: &Theme, area: Rect, buf: &mut Buffer) {
+    let width = area.width.saturating_sub(4).min(80);
+    let inner_w = usize::from(width.saturating_sub(2)).max(1);
+    let mut lines: Vec<Line<'static>> = Vec::new();
+    for raw in clean(message).split('\n') {
+        for piece in wrap_line(raw, inner_w) {
+            lines.push(Line::styled(piece, theme.error));
+        }
+    }
+    lines.push(Line::default());
+    lines.push(Line::styled(
+        format!("press any key to leave (exit status {code})"),
+        theme.dim,
+    ));
+    popup("the engine stopped", lines, width, area, theme, buf);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::date;
+
+    #[test]
+    fn dates_are_civil_utc() {
+        assert_eq!(date(0), "1970-01-01 00:00");
+        assert_eq!(date(951_782_400), "2000-02-29 00:00");
+        assert_eq!(date(1_798_761_599), "2026-12-31 23:59");
+    }
+}

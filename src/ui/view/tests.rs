@@ -1,0 +1,381 @@
+//! Screen snapshots (ratatui `TestBackend` + insta) at 80×24 and 160×48 with deterministic
+//! figures, widget frame tests with literal buffers, and a render sweep over every size from
+//! 1×1 to 200×60.
+
+use super::*;
+use crate::app::config::{KeysConfig, ThemeName};
+use crate::app::protocol::{EngineEvent, Request, TurnId};
+use crate::app::state::{Action, AppInit, Effect, Msg, SessionRow};
+use crate::session::chat::{Stop, TurnReport};
+use crate::stream::stats::{LayerResidency, Residency, StatsSnapshot};
+use crate::ui::input::KeyMap;
+use ratatui::backend::TestBackend;
+use ratatui::Terminal;
+
+fn init() -> AppInit {
+    let keys = KeyMap::new(KeysConfig::default().bindings().unwrap_or_default());
+    AppInit {
+        model: "tiny".into(),
+        session: None,
+        resume: false,
+        thinking: true,
+        context_limit: 32_768,
+        history_path: "/tmp/unused.json".into(),
+        budget_gb: None,
+        keys: keys.labels(),
+        theme: ThemeName::Dark,
+    }
+}
+
+fn ev(app: &mut App, e: EngineEvent) -> Vec<Effect> {
+    app.update(Msg::Engine(e))
+}
+
+fn send(app: &mut App, text: &str) -> TurnId {
+    for c in text.chars() {
+        app.update(Msg::Action(Action::Char(c)));
+    }
+    app.update(Msg::Action(Action::Submit))
+        .into_iter()
+        .find_map(|e| match e {
+            Effect::Send(Request::Send { turn, .. }) => Some(turn),
+            _ => None,
+        })
+        .unwrap_or(0)
+}
+
+fn token(app: &mut App, turn: TurnId, text: &str) {
+    ev(
+        app,
+        EngineEvent::Token {
+            turn,
+            id: 1,
+            text: text.into(),
+        },
+    );
+}
+
+fn figures(_turn: TurnId, tps: f64, tokens: u64) -> Box<StatsSnapshot> {
+    let layers = (0..13)
+        .map(|il| LayerResidency {
+            trunk: Residency::Pinned,
+            experts_resident: if il == 0 { 0 } else { 16 },
+            experts_total: if il == 0 { 0 } else { 16 },
+        })
+        .collect();
+    Box::new(StatsSnapshot {
+        tokens_per_second: tps,
+        turn_tokens: tokens,
+        turn_seconds: tokens as f64 / 20.0,
+        rss_bytes: 14_200_000,
+        peak_rss_bytes: 15_100_000,
+        budget_bytes: None,
+        model_bytes: 3_800_000,
+        disk_bytes_read: 3_800_000,
+        layers,
+        compute_seconds: 1.25,
+        positions: 117,
+        context_limit: 32_768,
+        ..StatsSnapshot::default()
+    })
+}
+
+fn done(reply: &str, reasoning: Option<&str>) -> Box<TurnReport> {
+    Box::new(TurnReport {
+        mode: crate::session::chat::Mode::Chat,
+        prompt_ids: vec![1; 30],
+        generated_ids: vec![2; 40],
+        reply: reply.into(),
+        reasoning: reasoning.map(str::to_string),
+        reused_tokens: 0,
+        prefilled_tokens: 30,
+        stop: Stop::End(3),
+        accepted: true,
+        rejected_because: None,
+        prefill_seconds: 0.1,
+        decode_seconds: 2.0,
+        context_warning: None,
+    })
+}
+
+/// A conversation with one finished exchange (thinking, a code block, an escape sequence from
+/// the model) and a second reply half streamed; the budget slider moved once and refused.
+fn mid_reply() -> App {
+    let mut app = App::new(init());
+    ev(
+        &mut app,
+        EngineEvent::Ready {
+            info: "k3: tests/fixtures/tiny (13 layers, vocabulary 512), session \"demo\", chat mode"
+                .into(),
+        },
+    );
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn: 0,
+            stats: figures(0, 0.0, 0),
+        },
+    );
+    let t1 = send(&mut app, "Write a function that adds two numbers.");
+    for (i, tps) in [18.0, 19.5, 21.0, 20.2, 22.4].into_iter().enumerate() {
+        ev(
+            &mut app,
+            EngineEvent::Stats {
+                turn: t1,
+                stats: figures(t1, tps, 5 * (i as u64 + 1)),
+            },
+        );
+    }
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn: t1,
+            report: done(
+                "Here it is:\n```rust\nfn add(a: i32, b: i32) -> i32 { a + b }\n```\nIt adds \u{1b}[31mred\u{1b}[0m numbers.",
+                Some("The user wants a simple function. Rust fits."),
+            ),
+        },
+    );
+    // Slider: one step down, refused by the resident build.
+    let fx = app.update(Msg::Action(Action::CharOr('[', Cmd::BudgetDown)));
+    if let Some(turn) = fx.iter().find_map(|e| match e {
+        Effect::Send(Request::Command { turn, .. }) => Some(*turn),
+        _ => None,
+    }) {
+        ev(
+            &mut app,
+            EngineEvent::Failed {
+                turn,
+                message: "/budget 0.00361: this build holds the whole model in memory; budgets \
+                          need the streaming engine"
+                    .into(),
+            },
+        );
+    }
+    let t2 = send(&mut app, "Now explain how it works, step by step.");
+    for piece in ["First ", "it takes", "<|close|>think<|sep|><|open|>response<|sep|>", "The function ", "takes two", " integers and"] {
+        token(&mut app, t2, piece);
+    }
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn: t2,
+            stats: figures(t2, 19.8, 6),
+        },
+    );
+    for c in "and then?".chars() {
+        app.update(Msg::Action(Action::Char(c)));
+    }
+    app
+}
+
+#[track_caller]
+fn screen(app: &App, w: u16, h: u16) -> Terminal<TestBackend> {
+    let mut t = Terminal::new(TestBackend::new(w, h)).expect("test terminal");
+    t.draw(|f| {
+        draw(f, app);
+    })
+    .expect("draw");
+    t
+}
+
+macro_rules! snap {
+    ($name:literal, $app:expr) => {
+        let app = $app;
+        insta::assert_snapshot!(concat!($name, "_80x24"), screen(&app, 80, 24).backend());
+        insta::assert_snapshot!(concat!($name, "_160x48"), screen(&app, 160, 48).backend());
+    };
+}
+
+#[test]
+fn main_screen_mid_reply() {
+    snap!("main_mid_reply", mid_reply());
+}
+
+#[test]
+fn help_popup() {
+    let mut app = mid_reply();
+    app.update(Msg::Action(Action::Cmd(Cmd::Help)));
+    snap!("help", app);
+}
+
+#[test]
+fn session_dialog() {
+    let mut app = mid_reply();
+    app.update(Msg::Action(Action::Cmd(Cmd::Stop)));
+    app.update(Msg::Action(Action::Cmd(Cmd::Sessions)));
+    app.update(Msg::SessionList(Ok(vec![
+        SessionRow {
+            name: "demo".into(),
+            saved_unix: 1_795_946_400,
+            turns: 4,
+            bytes: 134_313,
+            problem: None,
+        },
+        SessionRow {
+            name: "notes".into(),
+            saved_unix: 1_795_000_000,
+            turns: 12,
+            bytes: 2_500_000,
+            problem: None,
+        },
+        SessionRow {
+            name: "broken".into(),
+            saved_unix: 0,
+            turns: 0,
+            bytes: 0,
+            problem: Some("bad magic".into()),
+        },
+    ])));
+    app.update(Msg::Action(Action::Down));
+    snap!("sessions", app);
+}
+
+#[test]
+fn error_in_the_conversation_and_engine_stopped() {
+    let mut app = App::new(init());
+    ev(
+        &mut app,
+        EngineEvent::Ready {
+            info: "k3: tiny, session \"demo\", chat mode".into(),
+        },
+    );
+    let t = send(&mut app, "a very long prompt");
+    ev(
+        &mut app,
+        EngineEvent::Failed {
+            turn: t,
+            message: "the context is full (40000 positions needed, limit 32768); /new starts over"
+                .into(),
+        },
+    );
+    snap!("turn_error", app.clone());
+    ev(
+        &mut app,
+        EngineEvent::Failed {
+            turn: 0,
+            message: "model-00002-of-000003.safetensors: read failed: Input/output error (os error 5)"
+                .into(),
+        },
+    );
+    ev(&mut app, EngineEvent::Stopped { exit_code: 1 });
+    snap!("engine_stopped", app);
+}
+
+#[test]
+fn quit_question() {
+    let mut app = mid_reply();
+    app.update(Msg::Action(Action::Cmd(Cmd::Stop)));
+    app.update(Msg::Action(Action::Cmd(Cmd::Quit)));
+    snap!("quit", app);
+}
+
+#[test]
+fn too_small_terminal() {
+    let app = mid_reply();
+    insta::assert_snapshot!("too_small_30x8", screen(&app, 30, 8).backend());
+}
+
+#[test]
+fn loading_screen() {
+    let app = App::new(init());
+    insta::assert_snapshot!("loading_80x24", screen(&app, 80, 24).backend());
+}
+
+#[track_caller]
+fn assert_widget(draw: impl Fn(Rect, &mut Buffer), expected: &[&str]) {
+    let w = u16::try_from(expected[0].chars().count()).unwrap_or(0);
+    let h = u16::try_from(expected.len()).unwrap_or(0);
+    let area = Rect::new(0, 0, w, h);
+    let mut buf = Buffer::empty(area);
+    draw(area, &mut buf);
+    let mut want = Buffer::with_lines(expected.iter().copied());
+    // Compare symbols only: styles are the theme's business.
+    for cell in buf.content.iter_mut() {
+        cell.set_style(ratatui::style::Style::reset());
+    }
+    for cell in want.content.iter_mut() {
+        cell.set_style(ratatui::style::Style::reset());
+    }
+    assert_eq!(buf, want);
+}
+
+#[test]
+fn budget_pane_frame() {
+    let app = mid_reply();
+    let theme = Theme::new(ThemeName::Mono);
+    assert_widget(
+        |area, buf| panes::budget(&app, &theme, area, buf),
+        &[
+            "┌ budget ────────────┐",
+            "│━━━━━━━━━━━━━━━━━━●─│",
+            "│3.6 MB of 3.8 MB    │",
+            "│3.6 MB refused:     │",
+            "│/budget 0.00361:    │",
+            "│this build holds the│",
+            "└────────────────────┘",
+        ],
+    );
+}
+
+#[test]
+fn memory_pane_says_resident_without_a_budget() {
+    let app = mid_reply();
+    let theme = Theme::new(ThemeName::Mono);
+    assert_widget(
+        |area, buf| panes::memory(&app, &theme, area, buf),
+        &[
+            "┌ memory ────────────────────┐",
+            "│RSS 14.2 MB                 │",
+            "│resident (no budget)        │",
+            "│peak 15.1 MB · model 3.8 MB │",
+            "└────────────────────────────┘",
+        ],
+    );
+}
+
+#[test]
+fn model_escapes_never_reach_the_buffer() {
+    let app = mid_reply();
+    let t = screen(&app, 160, 48);
+    let text: String = t
+        .backend()
+        .buffer()
+        .content
+        .iter()
+        .map(ratatui::buffer::Cell::symbol)
+        .collect();
+    assert!(!text.contains('\u{1b}'), "raw ESC reached the screen");
+    assert!(text.contains("\\u{1b}[31mred"), "the escape is shown escaped");
+}
+
+#[test]
+fn every_size_renders_without_panic() {
+    let states = {
+        let main = mid_reply();
+        let mut help = main.clone();
+        help.update(Msg::Action(Action::Cmd(Cmd::Help)));
+        let mut sessions = main.clone();
+        sessions.update(Msg::Action(Action::Cmd(Cmd::Stop)));
+        sessions.update(Msg::Action(Action::Cmd(Cmd::Sessions)));
+        let mut scrolled = main.clone();
+        scrolled.update(Msg::Viewport {
+            max_scroll: 40,
+            page: 10,
+        });
+        scrolled.update(Msg::Action(Action::PageUp));
+        [main, help, sessions, scrolled, App::new(init())]
+    };
+    let mut buf = Buffer::empty(Rect::new(0, 0, 200, 60));
+    for w in 1..=200u16 {
+        for h in 1..=60u16 {
+            let area = Rect::new(0, 0, w, h);
+            buf.resize(area);
+            let state = &states[usize::from(w * 7 + h) % states.len()];
+            let m = render(state, area, &mut buf);
+            if let Some(p) = m.cursor {
+                assert!(area.contains(p), "cursor {p:?} outside {area:?}");
+            }
+        }
+    }
+}

@@ -1,0 +1,320 @@
+//! Text preparation for the screen: escaping of everything that did not come from this client
+//! (model output, engine messages, pasted text), word wrapping, and the conversation pane's
+//! lines (message labels, the dimmed thinking channel, code blocks set apart).
+
+use crate::app::state::{App, Item, Phase, Reply, ReplyState};
+use crate::ui::theme::Theme;
+use ratatui::style::Style;
+use ratatui::text::{Line, Span};
+use std::borrow::Cow;
+use unicode_width::UnicodeWidthChar;
+
+/// Spinner frames, advanced by timer ticks.
+pub const SPINNER: [&str; 10] = ["⠋", "⠙", "⠹", "⠸", "⠼", "⠴", "⠦", "⠧", "⠇", "⠏"];
+
+/// True for characters that must never reach the terminal as themselves: C0/C1 controls
+/// (escape sequences start with them) and the bidirectional overrides and isolates.
+fn unsafe_char(c: char) -> bool {
+    (c.is_control() && c != '\n')
+        || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}')
+}
+
+/// The text with every control character shown as a visible escape (`\u{1b}`), tabs as four
+/// spaces and line breaks kept. Nothing returned can move the cursor or change the terminal.
+#[must_use]
+pub fn clean(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(unsafe_char) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if c == '\t' {
+            out.push_str("    ");
+        } else if unsafe_char(c) {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// One-line form of `text`: escaped, line breaks shown as `⏎`.
+#[must_use]
+pub fn one_line(text: &str) -> String {
+    clean(text).replace('\n', "⏎")
+}
+
+/// Display width of a character (0 for combining marks, 2 for wide ones).
+#[must_use]
+pub fn char_width(c: char) -> usize {
+    c.width().unwrap_or(0)
+}
+
+/// Display width of a string.
+#[must_use]
+pub fn str_width(s: &str) -> usize {
+    s.chars().map(char_width).sum()
+}
+
+/// The longest prefix of `s` that fits in `width` columns.
+#[must_use]
+pub fn fit(s: &str, width: usize) -> &str {
+    let mut w = 0;
+    for (i, c) in s.char_indices() {
+        w += char_width(c);
+        if w > width {
+            return &s[..i];
+        }
+    }
+    s
+}
+
+/// Break one line (no `\n`, already escaped) into pieces of at most `width` columns, at spaces
+/// where possible.
+#[must_use]
+pub fn wrap_line(line: &str, width: usize) -> Vec<String> {
+    let width = width.max(1);
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut cur_w = 0;
+    for word in line.split_inclusive(' ') {
+        let w = str_width(word);
+        let trimmed_w = str_width(word.trim_end_matches(' '));
+        if cur_w + trimmed_w <= width {
+            cur.push_str(word);
+            cur_w += w;
+            continue;
+        }
+        if !cur.is_empty() {
+            out.push(std::mem::take(&mut cur).trim_end_matches(' ').to_string());
+            cur_w = 0;
+        }
+        if trimmed_w <= width {
+            cur.push_str(word);
+            cur_w = w;
+            continue;
+        }
+        // A word longer than the line: cut it by characters.
+        for c in word.chars() {
+            let cw = char_width(c);
+            if cur_w + cw > width && !cur.is_empty() {
+                out.push(std::mem::take(&mut cur));
+                cur_w = 0;
+            }
+            cur.push(c);
+            cur_w += cw;
+        }
+    }
+    if !cur.is_empty() || out.is_empty() {
+        out.push(cur.trim_end_matches(' ').to_string());
+    }
+    out
+}
+
+/// Break one line by characters only (code, input): pieces of at most `width` columns.
+#[must_use]
+pub fn hard_wrap(line: &str, width: usize) -> Vec<String> {
+    let width = width.max(1);
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut cur_w = 0;
+    for c in line.chars() {
+        let cw = char_width(c);
+        if cur_w + cw > width && !cur.is_empty() {
+            out.push(std::mem::take(&mut cur));
+            cur_w = 0;
+        }
+        cur.push(c);
+        cur_w += cw;
+    }
+    out.push(cur);
+    out
+}
+
+/// Builds the conversation pane's lines at a fixed width.
+struct Lines<'t> {
+    out: Vec<Line<'static>>,
+    width: usize,
+    theme: &'t Theme,
+}
+
+impl Lines<'_> {
+    /// Add `text` (escaped here) with `prefix` on every line, word-wrapped.
+    fn text(&mut self, text: &str, prefix: &str, style: Style) {
+        let room = self.width.saturating_sub(str_width(prefix)).max(1);
+        let cleaned = clean(text);
+        for raw in cleaned.split('\n') {
+            for piece in wrap_line(raw, room) {
+                self.out.push(Line::from(vec![
+                    Span::styled(prefix.to_string(), style),
+                    Span::styled(piece, style),
+                ]));
+            }
+        }
+    }
+
+    /// Add a reply's answer: prose word-wrapped, fenced code blocks set apart.
+    fn answer(&mut self, text: &str, style: Style) {
+        let cleaned = clean(text);
+        let mut in_code = false;
+        for raw in cleaned.split('\n') {
+            let fence = raw.trim_start().starts_with("```");
+            if fence || in_code {
+                let room = self.width.saturating_sub(4).max(1);
+                let st = if fence {
+                    self.theme.dim
+                } else {
+                    self.theme.code
+                };
+                for piece in hard_wrap(raw, room) {
+                    self.out.push(Line::from(vec![
+                        Span::styled("  ▎ ", self.theme.dim),
+                        Span::styled(piece, st),
+                    ]));
+                }
+                if fence {
+                    in_code = !in_code;
+                }
+            } else {
+                let room = self.width.saturating_sub(2).max(1);
+                for piece in wrap_line(raw, room) {
+                    self.out.push(Line::from(vec![
+                        Span::raw("  "),
+                        Span::styled(piece, style),
+                    ]));
+                }
+            }
+        }
+    }
+
+    fn label(&mut self, text: &str, style: Style, extra: Option<Span<'static>>) {
+        let mut spans = vec![Span::styled(text.to_string(), style)];
+        spans.extend(extra);
+        self.out.push(Line::from(spans));
+    }
+
+    fn reply(&mut self, r: &Reply, app: &App) {
+        let live = r.state == ReplyState::Live;
+        let spinner = live.then(|| {
+            Span::styled(
+                format!(" {}", SPINNER[(app.ticks % 10) as usize]),
+                self.theme.dim,
+            )
+        });
+        self.label(if r.raw { "continuation" } else { "k3" }, self.theme.assistant, spinner);
+        if !r.reasoning.trim().is_empty() {
+            if app.show_thinking {
+                self.label(
+                    "  ▾ thinking",
+                    self.theme.reasoning,
+                    Some(Span::styled(
+                        format!("  ({} hides)", app.keys.of(crate::app::config::Cmd::Thinking)),
+                        self.theme.dim,
+                    )),
+                );
+                self.text(r.reasoning.trim_end(), "  │ ", self.theme.reasoning);
+            } else {
+                let words = r.reasoning.split_whitespace().count();
+                self.label(
+                    &format!(
+                        "  ▸ thinking ({words} words, {} shows)",
+                        app.keys.of(crate::app::config::Cmd::Thinking)
+                    ),
+                    self.theme.reasoning,
+                    None,
+                );
+            }
+        }
+        if live && r.content.is_empty() {
+            let waiting = match app.phase {
+                Phase::Prefill { done, total, .. } if total > 0 => format!(
+                    "  reading the prompt: {done} / {total} tokens ({:.0}%)",
+                    done as f64 * 100.0 / total as f64
+                ),
+                Phase::Prefill { .. } => "  reading the prompt…".to_string(),
+                _ if r.reasoning.is_empty() => "  waiting for the first token…".to_string(),
+                _ => String::new(),
+            };
+            if !waiting.is_empty() {
+                self.label(&waiting, self.theme.dim, None);
+            }
+        } else {
+            self.answer(&r.content, self.theme.text);
+        }
+        if live {
+            if let Some(last) = self.out.last_mut() {
+                last.spans.push(Span::styled("▌", self.theme.dim));
+            }
+        }
+        if let Some(note) = &r.note {
+            self.text(note, "  ", self.theme.warn);
+        }
+        if let Some(s) = &r.summary {
+            self.text(&format!("[{s}]"), "  ", self.theme.dim);
+        }
+    }
+}
+
+/// Every line of the conversation pane at `width` columns, oldest first.
+#[must_use]
+pub fn conversation(app: &App, width: usize, theme: &Theme) -> Vec<Line<'static>> {
+    let mut l = Lines {
+        out: Vec::new(),
+        width: width.max(1),
+        theme,
+    };
+    if app.phase == Phase::Loading {
+        let spin = SPINNER[(app.ticks % 10) as usize];
+        l.text(
+            &format!("{spin} loading {} …", app.model),
+            "",
+            theme.dim,
+        );
+    }
+    for (i, item) in app.items.iter().enumerate() {
+        if i > 0 && !matches!(item, Item::Info(_)) {
+            l.out.push(Line::default());
+        }
+        match item {
+            Item::Info(t) => l.text(t, "", theme.dim),
+            Item::Error(t) => l.text(&format!("error: {t}"), "", theme.error),
+            Item::User { text, raw } => {
+                l.label(if *raw { "you (raw text)" } else { "you" }, theme.user, None);
+                l.text(text, "  ", theme.text);
+            }
+            Item::Reply(r) => l.reply(r, app),
+        }
+    }
+    l.out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escapes_controls_and_bidi_but_keeps_newlines() {
+        assert_eq!(clean("plain"), "plain");
+        assert_eq!(clean("a\u{1b}[31mb\n"), "a\\u{1b}[31mb\n");
+        assert_eq!(clean("\u{9b}x\u{7}"), "\\u{9b}x\\u{7}");
+        assert_eq!(clean("\u{202e}abc"), "\\u{202e}abc");
+        assert_eq!(clean("a\tb\r"), "a    b\\u{d}");
+        assert_eq!(one_line("a\nb"), "a⏎b");
+    }
+
+    #[test]
+    fn wraps_at_spaces_and_cuts_long_words() {
+        assert_eq!(wrap_line("hello big world", 9), vec!["hello big", "world"]);
+        assert_eq!(wrap_line("abcdefghij", 4), vec!["abcd", "efgh", "ij"]);
+        assert_eq!(wrap_line("", 4), vec![""]);
+        assert_eq!(wrap_line("日本語です", 4), vec!["日本", "語で", "す"]);
+        assert_eq!(hard_wrap("abcdef", 4), vec!["abcd", "ef"]);
+        assert_eq!(fit("日本語", 5), "日本");
+        for w in 2..12 {
+            for piece in wrap_line("a quick brown 狐 jumps over", w) {
+                assert!(str_width(&piece) <= w, "{piece:?} at {w}");
+            }
+        }
+    }
+}

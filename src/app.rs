@@ -1,8 +1,10 @@
 //! Command line: argument parsing (clap) and the wiring of each subcommand. No terminal types;
 //! errors are values until [`main`] turns them into an exit status.
 
+pub mod budget_args;
 pub mod chat;
 pub mod config;
+pub mod plan;
 pub mod protocol;
 pub mod run;
 pub mod state;
@@ -42,6 +44,12 @@ pub enum Command {
     /// dimensions as sparse files). Exit status: 0 ok, 1 write failure, 2 usage (including an
     /// existing non-empty OUT_DIR).
     Synth(synth::SynthArgs),
+    /// Print the memory plan for a checkpoint and a budget, before loading any weight.
+    ///
+    /// A budget below the floor is refused with the floor, the budget and the shortfall
+    /// (exit 2). `--json` prints `model_bytes`, `budget_bytes`, `floor_bytes`, `fits` and the
+    /// whole plan.
+    Plan(plan::PlanArgs),
 }
 
 /// Parse the command line, run, and return the process exit status.
@@ -50,6 +58,7 @@ pub fn main() -> i32 {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => run::run(&args).map(|()| 0),
+        Command::Plan(args) => plan::run(&args).map(|()| 0),
         Command::Chat(args) => chat::run(&args),
         Command::Config(args) => config::run(&args),
         Command::Synth(args) => synth::run(&args).map(|()| 0),

@@ -82,6 +82,10 @@ pub struct ChatArgs {
     /// Compute threads (default: all cores). Output does not depend on it.
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Memory budget (default: 80% of the memory available). Tokens do not depend on it;
+    /// `/budget GB` changes it while chatting.
+    #[command(flatten)]
+    pub budget: super::budget_args::BudgetArgs,
 }
 
 /// Whether the terminal interface can run here: stdin and stdout are terminals and TERM is set
@@ -152,15 +156,17 @@ pub fn run(args: &ChatArgs) -> crate::Result<i32> {
         resume: args.resume.clone(),
         session_name: args.session.clone().or_else(|| args.resume.clone()),
         session_dir: args.session_dir.clone(),
+        budget: args.budget.request(super::budget_args::auto_request())?,
     });
     if tui {
         let session_dir = args
             .session_dir
             .clone()
             .unwrap_or_else(SessionStore::default_dir);
-        let model = model_dir
-            .file_name()
-            .map_or_else(|| model_dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+        let model = model_dir.file_name().map_or_else(
+            || model_dir.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
         let labels: KeyLabels = keys.labels();
         let init = AppInit {
             model,

@@ -740,8 +740,10 @@ mod tests {
 
     #[test]
     fn show_round_trips() {
-        let mut cfg = Config::default();
-        cfg.model_dir = Some(PathBuf::from("/m"));
+        let mut cfg = Config {
+            model_dir: Some(PathBuf::from("/m")),
+            ..Config::default()
+        };
         cfg.memory.budget_gb = Some(12.5);
         cfg.keys.copy = "ctrl-k".into();
         assert_eq!(parse(&cfg.to_toml()).unwrap(), cfg);
@@ -802,7 +804,9 @@ mod tests {
             other => panic!("{other:?}"),
         }
         match parse("theme = \"blue\"\n") {
-            Err(ConfigFileError::Parse { line: 1, column, .. }) => assert_eq!(column, 9),
+            Err(ConfigFileError::Parse {
+                line: 1, column, ..
+            }) => assert_eq!(column, 9),
             other => panic!("{other:?}"),
         }
     }

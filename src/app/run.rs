@@ -58,6 +58,9 @@ pub struct RunArgs {
     /// Write the float32 little-endian logits of every step (row 0 = after the prompt).
     #[arg(long, value_name = "PATH")]
     pub dump_logits: Option<PathBuf>,
+    /// Memory budget (default: the whole model resident). Tokens do not depend on it.
+    #[command(flatten)]
+    pub budget: super::budget_args::BudgetArgs,
 }
 
 /// Parse `--ids`.
@@ -139,6 +142,27 @@ pub fn set_threads(threads: Option<usize>) -> Result<()> {
     Ok(())
 }
 
+/// The engine's figures for `--json`.
+fn run_stats(model: &Model, info: &crate::engine::weights::LoadInfo) -> serde_json::Value {
+    let plan = &info.plan;
+    let mut j = serde_json::json!({
+        "budget_bytes": plan.budget_bytes,
+        "model_bytes": plan.model_bytes,
+        "pinned_layers": plan.n_pinned(),
+        "expert_slots": plan.expert_slots,
+        "load_bytes_read": info.bytes_read,
+    });
+    if let (Some(s), Some(o)) = (model.streamer(), j.as_object_mut()) {
+        let st = s.stats();
+        o.insert("disk_bytes_read".into(), st.disk_bytes_read.into());
+        o.insert("expert_hits".into(), st.expert_hits.into());
+        o.insert("expert_misses".into(), st.expert_misses.into());
+        o.insert("expert_hit_rate".into(), st.expert_hit_rate().into());
+        o.insert("io_wait_seconds".into(), st.io_wait_seconds.into());
+    }
+    j
+}
+
 /// Run `k3 run`.
 pub fn run(args: &RunArgs) -> Result<()> {
     set_threads(args.threads)?;
@@ -151,7 +175,11 @@ pub fn run(args: &RunArgs) -> Result<()> {
         seed: args.seed,
     };
     let mut sampler = Sampler::new(sampler_cfg).map_err(|e| Error::Usage(e.to_string()))?;
-    let (model, bytes_read) = Model::load_counted(&args.model_dir)?;
+    let req = args
+        .budget
+        .request(crate::stream::budget::BudgetRequest::Resident)?;
+    let (model, info) = Model::open(&args.model_dir, req, 4096)?;
+    let load_bytes = info.bytes_read;
     let vocab_u32 = u32::try_from(model.cfg.vocab_size)
         .map_err(|_| Error::Usage("vocab_size above u32".into()))?;
     let tok = load_tokenizer(&args.model_dir, vocab_u32)?;
@@ -238,7 +266,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "prefill_tokens_per_second": prefill_tps,
             "decode_seconds_per_token": s_per_tok,
             "peak_rss_bytes": peak,
-            "bytes_read": bytes_read,
+            "bytes_read": load_bytes + model.streamer().map_or(0, |s| s.stats().disk_bytes_read),
+            "stats": run_stats(&model, &info),
         });
         println!("{j}");
     } else {

@@ -157,17 +157,24 @@ pub enum Focus {
     Budget,
 }
 
-/// Positions of the budget slider.
-pub const BUDGET_STEPS: u32 = 20;
+/// Positions of the budget slider above its lowest (0).
+pub const BUDGET_STEPS: u32 = 24;
 
 /// The memory-budget slider and the engine's answer to it.
+///
+/// The slider is logarithmic: from a sixteenth of the model's weight bytes up to the larger of
+/// 1.25 × the model and the budget in force, so that both a budget far below the model and one
+/// that holds it all are a few steps away, whatever the model's size.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Budget {
-    /// Slider position, 1 ..= [`BUDGET_STEPS`]; the full scale is the model's size.
+    /// Slider position, 0 ..= [`BUDGET_STEPS`].
     pub step: u32,
-    /// Full scale in bytes (the checkpoint's weight bytes, from the engine's figures; 0 until
-    /// they arrive).
-    pub scale_bytes: u64,
+    /// Bytes at position 0 (0 until the engine's figures arrive).
+    pub low_bytes: u64,
+    /// Bytes at the top position (0 until the engine's figures arrive).
+    pub high_bytes: u64,
+    /// The checkpoint's weight bytes, as the engine reports them.
+    pub model_bytes: u64,
     /// Budget in force as the engine reports it; `None` when the model is held resident.
     pub in_force: Option<u64>,
     /// The slider was moved by the user since start.
@@ -179,12 +186,57 @@ pub struct Budget {
 }
 
 impl Budget {
+    /// True once the engine's figures gave the slider its scale.
+    #[must_use]
+    pub fn ready(&self) -> bool {
+        self.high_bytes > 0
+    }
+
+    /// Bytes at slider position `step`.
+    #[must_use]
+    pub fn bytes_at(&self, step: u32) -> u64 {
+        if !self.ready() {
+            return 0;
+        }
+        let (lo, hi) = (self.low_bytes as f64, self.high_bytes as f64);
+        let f = f64::from(step.min(BUDGET_STEPS)) / f64::from(BUDGET_STEPS);
+        (lo * (hi / lo).powf(f)).round() as u64
+    }
+
     /// The slider's value in bytes.
     #[must_use]
     pub fn value_bytes(&self) -> u64 {
-        (u128::from(self.scale_bytes) * u128::from(self.step) / u128::from(BUDGET_STEPS))
-            .try_into()
-            .unwrap_or(u64::MAX)
+        self.bytes_at(self.step)
+    }
+
+    /// The position nearest to `bytes`.
+    #[must_use]
+    pub fn step_of(&self, bytes: u64) -> u32 {
+        if !self.ready() || bytes <= self.low_bytes {
+            return 0;
+        }
+        let f = (bytes as f64 / self.low_bytes as f64).ln()
+            / (self.high_bytes as f64 / self.low_bytes as f64).ln();
+        ((f * f64::from(BUDGET_STEPS)).round() as u32).min(BUDGET_STEPS)
+    }
+
+    /// Take the engine's figures: the model's size and the budget in force.
+    pub fn observe(&mut self, model_bytes: u64, in_force: Option<u64>) {
+        if model_bytes == 0 {
+            return;
+        }
+        self.model_bytes = model_bytes;
+        self.in_force = in_force;
+        if !self.ready() {
+            self.low_bytes = (model_bytes / 16).max(1);
+        }
+        let top = (model_bytes + model_bytes / 4)
+            .max(in_force.unwrap_or(0))
+            .max(self.low_bytes * 2);
+        self.high_bytes = self.high_bytes.max(top);
+        if !self.touched {
+            self.step = in_force.map_or(BUDGET_STEPS, |b| self.step_of(b));
+        }
     }
 }
 
@@ -600,5 +652,4 @@ impl App {
     fn is_cancelled(&self, turn: TurnId) -> bool {
         self.cancelled.contains(&turn)
     }
-
 }

@@ -33,6 +33,8 @@ pub struct ChatConfig {
     pub session_name: Option<String>,
     /// Session directory (default: the data directory).
     pub session_dir: Option<PathBuf>,
+    /// Memory budget to open the model under.
+    pub budget: crate::stream::budget::BudgetRequest,
 }
 
 /// Handle on a running worker.
@@ -149,7 +151,11 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         });
         let _ = tx.send(EngineEvent::Stopped { exit_code: code });
     };
-    let (model, info) = match Model::load_full(&cfg.model_dir) {
+    let (model, info) = match Model::open(
+        &cfg.model_dir,
+        cfg.budget,
+        cfg.settings.context_limit as u64,
+    ) {
         Ok(m) => m,
         Err(e) => {
             let e: crate::Error = e.into();
@@ -292,37 +298,77 @@ impl Ctx<'_> {
     /// The engine's figures now. The whole model is resident: every layer is pinned and every
     /// expert lookup is a hit.
     fn stats_snapshot(&self, turn_tokens: u64, turn_seconds: f64, tps: f64) -> StatsSnapshot {
-        let cfg = &self.session.model().cfg;
+        let model = self.session.model();
         let (rss, peak) = stats::rss_bytes();
-        let n_exp = if cfg.first_k_dense_replace < cfg.num_hidden_layers {
-            cfg.num_experts
-        } else {
-            0
-        };
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|il| {
-                let e = if cfg.is_dense(il) { 0 } else { n_exp as u32 };
-                LayerResidency {
-                    trunk: Residency::Pinned,
-                    experts_resident: e,
-                    experts_total: e,
+        let base = match model.streamer() {
+            Some(st) => st.stats(),
+            None => {
+                let cfg = &model.cfg;
+                let layers = (0..cfg.num_hidden_layers)
+                    .map(|il| {
+                        let e = if cfg.is_dense(il) {
+                            0
+                        } else {
+                            cfg.num_experts as u32
+                        };
+                        LayerResidency {
+                            trunk: Residency::Pinned,
+                            experts_resident: e,
+                            experts_total: e,
+                        }
+                    })
+                    .collect();
+                StatsSnapshot {
+                    model_bytes: self.model_bytes,
+                    disk_bytes_read: self.model_bytes,
+                    layers,
+                    ..StatsSnapshot::default()
                 }
-            })
-            .collect();
+            }
+        };
         StatsSnapshot {
             tokens_per_second: tps,
             turn_tokens,
             turn_seconds,
             rss_bytes: rss,
             peak_rss_bytes: peak,
-            budget_bytes: None,
-            model_bytes: self.model_bytes,
-            disk_bytes_read: self.model_bytes,
-            layers,
             positions: self.session.tokens().len() as u64,
             context_limit: self.session.settings.context_limit as u64,
-            ..StatsSnapshot::default()
+            ..base
         }
+    }
+
+    /// `/budget GB`: re-plan between tokens.
+    fn budget(&mut self, gb: f64) -> Result<String, String> {
+        let model = self.session.model();
+        let Some(st) = model.streamer() else {
+            return Err(format!(
+                "/budget {gb}: the model was opened fully resident (k3 run's default);                  start k3 chat with --mem to stream it under a budget"
+            ));
+        };
+        let req = crate::stream::budget::BudgetRequest::Total((gb * 1e9) as u64);
+        let context = self.session.settings.context_limit as u64;
+        let plan = crate::stream::budget::plan(
+            st.sizes(),
+            req,
+            context,
+            crate::stream::budget::cgroup_limit(),
+        )
+        .map_err(|e| format!("/budget: {e}"))?;
+        let line = format!(
+            "budget {}: {} of {} layers pinned, {} expert slots, output head {}",
+            crate::stream::budget::gb(plan.budget_bytes.unwrap_or(0)),
+            plan.n_pinned(),
+            plan.pinned.len(),
+            plan.expert_slots,
+            if plan.head_resident {
+                "resident"
+            } else {
+                "streamed"
+            }
+        );
+        st.set_plan(plan).map_err(|e| format!("/budget: {e}"))?;
+        Ok(line)
     }
 
     /// Run a generating call and report it.
@@ -343,6 +389,9 @@ impl Ctx<'_> {
         let mut last_stats: Option<Instant> = None;
         let mut n = 0u64;
         let base = self.stats_snapshot(0, 0.0, 0.0);
+        let model = self.session.model();
+        let mut last_read = base.disk_bytes_read;
+        let mut last_stats_at = Instant::now();
         let mut emit = |id: u32, text: &str| {
             let token = EngineEvent::Token {
                 turn,
@@ -359,14 +408,35 @@ impl Ctx<'_> {
             if last_stats.is_none_or(|t| t.elapsed().as_secs_f64() >= STATS_INTERVAL_S) {
                 last_stats = Some(Instant::now());
                 let (rss, peak) = stats::rss_bytes();
-                let snap = StatsSnapshot {
+                let engine = model.streamer().map(|st| st.stats());
+                let read = engine
+                    .as_ref()
+                    .map_or(base.disk_bytes_read, |e| e.disk_bytes_read);
+                let since = last_stats_at.elapsed().as_secs_f64();
+                let mb_s = if since > 0.0 {
+                    (read - last_read) as f64 / 1e6 / since
+                } else {
+                    0.0
+                };
+                last_read = read;
+                last_stats_at = Instant::now();
+                let mut snap = StatsSnapshot {
                     tokens_per_second: if n > 1 && dt > 0.0 { 1.0 / dt } else { 0.0 },
                     turn_tokens: n,
                     turn_seconds: start.elapsed().as_secs_f64(),
                     rss_bytes: rss,
                     peak_rss_bytes: peak,
+                    disk_mb_per_s: mb_s,
+                    turn_disk_bytes: read - base.disk_bytes_read,
                     ..base.clone()
                 };
+                if let Some(e) = engine {
+                    snap.disk_bytes_read = e.disk_bytes_read;
+                    snap.expert_hits = e.expert_hits;
+                    snap.expert_misses = e.expert_misses;
+                    snap.layers = e.layers;
+                    snap.io_wait_seconds = e.io_wait_seconds;
+                }
                 alive &= tx
                     .send(EngineEvent::Stats {
                         turn,
@@ -666,10 +736,15 @@ impl Ctx<'_> {
             Command::Sessions => self.sessions(),
             Command::Export(fmt, path) => self.export(fmt, &path),
             Command::Set(setting, v) => self.set(setting, v),
-            Command::Budget(gb) => Err(format!(
-                "/budget {gb}: this build holds the whole model in memory; budgets need the \
-                 streaming engine"
-            )),
+            Command::Budget(gb) => {
+                let r = self.budget(gb);
+                let snap = self.stats_snapshot(0, 0.0, 0.0);
+                let _ = self.event(EngineEvent::Stats {
+                    turn,
+                    stats: Box::new(snap),
+                });
+                r
+            }
             Command::Stats => Ok(self.stats()),
             Command::Help => Ok(HELP.to_string()),
             Command::Quit => Ok("bye".into()),

@@ -12,8 +12,8 @@ use super::config::ModelConfig;
 use super::kda::{self, KdaParams, KdaWeights};
 use super::mla::{self, MlaParams, MlaWeights};
 use super::moe::{self, DenseMlp, MoeParams, MoeWeights, Routing};
-use super::state::{LayerState, SeqState};
 use super::residency::Streamer;
+use super::state::{LayerState, SeqState};
 use super::tensor::Dense;
 use crate::kernels::{self, ops};
 use crate::stream::StreamError;
@@ -267,7 +267,10 @@ impl Model {
             return Ok(Vec::new());
         }
         for &id in tokens {
-            assert!((id as usize) < cfg.vocab_size, "token id {id} outside the vocabulary");
+            assert!(
+                (id as usize) < cfg.vocab_size,
+                "token id {id} outside the vocabulary"
+            );
         }
         let x = match &self.weights {
             Weights::Resident { embed, .. } => {
@@ -279,7 +282,10 @@ impl Model {
             }
             Weights::Streamed(st) => st.embed_rows(tokens)?,
         };
-        let mut res = Residuals { blocks: Vec::new(), partial: Some(x) };
+        let mut res = Residuals {
+            blocks: Vec::new(),
+            partial: Some(x),
+        };
         for (il, ls) in state.layers.iter_mut().enumerate() {
             let routing = match &self.weights {
                 Weights::Resident { layers, .. } => {

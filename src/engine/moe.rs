@@ -141,6 +141,9 @@ impl DenseMlp {
 /// Routing decisions of a chunk: per token, experts and weights.
 pub type Routing = Vec<(Vec<usize>, Vec<f32>)>;
 
+/// Fetches routed experts by id (all of one layer), in the order asked.
+pub type ExpertFetch<'a, E> = dyn FnMut(&[usize]) -> Result<Vec<Arc<Expert>>, E> + 'a;
+
 /// One MoE block over `x` `[n_tok, hidden]` with the experts held in `w`; also returns the
 /// routing decisions.
 ///
@@ -166,7 +169,7 @@ pub fn forward_with<E>(
     p: &MoeParams,
     x: &[f32],
     group: usize,
-    fetch: &mut dyn FnMut(&[usize]) -> Result<Vec<Arc<Expert>>, E>,
+    fetch: &mut ExpertFetch<'_, E>,
 ) -> Result<(Vec<f32>, Routing), E> {
     let hidden = w.gate.cols;
     let n_tok = x.len() / hidden;
@@ -176,11 +179,16 @@ pub fn forward_with<E>(
     let z = w.down.apply(x);
     let latent = w.down.rows;
     // Experts in use, in id order; each runs once over the tokens that chose it.
-    let mut used: Vec<usize> = routing.iter().flat_map(|(idx, _)| idx.iter().copied()).collect();
+    let mut used: Vec<usize> = routing
+        .iter()
+        .flat_map(|(idx, _)| idx.iter().copied())
+        .collect();
     used.sort_unstable();
     used.dedup();
-    let mut outs: Vec<Vec<Vec<f32>>> =
-        routing.iter().map(|(idx, _)| vec![Vec::new(); idx.len()]).collect();
+    let mut outs: Vec<Vec<Vec<f32>>> = routing
+        .iter()
+        .map(|(idx, _)| vec![Vec::new(); idx.len()])
+        .collect();
     for ids in used.chunks(group.max(1)) {
         let experts = fetch(ids)?;
         for (&e, ex) in ids.iter().zip(&experts) {
@@ -210,7 +218,14 @@ pub fn forward_with<E>(
         ops::rmsnorm(ut, &w.norm, p.rms_eps);
     }
     let mut y = w.up.apply(&u);
-    let ys = situ_glu_mlp(&w.shared_gate, &w.shared_up, &w.shared_down, x, p.beta1, p.beta2);
+    let ys = situ_glu_mlp(
+        &w.shared_gate,
+        &w.shared_up,
+        &w.shared_down,
+        x,
+        p.beta1,
+        p.beta2,
+    );
     for (a, b) in y.iter_mut().zip(&ys) {
         *a += b;
     }

@@ -9,12 +9,13 @@
 //! skipped.
 
 use super::config::ModelConfig;
-use super::moe::{self, Expert, MoeParams, MoeWeights, Routing};
 use super::model::Layer;
+use super::moe::{self, Expert, MoeParams, MoeWeights, Routing};
 use super::tensor::{Dense, DenseData};
 use super::weights::{bind_expert, bind_layer, names, Binder};
 use crate::kernels;
 use crate::stream::budget::{ModelSizes, Plan};
+use crate::stream::cache_policy::{ExpertKey, KeySpace, LayerCycle, Lru, Policy};
 use crate::stream::stats::{LayerResidency, Residency, StatsSnapshot};
 use crate::stream::{Checkpoint, Dtype, StreamError};
 use rayon::prelude::*;
@@ -37,34 +38,80 @@ struct Counters {
     io_wait_ns: AtomicU64,
 }
 
-/// The routed-expert cache: a fixed number of slots, least-recently-used replacement.
-#[derive(Debug, Default)]
+/// The routed-expert cache: a fixed number of slots; which expert leaves when a slot is needed
+/// is decided by a replacement policy ([`LayerCycle`] by default, `K3_CACHE_POLICY=lru` for
+/// plain LRU).
 struct ExpertCache {
     slots: usize,
-    entries: HashMap<(usize, usize), (Arc<Expert>, u64)>,
-    tick: u64,
+    entries: HashMap<(usize, usize), Arc<Expert>>,
+    policy: Box<dyn Policy + Send>,
+    now: u64,
+}
+
+impl std::fmt::Debug for ExpertCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertCache")
+            .field("slots", &self.slots)
+            .field("resident", &self.entries.len())
+            .field("policy", &self.policy.name())
+            .finish()
+    }
+}
+
+fn key(il: usize, e: usize) -> ExpertKey {
+    ExpertKey::new(il as u16, e as u16)
 }
 
 impl ExpertCache {
+    fn new(slots: usize, layers: usize, experts: usize) -> Self {
+        let space = KeySpace::new(layers, experts);
+        let policy: Box<dyn Policy + Send> = match std::env::var("K3_CACHE_POLICY").as_deref() {
+            Ok("lru") => Box::new(Lru::new(space)),
+            _ => Box::new(LayerCycle::new(space)),
+        };
+        ExpertCache {
+            slots,
+            entries: HashMap::new(),
+            policy,
+            now: 0,
+        }
+    }
+
     fn resident_in(&self, il: usize) -> u32 {
         self.entries.keys().filter(|(l, _)| *l == il).count() as u32
+    }
+
+    fn hit(&mut self, k: (usize, usize)) -> Option<Arc<Expert>> {
+        let ex = self.entries.get(&k).cloned()?;
+        self.now += 1;
+        self.policy.on_hit(key(k.0, k.1), self.now);
+        Some(ex)
+    }
+
+    fn insert(&mut self, k: (usize, usize), ex: Arc<Expert>) {
+        if self.entries.len() < self.slots {
+            self.now += 1;
+            self.policy.on_insert(key(k.0, k.1), self.now);
+            self.entries.insert(k, ex);
+        }
     }
 
     /// Make room for `n` new entries without evicting anything in `keep`.
     fn make_room(&mut self, n: usize, keep: &[(usize, usize)]) {
         while self.entries.len() + n > self.slots {
-            let victim = self
+            let mut cands: Vec<(usize, usize)> = self
                 .entries
-                .iter()
-                .filter(|(k, _)| !keep.contains(k))
-                .min_by_key(|(k, (_, t))| (*t, **k))
-                .map(|(k, _)| *k);
-            match victim {
-                Some(k) => {
-                    self.entries.remove(&k);
-                }
-                None => break,
-            }
+                .keys()
+                .filter(|k| !keep.contains(k))
+                .copied()
+                .collect();
+            cands.sort_unstable();
+            let keys: Vec<ExpertKey> = cands.iter().map(|&(l, e)| key(l, e)).collect();
+            let Some(i) = self.policy.victim(&keys) else {
+                break;
+            };
+            self.entries.remove(&cands[i]);
+            self.policy.on_evict(keys[i]);
         }
     }
 }
@@ -86,7 +133,9 @@ struct Ring {
 
 impl std::fmt::Debug for Ring {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ring").field("pending", &self.pending.len()).finish()
+        f.debug_struct("Ring")
+            .field("pending", &self.pending.len())
+            .finish()
     }
 }
 
@@ -126,7 +175,12 @@ fn load_layer(ck: &Checkpoint, cfg: &ModelConfig, il: usize) -> LayerResult {
     }
 }
 
-fn load_expert(ck: &Checkpoint, cfg: &ModelConfig, il: usize, e: usize) -> Result<Expert, StreamError> {
+fn load_expert(
+    ck: &Checkpoint,
+    cfg: &ModelConfig,
+    il: usize,
+    e: usize,
+) -> Result<Expert, StreamError> {
     let mut b = Binder::new(ck, true, true);
     let ex = bind_expert(&mut b, cfg, il, e)?;
     match (ex, b.into_result()) {
@@ -134,7 +188,9 @@ fn load_expert(ck: &Checkpoint, cfg: &ModelConfig, il: usize, e: usize) -> Resul
         (_, r) => Err(StreamError::Unrepresentable {
             path: ck.dir().to_path_buf(),
             name: format!("layer {il} expert {e}"),
-            reason: r.err().map_or_else(|| "incomplete expert".into(), |e| e.to_string()),
+            reason: r
+                .err()
+                .map_or_else(|| "incomplete expert".into(), |e| e.to_string()),
         }),
     }
 }
@@ -164,9 +220,11 @@ fn widen(raw: &[u8], dtype: Dtype, out: &mut [f32]) {
 /// A dense chunk of rows as the kernels take it (BF16 stays BF16).
 fn dense_rows(raw: &[u8], dtype: Dtype, rows: usize, cols: usize) -> Dense {
     let data = match dtype {
-        Dtype::Bf16 => {
-            DenseData::Bf16(raw.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
-        }
+        Dtype::Bf16 => DenseData::Bf16(
+            raw.chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect(),
+        ),
         _ => {
             let mut v = vec![0f32; rows * cols];
             widen(raw, dtype, &mut v);
@@ -193,8 +251,12 @@ impl Streamer {
                     let _ = reply.send(load_layer(&ck2, &cfg2, il));
                 }
             })
-            .map_err(|e| StreamError::Open { path: ck.dir().to_path_buf(), source: e })?;
+            .map_err(|e| StreamError::Open {
+                path: ck.dir().to_path_buf(),
+                source: e,
+            })?;
         let n = cfg.num_hidden_layers;
+        let n_exp = cfg.num_experts;
         let st = Streamer {
             cfg,
             ck,
@@ -203,9 +265,12 @@ impl Streamer {
                 plan: plan.clone(),
                 pinned: vec![None; n],
                 head: None,
-                cache: ExpertCache { slots: plan.expert_slots as usize, ..ExpertCache::default() },
+                cache: ExpertCache::new(plan.expert_slots as usize, n, n_exp),
             }),
-            ring: Mutex::new(Ring { tx, pending: VecDeque::new() }),
+            ring: Mutex::new(Ring {
+                tx,
+                pending: VecDeque::new(),
+            }),
             counters: Counters::default(),
         };
         st.set_plan(plan)?;
@@ -240,8 +305,9 @@ impl Streamer {
         r.cache.slots = plan.expert_slots as usize;
         r.cache.make_room(0, &[]);
         r.plan = plan;
-        let to_pin: Vec<usize> =
-            (0..r.pinned.len()).filter(|&il| r.plan.pinned[il] && r.pinned[il].is_none()).collect();
+        let to_pin: Vec<usize> = (0..r.pinned.len())
+            .filter(|&il| r.plan.pinned[il] && r.pinned[il].is_none())
+            .collect();
         let want_head = r.plan.head_resident && r.head.is_none();
         drop(r);
         // Drop read-ahead that the new plan no longer needs.
@@ -258,8 +324,16 @@ impl Streamer {
             self.note_io(t0, info.n_bytes(), &self.counters.embed_head_bytes);
             let (rows, cols) = (self.cfg.vocab_size, self.cfg.hidden_size);
             let dense = match data {
-                crate::stream::TensorData::Bf16(v) => Dense { data: DenseData::Bf16(v), rows, cols },
-                crate::stream::TensorData::F32(v) => Dense { data: DenseData::F32(v), rows, cols },
+                crate::stream::TensorData::Bf16(v) => Dense {
+                    data: DenseData::Bf16(v),
+                    rows,
+                    cols,
+                },
+                crate::stream::TensorData::F32(v) => Dense {
+                    data: DenseData::F32(v),
+                    rows,
+                    cols,
+                },
                 crate::stream::TensorData::U8(_) => {
                     return Err(StreamError::Unrepresentable {
                         path: self.ck.dir().to_path_buf(),
@@ -275,7 +349,9 @@ impl Streamer {
 
     fn note_io(&self, t0: Instant, bytes: u64, counter: &AtomicU64) {
         counter.fetch_add(bytes, Ordering::Relaxed);
-        self.counters.io_wait_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.counters
+            .io_wait_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// The next layer after `il` (cyclically) that the plan streams.
@@ -288,7 +364,12 @@ impl Streamer {
     pub fn layer(&self, il: usize) -> LayerResult {
         let (is_pinned, held, pinned_map, ring_slots) = {
             let r = lock(&self.resident);
-            (r.plan.pinned[il], r.pinned[il].clone(), r.plan.pinned.clone(), r.plan.ring_slots)
+            (
+                r.plan.pinned[il],
+                r.pinned[il].clone(),
+                r.plan.pinned.clone(),
+                r.plan.ring_slots,
+            )
         };
         if let Some(l) = held {
             return Ok(l);
@@ -318,7 +399,9 @@ impl Streamer {
         let mut ring = lock(&self.ring);
         let mut at = il;
         while (ring.pending.len() as u64) + 1 < ring_slots.max(1) {
-            let Some(next) = self.next_streamed(at, &pinned_map) else { break };
+            let Some(next) = self.next_streamed(at, &pinned_map) else {
+                break;
+            };
             if next == il || ring.pending.iter().any(|(j, _)| *j == next) {
                 break;
             }
@@ -339,38 +422,36 @@ impl Streamer {
         let mut misses = Vec::new();
         {
             let mut r = lock(&self.resident);
-            r.cache.tick += 1;
-            let tick = r.cache.tick;
-            for (i, k) in keys.iter().enumerate() {
-                match r.cache.entries.get_mut(k) {
-                    Some((ex, t)) => {
-                        *t = tick;
-                        found.push(Some(Arc::clone(ex)));
-                    }
-                    None => {
-                        found.push(None);
-                        misses.push(i);
-                    }
+            for (i, &k) in keys.iter().enumerate() {
+                let ex = r.cache.hit(k);
+                if ex.is_none() {
+                    misses.push(i);
                 }
+                found.push(ex);
             }
         }
-        self.counters.hits.fetch_add((ids.len() - misses.len()) as u64, Ordering::Relaxed);
-        self.counters.misses.fetch_add(misses.len() as u64, Ordering::Relaxed);
+        self.counters
+            .hits
+            .fetch_add((ids.len() - misses.len()) as u64, Ordering::Relaxed);
+        self.counters
+            .misses
+            .fetch_add(misses.len() as u64, Ordering::Relaxed);
         if !misses.is_empty() {
             let t0 = Instant::now();
             let loaded: Vec<Result<Expert, StreamError>> = misses
                 .par_iter()
                 .map(|&i| load_expert(&self.ck, &self.cfg, il, ids[i]))
                 .collect();
-            self.note_io(t0, self.sizes.expert_bytes * misses.len() as u64, &self.counters.expert_bytes);
+            self.note_io(
+                t0,
+                self.sizes.expert_bytes * misses.len() as u64,
+                &self.counters.expert_bytes,
+            );
             let mut r = lock(&self.resident);
             r.cache.make_room(misses.len(), &keys);
-            let tick = r.cache.tick;
             for (&i, ex) in misses.iter().zip(loaded) {
                 let ex = Arc::new(ex?);
-                if r.cache.entries.len() < r.cache.slots {
-                    r.cache.entries.insert(keys[i], (Arc::clone(&ex), tick));
-                }
+                r.cache.insert(keys[i], Arc::clone(&ex));
                 found[i] = Some(ex);
             }
         }
@@ -407,10 +488,16 @@ impl Streamer {
         let t0 = Instant::now();
         for (row, &id) in x.chunks_mut(d).zip(tokens) {
             let rb = self.sizes.row_bytes;
-            let info = self.ck.read_span(names::EMBED, u64::from(id) * rb, rb, &mut buf)?;
+            let info = self
+                .ck
+                .read_span(names::EMBED, u64::from(id) * rb, rb, &mut buf)?;
             widen(&buf, info.dtype, row);
         }
-        self.note_io(t0, self.sizes.row_bytes * tokens.len() as u64, &self.counters.embed_head_bytes);
+        self.note_io(
+            t0,
+            self.sizes.row_bytes * tokens.len() as u64,
+            &self.counters.embed_head_bytes,
+        );
         Ok(x)
     }
 
@@ -432,7 +519,9 @@ impl Streamer {
         for r0 in (0..v).step_by(chunk_rows) {
             let cr = chunk_rows.min(v - r0);
             let t0 = Instant::now();
-            let info = self.ck.read_span(names::LM_HEAD, r0 as u64 * rb, cr as u64 * rb, &mut buf)?;
+            let info =
+                self.ck
+                    .read_span(names::LM_HEAD, r0 as u64 * rb, cr as u64 * rb, &mut buf)?;
             self.note_io(t0, cr as u64 * rb, &self.counters.embed_head_bytes);
             let chunk = dense_rows(&buf, info.dtype, cr, d);
             let mut part = vec![0f32; n * cr];
@@ -450,9 +539,17 @@ impl Streamer {
         let r = lock(&self.resident);
         let layers = (0..self.cfg.num_hidden_layers)
             .map(|il| LayerResidency {
-                trunk: if r.plan.pinned[il] { Residency::Pinned } else { Residency::Ring },
+                trunk: if r.plan.pinned[il] {
+                    Residency::Pinned
+                } else {
+                    Residency::Ring
+                },
                 experts_resident: r.cache.resident_in(il),
-                experts_total: if self.cfg.is_dense(il) { 0 } else { self.cfg.num_experts as u32 },
+                experts_total: if self.cfg.is_dense(il) {
+                    0
+                } else {
+                    self.cfg.num_experts as u32
+                },
             })
             .collect();
         let c = &self.counters;

@@ -6,10 +6,10 @@ use super::config::ModelConfig;
 use super::kda::KdaWeights;
 use super::mla::MlaWeights;
 use super::model::{Attention, FeedForward, Layer, Model, Weights};
-use super::residency::Streamer;
-use crate::stream::budget::{BudgetRequest, ModelSizes, Plan};
 use super::moe::{DenseMlp, Expert, MoeWeights};
+use super::residency::Streamer;
 use super::tensor::{Dense, DenseData, Matrix, Mxfp4};
+use crate::stream::budget::{BudgetRequest, ModelSizes, Plan};
 use crate::stream::{Checkpoint, Dtype, StreamError, TensorData};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -97,7 +97,13 @@ pub(crate) struct Binder<'a> {
 
 impl<'a> Binder<'a> {
     pub(crate) fn new(ck: &'a Checkpoint, read: bool, experts: bool) -> Self {
-        Binder { ck, claimed: HashSet::new(), problems: Vec::new(), read, experts }
+        Binder {
+            ck,
+            claimed: HashSet::new(),
+            problems: Vec::new(),
+            read,
+            experts,
+        }
     }
 
     /// Problems found so far, as an error.
@@ -105,7 +111,10 @@ impl<'a> Binder<'a> {
         if self.problems.is_empty() {
             Ok(())
         } else {
-            Err(BindError { dir: self.ck.dir().to_path_buf(), problems: self.problems })
+            Err(BindError {
+                dir: self.ck.dir().to_path_buf(),
+                problems: self.problems,
+            })
         }
     }
 }
@@ -419,7 +428,9 @@ fn bind_moe(
         let w2 = b.mxfp4(&n(&format!("experts.{e}.w2")), lat, inter)?;
         let w3 = b.mxfp4(&n(&format!("experts.{e}.w3")), inter, lat)?;
         match (w1, w2, w3) {
-            (Some(w1), Some(w2), Some(w3)) => experts.push(std::sync::Arc::new(Expert { w1, w2, w3 })),
+            (Some(w1), Some(w2), Some(w3)) => {
+                experts.push(std::sync::Arc::new(Expert { w1, w2, w3 }))
+            }
             _ => all = false,
         }
     }
@@ -439,7 +450,11 @@ fn bind_moe(
     })())
 }
 
-pub(crate) fn bind_layer(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result<Option<Layer>, StreamError> {
+pub(crate) fn bind_layer(
+    b: &mut Binder,
+    cfg: &ModelConfig,
+    il: usize,
+) -> Result<Option<Layer>, StreamError> {
     let dm = cfg.hidden_size;
     let has_kda = b.ck.info(&names::layer(il, "self_attn.A_log")).is_some();
     let has_mla =
@@ -501,12 +516,15 @@ pub(crate) fn bind_layer(b: &mut Binder, cfg: &ModelConfig, il: usize) -> Result
     })())
 }
 
+/// Embedding, output head, final norm, output aggregator vector, and the layers.
+type BoundModel = (Dense, Dense, Vec<f32>, Vec<f32>, Vec<Layer>);
+
 /// Bind everything outside the layers, and optionally the layers, reading or just checking.
 fn bind_model(
     b: &mut Binder,
     cfg: &ModelConfig,
     with_layers: bool,
-) -> Result<Option<(Dense, Dense, Vec<f32>, Vec<f32>, Vec<Layer>)>, StreamError> {
+) -> Result<Option<BoundModel>, StreamError> {
     let dm = cfg.hidden_size;
     let embed = b.dense(names::EMBED, cfg.vocab_size, dm)?;
     let lm_head = b.dense(names::LM_HEAD, cfg.vocab_size, dm)?;
@@ -521,12 +539,11 @@ fn bind_model(
             None => complete = false,
         }
     }
-    let unclaimed: Vec<String> = b
-        .ck
-        .index()
-        .names()
-        .filter(|n| n.starts_with("language_model.") && !b.claimed.contains(n))
-        .collect();
+    let unclaimed: Vec<String> =
+        b.ck.index()
+            .names()
+            .filter(|n| n.starts_with("language_model.") && !b.claimed.contains(n))
+            .collect();
     if !unclaimed.is_empty() {
         b.problems.push(format!(
             "{} language-model tensor(s) not used by the configured graph, e.g. {:?}",
@@ -549,28 +566,40 @@ pub fn model_sizes(cfg: &ModelConfig, ck: &Checkpoint) -> crate::stream::budget:
     let mut layer_trunk = vec![0u64; cfg.num_hidden_layers];
     let mut expert_bytes = 0u64;
     for name in ck.index().names() {
-        let Some(rest) = name.strip_prefix("language_model.model.layers.") else { continue };
-        let Some((il, tail)) = rest.split_once('.') else { continue };
-        let Ok(il) = il.parse::<usize>() else { continue };
+        let Some(rest) = name.strip_prefix("language_model.model.layers.") else {
+            continue;
+        };
+        let Some((il, tail)) = rest.split_once('.') else {
+            continue;
+        };
+        let Ok(il) = il.parse::<usize>() else {
+            continue;
+        };
         if il >= layer_trunk.len() {
             continue;
         }
         if tail.starts_with("block_sparse_moe.experts.") {
             if tail.starts_with("block_sparse_moe.experts.0.") {
-                expert_bytes = expert_bytes.max(0) + bytes(&name);
+                expert_bytes += bytes(&name);
             }
         } else {
             layer_trunk[il] += bytes(&name);
         }
     }
-    let moe_layers = (0..cfg.num_hidden_layers).filter(|&il| !cfg.is_dense(il)).count() as u64;
+    let moe_layers = (0..cfg.num_hidden_layers)
+        .filter(|&il| !cfg.is_dense(il))
+        .count() as u64;
     let n_mla = cfg.is_mla.iter().filter(|&&m| m).count() as u64;
     let kp = super::model::kda_params(cfg);
     let kda_layer = (kp.heads * kp.head_dim * kp.head_dim
         + 3 * kp.heads * kp.head_dim * (kp.kernel - 1)) as u64
         * 4;
     ModelSizes {
-        expert_bytes: if moe_layers > 0 { expert_bytes / moe_layers.max(1) } else { 0 },
+        expert_bytes: if moe_layers > 0 {
+            expert_bytes / moe_layers.max(1)
+        } else {
+            0
+        },
         layer_trunk,
         experts_per_layer: cfg.num_experts as u64,
         moe_layers,
@@ -615,11 +644,21 @@ impl Model {
         let ck = Checkpoint::open(dir)?;
         let digest = ck.index_digest();
         let sizes = model_sizes(&cfg, &ck);
-        let plan = crate::stream::budget::plan(&sizes, req, context, crate::stream::budget::cgroup_limit())
-            .map_err(|e| LoadError::Budget(e.to_string()))?;
+        let plan = crate::stream::budget::plan(
+            &sizes,
+            req,
+            context,
+            crate::stream::budget::cgroup_limit(),
+        )
+        .map_err(|e| LoadError::Budget(e.to_string()))?;
         if plan.budget_bytes.is_none() {
             let model = Self::bind(cfg, &ck)?;
-            let info = LoadInfo { bytes_read: ck.bytes_read(), index_digest: digest, plan, sizes };
+            let info = LoadInfo {
+                bytes_read: ck.bytes_read(),
+                index_digest: digest,
+                plan,
+                sizes,
+            };
             return Ok((model, info));
         }
         // Validate the whole graph without reading, then read what the plan keeps.
@@ -627,23 +666,41 @@ impl Model {
         let ok = bind_model(&mut check, &cfg, false)?.is_some();
         check.into_result()?;
         if !ok {
-            return Err(BindError { dir: dir.to_path_buf(), problems: vec!["incomplete graph".into()] }.into());
+            return Err(BindError {
+                dir: dir.to_path_buf(),
+                problems: vec!["incomplete graph".into()],
+            }
+            .into());
         }
         let mut b = Binder::new(&ck, true, false);
         let norm = b.vector(names::NORM, cfg.hidden_size)?;
         let fold = b.fold(names::OUT_RES_NORM, names::OUT_RES_PROJ, cfg.hidden_size)?;
         b.into_result()?;
         let (Some(norm), Some(out_res_fold)) = (norm, fold) else {
-            return Err(BindError { dir: dir.to_path_buf(), problems: vec!["final norm".into()] }.into());
+            return Err(BindError {
+                dir: dir.to_path_buf(),
+                problems: vec!["final norm".into()],
+            }
+            .into());
         };
-        let streamer = Streamer::new(cfg.clone(), std::sync::Arc::new(ck), sizes.clone(), plan.clone())?;
+        let streamer = Streamer::new(
+            cfg.clone(),
+            std::sync::Arc::new(ck),
+            sizes.clone(),
+            plan.clone(),
+        )?;
         let info = LoadInfo {
             bytes_read: streamer.stats().disk_bytes_read,
             index_digest: digest,
             plan,
             sizes,
         };
-        let model = Model { cfg, out_res_fold, norm, weights: Weights::Streamed(Box::new(streamer)) };
+        let model = Model {
+            cfg,
+            out_res_fold,
+            norm,
+            weights: Weights::Streamed(Box::new(streamer)),
+        };
         Ok((model, info))
     }
 
@@ -654,9 +711,22 @@ impl Model {
         match bound {
             Some((embed, lm_head, norm, out_res_fold, layers)) if b.problems.is_empty() => {
                 let layers = layers.into_iter().map(std::sync::Arc::new).collect();
-                Ok(Model { cfg, out_res_fold, norm, weights: Weights::Resident { embed, layers, lm_head } })
+                Ok(Model {
+                    cfg,
+                    out_res_fold,
+                    norm,
+                    weights: Weights::Resident {
+                        embed,
+                        layers,
+                        lm_head,
+                    },
+                })
             }
-            _ => Err(BindError { dir: ck.dir().to_path_buf(), problems: b.problems }.into()),
+            _ => Err(BindError {
+                dir: ck.dir().to_path_buf(),
+                problems: b.problems,
+            }
+            .into()),
         }
     }
 }

@@ -309,9 +309,9 @@ impl<'a> Session<'a> {
         self.tok
     }
 
-    /// The model.
+    /// The model (the reference outlives the session's borrow).
     #[must_use]
-    pub fn model(&self) -> &Model {
+    pub fn model(&self) -> &'a Model {
         self.model
     }
 

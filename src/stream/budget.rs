@@ -78,10 +78,13 @@ pub const PRESETS: [(&str, f64, f64); 6] = [
 /// The request for a preset name, if it is one.
 #[must_use]
 pub fn preset(name: &str) -> Option<BudgetRequest> {
-    PRESETS.iter().find(|(n, _, _)| *n == name).map(|&(_, t, c)| BudgetRequest::Split {
-        trunk: (t * 1e9) as u64,
-        cache: (c * 1e9) as u64,
-    })
+    PRESETS
+        .iter()
+        .find(|(n, _, _)| *n == name)
+        .map(|&(_, t, c)| BudgetRequest::Split {
+            trunk: (t * 1e9) as u64,
+            cache: (c * 1e9) as u64,
+        })
 }
 
 /// A memory plan.
@@ -134,8 +137,16 @@ impl Plan {
             + self.pinned_bytes
             + self.ring_bytes
             + self.expert_cache_bytes
-            + if self.embed_resident { sizes.embed } else { sizes.row_bytes * 64 }
-            + if self.head_resident { sizes.head } else { self.head_chunk_rows * sizes.row_bytes }
+            + if self.embed_resident {
+                sizes.embed
+            } else {
+                sizes.row_bytes * 64
+            }
+            + if self.head_resident {
+                sizes.head
+            } else {
+                self.head_chunk_rows * sizes.row_bytes
+            }
             + sizes.small
     }
 }
@@ -157,7 +168,11 @@ pub struct BelowFloor {
 /// Bytes as decimal GB text.
 #[must_use]
 pub fn gb(b: u64) -> String {
-    format!("{:.2} GB", b as f64 / 1e9)
+    if b >= 1_000_000_000 {
+        format!("{:.2} GB", b as f64 / 1e9)
+    } else {
+        format!("{:.1} MB", b as f64 / 1e6)
+    }
 }
 
 /// Rows of the output head read per chunk when it is streamed.
@@ -220,7 +235,10 @@ pub fn plan(
             }
             let everything = fixed + state_reserve + model_bytes;
             if b >= everything {
-                return Ok(Plan { budget_bytes: Some(b), ..resident });
+                return Ok(Plan {
+                    budget_bytes: Some(b),
+                    ..resident
+                });
             }
             // Trunk first (every pinned gigabyte removes a gigabyte of reads per token), then
             // the cache; see RUNTIME §6.2.
@@ -248,8 +266,10 @@ pub fn plan(
     let mut left = trunk_budget;
     let mut head_resident = false;
     let ring_of = |pinned: &[bool]| -> u64 {
-        let mut rest: Vec<u64> =
-            (0..n).filter(|&i| !pinned[i]).map(|i| s.layer_trunk[i]).collect();
+        let mut rest: Vec<u64> = (0..n)
+            .filter(|&i| !pinned[i])
+            .map(|i| s.layer_trunk[i])
+            .collect();
         rest.sort_unstable_by(|a, b| b.cmp(a));
         rest.iter().take(2).sum()
     };
@@ -261,14 +281,20 @@ pub fn plan(
         let mut trial = pinned.clone();
         trial[il] = true;
         let need = s.layer_trunk[il] + ring_of(&trial);
-        let used: u64 = (0..n).filter(|&i| pinned[i]).map(|i| s.layer_trunk[i]).sum();
+        let used: u64 = (0..n)
+            .filter(|&i| pinned[i])
+            .map(|i| s.layer_trunk[i])
+            .sum();
         if used + need <= left {
             pinned = trial;
         } else {
             break;
         }
     }
-    let pinned_bytes: u64 = (0..n).filter(|&i| pinned[i]).map(|i| s.layer_trunk[i]).sum();
+    let pinned_bytes: u64 = (0..n)
+        .filter(|&i| pinned[i])
+        .map(|i| s.layer_trunk[i])
+        .sum();
     let ring_bytes = ring_of(&pinned);
     let ring_slots = (0..n).filter(|&i| !pinned[i]).count().min(2) as u64;
     // Whatever the trunk did not use goes to the cache (for a total budget).
@@ -277,7 +303,8 @@ pub fn plan(
         BudgetRequest::Total(_) => cache_budget + trunk_budget.saturating_sub(trunk_used),
         _ => cache_budget,
     };
-    let expert_slots = (cache_bytes / s.expert_bytes.max(1)).clamp(s.top_k, all_experts.max(s.top_k));
+    let expert_slots =
+        (cache_bytes / s.expert_bytes.max(1)).clamp(s.top_k, all_experts.max(s.top_k));
     let _ = max_layer;
     Ok(Plan {
         model_bytes,
@@ -344,8 +371,17 @@ mod tests {
         assert_eq!(s.model_bytes(), 1_559_965_606_912);
         let p = plan(&s, BudgetRequest::Total(6_000_000_000), 4096, None).unwrap();
         assert!(p.fits);
-        assert!(p.planned_bytes(&s) <= 6_000_000_000, "{}", p.planned_bytes(&s));
-        println!("k3 at 6 GB: floor {}, {} pinned, {} expert slots", gb(p.floor_bytes), p.n_pinned(), p.expert_slots);
+        assert!(
+            p.planned_bytes(&s) <= 6_000_000_000,
+            "{}",
+            p.planned_bytes(&s)
+        );
+        println!(
+            "k3 at 6 GB: floor {}, {} pinned, {} expert slots",
+            gb(p.floor_bytes),
+            p.n_pinned(),
+            p.expert_slots
+        );
         let e = plan(&s, BudgetRequest::Total(3_000_000_000), 4096, None).unwrap_err();
         assert_eq!(e.floor, p.floor_bytes);
         assert!(e.to_string().contains("short by"));
@@ -356,7 +392,13 @@ mod tests {
         let s = k3_sizes();
         let mut last = (0, 0);
         for gb10 in (60..=2400).step_by(60) {
-            let p = plan(&s, BudgetRequest::Total(gb10 as u64 * 100_000_000), 4096, None).unwrap();
+            let p = plan(
+                &s,
+                BudgetRequest::Total(gb10 as u64 * 100_000_000),
+                4096,
+                None,
+            )
+            .unwrap();
             assert!(p.planned_bytes(&s) <= gb10 as u64 * 100_000_000);
             assert!((p.n_pinned(), p.expert_slots as usize) >= last || p.n_pinned() > last.0);
             last = (p.n_pinned(), p.expert_slots as usize);
@@ -372,7 +414,13 @@ mod tests {
         let p = plan(&s, preset("server").unwrap(), 4096, None).unwrap();
         assert!(p.n_pinned() >= 85, "{}", p.n_pinned());
         assert!(preset("medium").is_none());
-        let capped = plan(&s, BudgetRequest::Total(200_000_000_000), 4096, Some(8_000_000_000)).unwrap();
+        let capped = plan(
+            &s,
+            BudgetRequest::Total(200_000_000_000),
+            4096,
+            Some(8_000_000_000),
+        )
+        .unwrap();
         assert!(capped.budget_bytes.unwrap() <= 8_000_000_000);
     }
 }

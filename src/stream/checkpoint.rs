@@ -317,7 +317,9 @@ impl Checkpoint {
         len: u64,
         buf: &mut Vec<u8>,
     ) -> Result<TensorInfo, StreamError> {
-        let info = self.info(name).ok_or_else(|| StreamError::NoSuchTensor(name.to_string()))?;
+        let info = self
+            .info(name)
+            .ok_or_else(|| StreamError::NoSuchTensor(name.to_string()))?;
         let end = offset.checked_add(len).filter(|&e| e <= info.n_bytes());
         let Some(_) = end else {
             return Err(StreamError::Read {
@@ -338,13 +340,14 @@ impl Checkpoint {
         while done < buf.len() {
             let take = (buf.len() - done).min(MAX_READ);
             let at = info.offset + offset + done as u64;
-            file.read_exact_at(&mut buf[done..done + take], at).map_err(|e| StreamError::Read {
-                path: self.paths[info.shard].clone(),
-                offset: at,
-                len,
-                name: name.to_string(),
-                source: e,
-            })?;
+            file.read_exact_at(&mut buf[done..done + take], at)
+                .map_err(|e| StreamError::Read {
+                    path: self.paths[info.shard].clone(),
+                    offset: at,
+                    len,
+                    name: name.to_string(),
+                    source: e,
+                })?;
             done += take;
         }
         self.bytes_read.fetch_add(len, Ordering::Relaxed);

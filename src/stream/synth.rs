@@ -374,14 +374,19 @@ impl Rng {
         mix64(self.0)
     }
 
-    /// Approximately standard normal: the sum of four 16-bit uniforms, centred and scaled to
-    /// unit variance (Irwin–Hall with n = 4).
+    /// Two approximately standard normal draws from one 64-bit output: each is the sum of four
+    /// 8-bit uniforms, centred and scaled to unit variance (Irwin–Hall with n = 4; bounded at
+    /// ±3.46, steps of 0.0068). Pure integer and float arithmetic: the same on every platform.
     #[inline]
-    fn normal(&mut self) -> f32 {
+    fn normal2(&mut self) -> [f32; 2] {
+        const M: u64 = 0x00ff_00ff_00ff_00ff;
         let r = self.next_u64();
-        let s = (r & 0xffff) + ((r >> 16) & 0xffff) + ((r >> 32) & 0xffff) + (r >> 48);
-        // Each uniform is (x + 0.5) / 65536, so the sum is (s + 2) / 65536 with mean 2.
-        ((s as f32 + 2.0) * (1.0 / 65536.0) - 2.0) * 1.732_050_8
+        // Four 16-bit lanes of byte-pair sums, then two 32-bit lanes of four-byte sums.
+        let p = (r & M) + ((r >> 8) & M);
+        let q = (p & 0x0000_ffff_0000_ffff) + ((p >> 16) & 0x0000_ffff_0000_ffff);
+        // Each uniform is (x + 0.5) / 256, so a sum is (s + 2) / 256 with mean 2, variance 1/3.
+        let z = |s: u64| ((s as f32 + 2.0) * (1.0 / 256.0) - 2.0) * 1.732_050_8;
+        [z(q & 0xffff_ffff), z(q >> 32)]
     }
 
     /// Uniform in 0..n (n > 0; the modulo bias is irrelevant here).
@@ -805,19 +810,17 @@ fn header_json(specs: &[Spec]) -> Vec<u8> {
 
 /// One shard ready to write.
 struct Shard {
-    file: String,
     specs: Vec<Spec>,
     header: Vec<u8>,
     data_bytes: u64,
 }
 
 impl Shard {
-    fn new(file: String, mut specs: Vec<Spec>) -> Shard {
+    fn new(mut specs: Vec<Spec>) -> Shard {
         sort_specs(&mut specs);
         let header = header_json(&specs);
         let data_bytes = specs.iter().map(Spec::bytes).sum();
         Shard {
-            file,
             specs,
             header,
             data_bytes,
@@ -830,7 +833,7 @@ impl Shard {
 
     /// A placeholder shard whose last (1-D BF16) tensor is sized so that the file is exactly
     /// `target` bytes.
-    fn sized(file: String, fixed: Vec<Spec>, filler: &str, target: u64) -> Option<Shard> {
+    fn sized(fixed: Vec<Spec>, filler: &str, target: u64) -> Option<Shard> {
         let mut n = 1u64;
         for _ in 0..16 {
             let mut specs = fixed.clone();
@@ -840,7 +843,7 @@ impl Shard {
                 shape: vec![n],
                 init: Init::Zero,
             });
-            let s = Shard::new(file.clone(), specs);
+            let s = Shard::new(specs);
             if s.file_bytes() == target {
                 return Some(s);
             }
@@ -867,17 +870,15 @@ fn shard_count(d: &Dims) -> usize {
 
 /// Shard `k` (zero-based) of a shape.
 fn build_shard(d: &Dims, k: usize) -> Result<Shard, String> {
-    let n = shard_count(d);
-    let file = shard_name(k + 1, n);
     if k < d.layers {
-        Ok(Shard::new(file, layer_specs(d, k)))
+        Ok(Shard::new(layer_specs(d, k)))
     } else if k == d.layers {
-        Ok(Shard::new(file, model_specs(d)))
+        Ok(Shard::new(model_specs(d)))
     } else {
         let which = k - d.layers - 1;
         let (fixed, filler) = vision_specs(which);
-        Shard::sized(file.clone(), fixed, &filler, K3_VISION_SHARD_BYTES[which])
-            .ok_or_else(|| format!("{file}: cannot size the vision placeholder shard"))
+        Shard::sized(fixed, &filler, K3_VISION_SHARD_BYTES[which])
+            .ok_or_else(|| "cannot size the vision placeholder shard".to_string())
     }
 }
 
@@ -960,8 +961,13 @@ fn gen_dense(seed: u64, s: &Spec) -> Vec<u8> {
                 .for_each(|(k, buf)| {
                     let mut r = chunk_rng(key, k);
                     let base = (k * CHUNK) as u64;
+                    let mut spare: Option<f32> = None;
                     for (j, o) in buf.chunks_exact_mut(es).enumerate() {
-                        let z = r.normal();
+                        let z = spare.take().unwrap_or_else(|| {
+                            let [a, b] = r.normal2();
+                            spare = Some(b);
+                            a
+                        });
                         let v = match s.init {
                             Init::Normal { mean, std } => mean + std * z,
                             Init::Split { at, std, std2 } => {
@@ -1011,8 +1017,10 @@ fn gen_mx(seed: u64, packed: &Spec, scale_spec: &Spec) -> (Vec<u8>, Vec<u8>) {
             let mut r = chunk_rng(key, k);
             let mut w = [0f32; 32];
             for (g, sb) in sc.iter_mut().enumerate() {
-                for x in &mut w {
-                    *x = std * r.normal();
+                for pair in w.chunks_exact_mut(2) {
+                    let [a, b] = r.normal2();
+                    pair[0] = std * a;
+                    pair[1] = std * b;
                 }
                 *sb = quantise_group(&w, &mut pc[16 * g..16 * g + 16]);
             }
@@ -1397,9 +1405,9 @@ fn write_into(
     // Sizes first (headers are cheap to build), so the progress total is exact.
     let mut total = 0u64;
     let mut tensor_bytes = 0u64;
-    for k in 0..n {
+    for (k, file) in files.iter().enumerate() {
         let sh = build_shard(d, k).map_err(|m| SynthError::Io {
-            path: dir.join(&files[k]),
+            path: dir.join(file),
             source: std::io::Error::other(m),
         })?;
         total += 8 + sh.header.len() as u64 + if d.sparse { 0 } else { sh.data_bytes };
@@ -1567,7 +1575,10 @@ mod tests {
     fn normal_draws_have_unit_variance() {
         let mut r = Rng(7);
         let n = 200_000;
-        let v: Vec<f64> = (0..n).map(|_| f64::from(r.normal())).collect();
+        let v: Vec<f64> = (0..n / 2)
+            .flat_map(|_| r.normal2())
+            .map(f64::from)
+            .collect();
         let mean = v.iter().sum::<f64>() / n as f64;
         let var = v.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / n as f64;
         assert!(mean.abs() < 0.01, "{mean}");

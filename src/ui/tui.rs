@@ -82,8 +82,7 @@ impl TerminalGuard {
     fn enter() -> std::io::Result<TerminalGuard> {
         // Raw mode, alternate screen, and a panic hook that restores both before printing.
         let terminal = ratatui::try_init()?;
-        let keyboard_flags =
-            crossterm::terminal::supports_keyboard_enhancement().unwrap_or(false);
+        let keyboard_flags = crossterm::terminal::supports_keyboard_enhancement().unwrap_or(false);
         // Our hook runs first: it undoes mouse capture, bracketed paste and keyboard flags, then
         // hands over to ratatui's, which leaves raw mode and the alternate screen and prints.
         let ratatui_hook = std::panic::take_hook();
@@ -325,7 +324,11 @@ pub fn run(worker: Worker, opts: TuiOptions) -> i32 {
     code
 }
 
-fn event_loop(d: &mut Driver, terminal: &mut ratatui::DefaultTerminal, inbox: &Receiver<Event>) -> i32 {
+fn event_loop(
+    d: &mut Driver,
+    terminal: &mut ratatui::DefaultTerminal,
+    inbox: &Receiver<Event>,
+) -> i32 {
     if let Ok(size) = terminal.size() {
         d.apply(Msg::Resize {
             width: size.width,
@@ -365,10 +368,7 @@ fn event_loop(d: &mut Driver, terminal: &mut ratatui::DefaultTerminal, inbox: &R
         let due = last_draw.is_none_or(|t| t.elapsed() >= FRAME);
         if drawn != Some(d.app.revision) && due {
             let mut m = Measure::default();
-            if terminal
-                .draw(|f| m = view::draw(f, &d.app))
-                .is_err()
-            {
+            if terminal.draw(|f| m = view::draw(f, &d.app)).is_err() {
                 return 1;
             }
             d.measure = m;

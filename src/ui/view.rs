@@ -7,9 +7,9 @@
 
 pub mod panes;
 pub mod popups;
-pub mod text;
 #[cfg(test)]
 mod tests;
+pub mod text;
 
 use crate::app::config::Cmd;
 use crate::app::state::{App, Dialog, Focus, Phase};
@@ -88,8 +88,7 @@ pub fn render(app: &App, area: Rect, buf: &mut Buffer) -> Measure {
             Layout::horizontal([Constraint::Min(1), Constraint::Length(COLUMN_W)]).areas(main);
         (c, PanesAt::Column(p))
     } else if main.width >= 60 && main.height >= 14 {
-        let [c, p] =
-            Layout::vertical([Constraint::Min(1), Constraint::Length(6)]).areas(main);
+        let [c, p] = Layout::vertical([Constraint::Min(1), Constraint::Length(6)]).areas(main);
         (c, PanesAt::Row(p))
     } else {
         (main, PanesAt::None)
@@ -170,9 +169,7 @@ fn too_small(area: Rect, theme: &Theme, buf: &mut Buffer) {
         height: area.height - (y - area.y),
         ..area
     };
-    Paragraph::new(lines)
-        .centered()
-        .render(r, buf);
+    Paragraph::new(lines).centered().render(r, buf);
 }
 
 /// The conversation pane; returns (max scroll, visible lines).
@@ -187,10 +184,7 @@ fn conversation(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) -> (usiz
     let visible: Vec<Line<'static>> = lines[start..end].to_vec();
     Paragraph::new(visible).render(area, buf);
     if scroll > 0 && area.width > 10 {
-        let note = format!(
-            " ↓ {scroll} more lines ({}) ",
-            app.keys.of(Cmd::Follow)
-        );
+        let note = format!(" ↓ {scroll} more lines ({}) ", app.keys.of(Cmd::Follow));
         let note = fit(&note, usize::from(area.width)).to_string();
         let w = u16::try_from(str_width(&note)).unwrap_or(area.width);
         let r = Rect {
@@ -250,16 +244,29 @@ fn input_rows(app: &App, width: usize) -> InputRows {
     InputRows { rows, cursor }
 }
 
-fn input_box(app: &App, theme: &Theme, rows: &InputRows, area: Rect, buf: &mut Buffer) -> Option<Position> {
+fn input_box(
+    app: &App,
+    theme: &Theme,
+    rows: &InputRows,
+    area: Rect,
+    buf: &mut Buffer,
+) -> Option<Position> {
     let title = match (&app.phase, app.mode) {
         (Phase::Loading, _) => " loading the model… ".to_string(),
         (Phase::Prefill { .. } | Phase::Streaming { .. }, _) => {
-            format!(" generating · {} stops ", app.keys.of(Cmd::Stop).split(" / ").next().unwrap_or("Esc"))
+            format!(
+                " generating · {} stops ",
+                app.keys.of(Cmd::Stop).split(" / ").next().unwrap_or("Esc")
+            )
         }
         (_, Mode::Raw) => " raw text · Enter sends ".to_string(),
         (_, Mode::Chat) => format!(
             " message · Enter sends · {} new line ",
-            app.keys.of(Cmd::Newline).split(" / ").next().unwrap_or("Alt-Enter")
+            app.keys
+                .of(Cmd::Newline)
+                .split(" / ")
+                .next()
+                .unwrap_or("Alt-Enter")
         ),
     };
     let focused = app.focus == Focus::Input && app.dialog.is_none();
@@ -280,8 +287,11 @@ fn input_box(app: &App, theme: &Theme, rows: &InputRows, area: Rect, buf: &mut B
         } else {
             String::new()
         };
-        Paragraph::new(Line::styled(fit(&hint, usize::from(inner.width)).to_string(), theme.dim))
-            .render(inner, buf);
+        Paragraph::new(Line::styled(
+            fit(&hint, usize::from(inner.width)).to_string(),
+            theme.dim,
+        ))
+        .render(inner, buf);
     } else {
         let h = usize::from(inner.height);
         let first = (rows.cursor.0 + 1).saturating_sub(h);
@@ -297,18 +307,21 @@ fn input_box(app: &App, theme: &Theme, rows: &InputRows, area: Rect, buf: &mut B
     }
     let first = (rows.cursor.0 + 1).saturating_sub(usize::from(inner.height));
     let y = u16::try_from(rows.cursor.0 - first).unwrap_or(0);
-    let x = u16::try_from(rows.cursor.1).unwrap_or(u16::MAX).min(inner.width - 1);
+    let x = u16::try_from(rows.cursor.1)
+        .unwrap_or(u16::MAX)
+        .min(inner.width - 1);
     Some(Position::new(inner.x + x, inner.y + y))
 }
 
 fn status_bar(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
     let w = usize::from(area.width);
-    let session = app.session.as_deref().map_or_else(|| "(unnamed)".to_string(), one_line);
-    let (pos, limit) = app
-        .stats
-        .last
-        .as_ref()
-        .map_or((0, app.context_limit), |s| (s.positions, app.context_limit.max(s.context_limit)));
+    let session = app
+        .session
+        .as_deref()
+        .map_or_else(|| "(unnamed)".to_string(), one_line);
+    let (pos, limit) = app.stats.last.as_ref().map_or((0, app.context_limit), |s| {
+        (s.positions, app.context_limit.max(s.context_limit))
+    });
     let phase = match &app.phase {
         Phase::Loading => format!("{} loading", SPINNER[(app.ticks % 10) as usize]),
         Phase::Idle => "ready".to_string(),
@@ -325,12 +338,23 @@ fn status_bar(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         session,
         if app.dirty { "*" } else { "" },
         app.mode.name(),
-        if app.thinking && app.mode == Mode::Chat { "+think" } else { "" },
+        if app.thinking && app.mode == Mode::Chat {
+            "+think"
+        } else {
+            ""
+        },
     );
     let right = match &app.toast {
         Some((t, _)) => format!(" {} ", one_line(t)),
         None => {
-            let k = |c: Cmd| app.keys.of(c).split(" / ").next().unwrap_or("?").to_string();
+            let k = |c: Cmd| {
+                app.keys
+                    .of(c)
+                    .split(" / ")
+                    .next()
+                    .unwrap_or("?")
+                    .to_string()
+            };
             format!(
                 " {} help · {} stop · {} sessions · {} quit ",
                 k(Cmd::Help),
@@ -342,7 +366,11 @@ fn status_bar(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
     };
     let left = fit(&left, w).to_string();
     let room = w.saturating_sub(str_width(&left));
-    let right = if str_width(&right) <= room { right } else { fit(&right, room).to_string() };
+    let right = if str_width(&right) <= room {
+        right
+    } else {
+        fit(&right, room).to_string()
+    };
     let pad = room.saturating_sub(str_width(&right));
     let line = Line::from(vec![
         Span::styled(left, theme.status),

@@ -10,3 +10,4 @@ mod reader;
 mod session;
 mod streaming;
 mod synth;
+mod tui;

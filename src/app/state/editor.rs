@@ -110,7 +110,9 @@ impl Editor {
     }
 
     fn line_end(&self, at: usize) -> usize {
-        self.text[at..].find('\n').map_or(self.text.len(), |i| at + i)
+        self.text[at..]
+            .find('\n')
+            .map_or(self.text.len(), |i| at + i)
     }
 
     /// Move to the start of the line.

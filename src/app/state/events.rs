@@ -4,7 +4,7 @@
 
 use super::{
     session_in, summary, App, Effect, Item, Phase, Purpose, Reply, ReplyKind, ReplyState,
-    BUDGET_STEPS, SPARK_POINTS,
+    SPARK_POINTS,
 };
 use crate::app::config::Cmd;
 use crate::app::protocol::{EngineEvent, Request, TurnId};
@@ -13,11 +13,12 @@ use crate::session::commands::{Command, ExportFormat, Think};
 use crate::stream::stats::StatsSnapshot;
 use std::collections::VecDeque;
 
-/// Make `shown` equal to `parsed`, appending only the new tail when `shown` is its prefix.
+/// Bring `shown` up to `parsed`, which only ever grows at its end: append the new tail
+/// (replace the whole text should it ever not line up).
 pub(super) fn sync_tail(shown: &mut String, parsed: &str) {
     match parsed.get(shown.len()..) {
-        Some(tail) if parsed.starts_with(shown.as_str()) => shown.push_str(tail),
-        _ => {
+        Some(tail) => shown.push_str(tail),
+        None => {
             shown.clear();
             shown.push_str(parsed);
         }
@@ -155,9 +156,9 @@ impl App {
     }
 
     pub(super) fn engine_stats(&mut self, turn: TurnId, s: StatsSnapshot) -> bool {
-        if turn != 0 && self.is_cancelled(turn) {
-            return false;
-        }
+        // A cancelled turn's figures still describe the engine (memory, positions), but they
+        // add no points to the sparklines and never move the conversation's phase.
+        let stale = turn != 0 && (self.is_cancelled(turn) || self.live_turn() != Some(turn));
         if let Phase::Prefill { turn: t, .. } = self.phase {
             if t == turn && s.prefill_total > 0 {
                 self.phase = Phase::Prefill {
@@ -173,26 +174,19 @@ impl App {
             }
             q.push_back(if v.is_finite() { v.max(0.0) } else { 0.0 });
         };
-        if turn != 0 && s.prefill_total == 0 {
+        if turn != 0 && !stale && s.prefill_total == 0 {
             push(&mut self.stats.tps, s.tokens_per_second);
             push(&mut self.stats.disk, s.disk_mb_per_s);
-        }
-        if s.model_bytes > 0 {
-            self.budget.scale_bytes = s.model_bytes;
-        }
-        self.budget.in_force = s.budget_bytes;
-        if let (Some(b), false) = (s.budget_bytes, self.budget.touched) {
-            if self.budget.scale_bytes > 0 {
-                let f = b as f64 / self.budget.scale_bytes as f64;
-                self.budget.step = ((f * f64::from(BUDGET_STEPS)).round() as u32)
-                    .clamp(1, BUDGET_STEPS);
-            }
         }
         if s.context_limit > 0 {
             self.context_limit = s.context_limit;
         }
-        // Figures from the prefill hook carry no residency; keep the last full picture's.
+        // Figures from the prefill hook carry no residency or budget; keep the last full
+        // picture's.
         let keep_layers = s.layers.is_empty() && s.prefill_total > 0;
+        if !keep_layers {
+            self.budget.observe(s.model_bytes, s.budget_bytes);
+        }
         let mut s = s;
         if keep_layers {
             if let Some(prev) = &self.stats.last {
@@ -250,7 +244,11 @@ impl App {
             return;
         };
         // An edit added its new message just before the new reply.
-        let search_end = if kind == ReplyKind::Edit { at.saturating_sub(1) } else { at };
+        let search_end = if kind == ReplyKind::Edit {
+            at.saturating_sub(1)
+        } else {
+            at
+        };
         let Some(old) = self.items[..search_end]
             .iter()
             .rposition(|i| matches!(i, Item::Reply(_)))
@@ -377,11 +375,7 @@ impl App {
     }
 
     pub(super) fn undo_last_exchange(&mut self) {
-        if let Some(r) = self
-            .items
-            .iter()
-            .rposition(|i| matches!(i, Item::Reply(_)))
-        {
+        if let Some(r) = self.items.iter().rposition(|i| matches!(i, Item::Reply(_))) {
             self.items.remove(r);
             if let Some(u) = self.items[..r]
                 .iter()

@@ -103,7 +103,7 @@ impl App {
         match a {
             Action::Left | Action::Down | Action::Char('[' | '-') => self.budget_move(-1, fx),
             Action::Right | Action::Up | Action::Char(']' | '+') => self.budget_move(1, fx),
-            Action::Home => self.budget_set(1, fx),
+            Action::Home => self.budget_set(0, fx),
             Action::End => self.budget_set(BUDGET_STEPS, fx),
             Action::Cmd(Cmd::Stop | Cmd::Focus) | Action::Submit => self.focus = Focus::Input,
             _ => return false,
@@ -361,7 +361,7 @@ impl App {
     // ---------------------------------------------------------------------------------------
 
     pub(super) fn budget_move(&mut self, delta: i64, fx: &mut Vec<Effect>) {
-        let step = (i64::from(self.budget.step) + delta).clamp(1, i64::from(BUDGET_STEPS));
+        let step = (i64::from(self.budget.step) + delta).clamp(0, i64::from(BUDGET_STEPS));
         self.budget_set(u32::try_from(step).unwrap_or(BUDGET_STEPS), fx);
     }
 
@@ -372,11 +372,11 @@ impl App {
             1.0
         };
         let step = (f * f64::from(BUDGET_STEPS)).round() as u32;
-        self.budget_set(step.clamp(1, BUDGET_STEPS), fx);
+        self.budget_set(step.min(BUDGET_STEPS), fx);
     }
 
     pub(super) fn budget_set(&mut self, step: u32, fx: &mut Vec<Effect>) {
-        if self.budget.scale_bytes == 0 {
+        if !self.budget.ready() {
             self.toast("the budget slider waits for the engine's figures");
             return;
         }
@@ -407,7 +407,12 @@ impl App {
         }));
     }
 
-    pub(super) fn budget_answer(&mut self, turn: TurnId, answer: Result<String, String>, fx: &mut Vec<Effect>) {
+    pub(super) fn budget_answer(
+        &mut self,
+        turn: TurnId,
+        answer: Result<String, String>,
+        fx: &mut Vec<Effect>,
+    ) {
         let bytes = match self.budget.asked {
             Some((t, b)) if t == turn => b,
             _ => return,
@@ -481,7 +486,8 @@ impl App {
         }
         let turn = self.turn(Purpose::Command(Command::Save(None)));
         self.quit_after_save = Some(turn);
-        self.items.push(Item::Info("saving before quitting…".into()));
+        self.items
+            .push(Item::Info("saving before quitting…".into()));
         fx.push(Effect::Send(Request::Command {
             turn,
             command: Command::Save(None),
@@ -580,5 +586,4 @@ impl App {
         d.naming = Some(name);
         self.dialog = Some(Dialog::Sessions(d));
     }
-
 }

@@ -17,7 +17,10 @@ fn init() -> AppInit {
         context_limit: 4096,
         history_path: PathBuf::from("/tmp/k3-test-history.json"),
         budget_gb: None,
-        keys: KeyLabels(vec![(Cmd::Help, "F1".into()), (Cmd::Thinking, "Ctrl-T".into())]),
+        keys: KeyLabels(vec![
+            (Cmd::Help, "F1".into()),
+            (Cmd::Thinking, "Ctrl-T".into()),
+        ]),
         theme: ThemeName::Dark,
     }
 }
@@ -217,7 +220,10 @@ fn submit_streams_and_finishes() {
     );
     let r = last_reply(&app);
     assert_eq!(r.state, ReplyState::Done);
-    assert!(r.summary.as_deref().unwrap_or("").contains("8.0 tokens/s"), "{r:?}");
+    assert!(
+        r.summary.as_deref().unwrap_or("").contains("8.0 tokens/s"),
+        "{r:?}"
+    );
     assert_eq!(app.phase, Phase::Idle);
     assert!(app.dirty);
     assert_eq!(app.last_reply(), Some("Hello!"));
@@ -260,13 +266,6 @@ fn cancel_stops_within_the_turn_and_drops_its_stale_events() {
     token(&mut app, turn, " more");
     ev(
         &mut app,
-        EngineEvent::Stats {
-            turn,
-            stats: Box::new(stats(turn, 99.0)),
-        },
-    );
-    ev(
-        &mut app,
         EngineEvent::TurnDone {
             turn,
             report: report("partial more", Stop::Cancelled, false),
@@ -281,7 +280,20 @@ fn cancel_stops_within_the_turn_and_drops_its_stale_events() {
     );
     assert_eq!(app.items, before);
     assert_eq!(app.revision, rev);
+    // Its figures still describe the engine, but add nothing to the sparklines.
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn,
+            stats: Box::new(stats(turn, 99.0)),
+        },
+    );
     assert!(app.stats.tps.is_empty());
+    assert_eq!(app.phase, Phase::Idle);
+    assert_eq!(
+        app.stats.last.as_ref().map(|s| s.positions),
+        Some(40 + turn)
+    );
     // The session goes on: the next message gets a new turn and streams.
     let next = send_message(&mut app, "again");
     assert!(next > turn);
@@ -427,7 +439,9 @@ fn the_budget_slider_asks_the_engine_and_shows_its_answer() {
     );
     let (turn2, cmd2) = command(&fx);
     assert_eq!(cmd2, Command::Budget(3.6));
-    assert!(matches!(&app.budget.answer, Some((b, Err(t))) if *b == 3_800_000_000 && t.contains("whole model")));
+    assert!(
+        matches!(&app.budget.answer, Some((b, Err(t))) if *b == 3_800_000_000 && t.contains("whole model"))
+    );
     // The answer is not a conversation error.
     assert!(!has_error(&app, "whole model"));
     ev(
@@ -882,7 +896,10 @@ fn resuming_fetches_the_history_once_ready() {
             info: "k3: tiny, session \"old\", raw mode\nloaded session \"old\"".into(),
         },
     );
-    assert!(matches!(command(&fx).1, Command::Export(ExportFormat::Json, _)));
+    assert!(matches!(
+        command(&fx).1,
+        Command::Export(ExportFormat::Json, _)
+    ));
     assert_eq!(app.mode, Mode::Raw);
     assert_eq!(app.session.as_deref(), Some("old"));
 }

@@ -48,8 +48,16 @@ fn block<'a>(title: &'a str, theme: &Theme, focused: bool) -> Block<'a> {
 }
 
 /// Draw `lines` at the top of `inner` and a sparkline of `data` in the rows left below.
-fn text_and_spark(lines: Vec<Line<'static>>, data: &[f64], theme: &Theme, inner: Rect, buf: &mut Buffer) {
-    let n = u16::try_from(lines.len()).unwrap_or(u16::MAX).min(inner.height);
+fn text_and_spark(
+    lines: Vec<Line<'static>>,
+    data: &[f64],
+    theme: &Theme,
+    inner: Rect,
+    buf: &mut Buffer,
+) {
+    let n = u16::try_from(lines.len())
+        .unwrap_or(u16::MAX)
+        .min(inner.height);
     Paragraph::new(lines).render(Rect { height: n, ..inner }, buf);
     let spark = Rect {
         y: inner.y + n,
@@ -98,7 +106,10 @@ pub fn tokens(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
             if full.chars().count() <= w {
                 lines.push(Line::styled(full, theme.text));
             } else {
-                lines.push(Line::styled(format!("now {:.1}", s.tokens_per_second), theme.text));
+                lines.push(Line::styled(
+                    format!("now {:.1}", s.tokens_per_second),
+                    theme.text,
+                ));
                 lines.push(Line::styled(format!("avg {avg:.1}"), theme.text));
             }
             if let Phase::Prefill { done, total, .. } = app.phase {
@@ -131,7 +142,10 @@ pub fn memory(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
     let lines = match last(app) {
         None => waiting(theme),
         Some(s) => {
-            let mut lines = vec![Line::styled(format!("RSS {}", bytes(s.rss_bytes)), theme.text)];
+            let mut lines = vec![Line::styled(
+                format!("RSS {}", bytes(s.rss_bytes)),
+                theme.text,
+            )];
             match s.budget_bytes {
                 Some(budget) => {
                     let f = s.rss_bytes as f64 / budget.max(1) as f64;
@@ -139,7 +153,10 @@ pub fn memory(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
                     let mut spans = bar(f, w.saturating_sub(label.len()), theme);
                     spans.push(Span::styled(label, theme.text));
                     lines.push(Line::from(spans));
-                    lines.push(Line::styled(format!("budget {}", bytes(budget)), theme.text));
+                    lines.push(Line::styled(
+                        format!("budget {}", bytes(budget)),
+                        theme.text,
+                    ));
                 }
                 None if w >= NARROW => {
                     lines.push(Line::styled("resident (no budget)", theme.text));
@@ -148,11 +165,18 @@ pub fn memory(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
             }
             if w >= NARROW {
                 lines.push(Line::styled(
-                    format!("peak {} · model {}", bytes(s.peak_rss_bytes), bytes(s.model_bytes)),
+                    format!(
+                        "peak {} · model {}",
+                        bytes(s.peak_rss_bytes),
+                        bytes(s.model_bytes)
+                    ),
                     theme.dim,
                 ));
             } else {
-                lines.push(Line::styled(format!("peak {}", bytes(s.peak_rss_bytes)), theme.dim));
+                lines.push(Line::styled(
+                    format!("peak {}", bytes(s.peak_rss_bytes)),
+                    theme.dim,
+                ));
             }
             lines
         }
@@ -197,7 +221,10 @@ pub fn experts(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
     let w = usize::from(inner.width).max(1);
     let lookups = s.expert_hits + s.expert_misses;
     let (resident, total) = s.layers.iter().fold((0u64, 0u64), |(r, t), l| {
-        (r + u64::from(l.experts_resident), t + u64::from(l.experts_total))
+        (
+            r + u64::from(l.experts_resident),
+            t + u64::from(l.experts_total),
+        )
     });
     let busy = s.compute_seconds + s.io_wait_seconds;
     let hit = percent(s.expert_hits, lookups);
@@ -250,7 +277,11 @@ pub fn experts(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
             Span::styled(glyph, style)
         })
         .collect();
-    let pinned = s.layers.iter().filter(|l| l.trunk == Residency::Pinned).count();
+    let pinned = s
+        .layers
+        .iter()
+        .filter(|l| l.trunk == Residency::Pinned)
+        .count();
     if w >= NARROW {
         lines.push(Line::styled(
             format!("layers: {pinned} pinned · {} ring", s.layers.len() - pinned),
@@ -287,27 +318,32 @@ pub fn budget(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
     }
     let bd = &app.budget;
     let mut lines = Vec::new();
-    if bd.scale_bytes == 0 {
-        lines.push(Line::styled("waiting for figures", theme.dim));
+    if !bd.ready() {
+        lines.push(Line::styled("waiting…", theme.dim));
         Paragraph::new(lines).render(inner, buf);
         return;
     }
-    // Slider: a knob on a track; the track's cells map onto the steps.
+    // Slider: a knob on a track; the track's cells map onto the (logarithmic) steps.
     let track = w.max(2);
-    let knob = ((f64::from(bd.step) / f64::from(BUDGET_STEPS)) * (track - 1) as f64).round() as usize;
+    let knob = ((f64::from(bd.step) / f64::from(BUDGET_STEPS)) * (track - 1) as f64).round()
+        as usize;
     let knob = knob.min(track - 1);
     lines.push(Line::from(vec![
         Span::styled("━".repeat(knob), theme.fill),
         Span::styled("●", theme.title),
         Span::styled("─".repeat(track - 1 - knob), theme.empty),
     ]));
-    let value = match (bd.touched, bd.in_force, w >= NARROW) {
-        (false, None, true) => format!("resident · model {}", bytes(bd.scale_bytes)),
-        (false, None, false) => "resident".to_string(),
-        (_, _, true) => format!("{} of {}", bytes(bd.value_bytes()), bytes(bd.scale_bytes)),
-        (_, _, false) => bytes(bd.value_bytes()),
-    };
-    lines.push(Line::styled(fit(&value, w).to_string(), theme.text));
+    let in_force = bd.in_force.map_or_else(|| "resident".to_string(), bytes);
+    if w >= NARROW {
+        lines.push(Line::styled(
+            format!("slider {} · model {}", bytes(bd.value_bytes()), bytes(bd.model_bytes)),
+            theme.text,
+        ));
+        lines.push(Line::styled(format!("in force: {in_force}"), theme.text));
+    } else {
+        lines.push(Line::styled(bytes(bd.value_bytes()), theme.text));
+        lines.push(Line::styled(in_force, theme.dim));
+    }
     let answer = match (&bd.asked, &bd.answer) {
         (Some((_, asked)), _) => Some((format!("asking for {}…", bytes(*asked)), theme.dim)),
         (None, Some((_, Ok(text)))) => Some((format!("engine: {}", clean(text)), theme.text)),

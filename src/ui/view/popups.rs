@@ -30,8 +30,17 @@ fn frame<'a>(title: &'a str, theme: &Theme) -> Block<'a> {
         .border_style(theme.focus)
 }
 
-fn popup(title: &str, lines: Vec<Line<'static>>, w: u16, area: Rect, theme: &Theme, buf: &mut Buffer) {
-    let h = u16::try_from(lines.len()).unwrap_or(u16::MAX).saturating_add(2);
+fn popup(
+    title: &str,
+    lines: Vec<Line<'static>>,
+    w: u16,
+    area: Rect,
+    theme: &Theme,
+    buf: &mut Buffer,
+) {
+    let h = u16::try_from(lines.len())
+        .unwrap_or(u16::MAX)
+        .saturating_add(2);
     let r = centered(area, w, h);
     Clear.render(r, buf);
     let b = frame(title, theme);
@@ -46,13 +55,25 @@ pub fn help(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
     let rows: Vec<(String, &str)> = vec![
         ("Enter".into(), "send the message (or /command)"),
         (k(Cmd::Newline), Cmd::Newline.describe()),
-        ("Up / Down".into(), "input history; move between input lines"),
-        ("Left Right Home End".into(), "move in the input (Ctrl-A / Ctrl-E too)"),
+        (
+            "Up / Down".into(),
+            "input history; move between input lines",
+        ),
+        (
+            "Left Right Home End".into(),
+            "move in the input (Ctrl-A / Ctrl-E too)",
+        ),
         ("Ctrl-U".into(), "clear the input"),
         (k(Cmd::Stop), Cmd::Stop.describe()),
-        ("Ctrl-C".into(), "stop the reply; clear the input; quit when idle"),
+        (
+            "Ctrl-C".into(),
+            "stop the reply; clear the input; quit when idle",
+        ),
         (k(Cmd::Quit), Cmd::Quit.describe()),
-        ("PgUp / PgDn".into(), "scroll the conversation (also Shift-Up/Down, wheel)"),
+        (
+            "PgUp / PgDn".into(),
+            "scroll the conversation (also Shift-Up/Down, wheel)",
+        ),
         (k(Cmd::Follow), Cmd::Follow.describe()),
         (k(Cmd::Thinking), Cmd::Thinking.describe()),
         (k(Cmd::Mode), Cmd::Mode.describe()),
@@ -63,10 +84,18 @@ pub fn help(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
             "memory budget down / up (input empty)",
         ),
         (k(Cmd::Focus), Cmd::Focus.describe()),
-        ("mouse".into(), "wheel scrolls; click or wheel on budget moves it"),
+        (
+            "mouse".into(),
+            "wheel scrolls; click or wheel on budget moves it",
+        ),
         (k(Cmd::Help), Cmd::Help.describe()),
     ];
-    let key_w = rows.iter().map(|(k, _)| str_width(k)).max().unwrap_or(0).min(28);
+    let key_w = rows
+        .iter()
+        .map(|(k, _)| str_width(k))
+        .max()
+        .unwrap_or(0)
+        .min(28);
     let width = area.width.saturating_sub(4).min(96);
     let inner_w = usize::from(width.saturating_sub(2));
     let mut lines: Vec<Line<'static>> = rows
@@ -74,7 +103,10 @@ pub fn help(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         .map(|(key, what)| {
             let key = format!("{:<key_w$}  ", fit(&key, key_w));
             let what = fit(what, inner_w.saturating_sub(key_w + 2)).to_string();
-            Line::from(vec![Span::styled(key, theme.user), Span::styled(what, theme.text)])
+            Line::from(vec![
+                Span::styled(key, theme.user),
+                Span::styled(what, theme.text),
+            ])
         })
         .collect();
     lines.push(Line::default());
@@ -98,7 +130,14 @@ pub fn help(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
             theme.dim,
         ));
     }
-    popup("help · arrows scroll · any other key closes", lines, width, area, theme, buf);
+    popup(
+        "help · arrows scroll · any other key closes",
+        lines,
+        width,
+        area,
+        theme,
+        buf,
+    );
 }
 
 /// Civil date and time (UTC) of a Unix time: `YYYY-MM-DD HH:MM`.
@@ -116,7 +155,11 @@ pub fn date(unix: u64) -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}", secs / 3600, secs % 3600 / 60)
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}",
+        secs / 3600,
+        secs % 3600 / 60
+    )
 }
 
 /// The session dialog: saved sessions (name, date, turns, size), save-as, new.
@@ -138,7 +181,10 @@ pub fn sessions(app: &App, d: &SessionDialog, theme: &Theme, area: Rect, buf: &m
     )];
     lines.push(Line::styled(
         fit(
-            &format!("  {:<name_w$} {:<16} {:>5} {:>10}", "name", "saved (UTC)", "turns", "size"),
+            &format!(
+                "  {:<name_w$} {:<16} {:>5} {:>10}",
+                "name", "saved (UTC)", "turns", "size"
+            ),
             inner_w,
         )
         .to_string(),
@@ -147,7 +193,10 @@ pub fn sessions(app: &App, d: &SessionDialog, theme: &Theme, area: Rect, buf: &m
     let room = usize::from(area.height.saturating_sub(8)).max(1);
     match &d.rows {
         None => lines.push(Line::styled("  reading…", theme.dim)),
-        Some(Err(e)) => lines.push(Line::styled(fit(&one_line(e), inner_w).to_string(), theme.error)),
+        Some(Err(e)) => lines.push(Line::styled(
+            fit(&one_line(e), inner_w).to_string(),
+            theme.error,
+        )),
         Some(Ok(rows)) if rows.is_empty() => {
             lines.push(Line::styled("  no saved sessions yet", theme.dim));
         }
@@ -182,7 +231,11 @@ pub fn sessions(app: &App, d: &SessionDialog, theme: &Theme, area: Rect, buf: &m
         lines.push(Line::styled("Enter saves · Esc back", theme.dim));
     } else {
         lines.push(Line::styled(
-            fit("Enter/l load · s save as · n new · r refresh · Esc close", inner_w).to_string(),
+            fit(
+                "Enter/l load · s save as · n new · r refresh · Esc close",
+                inner_w,
+            )
+            .to_string(),
             theme.dim,
         ));
     }

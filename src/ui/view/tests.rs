@@ -105,8 +105,9 @@ fn mid_reply() -> App {
     ev(
         &mut app,
         EngineEvent::Ready {
-            info: "k3: tests/fixtures/tiny (13 layers, vocabulary 512), session \"demo\", chat mode"
-                .into(),
+            info:
+                "k3: tests/fixtures/tiny (13 layers, vocabulary 512), session \"demo\", chat mode"
+                    .into(),
         },
     );
     ev(
@@ -153,7 +154,14 @@ fn mid_reply() -> App {
         );
     }
     let t2 = send(&mut app, "Now explain how it works, step by step.");
-    for piece in ["First ", "it takes", "<|close|>think<|sep|><|open|>response<|sep|>", "The function ", "takes two", " integers and"] {
+    for piece in [
+        "First ",
+        "it takes",
+        "<|close|>think<|sep|><|open|>response<|sep|>",
+        "The function ",
+        "takes two",
+        " integers and",
+    ] {
         token(&mut app, t2, piece);
     }
     ev(
@@ -254,8 +262,9 @@ fn error_in_the_conversation_and_engine_stopped() {
         &mut app,
         EngineEvent::Failed {
             turn: 0,
-            message: "model-00002-of-000003.safetensors: read failed: Input/output error (os error 5)"
-                .into(),
+            message:
+                "model-00002-of-000003.safetensors: read failed: Input/output error (os error 5)"
+                    .into(),
         },
     );
     ev(&mut app, EngineEvent::Stopped { exit_code: 1 });
@@ -346,7 +355,10 @@ fn model_escapes_never_reach_the_buffer() {
         .map(ratatui::buffer::Cell::symbol)
         .collect();
     assert!(!text.contains('\u{1b}'), "raw ESC reached the screen");
-    assert!(text.contains("\\u{1b}[31mred"), "the escape is shown escaped");
+    assert!(
+        text.contains("\\u{1b}[31mred"),
+        "the escape is shown escaped"
+    );
 }
 
 #[test]

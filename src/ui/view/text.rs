@@ -202,14 +202,21 @@ impl Lines<'_> {
                 self.theme.dim,
             )
         });
-        self.label(if r.raw { "continuation" } else { "k3" }, self.theme.assistant, spinner);
+        self.label(
+            if r.raw { "continuation" } else { "k3" },
+            self.theme.assistant,
+            spinner,
+        );
         if !r.reasoning.trim().is_empty() {
             if app.show_thinking {
                 self.label(
                     "  ▾ thinking",
                     self.theme.reasoning,
                     Some(Span::styled(
-                        format!("  ({} hides)", app.keys.of(crate::app::config::Cmd::Thinking)),
+                        format!(
+                            "  ({} hides)",
+                            app.keys.of(crate::app::config::Cmd::Thinking)
+                        ),
                         self.theme.dim,
                     )),
                 );
@@ -266,11 +273,7 @@ pub fn conversation(app: &App, width: usize, theme: &Theme) -> Vec<Line<'static>
     };
     if app.phase == Phase::Loading {
         let spin = SPINNER[(app.ticks % 10) as usize];
-        l.text(
-            &format!("{spin} loading {} …", app.model),
-            "",
-            theme.dim,
-        );
+        l.text(&format!("{spin} loading {} …", app.model), "", theme.dim);
     }
     for (i, item) in app.items.iter().enumerate() {
         if i > 0 && !matches!(item, Item::Info(_)) {
@@ -280,7 +283,11 @@ pub fn conversation(app: &App, width: usize, theme: &Theme) -> Vec<Line<'static>
             Item::Info(t) => l.text(t, "", theme.dim),
             Item::Error(t) => l.text(&format!("error: {t}"), "", theme.error),
             Item::User { text, raw } => {
-                l.label(if *raw { "you (raw text)" } else { "you" }, theme.user, None);
+                l.label(
+                    if *raw { "you (raw text)" } else { "you" },
+                    theme.user,
+                    None,
+                );
                 l.text(text, "  ", theme.text);
             }
             Item::Reply(r) => l.reply(r, app),

@@ -1,0 +1,118 @@
+//! `k3 plan`: print the memory plan for a checkpoint and a budget, before loading anything.
+
+use super::budget_args::{auto_request, BudgetArgs};
+use crate::engine::config::ModelConfig;
+use crate::engine::weights::model_sizes;
+use crate::stream::budget::{self, gb, BudgetRequest};
+use crate::stream::Checkpoint;
+use crate::{Error, Result};
+use clap::Args;
+use std::path::PathBuf;
+
+/// Arguments of `k3 plan`.
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// Checkpoint directory.
+    pub model_dir: PathBuf,
+    /// The budget (default: 80% of the memory available now).
+    #[command(flatten)]
+    pub budget: BudgetArgs,
+    /// Positions of context to reserve state for.
+    #[arg(long, default_value_t = 4096)]
+    pub context: u64,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Run `k3 plan`.
+pub fn run(args: &PlanArgs) -> Result<()> {
+    let cfg = ModelConfig::load(&args.model_dir.join("config.json"))?;
+    let ck = Checkpoint::open(&args.model_dir)?;
+    let sizes = model_sizes(&cfg, &ck);
+    let req = args.budget.request(auto_request())?;
+    let index_bytes = ck.index().memory_bytes();
+    let n_tensors = ck.index().len();
+    let plan = budget::plan(&sizes, req, args.context, budget::cgroup_limit());
+    let plan = match plan {
+        Ok(p) => p,
+        Err(e) if args.json => {
+            let j = serde_json::json!({
+                "model_bytes": sizes.model_bytes(),
+                "budget_bytes": e.budget,
+                "floor_bytes": e.floor,
+                "shortfall_bytes": e.floor - e.budget,
+                "fits": false,
+            });
+            println!("{j}");
+            return Err(Error::Usage(e.to_string()));
+        }
+        Err(e) => return Err(Error::Usage(e.to_string())),
+    };
+    if args.json {
+        let mut j = serde_json::to_value(&plan).map_err(|e| Error::Usage(e.to_string()))?;
+        if let Some(o) = j.as_object_mut() {
+            o.insert("planned_bytes".into(), plan.planned_bytes(&sizes).into());
+            o.insert("index_bytes".into(), index_bytes.into());
+            o.insert("tensors".into(), n_tensors.into());
+            o.insert(
+                "sizes".into(),
+                serde_json::to_value(&sizes).unwrap_or_default(),
+            );
+        }
+        println!("{j}");
+        return Ok(());
+    }
+    let budget_text = match (req, plan.budget_bytes) {
+        (BudgetRequest::Resident, _) | (_, None) => "resident (no budget)".to_string(),
+        (_, Some(b)) => gb(b),
+    };
+    println!(
+        "model        {} of weights, {} tensors (index {:.1} B/tensor)",
+        gb(plan.model_bytes),
+        n_tensors,
+        index_bytes as f64 / n_tensors.max(1) as f64
+    );
+    println!(
+        "budget       {budget_text}; floor {}; fits {}",
+        gb(plan.floor_bytes),
+        plan.fits
+    );
+    println!(
+        "layers       {} of {} pinned ({}), ring {} slot(s) ({})",
+        plan.n_pinned(),
+        plan.pinned.len(),
+        gb(plan.pinned_bytes),
+        plan.ring_slots,
+        gb(plan.ring_bytes)
+    );
+    println!(
+        "experts      {} cache slots ({})",
+        plan.expert_slots,
+        gb(plan.expert_cache_bytes)
+    );
+    println!(
+        "embedding    {}",
+        if plan.embed_resident {
+            "resident"
+        } else {
+            "rows read on demand"
+        }
+    );
+    println!(
+        "output head  {}",
+        if plan.head_resident {
+            "resident".to_string()
+        } else {
+            format!("streamed in chunks of {} rows", plan.head_chunk_rows)
+        }
+    );
+    println!(
+        "state        {} for {} positions; fixed {}",
+        gb(plan.state_reserve),
+        args.context,
+        gb(plan.fixed_bytes)
+    );
+    println!("planned      {}", gb(plan.planned_bytes(&sizes)));
+    Ok(())
+}

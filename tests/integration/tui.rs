@@ -1,0 +1,305 @@
+//! The terminal client end to end, driven through tmux: the real `k3 chat` on the tiny
+//! checkpoint in a detached session of fixed size. Type a message and see the streamed reply
+//! and a non-zero tokens/s; move the budget slider and see the engine's answer; `/save`; quit;
+//! check that the terminal is sane again (`stty -a` in the pane: echo and icanon); resume and
+//! see the history; and measure input-to-screen latency while a long reply streams.
+//!
+//! tmux is required: without it this test fails and says how to install it.
+
+use crate::common::fixture;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+const WIDTH: u16 = 160;
+const HEIGHT: u16 = 48;
+
+/// A private tmux server (its own socket) with one detached session.
+struct Tmux {
+    socket: PathBuf,
+    session: String,
+}
+
+fn tmux_available() -> bool {
+    Command::new("tmux")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+impl Tmux {
+    fn run(&self, args: &[&str]) -> Output {
+        Command::new("tmux")
+            .arg("-S")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .expect("run tmux")
+    }
+
+    /// Start `command` (a shell command line) in a new detached session.
+    fn start(socket: &Path, session: &str, command: &str) -> Tmux {
+        let t = Tmux {
+            socket: socket.to_path_buf(),
+            session: session.to_string(),
+        };
+        let (w, h) = (WIDTH.to_string(), HEIGHT.to_string());
+        let out = t.run(&[
+            "new-session",
+            "-d",
+            "-s",
+            session,
+            "-x",
+            &w,
+            "-y",
+            &h,
+            command,
+        ]);
+        assert!(
+            out.status.success(),
+            "tmux new-session: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        t
+    }
+
+    /// The pane's text (wrapped lines joined).
+    fn capture(&self) -> String {
+        let out = self.run(&["capture-pane", "-p", "-J", "-t", &self.session]);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Send keys by tmux name (`Enter`, `Escape`, `C-q`, `[`).
+    fn keys(&self, keys: &[&str]) {
+        let mut args = vec!["send-keys", "-t", &self.session];
+        args.extend_from_slice(keys);
+        let out = self.run(&args);
+        assert!(out.status.success(), "send-keys {keys:?}");
+    }
+
+    /// Type text literally.
+    fn type_text(&self, text: &str) {
+        let out = self.run(&["send-keys", "-t", &self.session, "-l", text]);
+        assert!(out.status.success(), "send-keys -l {text:?}");
+    }
+
+    /// Poll the pane until `ok` holds; panics with the last capture after `secs`.
+    fn wait_for(&self, what: &str, secs: u64, ok: impl Fn(&str) -> bool) -> String {
+        self.poll(what, secs, Duration::from_millis(20), ok)
+    }
+
+    /// [`Tmux::wait_for`] with a chosen polling interval.
+    fn poll(&self, what: &str, secs: u64, every: Duration, ok: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let screen = self.capture();
+            if ok(&screen) {
+                return screen;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}; the screen was:\n{screen}"
+            );
+            std::thread::sleep(every);
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self.run(&["kill-server"]);
+    }
+}
+
+fn chat_command(dir: &Path, extra: &str) -> String {
+    format!(
+        "env K3_DATA_DIR={data} K3_CONFIG={data}/no-config.toml TERM=xterm-256color {bin} chat \
+         {model} --session-dir {data}/sessions --greedy --no-think --max-tokens 40 {extra}; \
+         echo K3-EXIT=$?; stty -a; sleep 60",
+        data = dir.display(),
+        bin = env!("CARGO_BIN_EXE_k3"),
+        model = fixture("tiny").display(),
+    )
+}
+
+/// The status bar says the client is idle.
+fn ready(screen: &str) -> bool {
+    screen
+        .lines()
+        .any(|l| l.starts_with(" k3 │") && l.contains("│ ready"))
+}
+
+/// The number after `key` on the first line that has it (`avg 1234.5`).
+fn number_after(screen: &str, key: &str) -> Option<f64> {
+    screen.lines().find_map(|l| {
+        let rest = &l[l.find(key)? + key.len()..];
+        let n: String = rest
+            .chars()
+            .take_while(|c| c.is_ascii_digit() || *c == '.')
+            .collect();
+        n.parse().ok()
+    })
+}
+
+/// The text row of the input box (the line under its top border).
+fn input_row(screen: &str) -> String {
+    let lines: Vec<&str> = screen.lines().collect();
+    lines
+        .iter()
+        .rposition(|l| {
+            l.starts_with("┌ message")
+                || l.starts_with("┌ generating")
+                || l.starts_with("┌ raw text")
+        })
+        .and_then(|i| lines.get(i + 1))
+        .map_or_else(String::new, |l| (*l).to_string())
+}
+
+fn stty_flags(screen: &str) -> Vec<String> {
+    let after = screen.find("K3-EXIT=").map_or("", |i| &screen[i..]);
+    after.split_whitespace().map(str::to_string).collect()
+}
+
+#[test]
+fn chat_in_tmux_streams_saves_resumes_and_restores_the_terminal() {
+    assert!(
+        tmux_available(),
+        "tmux is required for the terminal-client end-to-end test; install it \
+         (apt-get install -y tmux) and run the tests again"
+    );
+    let dir = tempfile::tempdir().unwrap();
+
+    // 1. Start, type a message, see the streamed reply and a non-zero tokens/s.
+    let t = Tmux::start(
+        &dir.path().join("tmux-a.sock"),
+        "k3a",
+        &chat_command(dir.path(), ""),
+    );
+    t.wait_for("the ready status bar", 60, ready);
+    t.type_text("hello there");
+    t.keys(&["Enter"]);
+    let screen = t.wait_for("the finished reply", 60, |s| {
+        s.contains("tokens/s · prompt") && ready(s)
+    });
+    assert!(screen.contains("hello there"), "{screen}");
+    let reply_tps = number_after(&screen, "40 tokens · ").unwrap_or(0.0);
+    assert!(
+        reply_tps > 0.0,
+        "no tokens/s in the reply summary:\n{screen}"
+    );
+    let pane_avg = number_after(&screen, "avg ").unwrap_or(0.0);
+    assert!(
+        pane_avg > 0.0,
+        "the tokens/s pane shows no average:\n{screen}"
+    );
+    assert!(screen.contains("┌ tokens/s") && screen.contains("┌ memory"));
+    assert!(screen.contains("┌ disk") && screen.contains("┌ experts"));
+
+    // 2. The budget slider: a step down and back up, each answered by the engine.
+    t.keys(&["["]);
+    let screen = t.wait_for("the budget answer", 30, |s| s.contains("refused:"));
+    assert!(screen.contains("┌ budget"), "{screen}");
+    t.keys(&["]"]);
+    t.wait_for("the second budget answer", 30, |s| {
+        s.contains("refused:") && s.contains("of 3.")
+    });
+
+    // 3. Quitting with unsaved turns asks first; Esc stays.
+    t.keys(&["C-q"]);
+    t.wait_for("the unsaved-session question", 10, |s| {
+        s.contains("unsaved changes")
+    });
+    t.keys(&["Escape"]);
+    t.wait_for("the question closed", 10, |s| !s.contains("save and quit"));
+
+    // 4. Save, then quit (no question now), and the terminal is sane again.
+    t.type_text("/save t1");
+    t.keys(&["Enter"]);
+    t.wait_for("the save confirmation", 30, |s| {
+        s.contains("saved session \"t1\"")
+    });
+    t.keys(&["C-q"]);
+    let screen = t.wait_for("the exit and stty", 30, |s| {
+        s.contains("K3-EXIT=") && s.contains("icanon")
+    });
+    assert!(screen.contains("K3-EXIT=0"), "{screen}");
+    let flags = stty_flags(&screen);
+    for flag in ["echo", "icanon", "isig"] {
+        assert!(
+            flags.iter().any(|f| f == flag) && !flags.iter().any(|f| *f == format!("-{flag}")),
+            "{flag} not restored after exit:\n{screen}"
+        );
+    }
+    assert!(
+        !screen.contains("┌ tokens/s"),
+        "the alternate screen was not left:\n{screen}"
+    );
+    drop(t);
+
+    // 5. Resume: the history is shown.
+    let t = Tmux::start(
+        &dir.path().join("tmux-b.sock"),
+        "k3b",
+        &chat_command(dir.path(), "--resume t1"),
+    );
+    let screen = t.wait_for("the resumed history", 60, |s| {
+        s.contains("history of t1") && s.contains("hello there") && ready(s)
+    });
+    assert!(screen.contains("session \"t1\""), "{screen}");
+
+    // 6. Input-to-screen latency while a long reply streams (raw mode stops only at the
+    // length limit).
+    t.type_text("/raw");
+    t.keys(&["Enter"]);
+    t.wait_for("raw mode", 30, |s| s.contains("raw mode:") && ready(s));
+    t.type_text("/set max_tokens 20000");
+    t.keys(&["Enter"]);
+    t.wait_for("the setting", 30, |s| s.contains("max_tokens = 20000"));
+    t.type_text("Once upon a time");
+    t.keys(&["Enter"]);
+    t.wait_for("the reply streaming", 30, |s| s.contains("┌ generating"));
+    let mut samples = Vec::new();
+    let mut still_streaming = true;
+    for typed in 1..=20 {
+        let t0 = Instant::now();
+        t.type_text("q");
+        let screen = t.poll("the typed key", 10, Duration::from_millis(2), |s| {
+            input_row(s).matches('q').count() >= typed
+        });
+        samples.push(t0.elapsed());
+        still_streaming &= screen.contains("┌ generating");
+        std::thread::sleep(Duration::from_millis(30));
+    }
+    samples.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "input-to-screen latency while streaming ({} keys, tmux send-keys → capture-pane, \
+         polling every 2 ms): median {:.1} ms, max {:.1} ms, min {:.1} ms{}",
+        samples.len(),
+        ms(samples[samples.len() / 2]),
+        ms(samples[samples.len() - 1]),
+        ms(samples[0]),
+        if still_streaming {
+            ""
+        } else {
+            " (the reply ended during the measurement)"
+        }
+    );
+    // Esc stops the reply within a token and keeps the session.
+    t.keys(&["Escape"]);
+    let screen = t.wait_for("the stopped reply", 30, |s| {
+        s.contains("stopped; the session is kept") && ready(s)
+    });
+    assert!(screen.contains("┌ raw text"), "{screen}");
+    t.keys(&["C-c"]);
+    t.wait_for("the clear input", 10, |s| {
+        input_row(s).matches('q').count() == 0
+    });
+    t.keys(&["C-q"]);
+    t.wait_for("the unsaved question", 10, |s| {
+        s.contains("unsaved changes")
+    });
+    t.keys(&["q"]);
+    let screen = t.wait_for("the exit", 30, |s| s.contains("K3-EXIT="));
+    assert!(screen.contains("K3-EXIT=0"), "{screen}");
+}

@@ -415,18 +415,43 @@ fn with_figures(app: &mut App) {
     );
 }
 
+/// The `/budget` argument the slider sends for its position `step`.
+fn gb_at(app: &App, step: u32) -> f64 {
+    round_sig3(app.budget.bytes_at(step) as f64 / 1e9)
+}
+
+#[test]
+fn the_budget_slider_scale_is_logarithmic_around_the_model() {
+    let mut b = Budget::default();
+    assert!(!b.ready());
+    b.observe(MODEL_BYTES, None);
+    assert_eq!(b.bytes_at(0), MODEL_BYTES / 16);
+    assert_eq!(b.bytes_at(BUDGET_STEPS), MODEL_BYTES / 4 * 5);
+    assert_eq!(b.step, BUDGET_STEPS, "no budget: the knob sits at the top");
+    for step in 0..=BUDGET_STEPS {
+        assert_eq!(b.step_of(b.bytes_at(step)), step);
+    }
+    // A budget in force above the model widens the scale; an untouched knob follows it.
+    b.observe(MODEL_BYTES, Some(16_000_000_000));
+    assert_eq!(b.bytes_at(BUDGET_STEPS), 16_000_000_000);
+    assert_eq!(b.step, BUDGET_STEPS);
+    b.observe(MODEL_BYTES, Some(MODEL_BYTES / 2));
+    assert_eq!(b.step, b.step_of(MODEL_BYTES / 2));
+    assert!(b.step > 0 && b.step < BUDGET_STEPS);
+}
+
 #[test]
 fn the_budget_slider_asks_the_engine_and_shows_its_answer() {
     let mut app = ready_app();
     // No figures yet: the slider cannot move.
     assert!(act(&mut app, Action::CharOr('[', Cmd::BudgetDown)).is_empty());
     with_figures(&mut app);
-    assert_eq!(app.budget.scale_bytes, MODEL_BYTES);
+    assert!(app.budget.ready());
     assert_eq!(app.budget.in_force, None);
     assert_eq!(app.budget.step, BUDGET_STEPS);
     let fx = act(&mut app, Action::CharOr('[', Cmd::BudgetDown));
     let (turn, cmd) = command(&fx);
-    assert_eq!(cmd, Command::Budget(3.8));
+    assert_eq!(cmd, Command::Budget(gb_at(&app, BUDGET_STEPS - 1)));
     // A second move while the first is in flight waits for its answer.
     assert!(act(&mut app, Action::CharOr('[', Cmd::BudgetDown)).is_empty());
     assert_eq!(app.budget.step, BUDGET_STEPS - 2);
@@ -434,43 +459,43 @@ fn the_budget_slider_asks_the_engine_and_shows_its_answer() {
         &mut app,
         EngineEvent::Failed {
             turn,
-            message: "/budget 3.8: this build holds the whole model in memory".into(),
+            message: "/budget: below the floor".into(),
         },
     );
     let (turn2, cmd2) = command(&fx);
-    assert_eq!(cmd2, Command::Budget(3.6));
+    assert_eq!(cmd2, Command::Budget(gb_at(&app, BUDGET_STEPS - 2)));
     assert!(
-        matches!(&app.budget.answer, Some((b, Err(t))) if *b == 3_800_000_000 && t.contains("whole model"))
+        matches!(&app.budget.answer, Some((b, Err(t))) if *b == app.budget.bytes_at(BUDGET_STEPS - 1) && t.contains("floor"))
     );
     // The answer is not a conversation error.
-    assert!(!has_error(&app, "whole model"));
+    assert!(!has_error(&app, "floor"));
     ev(
         &mut app,
         EngineEvent::Notice {
             turn: turn2,
-            text: "budget 3.6 GB".into(),
+            text: "budget 4.1 GB: 3 of 4 layers pinned".into(),
         },
     );
     assert!(app.budget.asked.is_none());
-    assert!(matches!(&app.budget.answer, Some((_, Ok(t))) if t == "budget 3.6 GB"));
-    // The mouse sets it directly; a bracket with text in the input box is typed instead.
-    let fx = act(&mut app, Action::BudgetAt(0.5));
-    assert_eq!(command(&fx).1, Command::Budget(2.0));
-    type_text(&mut app, "a");
-    assert!(act(&mut app, Action::CharOr(']', Cmd::BudgetUp)).is_empty());
-    assert_eq!(app.input.text(), "a]");
-    // The engine's own budget moves an untouched slider.
-    let mut fresh = ready_app();
+    assert!(matches!(&app.budget.answer, Some((_, Ok(t))) if t.starts_with("budget 4.1 GB")));
+    // The engine's figures report the new budget; the knob stays where the user put it.
     let mut s = stats(0, 0.0);
-    s.budget_bytes = Some(MODEL_BYTES / 4);
+    s.budget_bytes = Some(4_100_000_000);
     ev(
-        &mut fresh,
+        &mut app,
         EngineEvent::Stats {
             turn: 0,
             stats: Box::new(s),
         },
     );
-    assert_eq!(fresh.budget.step, BUDGET_STEPS / 4);
+    assert_eq!(app.budget.in_force, Some(4_100_000_000));
+    assert_eq!(app.budget.step, BUDGET_STEPS - 2);
+    // The mouse sets it directly; a bracket with text in the input box is typed instead.
+    let fx = act(&mut app, Action::BudgetAt(0.5));
+    assert_eq!(command(&fx).1, Command::Budget(gb_at(&app, BUDGET_STEPS / 2)));
+    type_text(&mut app, "a");
+    assert!(act(&mut app, Action::CharOr(']', Cmd::BudgetUp)).is_empty());
+    assert_eq!(app.input.text(), "a]");
 }
 
 #[test]
@@ -480,7 +505,7 @@ fn the_budget_slider_has_keys_when_focused() {
     act(&mut app, Action::Cmd(Cmd::Focus));
     assert_eq!(app.focus, Focus::Budget);
     let fx = act(&mut app, Action::Left);
-    assert_eq!(command(&fx).1, Command::Budget(3.8));
+    assert_eq!(command(&fx).1, Command::Budget(gb_at(&app, BUDGET_STEPS - 1)));
     assert_eq!(app.budget.step, BUDGET_STEPS - 1);
     act(&mut app, Action::Cmd(Cmd::Stop));
     assert_eq!(app.focus, Focus::Input);

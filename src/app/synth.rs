@@ -60,7 +60,7 @@ impl From<SynthError> for Error {
 /// Run `k3 synth`.
 pub fn run(args: &SynthArgs) -> Result<()> {
     let shape = Shape::from(args.shape);
-    let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
+    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::hidden());
     bar.set_style(
         ProgressStyle::with_template(
             "{msg} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
@@ -72,7 +72,9 @@ pub fn run(args: &SynthArgs) -> Result<()> {
     let start = Instant::now();
     let progress = |done: u64, total: u64| {
         if bar.length() != Some(total) {
+            // Shown (on stderr, when it is a terminal) once the total is known.
             bar.set_length(total);
+            bar.set_draw_target(ProgressDrawTarget::stderr());
         }
         bar.set_position(done);
     };

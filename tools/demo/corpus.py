@@ -715,42 +715,41 @@ def gen_chat(rng, thinking):
             "effort": rng.choice(["max", "max", "max", "low", "high"]), "messages": msgs}
 
 
+def fact_statement(rng):
+    f = rng.random()
+    if f < 0.22:
+        c, cap = rng.choice(CAPITALS)
+        return capital_answer(c, cap)
+    if f < 0.32:
+        x, col = rng.choice(COLOURS_OF)
+        return colour_answer(x, col)
+    if f < 0.40:
+        return opposite_answer(rng.choice(sorted(OPPOSITES)))
+    if f < 0.44:
+        return day_answer(rng.choice(DAYS), rng.random() < 0.5)[0]
+    if f < 0.48:
+        return month_answer(rng.choice(MONTHS), rng.random() < 0.5)[0]
+    if f < 0.76:
+        a, b = add_pair(rng)
+        return f"{a} plus {b} is {a + b}."
+    a, b = sub_pair(rng)
+    return f"{a} minus {b} is {a - b}."
+
+
 def gen_raw(rng):
     k = rng.random()
-    parts = []
-    if k < 0.45:
-        parts.append(story(rng))
+    if k < 0.3:
+        parts = [story(rng)]
         if rng.random() < 0.5:
             parts.append(story(rng))
         return {"kind": "raw", "text": "\n\n".join(parts)}
-    if k < 0.75:
+    if k < 0.5:
         return {"kind": "raw", "text": " ".join(simple_sentence(rng) for _ in range(rng.randint(3, 8)))}
-    # facts stated as plain text
-    out = []
-    for _ in range(rng.randint(3, 8)):
-        f = rng.random()
-        if f < 0.35:
-            c, cap = rng.choice(CAPITALS)
-            out.append(capital_answer(c, cap))
-        elif f < 0.5:
-            x, col = rng.choice(COLOURS_OF)
-            out.append(colour_answer(x, col))
-        elif f < 0.62:
-            out.append(opposite_answer(rng.choice(sorted(OPPOSITES))))
-        elif f < 0.7:
-            out.append(day_answer(rng.choice(DAYS), rng.random() < 0.5)[0])
-        elif f < 0.78:
-            out.append(month_answer(rng.choice(MONTHS), rng.random() < 0.5)[0])
-        elif f < 0.9:
-            a, b = add_pair(rng)
-            out.append(f"{a} plus {b} is {a + b}.")
-        else:
-            a, b = sub_pair(rng)
-            out.append(f"{a} minus {b} is {a - b}.")
-    return {"kind": "raw", "text": " ".join(out)}
+    # facts and sums stated as plain text
+    return {"kind": "raw", "text": " ".join(fact_statement(rng) for _ in range(rng.randint(8, 20)))}
 
 
-MIX = {"chat_nothink": 0.47, "chat_think": 0.33, "raw": 0.20}
+MIX = {"chat_nothink": 0.47, "chat_think": 0.20, "raw": 0.33}
 
 
 def generate(seed, n):

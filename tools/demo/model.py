@@ -100,6 +100,21 @@ def attnres(sources, fold, eps):
     return (a.unsqueeze(-1) * V).sum(0)
 
 
+def inv_rms(v, eps):
+    return torch.rsqrt(v.pow(2).mean(-1) + eps)
+
+
+def attnres_cached(srcs, fold, eps):
+    """Same as attnres; srcs: list of (value, inverse RMS) pairs, the inverse RMS of a block
+    snapshot computed once when it is pushed."""
+    scores = torch.stack([(v @ fold.to(v.dtype)) * inv for v, inv in srcs], 0)
+    a = torch.softmax(scores, dim=0).to(srcs[0][0].dtype)
+    out = a[0].unsqueeze(-1) * srcs[0][0]
+    for i in range(1, len(srcs)):
+        out = out + a[i].unsqueeze(-1) * srcs[i][0]
+    return out
+
+
 E2M1_MAG = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 E2M1_MID = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
@@ -209,10 +224,13 @@ def kda_chunked(q, k, v, g, beta, chunk=16, S0=None):
     dC = torch.exp(GC[:, :, :, 0, :]).unsqueeze(-1)           # [B,H,N,D,1]
     S = torch.zeros(B, H, D, Dv, dtype=q.dtype, device=q.device) if S0 is None else S0
     outs = []
+    # unbind once (indexing inside the loop would make every backward step zero-fill the whole tensor)
+    Us, Wks, Qgs, Bms, dCs = U.unbind(2), Wk.unbind(2), Qg.unbind(2), Bm.unbind(2), dC.unbind(2)
+    KendT = Kend.transpose(-1, -2).unbind(2)
     for n in range(N):
-        W = U[:, :, n] - Wk[:, :, n] @ S
-        outs.append(Qg[:, :, n] @ S + Bm[:, :, n] @ W)
-        S = dC[:, :, n] * S + Kend[:, :, n].transpose(-1, -2) @ W
+        W = Us[n] - Wks[n] @ S
+        outs.append(Qgs[n] @ S + Bms[n] @ W)
+        S = dCs[n] * S + KendT[n] @ W
     o = torch.stack(outs, 2).reshape(B, H, N * C, Dv)[:, :, :T]
     return o, S
 
@@ -244,17 +262,19 @@ class KDA(nn.Module):
         nh, D, K = c.kda_num_heads, c.kda_head_dim, c.short_conv_kernel_size
         P = nh * D
 
-        def conv(y, w):
-            # depthwise causal conv: tap K-1 multiplies the current input, tap 0 the oldest
-            yp = F.pad(y, (0, 0, K - 1, 0))
-            acc = yp[:, K - 1:] * w[:, 0, K - 1]
-            for j in range(K - 1):
-                acc = acc + yp[:, j:j + T] * w[:, 0, j]
-            return F.silu(acc)
-
-        q = conv(self.q_proj(x), self.q_conv1d).reshape(B, T, nh, D)
-        k = conv(self.k_proj(x), self.k_conv1d).reshape(B, T, nh, D)
-        v = conv(self.v_proj(x), self.v_conv1d).reshape(B, T, nh, D)
+        # q, k, v projections and their depthwise causal convolutions, fused (same maths):
+        # tap K-1 multiplies the current input, tap 0 the oldest; then SiLU
+        Wqkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], 0)
+        wc = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d], 0)[:, 0, :]   # [3P, K]
+        y = F.linear(x, Wqkv)
+        yp = F.pad(y, (0, 0, K - 1, 0))
+        acc = yp[:, K - 1:] * wc[:, K - 1]
+        for j in range(K - 1):
+            acc = acc + yp[:, j:j + T] * wc[:, j]
+        qkv = F.silu(acc)
+        q = qkv[..., :P].reshape(B, T, nh, D)
+        k = qkv[..., P:2 * P].reshape(B, T, nh, D)
+        v = qkv[..., 2 * P:].reshape(B, T, nh, D)
         q = l2n(q, c.l2_eps) * (D ** -0.5)
         k = l2n(k, c.l2_eps)
         beta = torch.sigmoid(self.b_proj(x))                                  # [B,T,nh]
@@ -448,30 +468,36 @@ class K3(nn.Module):
                 nrm(f.w2, 0.05 / math.sqrt(2 * n))
 
     # ------------------------------------------------------------------------ forward
-    def forward(self, ids, mode="chunked", return_hidden=False):
+    def forward(self, ids, mode="chunked", return_hidden=False, positions=None):
+        """ids [B, T] -> logits [B, T, V] (or, with `positions` (a bool mask [B, T]),
+        logits of the selected positions only, [n, V])."""
         c = self.c
         h = self.embed_tokens(ids)
-        B = []
+        B = []                       # (snapshot, its inverse RMS)
         p = None
         eps = c.rms_norm_eps
         for L, lay in enumerate(self.layers):
             p = h
             if B:
-                h = attnres(B + [p], lay.self_attention_res_norm * lay.self_attention_res_proj, eps)
+                h = attnres_cached(B + [(p, inv_rms(p, eps))],
+                                   lay.self_attention_res_norm * lay.self_attention_res_proj, eps)
             if L % c.attn_res_block_size == 0:
-                B.append(p)
+                B.append((p, inv_rms(p, eps)))
                 p = None
             x = rmsnorm(h, lay.input_layernorm, eps)
             a = lay.self_attn(x, mode)
             p = a if p is None else p + a
-            h = attnres(B + [p], lay.mlp_res_norm * lay.mlp_res_proj, eps)
+            h = attnres_cached(B + [(p, inv_rms(p, eps))], lay.mlp_res_norm * lay.mlp_res_proj, eps)
             x = rmsnorm(h, lay.post_attention_layernorm, eps)
             p = p + lay.ffn(x)
             h = p
-        hout = attnres(B + [p], self.output_attn_res_norm * self.output_attn_res_proj, eps)
+        hout = attnres_cached(B + [(p, inv_rms(p, eps))],
+                              self.output_attn_res_norm * self.output_attn_res_proj, eps)
         n = rmsnorm(hout, self.norm, eps)
         if return_hidden:
             return n
+        if positions is not None:
+            n = n[positions]
         return self.lm_head(n)
 
     def moe_layers(self):

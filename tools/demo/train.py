@@ -230,14 +230,14 @@ def main():
     ap.add_argument("--records", type=int, default=120000)
     ap.add_argument("--ranks", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=320)
-    ap.add_argument("--batch-tokens", type=int, default=6144)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=1600)
     ap.add_argument("--qat-steps", type=int, default=200)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=60)
-    ap.add_argument("--user-weight", type=float, default=0.25)
+    ap.add_argument("--user-weight", type=float, default=0.0)
     ap.add_argument("--bias-rate", type=float, default=1e-3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--eval-every", type=int, default=400)
     ap.add_argument("--no-amp", action="store_true")
     ap.add_argument("--hidden", type=int, default=256)
@@ -308,6 +308,7 @@ def main():
     batches = []
     t_train = time.time()
     tokens_seen = 0
+    tokens_proc = 0
     ema = None
     step = 0
     history = []
@@ -321,10 +322,11 @@ def main():
             log("qat: routed experts now fake-quantised to MXFP4")
         for gph in opt.param_groups:
             gph["lr"] = a.lr * sched(step)
+        sel = w > 0                      # the head runs only where the loss has weight
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not a.no_amp):
-            logits = m(x)
-        lossv = F.cross_entropy(logits.float().reshape(-1, c.vocab_size), y.reshape(-1), reduction="none")
-        loss = (lossv * w.reshape(-1)).sum() / w.sum()
+            logits = m(x, positions=sel)
+        lossv = F.cross_entropy(logits.float(), y[sel], reduction="none")
+        loss = (lossv * w[sel]).sum() / w[sel].sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
@@ -334,12 +336,13 @@ def main():
                 ld = f.last_load
                 f.e_score_correction_bias += a.bias_rate * torch.sign(ld.mean() - ld)
         tokens_seen += int((w > 0).sum())
+        tokens_proc += x.numel()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         step += 1
         if step % 20 == 0 or step == 1:
             el = time.time() - t_train
             log(f"step {step}/{total} loss {loss.item():.4f} ema {ema:.4f} lr {a.lr * sched(step):.2e} "
-                f"tok {tokens_seen} {tokens_seen / el:.0f} tok/s elapsed {el / 60:.1f} min")
+                f"loss-tok {tokens_seen} all-tok {tokens_proc} ({tokens_proc / el:.0f}/s) elapsed {el / 60:.1f} min")
             history.append({"step": step, "loss": loss.item(), "ema": ema, "elapsed_s": el})
         if a.eval_every and step % a.eval_every == 0 and step < total:
             evaluate(m, tok, held, False, log)

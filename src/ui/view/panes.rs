@@ -139,48 +139,46 @@ pub fn memory(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
     let inner = b.inner(area);
     b.render(area, buf);
     let w = usize::from(inner.width);
-    let lines = match last(app) {
-        None => waiting(theme),
-        Some(s) => {
-            let mut lines = vec![Line::styled(
-                format!("RSS {}", bytes(s.rss_bytes)),
-                theme.text,
-            )];
-            match s.budget_bytes {
-                Some(budget) => {
-                    let f = s.rss_bytes as f64 / budget.max(1) as f64;
-                    let label = format!(" {:.0}%", f * 100.0);
-                    let mut spans = bar(f, w.saturating_sub(label.len()), theme);
-                    spans.push(Span::styled(label, theme.text));
-                    lines.push(Line::from(spans));
-                    lines.push(Line::styled(
-                        format!("budget {}", bytes(budget)),
-                        theme.text,
-                    ));
-                }
-                None if w >= NARROW => {
-                    lines.push(Line::styled("resident (no budget)", theme.text));
-                }
-                None => lines.push(Line::styled("resident", theme.text)),
-            }
-            if w >= NARROW {
-                lines.push(Line::styled(
-                    format!(
-                        "peak {} · model {}",
-                        bytes(s.peak_rss_bytes),
-                        bytes(s.model_bytes)
-                    ),
-                    theme.dim,
-                ));
-            } else {
-                lines.push(Line::styled(
-                    format!("peak {}", bytes(s.peak_rss_bytes)),
-                    theme.dim,
-                ));
-            }
-            lines
-        }
+    let Some(s) = last(app) else {
+        Paragraph::new(waiting(theme)).render(inner, buf);
+        return;
     };
+    let wide = w >= NARROW;
+    let rss = format!("RSS {}", bytes(s.rss_bytes));
+    let mut lines = Vec::new();
+    match s.budget_bytes {
+        Some(budget) => {
+            let first = if wide {
+                format!("{rss} of {}", bytes(budget))
+            } else {
+                rss
+            };
+            lines.push(Line::styled(first, theme.text));
+            let f = s.rss_bytes as f64 / budget.max(1) as f64;
+            let label = format!(" {:.0}%", f * 100.0);
+            let mut spans = bar(f, w.saturating_sub(label.len()), theme);
+            spans.push(Span::styled(label, theme.text));
+            lines.push(Line::from(spans));
+            if !wide {
+                lines.push(Line::styled(format!("of {}", bytes(budget)), theme.text));
+            }
+        }
+        None => {
+            lines.push(Line::styled(rss, theme.text));
+            let what = if wide { "resident (no budget)" } else { "resident" };
+            lines.push(Line::styled(what, theme.text));
+        }
+    }
+    let peak = if wide {
+        format!(
+            "peak {} · model {}",
+            bytes(s.peak_rss_bytes),
+            bytes(s.model_bytes)
+        )
+    } else {
+        format!("peak {}", bytes(s.peak_rss_bytes))
+    };
+    lines.push(Line::styled(peak, theme.dim));
     Paragraph::new(lines).render(inner, buf);
 }
 
@@ -293,7 +291,7 @@ pub fn experts(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
     }
     if w >= NARROW {
         lines.push(Line::styled(
-            fit("█ pinned ▒ ring · green: all resident", w).to_string(),
+            fit("█ pinned ▒ ring · green: all in RAM", w).to_string(),
             theme.dim,
         ));
     }
@@ -341,8 +339,8 @@ pub fn budget(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         ));
         lines.push(Line::styled(format!("in force: {in_force}"), theme.text));
     } else {
-        lines.push(Line::styled(bytes(bd.value_bytes()), theme.text));
-        lines.push(Line::styled(in_force, theme.dim));
+        lines.push(Line::styled(format!("set {}", bytes(bd.value_bytes())), theme.text));
+        lines.push(Line::styled(format!("now {in_force}"), theme.dim));
     }
     let answer = match (&bd.asked, &bd.answer) {
         (Some((_, asked)), _) => Some((format!("asking for {}…", bytes(*asked)), theme.dim)),

@@ -55,11 +55,17 @@ fn token(app: &mut App, turn: TurnId, text: &str) {
     );
 }
 
+/// Figures shaped like the streaming engine's: a budget in force, four layers on the
+/// read-ahead ring, some experts evicted, reads and I/O waits.
 fn figures(_turn: TurnId, tps: f64, tokens: u64) -> Box<StatsSnapshot> {
-    let layers = (0..13)
+    let layers = (0..13u32)
         .map(|il| LayerResidency {
-            trunk: Residency::Pinned,
-            experts_resident: if il == 0 { 0 } else { 16 },
+            trunk: if il % 3 == 2 {
+                Residency::Ring
+            } else {
+                Residency::Pinned
+            },
+            experts_resident: if il == 0 { 0 } else { 16 - (il % 4) * 4 },
             experts_total: if il == 0 { 0 } else { 16 },
         })
         .collect();
@@ -67,13 +73,18 @@ fn figures(_turn: TurnId, tps: f64, tokens: u64) -> Box<StatsSnapshot> {
         tokens_per_second: tps,
         turn_tokens: tokens,
         turn_seconds: tokens as f64 / 20.0,
-        rss_bytes: 14_200_000,
-        peak_rss_bytes: 15_100_000,
-        budget_bytes: None,
+        rss_bytes: 41_200_000,
+        peak_rss_bytes: 45_100_000,
+        budget_bytes: Some(60_000_000),
         model_bytes: 3_800_000,
-        disk_bytes_read: 3_800_000,
+        disk_bytes_read: 9_600_000,
+        turn_disk_bytes: 2_100_000,
+        disk_mb_per_s: tps * 2.5,
+        expert_hits: 912,
+        expert_misses: 85,
         layers,
         compute_seconds: 1.25,
+        io_wait_seconds: 0.31,
         positions: 117,
         context_limit: 32_768,
         ..StatsSnapshot::default()
@@ -137,7 +148,7 @@ fn mid_reply() -> App {
             ),
         },
     );
-    // Slider: one step down, refused by the resident build.
+    // Slider: one step down, answered with the engine's new plan.
     let fx = app.update(Msg::Action(Action::CharOr('[', Cmd::BudgetDown)));
     if let Some(turn) = fx.iter().find_map(|e| match e {
         Effect::Send(Request::Command { turn, .. }) => Some(*turn),
@@ -145,10 +156,10 @@ fn mid_reply() -> App {
     }) {
         ev(
             &mut app,
-            EngineEvent::Failed {
+            EngineEvent::Notice {
                 turn,
-                message: "/budget 0.00361: this build holds the whole model in memory; budgets \
-                          need the streaming engine"
+                text: "budget 0.05 GB: 9 of 13 layers pinned, 96 expert slots, output head \
+                       resident"
                     .into(),
             },
         );
@@ -316,20 +327,41 @@ fn budget_pane_frame() {
     assert_widget(
         |area, buf| panes::budget(&app, &theme, area, buf),
         &[
-            "┌ budget ────────────┐",
-            "│━━━━━━━━━━━━━━━━━━●─│",
-            "│3.6 MB of 3.8 MB    │",
-            "│3.6 MB refused:     │",
-            "│/budget 0.00361:    │",
-            "│this build holds the│",
-            "└────────────────────┘",
+            "┌ budget ──────────────────────────┐",
+            "│━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━●─│",
+            "│slider 47.6 MB · model 3.8 MB     │",
+            "│in force: 60.0 MB                 │",
+            "│engine: budget 0.05 GB: 9 of 13   │",
+            "│layers pinned, 96 expert slots,   │",
+            "└──────────────────────────────────┘",
+        ],
+    );
+}
+
+#[test]
+fn memory_pane_gauges_rss_against_the_budget() {
+    let app = mid_reply();
+    let theme = Theme::new(ThemeName::Mono);
+    assert_widget(
+        |area, buf| panes::memory(&app, &theme, area, buf),
+        &[
+            "┌ memory ────────────────────┐",
+            "│RSS 41.2 MB of 60.0 MB      │",
+            "│████████████████░░░░░░░░ 69%│",
+            "│peak 45.1 MB · model 3.8 MB │",
+            "└────────────────────────────┘",
         ],
     );
 }
 
 #[test]
 fn memory_pane_says_resident_without_a_budget() {
-    let app = mid_reply();
+    let mut app = mid_reply();
+    let mut s = figures(0, 0.0, 0);
+    s.budget_bytes = None;
+    s.rss_bytes = 14_200_000;
+    s.peak_rss_bytes = 15_100_000;
+    ev(&mut app, EngineEvent::Stats { turn: 0, stats: s });
     let theme = Theme::new(ThemeName::Mono);
     assert_widget(
         |area, buf| panes::memory(&app, &theme, area, buf),

@@ -273,7 +273,15 @@ pub fn conversation(app: &App, width: usize, theme: &Theme) -> Vec<Line<'static>
     };
     if app.phase == Phase::Loading {
         let spin = SPINNER[(app.ticks % 10) as usize];
-        l.text(&format!("{spin} loading {} …", app.model), "", theme.dim);
+        l.text(
+            &format!(
+                "{spin} loading {} … {:.1} s",
+                app.model,
+                app.ticks as f64 / 10.0
+            ),
+            "",
+            theme.dim,
+        );
     }
     for (i, item) in app.items.iter().enumerate() {
         if i > 0 && !matches!(item, Item::Info(_)) {

@@ -368,15 +368,8 @@ fn event_loop(
         let due = last_draw.is_none_or(|t| t.elapsed() >= FRAME);
         if drawn != Some(d.app.revision) && due {
             let mut m = Measure::default();
-            let t_draw = Instant::now();
             if terminal.draw(|f| m = view::draw(f, &d.app)).is_err() {
                 return 1;
-            }
-            if let Some(p) = std::env::var_os("K3_TUI_PROFILE") {
-                use std::io::Write as _;
-                if let Ok(mut f) = std::fs::OpenOptions::new().append(true).create(true).open(p) {
-                    let _ = writeln!(f, "{:.3}", t_draw.elapsed().as_secs_f64() * 1e3);
-                }
             }
             d.measure = m;
             drawn = Some(d.app.revision);

@@ -99,3 +99,87 @@ fn a_budget_below_the_floor_is_refused_with_three_numbers() {
     .to_string();
     assert!(err.contains("floor") && err.contains("short by"), "{err}");
 }
+
+/// A `small` synthetic checkpoint (~390 MB), written once per test run.
+fn small() -> &'static std::path::Path {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3"))
+            .args(["synth", "small"])
+            .arg(tmp.path().join("small"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        tmp
+    })
+    .path()
+}
+
+/// `k3 run` on `small` with extra flags: (generated ids, dumped logits, peak RSS).
+fn run_small(extra: &[&str]) -> (serde_json::Value, Vec<u8>, u64) {
+    let dir = small().join("small");
+    let dump = tempfile::NamedTempFile::new().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3"))
+        .arg("run")
+        .arg(&dir)
+        .args([
+            "--ids",
+            "1,2,3,4,5,6,7,8,9,10",
+            "--gen",
+            "6",
+            "--json",
+            "--dump-logits",
+        ])
+        .arg(dump.path())
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let peak = j["peak_rss_bytes"].as_u64().unwrap();
+    (
+        j["generated_ids"].clone(),
+        std::fs::read(dump.path()).unwrap(),
+        peak,
+    )
+}
+
+#[test]
+fn small_checkpoint_same_logits_at_every_budget_and_rss_within_budget() {
+    let (ids, logits, resident_peak) = run_small(&[]);
+    let plan = std::process::Command::new(env!("CARGO_BIN_EXE_k3"))
+        .arg("plan")
+        .arg(small().join("small"))
+        .args(["--mem", "1000", "--json"])
+        .output()
+        .unwrap();
+    let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    let model = plan["model_bytes"].as_u64().unwrap();
+    let floor = plan["floor_bytes"].as_u64().unwrap();
+    assert!(plan["fits"].as_bool().unwrap());
+    for budget in [floor, model / 4, model / 2, model * 2] {
+        let gb = format!("{}", budget as f64 / 1e9);
+        let (got_ids, got_logits, peak) = run_small(&["--mem", &gb]);
+        assert_eq!(got_ids, ids, "budget {budget}");
+        assert!(
+            got_logits == logits,
+            "dumped logits differ at budget {budget}"
+        );
+        println!(
+            "small at {budget} B: peak RSS {peak} B (resident {resident_peak} B, model {model} B)"
+        );
+        if budget <= model / 4 {
+            // At a budget at least 4x below the model size, the process stays inside it.
+            assert!(peak <= budget, "peak RSS {peak} above the budget {budget}");
+        }
+    }
+}

@@ -197,9 +197,8 @@ fn chat_in_tmux_streams_saves_resumes_and_restores_the_terminal() {
 
     // 2. The budget slider: a step down and back up, each answered by the engine (a new
     // plan, or a refusal that says why).
-    let answered = |s: &str| {
-        (s.contains("engine: ") || s.contains("refused: ")) && !s.contains("asking for")
-    };
+    let answered =
+        |s: &str| (s.contains("engine: ") || s.contains("refused: ")) && !s.contains("asking for");
     t.keys(&["["]);
     let first = t.wait_for("the budget answer", 30, answered);
     assert!(first.contains("┌ budget"), "{first}");

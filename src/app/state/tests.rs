@@ -492,7 +492,10 @@ fn the_budget_slider_asks_the_engine_and_shows_its_answer() {
     assert_eq!(app.budget.step, BUDGET_STEPS - 2);
     // The mouse sets it directly; a bracket with text in the input box is typed instead.
     let fx = act(&mut app, Action::BudgetAt(0.5));
-    assert_eq!(command(&fx).1, Command::Budget(gb_at(&app, BUDGET_STEPS / 2)));
+    assert_eq!(
+        command(&fx).1,
+        Command::Budget(gb_at(&app, BUDGET_STEPS / 2))
+    );
     type_text(&mut app, "a");
     assert!(act(&mut app, Action::CharOr(']', Cmd::BudgetUp)).is_empty());
     assert_eq!(app.input.text(), "a]");
@@ -505,7 +508,10 @@ fn the_budget_slider_has_keys_when_focused() {
     act(&mut app, Action::Cmd(Cmd::Focus));
     assert_eq!(app.focus, Focus::Budget);
     let fx = act(&mut app, Action::Left);
-    assert_eq!(command(&fx).1, Command::Budget(gb_at(&app, BUDGET_STEPS - 1)));
+    assert_eq!(
+        command(&fx).1,
+        Command::Budget(gb_at(&app, BUDGET_STEPS - 1))
+    );
     assert_eq!(app.budget.step, BUDGET_STEPS - 1);
     act(&mut app, Action::Cmd(Cmd::Stop));
     assert_eq!(app.focus, Focus::Input);

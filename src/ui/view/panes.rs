@@ -165,7 +165,11 @@ pub fn memory(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         }
         None => {
             lines.push(Line::styled(rss, theme.text));
-            let what = if wide { "resident (no budget)" } else { "resident" };
+            let what = if wide {
+                "resident (no budget)"
+            } else {
+                "resident"
+            };
             lines.push(Line::styled(what, theme.text));
         }
     }
@@ -323,8 +327,8 @@ pub fn budget(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
     }
     // Slider: a knob on a track; the track's cells map onto the (logarithmic) steps.
     let track = w.max(2);
-    let knob = ((f64::from(bd.step) / f64::from(BUDGET_STEPS)) * (track - 1) as f64).round()
-        as usize;
+    let knob =
+        ((f64::from(bd.step) / f64::from(BUDGET_STEPS)) * (track - 1) as f64).round() as usize;
     let knob = knob.min(track - 1);
     lines.push(Line::from(vec![
         Span::styled("━".repeat(knob), theme.fill),
@@ -334,12 +338,19 @@ pub fn budget(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
     let in_force = bd.in_force.map_or_else(|| "resident".to_string(), bytes);
     if w >= NARROW {
         lines.push(Line::styled(
-            format!("slider {} · model {}", bytes(bd.value_bytes()), bytes(bd.model_bytes)),
+            format!(
+                "slider {} · model {}",
+                bytes(bd.value_bytes()),
+                bytes(bd.model_bytes)
+            ),
             theme.text,
         ));
         lines.push(Line::styled(format!("in force: {in_force}"), theme.text));
     } else {
-        lines.push(Line::styled(format!("set {}", bytes(bd.value_bytes())), theme.text));
+        lines.push(Line::styled(
+            format!("set {}", bytes(bd.value_bytes())),
+            theme.text,
+        ));
         lines.push(Line::styled(format!("now {in_force}"), theme.dim));
     }
     let answer = match (&bd.asked, &bd.answer) {

@@ -230,9 +230,10 @@ impl Budget {
         if !self.ready() {
             self.low_bytes = (model_bytes / 16).max(1);
         }
-        let top = (model_bytes + model_bytes / 4)
+        let top = model_bytes
+            .saturating_add(model_bytes / 4)
             .max(in_force.unwrap_or(0))
-            .max(self.low_bytes * 2);
+            .max(self.low_bytes.saturating_mul(2));
         self.high_bytes = self.high_bytes.max(top);
         if !self.touched {
             self.step = in_force.map_or(BUDGET_STEPS, |b| self.step_of(b));

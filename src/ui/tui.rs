@@ -41,6 +41,13 @@ pub enum Event {
     EngineGone,
 }
 
+/// Set by the panic hook: a thread panicked and the terminal has been restored, so the UI must
+/// stop drawing and leave (exit status 101).
+static PANICKED: AtomicBool = AtomicBool::new(false);
+
+/// Exit status after a panic in any thread.
+const PANIC_EXIT: i32 = 101;
+
 /// Least time between two frames (about 60 per second).
 const FRAME: Duration = Duration::from_millis(16);
 /// Timer period of the input thread.
@@ -87,6 +94,7 @@ impl TerminalGuard {
         // hands over to ratatui's, which leaves raw mode and the alternate screen and prints.
         let ratatui_hook = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
+            PANICKED.store(true, Ordering::SeqCst);
             leave_modes(keyboard_flags);
             ratatui_hook(info);
         }));
@@ -347,11 +355,16 @@ fn event_loop(
                 Err(RecvTimeoutError::Disconnected) => return 1,
             }
         } else {
-            match inbox.recv() {
+            // Wakes at least twice a second to notice a panic in another thread.
+            match inbox.recv_timeout(Duration::from_millis(500)) {
                 Ok(ev) => Some(ev),
-                Err(_) => return 1,
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return 1,
             }
         };
+        if PANICKED.load(Ordering::SeqCst) {
+            return PANIC_EXIT;
+        }
         if let Some(ev) = ev {
             d.event(ev);
             // Drain a burst (token streams) before drawing once.

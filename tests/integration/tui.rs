@@ -312,3 +312,113 @@ fn chat_in_tmux_streams_saves_resumes_and_restores_the_terminal() {
     let screen = t.wait_for("the exit", 30, |s| s.contains("K3-EXIT="));
     assert!(screen.contains("K3-EXIT=0"), "{screen}");
 }
+
+#[test]
+fn without_a_terminal_or_with_term_dumb_chat_falls_back_to_the_plain_repl() {
+    let dir = tempfile::tempdir().unwrap();
+    // Pipes: the REPL, and no terminal control sequences at all.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .arg("chat")
+        .arg(fixture("tiny"))
+        .args([
+            "--greedy",
+            "--no-think",
+            "--max-tokens",
+            "5",
+            "--session-dir",
+        ])
+        .arg(dir.path().join("sessions"))
+        .env("K3_DATA_DIR", dir.path())
+        .env("K3_CONFIG", dir.path().join("no-config.toml"))
+        .env("TERM", "xterm-256color")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"hello\n").unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("/help lists the commands"), "{err}");
+    assert!(err.contains("5 tokens"), "{err}");
+    for stream in [&out.stdout, &out.stderr] {
+        assert!(
+            !String::from_utf8_lossy(stream).contains("\u{1b}["),
+            "terminal control sequences on a pipe"
+        );
+    }
+    // TERM=dumb on a real terminal: the REPL too.
+    assert!(
+        tmux_available(),
+        "tmux is required for the terminal-client end-to-end test; install it \
+         (apt-get install -y tmux) and run the tests again"
+    );
+    let cmd = format!(
+        "env K3_DATA_DIR={data} K3_CONFIG={data}/no-config.toml TERM=dumb {bin} chat {model} \
+         --session-dir {data}/sessions --greedy --no-think --max-tokens 5; echo K3-EXIT=$?; \
+         sleep 60",
+        data = dir.path().display(),
+        bin = env!("CARGO_BIN_EXE_k3"),
+        model = fixture("tiny").display(),
+    );
+    let t = Tmux::start(&dir.path().join("tmux-dumb.sock"), "k3d", &cmd);
+    t.wait_for("the REPL banner", 60, |s| {
+        s.contains("/help lists the commands")
+    });
+    let screen = t.capture();
+    assert!(
+        !screen.contains("┌ tokens/s"),
+        "TERM=dumb opened the TUI:\n{screen}"
+    );
+    t.type_text("/quit");
+    t.keys(&["Enter"]);
+    let screen = t.wait_for("the exit", 30, |s| s.contains("K3-EXIT="));
+    assert!(screen.contains("K3-EXIT=0"), "{screen}");
+}
+
+#[test]
+fn config_file_path_init_show_and_refusal_with_line_and_column() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("k3").join("config.toml");
+    let k3 = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_k3"))
+            .args(args)
+            .env("K3_CONFIG", &file)
+            .env("K3_DATA_DIR", dir.path())
+            .output()
+            .unwrap()
+    };
+    let out = k3(&["config", "path"]);
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        file.display().to_string()
+    );
+    let out = k3(&["config", "init"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(std::fs::read_to_string(&file).unwrap().contains("[keys]"));
+    let again = k3(&["config", "init"]);
+    assert_eq!(again.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already exists"));
+    let out = k3(&["config", "show"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("theme = \"dark\""));
+    // An unknown key is refused with its line and column, by `show` and by `chat`.
+    std::fs::write(&file, "theme = \"dark\"\n[sampling]\n  temprature = 0.5\n").unwrap();
+    for args in [&["config", "show"][..], &["chat", "--plain"][..]] {
+        let out = k3(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("config.toml:3:3"), "{args:?}: {err}");
+        assert!(err.contains("temprature"), "{args:?}: {err}");
+    }
+}

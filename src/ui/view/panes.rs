@@ -239,7 +239,7 @@ pub fn experts(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
                     "compute {:.1}s · I/O {:.1}s ({})",
                     s.compute_seconds,
                     s.io_wait_seconds,
-                    if busy > 0.0 {
+                    if s.compute_seconds > 0.0 && busy > 0.0 {
                         format!("{:.0}% I/O", s.io_wait_seconds * 100.0 / busy)
                     } else {
                         "—".into()

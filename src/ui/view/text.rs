@@ -14,7 +14,7 @@ pub const SPINNER: [&str; 10] = ["⠋", "⠙", "⠹", "⠸", "⠼", "⠴", "⠦"
 
 /// True for characters that must never reach the terminal as themselves: C0/C1 controls
 /// (escape sequences start with them) and the bidirectional overrides and isolates.
-fn unsafe_char(c: char) -> bool {
+fn must_escape(c: char) -> bool {
     (c.is_control() && c != '\n')
         || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}')
 }
@@ -23,14 +23,14 @@ fn unsafe_char(c: char) -> bool {
 /// spaces and line breaks kept. Nothing returned can move the cursor or change the terminal.
 #[must_use]
 pub fn clean(text: &str) -> Cow<'_, str> {
-    if !text.chars().any(unsafe_char) {
+    if !text.chars().any(must_escape) {
         return Cow::Borrowed(text);
     }
     let mut out = String::with_capacity(text.len() + 8);
     for c in text.chars() {
         if c == '\t' {
             out.push_str("    ");
-        } else if unsafe_char(c) {
+        } else if must_escape(c) {
             out.extend(c.escape_unicode());
         } else {
             out.push(c);

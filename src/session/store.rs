@@ -2242,7 +2242,24 @@ impl SessionStore {
         Ok(rec)
     }
 
+    /// Open the session file, checking it is a regular file and not a link. A save that
+    /// renames a new version into place between the check and the open is retried: the
+    /// reader then sees the new, complete file.
     fn open_regular(&self, name: &str, path: &Path) -> Result<(File, u64), LoadError> {
+        let mut attempt = 0;
+        loop {
+            match self.open_regular_once(name, path) {
+                Err(LoadError::NotRegular { what, .. })
+                    if what.contains("replaced") && attempt < 8 =>
+                {
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn open_regular_once(&self, name: &str, path: &Path) -> Result<(File, u64), LoadError> {
         let io_err = |source| LoadError::Io {
             name: name.to_string(),
             source,

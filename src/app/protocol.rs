@@ -33,6 +33,13 @@ pub enum Request {
 /// Worker → front end.
 #[derive(Clone, Debug)]
 pub enum EngineEvent {
+    /// Weights are being read while the model opens.
+    Loading {
+        /// Bytes read so far.
+        done: u64,
+        /// Bytes the load reads in all.
+        total: u64,
+    },
     /// The model is loaded and the session ready; `info` describes it.
     Ready {
         /// One line: model, layers, vocabulary, session name.

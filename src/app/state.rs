@@ -481,6 +481,8 @@ pub struct App {
     budget_gb: Option<f64>,
     quit_after_save: Option<TurnId>,
     last_error: Option<String>,
+    /// Weight bytes read / to read while the model opens (from `EngineEvent::Loading`).
+    pub loading: Option<(u64, u64)>,
 }
 
 /// Rounds to three significant digits (for budgets asked in GB).
@@ -535,6 +537,7 @@ impl App {
             thinking: init.thinking,
             show_thinking: true,
             phase: Phase::Loading,
+            loading: None,
             items: Vec::new(),
             input: Editor::default(),
             history: History::default(),

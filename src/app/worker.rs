@@ -151,10 +151,26 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         });
         let _ = tx.send(EngineEvent::Stopped { exit_code: code });
     };
-    let (model, info) = match Model::open(
+    let progress: std::sync::Arc<dyn Fn(u64, u64) + Send + Sync> = {
+        let tx = std::sync::Mutex::new(tx.clone());
+        let last = std::sync::Mutex::new(None::<Instant>);
+        std::sync::Arc::new(move |done, total| {
+            let mut last = last
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if done < total && last.is_some_and(|t| t.elapsed().as_secs_f64() < 0.1) {
+                return;
+            }
+            *last = Some(Instant::now());
+            let tx = tx.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let _ = tx.send(EngineEvent::Loading { done, total });
+        })
+    };
+    let (model, info) = match Model::open_with_progress(
         &cfg.model_dir,
         cfg.budget,
         cfg.settings.context_limit as u64,
+        Some(progress),
     ) {
         Ok(m) => m,
         Err(e) => {

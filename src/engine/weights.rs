@@ -640,8 +640,18 @@ impl Model {
         req: BudgetRequest,
         context: u64,
     ) -> Result<(Model, LoadInfo), LoadError> {
+        Self::open_with_progress(dir, req, context, None)
+    }
+
+    /// [`Model::open`], calling `progress(done, total)` as weight bytes are read.
+    pub fn open_with_progress(
+        dir: &Path,
+        req: BudgetRequest,
+        context: u64,
+        progress: Option<std::sync::Arc<dyn Fn(u64, u64) + Send + Sync>>,
+    ) -> Result<(Model, LoadInfo), LoadError> {
         let cfg = ModelConfig::load(&dir.join("config.json"))?;
-        let ck = Checkpoint::open(dir)?;
+        let mut ck = Checkpoint::open(dir)?;
         let digest = ck.index_digest();
         let sizes = model_sizes(&cfg, &ck);
         let plan = crate::stream::budget::plan(
@@ -651,6 +661,14 @@ impl Model {
             crate::stream::budget::cgroup_limit(),
         )
         .map_err(|e| LoadError::Budget(e.to_string()))?;
+        if let Some(p) = progress {
+            let total = if plan.budget_bytes.is_none() {
+                sizes.model_bytes()
+            } else {
+                plan.pinned_bytes + if plan.head_resident { sizes.head } else { 0 } + sizes.small
+            };
+            ck.set_progress(Box::new(move |done| p(done.min(total), total)));
+        }
         if plan.budget_bytes.is_none() {
             let model = Self::bind(cfg, &ck)?;
             let info = LoadInfo {

@@ -13,15 +13,27 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Largest single positioned read (Linux caps a read at 0x7ffff000 bytes; macOS refuses 2 GiB).
 const MAX_READ: usize = 1 << 30;
 
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field("dir", &self.dir)
+            .field("tensors", &self.index.len())
+            .finish()
+    }
+}
+
 /// An open, fully validated checkpoint.
-#[derive(Debug)]
 pub struct Checkpoint {
     dir: PathBuf,
     files: Vec<File>,
     paths: Vec<PathBuf>,
     index: TensorIndex,
     bytes_read: AtomicU64,
+    progress: Option<Progress>,
 }
+
+/// Called with the total bytes read so far after every read.
+pub type Progress = Box<dyn Fn(u64) + Send + Sync>;
 
 /// Tensor contents widened or copied into an owned buffer.
 #[derive(Clone, Debug, PartialEq)]
@@ -132,6 +144,7 @@ impl Checkpoint {
             paths: Vec::new(),
             index: TensorIndex::default(),
             bytes_read: AtomicU64::new(0),
+            progress: None,
         };
         for name in &shards {
             ck.add_shard(
@@ -241,6 +254,11 @@ impl Checkpoint {
         &self.dir
     }
 
+    /// Report the running total of bytes read to `f` after every read.
+    pub fn set_progress(&mut self, f: Progress) {
+        self.progress = Some(f);
+    }
+
     /// Tensor bytes read so far (headers excluded).
     #[must_use]
     pub fn bytes_read(&self) -> u64 {
@@ -305,7 +323,10 @@ impl Checkpoint {
                 })?;
             done += take;
         }
-        self.bytes_read.fetch_add(len, Ordering::Relaxed);
+        let total = self.bytes_read.fetch_add(len, Ordering::Relaxed) + len;
+        if let Some(p) = &self.progress {
+            p(total);
+        }
         Ok(info)
     }
 
@@ -350,7 +371,10 @@ impl Checkpoint {
                 })?;
             done += take;
         }
-        self.bytes_read.fetch_add(len, Ordering::Relaxed);
+        let total = self.bytes_read.fetch_add(len, Ordering::Relaxed) + len;
+        if let Some(p) = &self.progress {
+            p(total);
+        }
         Ok(info)
     }
 

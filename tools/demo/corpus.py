@@ -847,9 +847,11 @@ def heldout_set():
     facts = []
     # 20 arithmetic questions on held-out pairs, all with templates seen in training
     for i, (a, b) in enumerate(HELDOUT_ADD[:10]):
-        facts.append({"kind": "add", "question": ADD_Q[i % 3].format(a=a, b=b), "expect": str(a + b)})
+        facts.append({"kind": "add", "question": ADD_Q[i % 3].format(a=a, b=b), "expect": str(a + b),
+                      "mention": [str(a), str(b)]})
     for i, (a, b) in enumerate(HELDOUT_SUB[:10]):
-        facts.append({"kind": "sub", "question": SUB_Q[i % 3].format(a=a, b=b), "expect": str(a - b)})
+        facts.append({"kind": "sub", "question": SUB_Q[i % 3].format(a=a, b=b), "expect": str(a - b),
+                      "mention": [str(a), str(b)]})
     caps = dict(CAPITALS)
     cols = dict(COLOURS_OF)
     for kind, i, ent in sorted(HELDOUT_COMBOS):
@@ -864,7 +866,8 @@ def heldout_set():
             q, exp = tab[i].format(d=ent), day_answer(ent, kind == "day_next")[1]
         else:
             q, exp = tab[i].format(m=ent), month_answer(ent, kind == "month_next")[1]
-        facts.append({"kind": kind, "question": q, "expect": exp, "template_index": i})
+        facts.append({"kind": kind, "question": q, "expect": exp, "mention": [ent.split()[-1]],
+                      "template_index": i})
     assert len(facts) == 50, len(facts)
     fillers = ["What is the capital of Spain?", "How are you?", "What colour is snow?",
                "What is 4 plus 3?", "Tell me a joke.", "What is the opposite of big?",
@@ -892,10 +895,11 @@ def heldout_set():
                        "expect_turn": 3, "expect": v})
     return {
         "format": "k3-demo-heldout/1",
-        "scoring": ("A reply is correct when its text, lowercased, with every character that is "
-                    "not a letter, digit or space replaced by a space and runs of spaces collapsed, "
-                    "ends with the expected answer normalised the same way (word boundary before "
-                    "it). Facts are asked as the only user turn of a fresh conversation; recall "
+        "scoring": ("Normalise a text by lowercasing it, replacing every character that is not a "
+                    "letter, digit or space by a space and collapsing runs of spaces. A reply is "
+                    "correct when its normalised text ends with the normalised `expect` (at a word "
+                    "boundary) and contains every word of `mention` (if any) as a whole word. "
+                    "Facts are asked as the only user turn of a fresh conversation; recall "
                     "conversations are three user turns, scored on the third reply."),
         "render": {"thinking": False, "greedy": True},
         "facts": facts,
@@ -909,9 +913,12 @@ def normalise(s):
     return " ".join(s.split())
 
 
-def score_reply(reply, expect):
+def score_reply(reply, expect, mention=()):
     r, e = normalise(reply), normalise(expect)
-    return r == e or r.endswith(" " + e)
+    if not (r == e or r.endswith(" " + e)):
+        return False
+    words = r.split()
+    return all(normalise(w) in words for w in mention)
 
 
 def main():

@@ -82,7 +82,7 @@ def main():
             rep = replies[i]["reply"]
             i += 1
             facts.append({"question": item["question"], "reply": rep, "expect": item["expect"],
-                          "ok": corpus.score_reply(rep, item["expect"])})
+                          "ok": corpus.score_reply(rep, item["expect"], item.get("mention", ()))})
         else:
             reps = [replies[i + j]["reply"] for j in range(3)]
             i += 3

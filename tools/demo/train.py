@@ -182,7 +182,7 @@ def evaluate(m, tok, held, thinking=False, log=print, max_new=48):
     fact_ok, fact_rows = 0, []
     for f, g in zip(facts, gens):
         rep = parse_reply(tok, g, thinking)
-        ok = corpus.score_reply(rep, f["expect"])
+        ok = corpus.score_reply(rep, f["expect"], f.get("mention", ()))
         fact_ok += ok
         fact_rows.append({"q": f["question"], "reply": rep, "expect": f["expect"], "ok": ok})
     # recall: three user turns, history re-rendered from parsed replies

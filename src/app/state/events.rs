@@ -55,6 +55,10 @@ impl App {
     /// Returns whether anything visible changed.
     pub(super) fn engine(&mut self, ev: EngineEvent, fx: &mut Vec<Effect>) -> bool {
         match ev {
+            EngineEvent::Loading { done, total } => {
+                self.loading = Some((done, total));
+                return true;
+            }
             EngineEvent::Ready { info } => self.ready(info, fx),
             EngineEvent::Token { turn, id, text } => return self.token(turn, id, &text),
             EngineEvent::Stats { turn, stats } => return self.engine_stats(turn, *stats),

@@ -423,3 +423,21 @@ fn every_size_renders_without_panic() {
         }
     }
 }
+
+#[test]
+fn loading_shows_how_far_the_weights_are_read() {
+    let mut app = App::new(init());
+    app.update(Msg::Engine(EngineEvent::Loading {
+        done: 1_500_000,
+        total: 6_000_000,
+    }));
+    let t = screen(&app, 100, 10);
+    let text: String = t
+        .backend()
+        .buffer()
+        .content()
+        .iter()
+        .map(|c| c.symbol())
+        .collect();
+    assert!(text.contains("1.5 of 6.0 MB (25%)"), "{text}");
+}

@@ -273,9 +273,18 @@ pub fn conversation(app: &App, width: usize, theme: &Theme) -> Vec<Line<'static>
     };
     if app.phase == Phase::Loading {
         let spin = SPINNER[(app.ticks % 10) as usize];
+        let read = match app.loading {
+            Some((done, total)) if total > 0 => format!(
+                ": reading weights, {:.1} of {:.1} MB ({:.0}%)",
+                done as f64 / 1e6,
+                total as f64 / 1e6,
+                done as f64 * 100.0 / total as f64
+            ),
+            _ => String::new(),
+        };
         l.text(
             &format!(
-                "{spin} loading {} … {:.1} s",
+                "{spin} loading {}{read} … {:.1} s",
                 app.model,
                 app.ticks as f64 / 10.0
             ),

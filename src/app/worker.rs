@@ -125,6 +125,34 @@ fn model_identity(dir: &Path, info: &LoadInfo) -> std::io::Result<ModelIdentity>
     ))
 }
 
+/// Re-plan `model` for a total budget of `gb` (between two forward passes).
+fn apply_budget(model: &Model, gb: f64, context: u64) -> Result<String, String> {
+    use crate::stream::budget::{self, BudgetRequest};
+    let Some(st) = model.streamer() else {
+        return Err(format!(
+            "/budget {gb}: the model was opened fully resident; start k3 chat with --mem to \
+             stream it under a budget"
+        ));
+    };
+    let req = BudgetRequest::Total((gb * 1e9) as u64);
+    let plan = budget::plan(st.sizes(), req, context, budget::cgroup_limit())
+        .map_err(|e| format!("/budget: {e}"))?;
+    let line = format!(
+        "budget {}: {} of {} layers pinned, {} expert slots, output head {}",
+        budget::gb(plan.budget_bytes.unwrap_or(0)),
+        plan.n_pinned(),
+        plan.pinned.len(),
+        plan.expert_slots,
+        if plan.head_resident {
+            "resident"
+        } else {
+            "streamed"
+        }
+    );
+    st.set_plan(plan).map_err(|e| format!("/budget: {e}"))?;
+    Ok(line)
+}
+
 /// Everything the worker loop holds.
 struct Ctx<'a> {
     session: Session<'a>,
@@ -133,6 +161,10 @@ struct Ctx<'a> {
     name: String,
     created: u64,
     tx: &'a Sender<EngineEvent>,
+    /// Requests, read between tokens too (a budget change applies at the next token).
+    rx: &'a Receiver<Request>,
+    /// Requests that arrived during a turn and wait for it to end.
+    deferred: std::collections::VecDeque<Request>,
     cancel: &'a AtomicBool,
     /// Bytes of weights read at load (the whole model is resident).
     model_bytes: u64,
@@ -236,6 +268,8 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
             .unwrap_or_else(|| format!("session-{}", unix_now())),
         created: unix_now(),
         tx,
+        rx,
+        deferred: std::collections::VecDeque::new(),
         cancel,
         model_bytes: info.bytes_read,
         current_turn,
@@ -272,7 +306,7 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         turn: 0,
         stats: Box::new(ctx.stats_snapshot(0, 0.0, 0.0)),
     });
-    while let Ok(req) = rx.recv() {
+    while let Some(req) = ctx.deferred.pop_front().or_else(|| rx.recv().ok()) {
         cancel.store(false, Ordering::Relaxed);
         let ok = match req {
             Request::Shutdown => break,
@@ -356,35 +390,11 @@ impl Ctx<'_> {
 
     /// `/budget GB`: re-plan between tokens.
     fn budget(&mut self, gb: f64) -> Result<String, String> {
-        let model = self.session.model();
-        let Some(st) = model.streamer() else {
-            return Err(format!(
-                "/budget {gb}: the model was opened fully resident (k3 run's default);                  start k3 chat with --mem to stream it under a budget"
-            ));
-        };
-        let req = crate::stream::budget::BudgetRequest::Total((gb * 1e9) as u64);
-        let context = self.session.settings.context_limit as u64;
-        let plan = crate::stream::budget::plan(
-            st.sizes(),
-            req,
-            context,
-            crate::stream::budget::cgroup_limit(),
+        apply_budget(
+            self.session.model(),
+            gb,
+            self.session.settings.context_limit as u64,
         )
-        .map_err(|e| format!("/budget: {e}"))?;
-        let line = format!(
-            "budget {}: {} of {} layers pinned, {} expert slots, output head {}",
-            crate::stream::budget::gb(plan.budget_bytes.unwrap_or(0)),
-            plan.n_pinned(),
-            plan.pinned.len(),
-            plan.expert_slots,
-            if plan.head_resident {
-                "resident"
-            } else {
-                "streamed"
-            }
-        );
-        st.set_plan(plan).map_err(|e| format!("/budget: {e}"))?;
-        Ok(line)
     }
 
     /// Run a generating call and report it.
@@ -408,6 +418,10 @@ impl Ctx<'_> {
         let model = self.session.model();
         let mut last_read = base.disk_bytes_read;
         let mut last_stats_at = Instant::now();
+        let rx = self.rx;
+        let cancel = self.cancel;
+        let context = self.session.settings.context_limit as u64;
+        let mut deferred = Vec::new();
         let mut emit = |id: u32, text: &str| {
             let token = EngineEvent::Token {
                 turn,
@@ -415,6 +429,26 @@ impl Ctx<'_> {
                 text: text.to_string(),
             };
             alive &= tx.send(token).is_ok();
+            // Between tokens: a budget change is applied now; anything else waits.
+            while let Ok(req) = rx.try_recv() {
+                match req {
+                    Request::Command {
+                        turn: t,
+                        command: Command::Budget(gb),
+                    } => {
+                        let ev = match apply_budget(model, gb, context) {
+                            Ok(text) => EngineEvent::Notice { turn: t, text },
+                            Err(message) => EngineEvent::Failed { turn: t, message },
+                        };
+                        alive &= tx.send(ev).is_ok();
+                    }
+                    Request::Shutdown => {
+                        cancel.store(true, Ordering::Relaxed);
+                        deferred.push(Request::Shutdown);
+                    }
+                    other => deferred.push(other),
+                }
+            }
             if id == u32::MAX {
                 return; // a flushed UTF-8 tail, not a token
             }
@@ -462,6 +496,7 @@ impl Ctx<'_> {
             }
         };
         let result = f(&mut self.session, self.cancel, &mut emit);
+        self.deferred.extend(deferred);
         let (n_tok, secs) = match &result {
             Ok(r) => (r.generated_ids.len() as u64, r.decode_seconds),
             Err(_) => (0, start.elapsed().as_secs_f64()),

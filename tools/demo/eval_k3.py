@@ -10,7 +10,7 @@ Drives `k3 chat MODEL --plain --jsonl --greedy [--no-think]` with one input scri
   * each recall conversation: three user turns, scored on the third reply;
   * the raw-mode prompts (`/raw`, `/set max_tokens 24`): the continuation must contain no special
     token and only words that occur in the training corpus (--corpus).
-Scoring rule: corpus.score_reply (the reply, normalised, ends with the expected answer).
+Scoring rule: corpus.score_reply (see the `scoring` text in heldout.json).
 """
 
 import argparse
@@ -87,7 +87,7 @@ def main():
             reps = [replies[i + j]["reply"] for j in range(3)]
             i += 3
             recall.append({"turns": item["turns"], "replies": reps, "expect": item["expect"],
-                           "ok": corpus.score_reply(reps[2], item["expect"])})
+                           "ok": corpus.score_reply(reps[2], item["expect"], item.get("mention", ()))})
     nf = sum(x["ok"] for x in facts)
     nr = sum(x["ok"] for x in recall)
 

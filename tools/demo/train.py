@@ -210,7 +210,7 @@ def evaluate(m, tok, held, thinking=False, log=print, max_new=48):
     rec_ok = 0
     rec_rows = []
     for r, reps in zip(rec, replies):
-        ok = corpus.score_reply(reps[2], r["expect"])
+        ok = corpus.score_reply(reps[2], r["expect"], r.get("mention", ()))
         rec_ok += ok
         rec_rows.append({"turns": r["turns"], "replies": reps, "expect": r["expect"], "ok": ok})
     log(f"eval ({'think' if thinking else 'no-think'}): facts {fact_ok}/{len(facts)}, recall {rec_ok}/{len(rec)}")
@@ -312,12 +312,20 @@ def main():
     ema = None
     step = 0
     history = []
+    pre = None
     while step < total:
         if not batches:
             batches = make_batches(rows, a.batch_tokens, rng)
         idx = batches.pop()
         x, y, w = collate(rows, idx, pad)
-        if step == a.steps:
+        if step == a.steps and a.qat_steps > 0:
+            # how much does plain MXFP4 export of the routed experts lose? (same quantiser)
+            pre = {}
+            for q in (False, True):
+                m.set_quant(q)
+                fo, ro, _, _ = evaluate(m, tok, held, False, log)
+                pre["mxfp4" if q else "float"] = {"facts": fo, "recall": ro}
+            log(f"before QAT: {json.dumps(pre)}")
             m.set_quant(True)
             log("qat: routed experts now fake-quantised to MXFP4")
         for gph in opt.param_groups:
@@ -371,7 +379,7 @@ def main():
     times["total_s"] = time.time() - t_all
     with open(os.path.join(a.work, "train_log.json"), "w") as f:
         json.dump({"args": vars(a), "times": times, "params": n_par, "export_bytes": size,
-                   "history": history, "eval": res}, f, indent=1)
+                   "history": history, "eval": res, "before_qat": pre}, f, indent=1)
     log(f"times: {json.dumps({k: round(v, 1) for k, v in times.items()})}")
     return 0
 

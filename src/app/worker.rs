@@ -170,6 +170,8 @@ struct Ctx<'a> {
     model_bytes: u64,
     /// The turn being served (read by the prefill-progress hook).
     current_turn: Arc<AtomicU64>,
+    /// Seconds spent in forward passes (prefill and decode) since start.
+    busy_seconds: f64,
 }
 
 /// Least time between two `Stats` events while a turn runs.
@@ -273,6 +275,7 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         cancel,
         model_bytes: info.bytes_read,
         current_turn,
+        busy_seconds: 0.0,
     };
     ctx.session.system.clone_from(&cfg.system);
     let mut resumed = None;
@@ -382,6 +385,7 @@ impl Ctx<'_> {
             turn_seconds,
             rss_bytes: rss,
             peak_rss_bytes: peak,
+            compute_seconds: (self.busy_seconds - base.io_wait_seconds).max(0.0),
             positions: self.session.tokens().len() as u64,
             context_limit: self.session.settings.context_limit as u64,
             ..base
@@ -497,6 +501,9 @@ impl Ctx<'_> {
         };
         let result = f(&mut self.session, self.cancel, &mut emit);
         self.deferred.extend(deferred);
+        if let Ok(r) = &result {
+            self.busy_seconds += r.prefill_seconds + r.decode_seconds;
+        }
         let (n_tok, secs) = match &result {
             Ok(r) => (r.generated_ids.len() as u64, r.decode_seconds),
             Err(_) => (0, start.elapsed().as_secs_f64()),

@@ -255,6 +255,35 @@ fn k3_sparse_replica_is_header_true_and_small_on_disk() {
     let tok = Tokenizer::load_expecting(&dir, 163_840).unwrap();
     assert_eq!(tok.special_id("[BOS]"), Some(163_584));
     assert_eq!(tok.special_id("<|media_pad|>"), Some(163_605));
+
+    // The memory plan for the released shape at a laptop-class budget, before any weight is
+    // read: it fits in 6 GB; 3 GB is refused with the floor, the budget and the shortfall.
+    let plan = |gb: &str| {
+        Command::new(env!("CARGO_BIN_EXE_k3"))
+            .arg("plan")
+            .arg(&dir)
+            .args(["--mem", gb, "--json"])
+            .output()
+            .unwrap()
+    };
+    let out = plan("6");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["model_bytes"], 1_559_965_606_912u64);
+    assert_eq!(j["fits"], true);
+    let planned = j["planned_bytes"].as_u64().unwrap();
+    assert!(planned <= 6_000_000_000, "{planned}");
+    println!(
+        "k3 replica plan at 6 GB: floor {} bytes, {} pinned, {} expert slots, planned {planned}, index {} B/tensor",
+        j["floor_bytes"],
+        j["pinned"].as_array().unwrap().iter().filter(|p| p.as_bool() == Some(true)).count(),
+        j["expert_slots"],
+        j["index_bytes"].as_u64().unwrap() / j["tensors"].as_u64().unwrap()
+    );
+    let out = plan("3");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("floor") && err.contains("budget of 3.00 GB") && err.contains("short by"), "{err}");
 }
 
 #[test]

@@ -701,6 +701,7 @@ impl Model {
             }
             .into());
         };
+        ck.set_drop_behind(true);
         let streamer = Streamer::new(
             cfg.clone(),
             std::sync::Arc::new(ck),

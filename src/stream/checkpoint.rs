@@ -30,6 +30,9 @@ pub struct Checkpoint {
     index: TensorIndex,
     bytes_read: AtomicU64,
     progress: Option<Progress>,
+    /// Drop the page cache behind every read (streaming), so resident memory and disk
+    /// figures are honest.
+    drop_behind: std::sync::atomic::AtomicBool,
 }
 
 /// Called with the total bytes read so far after every read.
@@ -145,6 +148,7 @@ impl Checkpoint {
             index: TensorIndex::default(),
             bytes_read: AtomicU64::new(0),
             progress: None,
+            drop_behind: std::sync::atomic::AtomicBool::new(false),
         };
         for name in &shards {
             ck.add_shard(
@@ -254,6 +258,29 @@ impl Checkpoint {
         &self.dir
     }
 
+    /// Drop the page cache behind each read from now on (`posix_fadvise(DONTNEED)`; a hint,
+    /// ignored where unsupported).
+    pub fn set_drop_behind(&self, on: bool) {
+        self.drop_behind.store(on, Ordering::Relaxed);
+    }
+
+    fn after_read(&self, shard: usize, offset: u64, len: u64) {
+        let total = self.bytes_read.fetch_add(len, Ordering::Relaxed) + len;
+        if let Some(p) = &self.progress {
+            p(total);
+        }
+        if self.drop_behind.load(Ordering::Relaxed) {
+            if let Some(n) = std::num::NonZeroU64::new(len) {
+                let _ = rustix::fs::fadvise(
+                    &self.files[shard],
+                    offset,
+                    Some(n),
+                    rustix::fs::Advice::DontNeed,
+                );
+            }
+        }
+    }
+
     /// Report the running total of bytes read to `f` after every read.
     pub fn set_progress(&mut self, f: Progress) {
         self.progress = Some(f);
@@ -323,10 +350,7 @@ impl Checkpoint {
                 })?;
             done += take;
         }
-        let total = self.bytes_read.fetch_add(len, Ordering::Relaxed) + len;
-        if let Some(p) = &self.progress {
-            p(total);
-        }
+        self.after_read(info.shard, info.offset, len);
         Ok(info)
     }
 
@@ -371,10 +395,7 @@ impl Checkpoint {
                 })?;
             done += take;
         }
-        let total = self.bytes_read.fetch_add(len, Ordering::Relaxed) + len;
-        if let Some(p) = &self.progress {
-            p(total);
-        }
+        self.after_read(info.shard, info.offset + offset, len);
         Ok(info)
     }
 

@@ -267,7 +267,11 @@ fn k3_sparse_replica_is_header_true_and_small_on_disk() {
             .unwrap()
     };
     let out = plan("6");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(j["model_bytes"], 1_559_965_606_912u64);
     assert_eq!(j["fits"], true);
@@ -283,7 +287,10 @@ fn k3_sparse_replica_is_header_true_and_small_on_disk() {
     let out = plan("3");
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("floor") && err.contains("budget of 3.00 GB") && err.contains("short by"), "{err}");
+    assert!(
+        err.contains("floor") && err.contains("budget of 3.00 GB") && err.contains("short by"),
+        "{err}"
+    );
 }
 
 #[test]

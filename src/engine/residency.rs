@@ -283,6 +283,12 @@ impl Streamer {
         lock(&self.resident).plan.clone()
     }
 
+    /// The checkpoint being streamed.
+    #[must_use]
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.ck
+    }
+
     /// The model's byte sizes.
     #[must_use]
     pub fn sizes(&self) -> &ModelSizes {

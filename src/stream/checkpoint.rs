@@ -33,6 +33,21 @@ pub struct Checkpoint {
     /// Drop the page cache behind every read (streaming), so resident memory and disk
     /// figures are honest.
     drop_behind: std::sync::atomic::AtomicBool,
+    /// Positioned reads issued so far, and an injected fault (tests).
+    reads: AtomicU64,
+    fault: std::sync::Mutex<Option<(u64, Fault)>>,
+}
+
+/// A fault to inject into the n-th positioned read (counting from 0), for tests of the
+/// retry and failure paths.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The read is interrupted (EINTR) once: retried.
+    Interrupted,
+    /// The read returns only part of what was asked: the rest is read by a second call.
+    Short,
+    /// The read fails with EIO: the step fails with an error naming the shard and offset.
+    Io,
 }
 
 /// Called with the total bytes read so far after every read.
@@ -149,6 +164,8 @@ impl Checkpoint {
             bytes_read: AtomicU64::new(0),
             progress: None,
             drop_behind: std::sync::atomic::AtomicBool::new(false),
+            reads: AtomicU64::new(0),
+            fault: std::sync::Mutex::new(None),
         };
         for name in &shards {
             ck.add_shard(
@@ -281,6 +298,61 @@ impl Checkpoint {
         }
     }
 
+    /// Inject `fault` into the `n`-th positioned read from now on (counting reads since open).
+    pub fn inject_fault(&self, n: u64, fault: Fault) {
+        *self
+            .fault
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((n, fault));
+    }
+
+    /// Positioned reads issued so far.
+    #[must_use]
+    pub fn reads_issued(&self) -> u64 {
+        self.reads.load(Ordering::Relaxed)
+    }
+
+    /// One positioned read of exactly `buf.len()` bytes at `at`: retried on EINTR and on a
+    /// short count, failing on any other error or on end of file.
+    fn pread_exact(&self, shard: usize, buf: &mut [u8], at: u64) -> std::io::Result<()> {
+        let n = self.reads.fetch_add(1, Ordering::Relaxed);
+        let fault = {
+            let f = self
+                .fault
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            f.filter(|(k, _)| *k == n).map(|(_, f)| f)
+        };
+        let file = &self.files[shard];
+        let mut done = 0usize;
+        match fault {
+            Some(Fault::Io) => {
+                return Err(std::io::Error::from_raw_os_error(5));
+            }
+            Some(Fault::Short) if buf.len() > 1 => {
+                let half = buf.len() / 2;
+                file.read_exact_at(&mut buf[..half], at)?;
+                done = half;
+            }
+            // An interrupted call did nothing; the loop below is the retry.
+            Some(Fault::Interrupted | Fault::Short) | None => {}
+        }
+        while done < buf.len() {
+            match file.read_at(&mut buf[done..], at + done as u64) {
+                Ok(0) => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "the file ended before the tensor (truncated while in use?)",
+                    ))
+                }
+                Ok(k) => done += k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
     /// Report the running total of bytes read to `f` after every read.
     pub fn set_progress(&mut self, f: Progress) {
         self.progress = Some(f);
@@ -336,18 +408,21 @@ impl Checkpoint {
         let len = info.n_bytes();
         buf.clear();
         buf.resize(len as usize, 0);
-        let file = &self.files[info.shard];
         let mut done = 0usize;
         while done < buf.len() {
             let take = (buf.len() - done).min(MAX_READ);
-            file.read_exact_at(&mut buf[done..done + take], info.offset + done as u64)
-                .map_err(|e| StreamError::Read {
-                    path: self.paths[info.shard].clone(),
-                    offset: info.offset + done as u64,
-                    len,
-                    name: name.to_string(),
-                    source: e,
-                })?;
+            self.pread_exact(
+                info.shard,
+                &mut buf[done..done + take],
+                info.offset + done as u64,
+            )
+            .map_err(|e| StreamError::Read {
+                path: self.paths[info.shard].clone(),
+                offset: info.offset + done as u64,
+                len,
+                name: name.to_string(),
+                source: e,
+            })?;
             done += take;
         }
         self.after_read(info.shard, info.offset, len);
@@ -380,12 +455,11 @@ impl Checkpoint {
         };
         buf.clear();
         buf.resize(len as usize, 0);
-        let file = &self.files[info.shard];
         let mut done = 0usize;
         while done < buf.len() {
             let take = (buf.len() - done).min(MAX_READ);
             let at = info.offset + offset + done as u64;
-            file.read_exact_at(&mut buf[done..done + take], at)
+            self.pread_exact(info.shard, &mut buf[done..done + take], at)
                 .map_err(|e| StreamError::Read {
                     path: self.paths[info.shard].clone(),
                     offset: at,

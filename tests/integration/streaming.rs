@@ -183,3 +183,60 @@ fn small_checkpoint_same_logits_at_every_budget_and_rss_within_budget() {
         }
     }
 }
+
+/// Greedy generation that reports a failed read instead of panicking.
+fn try_generate(m: &Model, prompt: &[u32], n: usize) -> Result<Vec<u32>, k3::stream::StreamError> {
+    let mut st = SeqState::new(&m.cfg);
+    let mut logits = m.forward(&mut st, prompt, Logits::Last)?;
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        let next = argmax(&logits);
+        ids.push(next);
+        logits = m.forward(&mut st, &[next], Logits::Last)?;
+    }
+    Ok(ids)
+}
+
+#[test]
+fn injected_read_faults_are_retried_or_fail_the_step_never_a_wrong_token() {
+    use k3::stream::checkpoint::Fault;
+    let o = json("tiny/oracle.json");
+    let prompt = u32s(&o["prompt_ids"]);
+    let (resident, info) = open("tiny", BudgetRequest::Resident);
+    let want = try_generate(&resident, &prompt, 6).unwrap();
+    let floor = BudgetRequest::Total(info.plan.floor_bytes);
+    let (m, _) = open("tiny", floor);
+    let ck = m.streamer().unwrap().checkpoint();
+    let start = ck.reads_issued();
+    assert_eq!(try_generate(&m, &prompt, 6).unwrap(), want);
+    let n_reads = ck.reads_issued() - start;
+    assert!(n_reads > 100, "{n_reads} reads");
+    let (mut tried, mut failed) = (0, 0);
+    for n in (0..n_reads).step_by(41).chain([n_reads - 1]) {
+        for fault in [Fault::Interrupted, Fault::Short, Fault::Io] {
+            let (m, _) = open("tiny", floor);
+            let ck = m.streamer().unwrap().checkpoint();
+            ck.inject_fault(ck.reads_issued() + n, fault);
+            let got = try_generate(&m, &prompt, 6);
+            match fault {
+                // A failed read fails the step with a named error — unless it hit a read-ahead
+                // whose layer was never needed (after the last step): then nothing was lost.
+                Fault::Io => match got {
+                    Err(e) => {
+                        assert!(e.to_string().contains("read error in"), "{e}");
+                        assert_eq!(e.exit_code(), 1);
+                        failed += 1;
+                    }
+                    Ok(ids) => assert_eq!(ids, want, "EIO at read {n}"),
+                },
+                _ => assert_eq!(got.unwrap(), want, "{fault:?} at read {n}"),
+            }
+            tried += 1;
+        }
+    }
+    println!("{tried} injected faults over {n_reads} reads; {failed} EIO failed their step");
+    assert!(
+        failed * 2 > tried / 3,
+        "most injected EIO faults must fail the step"
+    );
+}

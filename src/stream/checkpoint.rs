@@ -405,28 +405,7 @@ impl Checkpoint {
         let info = self
             .info(name)
             .ok_or_else(|| StreamError::NoSuchTensor(name.to_string()))?;
-        let len = info.n_bytes();
-        buf.clear();
-        buf.resize(len as usize, 0);
-        let mut done = 0usize;
-        while done < buf.len() {
-            let take = (buf.len() - done).min(MAX_READ);
-            self.pread_exact(
-                info.shard,
-                &mut buf[done..done + take],
-                info.offset + done as u64,
-            )
-            .map_err(|e| StreamError::Read {
-                path: self.paths[info.shard].clone(),
-                offset: info.offset + done as u64,
-                len,
-                name: name.to_string(),
-                source: e,
-            })?;
-            done += take;
-        }
-        self.after_read(info.shard, info.offset, len);
-        Ok(info)
+        self.read_span(name, 0, info.n_bytes(), buf)
     }
 
     /// Read `len` bytes starting `offset` bytes into tensor `name` (e.g. a few rows).

@@ -1,6 +1,7 @@
 //! Command line: argument parsing (clap) and the wiring of each subcommand. No terminal types;
 //! errors are values until [`main`] turns them into an exit status.
 
+pub mod bench;
 pub mod budget_args;
 pub mod chat;
 pub mod config;
@@ -50,6 +51,12 @@ pub enum Command {
     /// (exit 2). `--json` prints `model_bytes`, `budget_bytes`, `floor_bytes`, `fits` and the
     /// whole plan.
     Plan(plan::PlanArgs),
+    /// Measure prefill and decode speed under a budget, next to this machine's floors.
+    ///
+    /// Floors: bytes read per token over the measured sequential read bandwidth, and bytes
+    /// touched per token over the measured memory bandwidth; each printed with the ratio of the
+    /// measured time to it.
+    Bench(bench::BenchArgs),
 }
 
 /// Parse the command line, run, and return the process exit status.
@@ -59,6 +66,7 @@ pub fn main() -> i32 {
     let result = match cli.command {
         Command::Run(args) => run::run(&args).map(|()| 0),
         Command::Plan(args) => plan::run(&args).map(|()| 0),
+        Command::Bench(args) => bench::run(&args).map(|()| 0),
         Command::Chat(args) => chat::run(&args),
         Command::Config(args) => config::run(&args),
         Command::Synth(args) => synth::run(&args).map(|()| 0),

@@ -347,6 +347,18 @@ pub fn matmul_mxfp4_with(isa: Isa, w: &Mxfp4Matrix<'_>, x: &[f32], y: &mut [f32]
     }
 }
 
+/// Index of the first largest value (ties go to the lowest index); 0 for an empty slice.
+#[must_use]
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 /// Widen one BF16 value (raw bits) to f32 exactly.
 #[inline]
 #[must_use]

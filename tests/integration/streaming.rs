@@ -240,3 +240,34 @@ fn injected_read_faults_are_retried_or_fail_the_step_never_a_wrong_token() {
         "most injected EIO faults must fail the step"
     );
 }
+
+#[test]
+fn bench_reports_speed_next_to_its_floors() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3"))
+        .arg("bench")
+        .arg(fixture("tiny"))
+        .args(["--mem", "0.06", "--gen", "3", "--prompt-len", "8", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for key in [
+        "prefill_tokens_per_second",
+        "decode_seconds_per_token",
+        "bytes_read_per_token",
+        "memory_floor_seconds_per_token",
+        "ratio_to_memory_floor",
+        "peak_rss_bytes",
+    ] {
+        let v = j[key].as_f64().unwrap_or(f64::NAN);
+        assert!(v.is_finite() && v >= 0.0, "{key}: {}", j[key]);
+    }
+    assert!(
+        j["bytes_read_per_token"].as_f64().unwrap() > 0.0,
+        "a streamed run reads per token"
+    );
+}

@@ -1,0 +1,185 @@
+//! `k3 bench`: prefill and decode speed under a memory budget, next to the floors this machine
+//! sets — bytes that had to come off disk over its measured sequential read bandwidth, and
+//! bytes touched over its measured memory bandwidth.
+
+use super::budget_args::BudgetArgs;
+use crate::engine::model::Logits;
+use crate::engine::{Model, SeqState};
+use crate::stream::budget::BudgetRequest;
+use crate::stream::stats::rss_bytes;
+use crate::{Error, Result};
+use clap::Args;
+use rayon::prelude::*;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Arguments of `k3 bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Checkpoint directory.
+    pub model_dir: PathBuf,
+    /// Memory budget (default: the whole model resident).
+    #[command(flatten)]
+    pub budget: BudgetArgs,
+    /// Tokens to decode.
+    #[arg(long, default_value_t = 8)]
+    pub gen: usize,
+    /// Prompt tokens to prefill.
+    #[arg(long, default_value_t = 32)]
+    pub prompt_len: usize,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Memory bandwidth of one streaming pass over 2 × 128 MiB on every thread (bytes/s).
+fn memory_bandwidth() -> f64 {
+    let n = 32 << 20;
+    let (a, b) = (vec![1.0f32; n], vec![0.5f32; n]);
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let s: f32 = a
+            .par_chunks(1 << 20)
+            .zip(b.par_chunks(1 << 20))
+            .map(|(x, y)| crate::kernels::dot(x, y))
+            .sum();
+        std::hint::black_box(s);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (2 * n * 4) as f64 / best
+}
+
+/// Sequential read bandwidth of the largest shard (up to 1 GB, page cache dropped first).
+fn disk_bandwidth(dir: &Path) -> Option<f64> {
+    let largest = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
+        .max_by_key(|e| e.metadata().map_or(0, |m| m.len()))?
+        .path();
+    let mut f = std::fs::File::open(&largest).ok()?;
+    let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed);
+    let mut buf = vec![0u8; 16 << 20];
+    let (mut total, t) = (0u64, Instant::now());
+    while total < 1_000_000_000 {
+        match f.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(k) => total += k as u64,
+        }
+    }
+    let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed);
+    let s = t.elapsed().as_secs_f64();
+    (total > 0 && s > 0.0).then(|| total as f64 / s)
+}
+
+/// Run `k3 bench`.
+pub fn run(args: &BenchArgs) -> Result<()> {
+    if args.gen == 0 || args.prompt_len == 0 {
+        return Err(Error::Usage(
+            "--gen and --prompt-len must be at least 1".into(),
+        ));
+    }
+    let disk_bw = disk_bandwidth(&args.model_dir);
+    let req = args.budget.request(BudgetRequest::Resident)?;
+    let t_open = Instant::now();
+    let (model, info) = Model::open(
+        &args.model_dir,
+        req,
+        (args.prompt_len + args.gen + 1) as u64,
+    )?;
+    let open_s = t_open.elapsed().as_secs_f64();
+    let vocab = model.cfg.vocab_size as u32;
+    let prompt: Vec<u32> = (0..args.prompt_len as u32)
+        .map(|i| (i * 7 + 3) % vocab)
+        .collect();
+    let read_now = || model.streamer().map_or(0, |s| s.stats().disk_bytes_read);
+    let mut st = SeqState::new(&model.cfg);
+    let t0 = Instant::now();
+    let mut logits = model.forward(&mut st, &prompt, Logits::Last)?;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let read0 = read_now();
+    let t1 = Instant::now();
+    for _ in 0..args.gen {
+        let next = crate::kernels::argmax(&logits);
+        logits = model.forward(&mut st, &[next], Logits::Last)?;
+    }
+    let decode_s = t1.elapsed().as_secs_f64() / args.gen as f64;
+    let read_per_tok = (read_now() - read0) as f64 / args.gen as f64;
+    // Peak RSS before the bandwidth probe, whose 256 MiB of buffers are not the engine's.
+    let peak = rss_bytes().1;
+    let mem_bw = memory_bandwidth();
+    let sizes = &info.sizes;
+    let touched = sizes.layer_trunk.iter().sum::<u64>() as f64
+        + sizes.head as f64
+        + (sizes.top_k * sizes.moe_layers * sizes.expert_bytes) as f64;
+    let mem_floor = touched / mem_bw;
+    let io_floor = disk_bw.map(|bw| read_per_tok / bw);
+    let j = serde_json::json!({
+        "budget_bytes": info.plan.budget_bytes,
+        "model_bytes": info.plan.model_bytes,
+        "pinned_layers": info.plan.n_pinned(),
+        "expert_slots": info.plan.expert_slots,
+        "open_seconds": open_s,
+        "prefill_tokens_per_second": args.prompt_len as f64 / prefill_s,
+        "decode_seconds_per_token": decode_s,
+        "bytes_read_per_token": read_per_tok,
+        "disk_mb_per_s": if decode_s > 0.0 { read_per_tok / decode_s / 1e6 } else { 0.0 },
+        "peak_rss_bytes": peak,
+        "memory_bandwidth_gb_per_s": mem_bw / 1e9,
+        "disk_read_gb_per_s": disk_bw.map(|b| b / 1e9),
+        "bytes_touched_per_token": touched,
+        "memory_floor_seconds_per_token": mem_floor,
+        "io_floor_seconds_per_token": io_floor,
+        "ratio_to_memory_floor": decode_s / mem_floor,
+        "ratio_to_io_floor": io_floor.filter(|f| *f > 0.0).map(|f| decode_s / f),
+    });
+    if args.json {
+        println!("{j}");
+        return Ok(());
+    }
+    println!(
+        "budget               {}",
+        info.plan
+            .budget_bytes
+            .map_or("resident".into(), crate::stream::budget::gb)
+    );
+    println!(
+        "plan                 {} of {} layers pinned, {} expert slots",
+        info.plan.n_pinned(),
+        info.plan.pinned.len(),
+        info.plan.expert_slots
+    );
+    println!(
+        "prefill              {:.1} tokens/s ({} tokens)",
+        args.prompt_len as f64 / prefill_s,
+        args.prompt_len
+    );
+    println!(
+        "decode               {:.4} s/token ({} tokens)",
+        decode_s, args.gen
+    );
+    println!(
+        "read per token       {:.1} MB ({:.1} MB/s)",
+        read_per_tok / 1e6,
+        if decode_s > 0.0 {
+            read_per_tok / decode_s / 1e6
+        } else {
+            0.0
+        }
+    );
+    println!("peak RSS             {:.1} MB", peak as f64 / 1e6);
+    println!(
+        "memory floor         {:.4} s/token ({:.1} MB touched at {:.1} GB/s); measured/floor {:.2}",
+        mem_floor,
+        touched / 1e6,
+        mem_bw / 1e9,
+        decode_s / mem_floor
+    );
+    match (io_floor, disk_bw) {
+        (Some(f), Some(bw)) if f > 0.0 => println!("I/O floor            {f:.4} s/token at {:.2} GB/s sequential read; measured/floor {:.2}", bw / 1e9, decode_s / f),
+        _ => println!("I/O floor            none (nothing read per token)"),
+    }
+    Ok(())
+}

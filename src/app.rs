@@ -5,6 +5,7 @@ pub mod bench;
 pub mod budget_args;
 pub mod chat;
 pub mod config;
+pub mod pack;
 pub mod plan;
 pub mod protocol;
 pub mod run;
@@ -45,6 +46,13 @@ pub enum Command {
     /// dimensions as sparse files). Exit status: 0 ok, 1 write failure, 2 usage (including an
     /// existing non-empty OUT_DIR).
     Synth(synth::SynthArgs),
+    /// Pack a checkpoint's trunk (every layer's non-expert tensors) into one 4096-aligned
+    /// file for fast sequential streaming; use it with `--trunk DIR`.
+    ///
+    /// Writes TRUNK_DIR/trunk.bin and trunk.json (per-layer offsets, sizes, CRC-32, and the
+    /// source checkpoint's identity) atomically. Exit status: 0 ok, 1 write failure, 2 an
+    /// existing trunk without --force, 3 a checkpoint that fails validation.
+    Pack(pack::PackArgs),
     /// Print the memory plan for a checkpoint and a budget, before loading any weight.
     ///
     /// A budget below the floor is refused with the floor, the budget and the shortfall
@@ -70,6 +78,7 @@ pub fn main() -> i32 {
         Command::Chat(args) => chat::run(&args),
         Command::Config(args) => config::run(&args),
         Command::Synth(args) => synth::run(&args).map(|()| 0),
+        Command::Pack(args) => pack::run(&args).map(|()| 0),
     };
     match result {
         Ok(code) => code,

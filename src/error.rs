@@ -19,6 +19,9 @@ pub enum Error {
     /// The checkpoint's tensors do not fit the configured graph.
     #[error(transparent)]
     Bind(#[from] BindError),
+    /// A packed trunk could not be written or used.
+    #[error(transparent)]
+    Trunk(#[from] crate::stream::trunk::TrunkError),
     /// The tokenizer files were refused or a token could not be decoded.
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
@@ -47,6 +50,7 @@ impl Error {
             Error::Config(e) => e.exit_code(),
             Error::Stream(e) => e.exit_code(),
             Error::Bind(_) | Error::Tokenizer(_) => 3,
+            Error::Trunk(e) => e.exit_code(),
             Error::Sample(_) => 4,
             Error::Write { .. } => 1,
             Error::Usage(_) => 2,

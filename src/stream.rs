@@ -12,6 +12,7 @@ pub mod index;
 pub mod safetensors;
 pub mod stats;
 pub mod synth;
+pub mod trunk;
 
 pub use checkpoint::{Checkpoint, TensorData};
 pub use index::{TensorIndex, TensorInfo};

@@ -84,10 +84,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let disk_bw = disk_bandwidth(&args.model_dir);
     let req = args.budget.request(BudgetRequest::Resident)?;
     let t_open = Instant::now();
-    let (model, info) = Model::open(
+    let (model, info) = Model::open_with(
         &args.model_dir,
-        req,
-        (args.prompt_len + args.gen + 1) as u64,
+        &crate::engine::weights::OpenOptions {
+            budget: req,
+            context: (args.prompt_len + args.gen + 1) as u64,
+            trunk: args.budget.trunk.clone(),
+            ..Default::default()
+        },
     )?;
     let open_s = t_open.elapsed().as_secs_f64();
     let vocab = model.cfg.vocab_size as u32;

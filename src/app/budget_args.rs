@@ -1,4 +1,5 @@
-//! Memory-budget flags shared by `k3 run`, `k3 chat` and `k3 plan`.
+//! Memory-budget flags (and the packed trunk) shared by `k3 run`, `k3 chat`, `k3 plan` and
+//! `k3 bench`.
 
 use crate::stream::budget::{self, BudgetRequest};
 use crate::{Error, Result};
@@ -19,6 +20,10 @@ pub struct BudgetArgs {
     /// Expert-cache budget in GB (with --trunk-gb).
     #[arg(long, value_name = "GB", requires = "trunk_gb")]
     pub cache_gb: Option<f64>,
+    /// A packed trunk written by `k3 pack` for this checkpoint: layers are read from it in one
+    /// sequential pass each. Tokens do not depend on it.
+    #[arg(long, value_name = "DIR")]
+    pub trunk: Option<std::path::PathBuf>,
 }
 
 fn bytes(gb: f64, flag: &str) -> Result<u64> {

@@ -157,6 +157,7 @@ pub fn run(args: &ChatArgs) -> crate::Result<i32> {
         session_name: args.session.clone().or_else(|| args.resume.clone()),
         session_dir: args.session_dir.clone(),
         budget: args.budget.request(super::budget_args::auto_request())?,
+        trunk: args.budget.trunk.clone(),
     });
     if tui {
         let session_dir = args

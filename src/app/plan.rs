@@ -4,6 +4,7 @@ use super::budget_args::{auto_request, BudgetArgs};
 use crate::engine::config::ModelConfig;
 use crate::engine::weights::model_sizes;
 use crate::stream::budget::{self, gb, BudgetRequest};
+use crate::stream::trunk::Trunk;
 use crate::stream::Checkpoint;
 use crate::{Error, Result};
 use clap::Args;
@@ -30,6 +31,10 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     let cfg = ModelConfig::load(&args.model_dir.join("config.json"))?;
     let ck = Checkpoint::open(&args.model_dir)?;
     let sizes = model_sizes(&cfg, &ck);
+    let trunk = match &args.budget.trunk {
+        Some(dir) => Some(Trunk::open(dir, &ck, cfg.num_hidden_layers)?),
+        None => None,
+    };
     let req = args.budget.request(auto_request())?;
     let index_bytes = ck.index().memory_bytes();
     let n_tensors = ck.index().len();
@@ -55,6 +60,16 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             o.insert("planned_bytes".into(), plan.planned_bytes(&sizes).into());
             o.insert("index_bytes".into(), index_bytes.into());
             o.insert("tensors".into(), n_tensors.into());
+            if let Some(t) = &trunk {
+                o.insert(
+                    "trunk".into(),
+                    serde_json::json!({
+                        "dir": t.dir().display().to_string(),
+                        "bytes": t.manifest().total_bytes,
+                        "layers": t.manifest().n_layers,
+                    }),
+                );
+            }
             o.insert(
                 "sizes".into(),
                 serde_json::to_value(&sizes).unwrap_or_default(),
@@ -113,6 +128,15 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         args.context,
         gb(plan.fixed_bytes)
     );
+    if let Some(t) = &trunk {
+        let m = t.manifest();
+        println!(
+            "trunk        {} ({} layers, {} in trunk.bin, checked against this checkpoint)",
+            t.dir().display(),
+            m.n_layers,
+            gb(m.total_bytes)
+        );
+    }
     println!("planned      {}", gb(plan.planned_bytes(&sizes)));
     Ok(())
 }

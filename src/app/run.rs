@@ -178,7 +178,15 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let req = args
         .budget
         .request(crate::stream::budget::BudgetRequest::Resident)?;
-    let (model, info) = Model::open(&args.model_dir, req, 4096)?;
+    let (model, info) = Model::open_with(
+        &args.model_dir,
+        &crate::engine::weights::OpenOptions {
+            budget: req,
+            context: 4096,
+            trunk: args.budget.trunk.clone(),
+            ..Default::default()
+        },
+    )?;
     let load_bytes = info.bytes_read;
     let vocab_u32 = u32::try_from(model.cfg.vocab_size)
         .map_err(|_| Error::Usage("vocab_size above u32".into()))?;

@@ -35,6 +35,8 @@ pub struct ChatConfig {
     pub session_dir: Option<PathBuf>,
     /// Memory budget to open the model under.
     pub budget: crate::stream::budget::BudgetRequest,
+    /// A packed trunk to read layers from.
+    pub trunk: Option<PathBuf>,
 }
 
 /// Handle on a running worker.
@@ -200,12 +202,14 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
             let _ = tx.send(EngineEvent::Loading { done, total });
         })
     };
-    let (model, info) = match Model::open_with_progress(
-        &cfg.model_dir,
-        cfg.budget,
-        cfg.settings.context_limit as u64,
-        Some(progress),
-    ) {
+    let opts = crate::engine::weights::OpenOptions {
+        budget: cfg.budget,
+        context: cfg.settings.context_limit as u64,
+        trunk: cfg.trunk.clone(),
+        progress: Some(progress),
+        ..Default::default()
+    };
+    let (model, info) = match Model::open_with(&cfg.model_dir, &opts) {
         Ok(m) => m,
         Err(e) => {
             let e: crate::Error = e.into();

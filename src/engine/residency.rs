@@ -17,6 +17,7 @@ use crate::kernels;
 use crate::stream::budget::{ModelSizes, Plan};
 use crate::stream::cache_policy::{ExpertKey, KeySpace, LayerCycle, Lru, Policy};
 use crate::stream::stats::{LayerResidency, Residency, StatsSnapshot};
+use crate::stream::trunk::Trunk;
 use crate::stream::{Checkpoint, Dtype, StreamError};
 use rayon::prelude::*;
 use std::collections::{HashMap, VecDeque};
@@ -144,6 +145,7 @@ impl std::fmt::Debug for Ring {
 pub struct Streamer {
     cfg: ModelConfig,
     ck: Arc<Checkpoint>,
+    trunk: Option<Arc<Trunk>>,
     sizes: ModelSizes,
     resident: Mutex<Resident>,
     ring: Mutex<Ring>,
@@ -157,8 +159,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// Read one layer's non-expert weights.
-fn load_layer(ck: &Checkpoint, cfg: &ModelConfig, il: usize) -> LayerResult {
-    let mut b = Binder::new(ck, true, false);
+fn load_layer(ck: &Checkpoint, trunk: Option<&Trunk>, cfg: &ModelConfig, il: usize) -> LayerResult {
+    let mut b = Binder::new(ck, true, false).with_trunk(trunk);
     let layer = bind_layer(&mut b, cfg, il)?;
     match (layer, b.into_result()) {
         (Some(l), Ok(())) => Ok(Arc::new(l)),
@@ -239,16 +241,17 @@ impl Streamer {
     pub fn new(
         cfg: ModelConfig,
         ck: Arc<Checkpoint>,
+        trunk: Option<Arc<Trunk>>,
         sizes: ModelSizes,
         plan: Plan,
     ) -> Result<Streamer, StreamError> {
         let (tx, rx) = channel::<(usize, Sender<LayerResult>)>();
-        let (ck2, cfg2) = (Arc::clone(&ck), cfg.clone());
+        let (ck2, cfg2, trunk2) = (Arc::clone(&ck), cfg.clone(), trunk.clone());
         std::thread::Builder::new()
             .name("k3-reader".into())
             .spawn(move || {
                 while let Ok((il, reply)) = rx.recv() {
-                    let _ = reply.send(load_layer(&ck2, &cfg2, il));
+                    let _ = reply.send(load_layer(&ck2, trunk2.as_deref(), &cfg2, il));
                 }
             })
             .map_err(|e| StreamError::Open {
@@ -260,6 +263,7 @@ impl Streamer {
         let st = Streamer {
             cfg,
             ck,
+            trunk,
             sizes,
             resident: Mutex::new(Resident {
                 plan: plan.clone(),
@@ -287,6 +291,12 @@ impl Streamer {
     #[must_use]
     pub fn checkpoint(&self) -> &Checkpoint {
         &self.ck
+    }
+
+    /// The packed trunk layers are read from, if any.
+    #[must_use]
+    pub fn trunk(&self) -> Option<&Trunk> {
+        self.trunk.as_deref()
     }
 
     /// The model's byte sizes.
@@ -320,7 +330,7 @@ impl Streamer {
         lock(&self.ring).pending.clear();
         for il in to_pin {
             let t0 = Instant::now();
-            let layer = load_layer(&self.ck, &self.cfg, il)?;
+            let layer = load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il)?;
             self.note_io(t0, self.sizes.layer_trunk[il], &self.counters.trunk_bytes);
             lock(&self.resident).pinned[il] = Some(layer);
         }
@@ -382,7 +392,7 @@ impl Streamer {
         }
         let t0 = Instant::now();
         let layer = if is_pinned {
-            let l = load_layer(&self.ck, &self.cfg, il)?;
+            let l = load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il)?;
             lock(&self.resident).pinned[il] = Some(Arc::clone(&l));
             l
         } else {
@@ -395,7 +405,7 @@ impl Streamer {
             };
             match waiting.and_then(|(_, rx)| rx.recv().ok()) {
                 Some(result) => result?,
-                None => load_layer(&self.ck, &self.cfg, il)?,
+                None => load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il)?,
             }
         };
         if !is_pinned || t0.elapsed().as_nanos() > 0 {

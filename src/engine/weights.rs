@@ -10,6 +10,7 @@ use super::moe::{DenseMlp, Expert, MoeWeights};
 use super::residency::Streamer;
 use super::tensor::{Dense, DenseData, Matrix, Mxfp4};
 use crate::stream::budget::{BudgetRequest, ModelSizes, Plan};
+use crate::stream::trunk::{LayerRun, Trunk, TrunkError};
 use crate::stream::{Checkpoint, Dtype, StreamError, TensorData};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -40,6 +41,9 @@ pub enum LoadError {
     /// The memory budget is below what the model needs to run.
     #[error("{0}")]
     Budget(String),
+    /// The packed trunk is unusable.
+    #[error(transparent)]
+    Trunk(#[from] TrunkError),
 }
 
 impl From<LoadError> for crate::Error {
@@ -49,6 +53,7 @@ impl From<LoadError> for crate::Error {
             LoadError::Stream(e) => e.into(),
             LoadError::Bind(e) => e.into(),
             LoadError::Budget(m) => crate::Error::Usage(m),
+            LoadError::Trunk(e) => e.into(),
         }
     }
 }
@@ -93,6 +98,9 @@ pub(crate) struct Binder<'a> {
     read: bool,
     /// Bind routed experts with their layer (else they are fetched on demand).
     experts: bool,
+    /// A packed trunk to read layers' non-expert tensors from, and the layer run read from it.
+    trunk: Option<&'a Trunk>,
+    run: Option<LayerRun>,
 }
 
 impl<'a> Binder<'a> {
@@ -103,7 +111,24 @@ impl<'a> Binder<'a> {
             problems: Vec::new(),
             read,
             experts,
+            trunk: None,
+            run: None,
         }
+    }
+
+    /// Read layers' non-expert tensors from `trunk` (when reading).
+    pub(crate) fn with_trunk(mut self, trunk: Option<&'a Trunk>) -> Self {
+        self.trunk = trunk;
+        self
+    }
+
+    /// Start binding layer `il`: with a trunk, its run is read in one pass.
+    fn enter_layer(&mut self, il: usize) -> Result<(), StreamError> {
+        self.run = match self.trunk {
+            Some(t) if self.read => Some(t.read_layer(il)?),
+            _ => None,
+        };
+        Ok(())
     }
 
     /// Problems found so far, as an error.
@@ -157,6 +182,9 @@ impl Binder<'_> {
                 Dtype::U8 => TensorData::U8(Vec::new()),
                 Dtype::F32 | Dtype::F16 => TensorData::F32(Vec::new()),
             }));
+        }
+        if let Some((dtype, raw)) = self.run.as_mut().and_then(|r| r.take(name)) {
+            return Ok(Some(TensorData::from_raw(dtype, raw)));
         }
         Ok(Some(self.ck.read(name)?.1))
     }
@@ -472,6 +500,7 @@ pub(crate) fn bind_layer(
             il + 1
         ));
     }
+    b.enter_layer(il)?;
     let input_norm = b.vector(&names::layer(il, "input_layernorm.weight"), dm)?;
     let post_norm = b.vector(&names::layer(il, "post_attention_layernorm.weight"), dm)?;
     let attn_res_fold = b.fold(
@@ -504,6 +533,7 @@ pub(crate) fn bind_layer(
     } else {
         bind_moe(b, cfg, il)?.map(|m| FeedForward::Moe(Box::new(m)))
     };
+    b.run = None;
     Ok((|| {
         Some(Layer {
             input_norm: input_norm?,
@@ -615,6 +645,51 @@ pub fn model_sizes(cfg: &ModelConfig, ck: &Checkpoint) -> crate::stream::budget:
     }
 }
 
+/// Check that the checkpoint binds to `cfg` (names, shapes, dtypes, nothing unclaimed)
+/// without reading any weight.
+pub fn check_graph(cfg: &ModelConfig, ck: &Checkpoint) -> Result<(), LoadError> {
+    let mut check = Binder::new(ck, false, true);
+    let ok = bind_model(&mut check, cfg, false)?.is_some();
+    check.into_result()?;
+    if ok {
+        Ok(())
+    } else {
+        Err(BindError {
+            dir: ck.dir().to_path_buf(),
+            problems: vec!["incomplete graph".into()],
+        }
+        .into())
+    }
+}
+
+/// How [`Model::open_with`] opens a checkpoint.
+#[derive(Clone)]
+pub struct OpenOptions {
+    /// The memory budget.
+    pub budget: BudgetRequest,
+    /// Context length the plan reserves state for.
+    pub context: u64,
+    /// A packed trunk directory (`k3 pack`) to read layers from.
+    pub trunk: Option<PathBuf>,
+    /// Read with `O_DIRECT` where the filesystem allows it (streamed weights and the trunk);
+    /// off with `K3_NO_DIRECT=1`.
+    pub direct: bool,
+    /// Called with (bytes read, bytes to read) while loading.
+    pub progress: Option<std::sync::Arc<dyn Fn(u64, u64) + Send + Sync>>,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            budget: BudgetRequest::Resident,
+            context: 4096,
+            trunk: None,
+            direct: std::env::var_os("K3_NO_DIRECT").is_none_or(|v| v.is_empty() || v == "0"),
+            progress: None,
+        }
+    }
+}
+
 impl Model {
     /// Load `dir/config.json` and every weight of the checkpoint in `dir`, resident.
     pub fn load(dir: &Path) -> Result<Model, LoadError> {
@@ -650,8 +725,30 @@ impl Model {
         context: u64,
         progress: Option<std::sync::Arc<dyn Fn(u64, u64) + Send + Sync>>,
     ) -> Result<(Model, LoadInfo), LoadError> {
+        Self::open_with(
+            dir,
+            &OpenOptions {
+                budget: req,
+                context,
+                progress,
+                ..OpenOptions::default()
+            },
+        )
+    }
+
+    /// Open the checkpoint in `dir` as `opts` say (budget, packed trunk, direct I/O).
+    pub fn open_with(dir: &Path, opts: &OpenOptions) -> Result<(Model, LoadInfo), LoadError> {
+        let (req, context, progress) = (opts.budget, opts.context, opts.progress.clone());
         let cfg = ModelConfig::load(&dir.join("config.json"))?;
         let mut ck = Checkpoint::open(dir)?;
+        let trunk = match &opts.trunk {
+            Some(t) => {
+                let mut t = Trunk::open(t, &ck, cfg.num_hidden_layers)?;
+                t.set_direct(opts.direct);
+                Some(std::sync::Arc::new(t))
+            }
+            None => None,
+        };
         let digest = ck.index_digest();
         let sizes = model_sizes(&cfg, &ck);
         let plan = crate::stream::budget::plan(
@@ -670,7 +767,7 @@ impl Model {
             ck.set_progress(Box::new(move |done| p(done.min(total), total)));
         }
         if plan.budget_bytes.is_none() {
-            let model = Self::bind(cfg, &ck)?;
+            let model = Self::bind_with(cfg, &ck, trunk.as_deref())?;
             let info = LoadInfo {
                 bytes_read: ck.bytes_read(),
                 index_digest: digest,
@@ -702,9 +799,11 @@ impl Model {
             .into());
         };
         ck.set_drop_behind(true);
+        ck.set_direct(opts.direct);
         let streamer = Streamer::new(
             cfg.clone(),
             std::sync::Arc::new(ck),
+            trunk,
             sizes.clone(),
             plan.clone(),
         )?;
@@ -725,7 +824,16 @@ impl Model {
 
     /// Bind an open checkpoint to `cfg`, reading every weight.
     pub fn bind(cfg: ModelConfig, ck: &Checkpoint) -> Result<Model, LoadError> {
-        let mut b = Binder::new(ck, true, true);
+        Self::bind_with(cfg, ck, None)
+    }
+
+    /// [`Model::bind`], reading layers' non-expert tensors from `trunk` when given.
+    pub fn bind_with(
+        cfg: ModelConfig,
+        ck: &Checkpoint,
+        trunk: Option<&Trunk>,
+    ) -> Result<Model, LoadError> {
+        let mut b = Binder::new(ck, true, true).with_trunk(trunk);
         let bound = bind_model(&mut b, &cfg, true)?;
         match bound {
             Some((embed, lm_head, norm, out_res_fold, layers)) if b.problems.is_empty() => {

@@ -36,6 +36,64 @@ pub struct Checkpoint {
     /// Positioned reads issued so far, and an injected fault (tests).
     reads: AtomicU64,
     fault: std::sync::Mutex<Option<(u64, Fault)>>,
+    /// Per shard, a second descriptor opened with `O_DIRECT` (None where the filesystem
+    /// refuses it), and whether direct reads on it have been given up.
+    direct: Vec<Option<File>>,
+    direct_off: Vec<std::sync::atomic::AtomicBool>,
+}
+
+/// Alignment of file offsets, lengths and buffer addresses for `O_DIRECT` (4Kn devices).
+pub const DIRECT_ALIGN: usize = 4096;
+
+/// A byte buffer whose usable part starts at a `DIRECT_ALIGN`-aligned address.
+#[derive(Debug, Default)]
+pub struct AlignedBuf {
+    raw: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl AlignedBuf {
+    /// A zeroed buffer of `len` bytes starting at an aligned address.
+    #[must_use]
+    pub fn new(len: usize) -> Self {
+        let mut b = AlignedBuf::default();
+        b.resize(len);
+        b
+    }
+
+    /// Make the usable part `len` bytes long (contents unspecified), reusing the allocation.
+    pub fn resize(&mut self, len: usize) {
+        if self.raw.len() < len + DIRECT_ALIGN
+            || self.raw.as_ptr().align_offset(DIRECT_ALIGN) + len > self.raw.len()
+        {
+            self.raw = vec![0u8; len + DIRECT_ALIGN];
+        }
+        self.start = self.raw.as_ptr().align_offset(DIRECT_ALIGN);
+        self.len = len;
+    }
+
+    /// The usable bytes.
+    #[must_use]
+    pub fn as_slice(&self) -> &[u8] {
+        &self.raw[self.start..self.start + self.len]
+    }
+
+    /// The usable bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.raw[self.start..self.start + self.len]
+    }
+}
+
+/// Open `path` for reading with `O_DIRECT`, or None where that is refused.
+pub(crate) fn open_direct(path: &Path) -> Option<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let flags = rustix::fs::OFlags::DIRECT.bits() as i32;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(flags)
+        .open(path)
+        .ok()
 }
 
 /// A fault to inject into the n-th positioned read (counting from 0), for tests of the
@@ -166,6 +224,8 @@ impl Checkpoint {
             drop_behind: std::sync::atomic::AtomicBool::new(false),
             reads: AtomicU64::new(0),
             fault: std::sync::Mutex::new(None),
+            direct: Vec::new(),
+            direct_off: Vec::new(),
         };
         for name in &shards {
             ck.add_shard(
@@ -281,12 +341,35 @@ impl Checkpoint {
         self.drop_behind.store(on, Ordering::Relaxed);
     }
 
+    /// Read with `O_DIRECT` (bypassing the page cache) on every shard whose filesystem
+    /// allows it; returns how many shards will. Reads are widened to 4096-byte windows.
+    pub fn set_direct(&mut self, on: bool) -> usize {
+        self.direct = if on {
+            self.paths.iter().map(|p| open_direct(p)).collect()
+        } else {
+            Vec::new()
+        };
+        self.direct_off = self
+            .direct
+            .iter()
+            .map(|_| std::sync::atomic::AtomicBool::new(false))
+            .collect();
+        self.direct.iter().filter(|f| f.is_some()).count()
+    }
+
+    /// Whether reads of `shard` currently go around the page cache.
+    #[must_use]
+    pub fn is_direct(&self, shard: usize) -> bool {
+        self.direct.get(shard).is_some_and(Option::is_some)
+            && !self.direct_off[shard].load(Ordering::Relaxed)
+    }
+
     fn after_read(&self, shard: usize, offset: u64, len: u64) {
         let total = self.bytes_read.fetch_add(len, Ordering::Relaxed) + len;
         if let Some(p) = &self.progress {
             p(total);
         }
-        if self.drop_behind.load(Ordering::Relaxed) {
+        if self.drop_behind.load(Ordering::Relaxed) && !self.is_direct(shard) {
             if let Some(n) = std::num::NonZeroU64::new(len) {
                 let _ = rustix::fs::fadvise(
                     &self.files[shard],
@@ -315,42 +398,48 @@ impl Checkpoint {
     /// One positioned read of exactly `buf.len()` bytes at `at`: retried on EINTR and on a
     /// short count, failing on any other error or on end of file.
     fn pread_exact(&self, shard: usize, buf: &mut [u8], at: u64) -> std::io::Result<()> {
-        let n = self.reads.fetch_add(1, Ordering::Relaxed);
-        let fault = {
-            let f = self
-                .fault
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            f.filter(|(k, _)| *k == n).map(|(_, f)| f)
+        let need = buf.len();
+        pread_counted(&self.reads, &self.fault, &self.files[shard], buf, at, need).map(|_| ())
+    }
+
+    /// Read `buf.len()` bytes at `at` from `shard` through its `O_DIRECT` descriptor: the
+    /// read is widened to an aligned window in an aligned scratch buffer, then the payload is
+    /// copied out. Falls back to buffered reads for good if the filesystem refuses.
+    fn pread_direct(
+        &self,
+        shard: usize,
+        buf: &mut [u8],
+        at: u64,
+        scratch: &mut AlignedBuf,
+    ) -> std::io::Result<()> {
+        let Some(file) = self.direct.get(shard).and_then(Option::as_ref) else {
+            return self.pread_exact(shard, buf, at);
         };
-        let file = &self.files[shard];
-        let mut done = 0usize;
-        match fault {
-            Some(Fault::Io) => {
-                return Err(std::io::Error::from_raw_os_error(5));
+        let a = DIRECT_ALIGN as u64;
+        let start = at / a * a;
+        let end = (at + buf.len() as u64).div_ceil(a) * a;
+        let lead = (at - start) as usize;
+        scratch.resize((end - start) as usize);
+        // The window may run past the end of the shard: enough once the payload is covered.
+        match pread_counted(
+            &self.reads,
+            &self.fault,
+            file,
+            scratch.as_mut_slice(),
+            start,
+            lead + buf.len(),
+        ) {
+            Ok(_) => {
+                buf.copy_from_slice(&scratch.as_slice()[lead..lead + buf.len()]);
+                Ok(())
             }
-            Some(Fault::Short) if buf.len() > 1 => {
-                let half = buf.len() / 2;
-                file.read_exact_at(&mut buf[..half], at)?;
-                done = half;
+            Err(e) if e.raw_os_error() == Some(22) => {
+                // EINVAL: this filesystem or device does not take these direct reads.
+                self.direct_off[shard].store(true, Ordering::Relaxed);
+                self.pread_exact(shard, buf, at)
             }
-            // An interrupted call did nothing; the loop below is the retry.
-            Some(Fault::Interrupted | Fault::Short) | None => {}
+            Err(e) => Err(e),
         }
-        while done < buf.len() {
-            match file.read_at(&mut buf[done..], at + done as u64) {
-                Ok(0) => {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        "the file ended before the tensor (truncated while in use?)",
-                    ))
-                }
-                Ok(k) => done += k,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
     }
 
     /// Report the running total of bytes read to `f` after every read.
@@ -408,6 +497,52 @@ impl Checkpoint {
         self.read_span(name, 0, info.n_bytes(), buf)
     }
 
+    /// Read `len` bytes of the shard holding `name`, starting at its first byte and possibly
+    /// running past it into the tensors that follow (a layer's contiguous run).
+    pub fn read_run(&self, name: &str, len: u64, buf: &mut Vec<u8>) -> Result<(), StreamError> {
+        let info = self
+            .info(name)
+            .ok_or_else(|| StreamError::NoSuchTensor(name.to_string()))?;
+        self.read_bytes(info.shard, info.offset, len, name, buf)
+    }
+
+    /// Read `len` bytes at absolute offset `at` of `shard` into `buf` (resized to fit);
+    /// `name` labels errors.
+    fn read_bytes(
+        &self,
+        shard: usize,
+        at0: u64,
+        len: u64,
+        name: &str,
+        buf: &mut Vec<u8>,
+    ) -> Result<(), StreamError> {
+        buf.clear();
+        buf.resize(len as usize, 0);
+        let direct = self.is_direct(shard);
+        let mut scratch = AlignedBuf::default();
+        let mut done = 0usize;
+        while done < buf.len() {
+            let take = (buf.len() - done).min(MAX_READ);
+            let at = at0 + done as u64;
+            let piece = &mut buf[done..done + take];
+            if direct {
+                self.pread_direct(shard, piece, at, &mut scratch)
+            } else {
+                self.pread_exact(shard, piece, at)
+            }
+            .map_err(|e| StreamError::Read {
+                path: self.paths[shard].clone(),
+                offset: at,
+                len,
+                name: name.to_string(),
+                source: e,
+            })?;
+            done += take;
+        }
+        self.after_read(shard, at0, len);
+        Ok(())
+    }
+
     /// Read `len` bytes starting `offset` bytes into tensor `name` (e.g. a few rows).
     pub fn read_span(
         &self,
@@ -432,23 +567,7 @@ impl Checkpoint {
                 ),
             });
         };
-        buf.clear();
-        buf.resize(len as usize, 0);
-        let mut done = 0usize;
-        while done < buf.len() {
-            let take = (buf.len() - done).min(MAX_READ);
-            let at = info.offset + offset + done as u64;
-            self.pread_exact(info.shard, &mut buf[done..done + take], at)
-                .map_err(|e| StreamError::Read {
-                    path: self.paths[info.shard].clone(),
-                    offset: at,
-                    len,
-                    name: name.to_string(),
-                    source: e,
-                })?;
-            done += take;
-        }
-        self.after_read(info.shard, info.offset + offset, len);
+        self.read_bytes(info.shard, info.offset + offset, len, name, buf)?;
         Ok(info)
     }
 
@@ -456,7 +575,15 @@ impl Checkpoint {
     pub fn read(&self, name: &str) -> Result<(TensorInfo, TensorData), StreamError> {
         let mut raw = Vec::new();
         let info = self.read_raw(name, &mut raw)?;
-        let data = match info.dtype {
+        Ok((info.clone(), TensorData::from_raw(info.dtype, raw)))
+    }
+}
+
+impl TensorData {
+    /// Typed contents of raw little-endian bytes (F16 is widened to f32).
+    #[must_use]
+    pub fn from_raw(dtype: Dtype, raw: Vec<u8>) -> TensorData {
+        match dtype {
             Dtype::F32 => TensorData::F32(
                 raw.chunks_exact(4)
                     .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -473,9 +600,61 @@ impl Checkpoint {
                     .collect(),
             ),
             Dtype::U8 => TensorData::U8(raw),
-        };
-        Ok((info, data))
+        }
     }
+}
+
+/// Positioned read into `buf` at `at`, counted in `reads` and subject to an injected fault:
+/// retried on EINTR and on a short count until `buf` is full or, past `need` bytes, the file
+/// ends. Returns the bytes read; end of file before `need` bytes is an error.
+pub(crate) fn pread_counted(
+    reads: &AtomicU64,
+    fault: &std::sync::Mutex<Option<(u64, Fault)>>,
+    file: &File,
+    buf: &mut [u8],
+    at: u64,
+    need: usize,
+) -> std::io::Result<usize> {
+    let n = reads.fetch_add(1, Ordering::Relaxed);
+    let fault = {
+        let f = fault
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        f.filter(|(k, _)| *k == n).map(|(_, f)| f)
+    };
+    let mut done = 0usize;
+    match fault {
+        Some(Fault::Io) => {
+            return Err(std::io::Error::from_raw_os_error(5));
+        }
+        Some(Fault::Short) if need > 1 => {
+            // Half of what is needed, rounded down to the alignment a direct read keeps.
+            let half = if need >= 2 * DIRECT_ALIGN {
+                need / 2 / DIRECT_ALIGN * DIRECT_ALIGN
+            } else {
+                need / 2
+            };
+            file.read_exact_at(&mut buf[..half], at)?;
+            done = half;
+        }
+        // An interrupted call did nothing; the loop below is the retry.
+        Some(Fault::Interrupted | Fault::Short) | None => {}
+    }
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], at + done as u64) {
+            Ok(0) if done >= need => break,
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the file ended before the tensor (truncated while in use?)",
+                ))
+            }
+            Ok(k) => done += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
 }
 
 /// Read up to `buf.len()` bytes from the start of the file.

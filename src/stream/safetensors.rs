@@ -49,7 +49,9 @@ impl Dtype {
         }
     }
 
-    fn parse(s: &str) -> Option<Self> {
+    /// The dtype a safetensors spelling names, if k3 supports it.
+    #[must_use]
+    pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "F32" => Dtype::F32,
             "BF16" => Dtype::Bf16,

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// A scratch copy of the tiny checkpoint.
-fn copy_tiny() -> (tempfile::TempDir, PathBuf) {
+pub(crate) fn copy_tiny() -> (tempfile::TempDir, PathBuf) {
     let tmp = tempfile::tempdir().unwrap();
     let dst = tmp.path().join("tiny");
     std::fs::create_dir(&dst).unwrap();
@@ -17,7 +17,7 @@ fn copy_tiny() -> (tempfile::TempDir, PathBuf) {
     (tmp, dst)
 }
 
-fn shard(dir: &Path, k: usize) -> PathBuf {
+pub(crate) fn shard(dir: &Path, k: usize) -> PathBuf {
     dir.join(format!("model-0000{k}-of-000003.safetensors"))
 }
 
@@ -33,14 +33,14 @@ fn run_k3(dir: &Path) -> (i32, String) {
 }
 
 /// Split a shard into (header JSON, data).
-fn split(path: &Path) -> (serde_json::Map<String, serde_json::Value>, Vec<u8>) {
+pub(crate) fn split(path: &Path) -> (serde_json::Map<String, serde_json::Value>, Vec<u8>) {
     let bytes = std::fs::read(path).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let v: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
     (v.as_object().unwrap().clone(), bytes[8 + n..].to_vec())
 }
 
-fn join(path: &Path, header: &serde_json::Map<String, serde_json::Value>, data: &[u8]) {
+pub(crate) fn join(path: &Path, header: &serde_json::Map<String, serde_json::Value>, data: &[u8]) {
     let json = serde_json::to_vec(header).unwrap();
     let mut out = (json.len() as u64).to_le_bytes().to_vec();
     out.extend_from_slice(&json);

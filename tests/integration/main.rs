@@ -10,4 +10,5 @@ mod reader;
 mod session;
 mod streaming;
 mod synth;
+mod trunk;
 mod tui;

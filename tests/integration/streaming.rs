@@ -182,6 +182,40 @@ fn small_checkpoint_same_logits_at_every_budget_and_rss_within_budget() {
             assert!(peak <= budget, "peak RSS {peak} above the budget {budget}");
         }
     }
+    // The same with a packed trunk.
+    let trunk = small().join("trunk");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3"))
+        .arg("pack")
+        .arg(small().join("small"))
+        .arg(&trunk)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let t = trunk.to_str().unwrap();
+    for budget in [Some(floor), Some(model / 4), Some(model / 2), None] {
+        let gb = budget.map(|b| format!("{}", b as f64 / 1e9));
+        let mut extra = vec!["--trunk", t];
+        if let Some(gb) = &gb {
+            extra.extend(["--mem", gb.as_str()]);
+        }
+        let (got_ids, got_logits, peak) = run_small(&extra);
+        assert_eq!(got_ids, ids, "trunk, budget {budget:?}");
+        assert!(
+            got_logits == logits,
+            "dumped logits differ with the trunk at {budget:?}"
+        );
+        println!("small with trunk at {budget:?} B: peak RSS {peak} B");
+        if let Some(b) = budget.filter(|&b| b <= model / 4) {
+            assert!(
+                peak <= b,
+                "peak RSS {peak} above the budget {b} with the trunk"
+            );
+        }
+    }
 }
 
 /// Greedy generation that reports a failed read instead of panicking.

@@ -1,0 +1,627 @@
+//! The packed trunk: every layer's non-expert tensors as one contiguous, 4096-aligned run in
+//! `trunk.bin`, described by `trunk.json` (RUNTIME.md §5.2), so a streamed layer is one
+//! sequential read that can bypass the page cache.
+//!
+//! A layer whose trunk tensors already form one gap-free run in one shard is copied verbatim;
+//! otherwise its tensors are gathered in offset order, each at a 64-byte aligned offset of the
+//! run, so no expert byte is ever copied. The manifest names the source by the digest of its
+//! tensor index and carries a CRC-32 per layer, checked the first time each layer is read.
+
+use super::checkpoint::{open_direct, pread_counted, AlignedBuf, Checkpoint, Fault, DIRECT_ALIGN};
+use super::safetensors::Dtype;
+use super::StreamError;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// Manifest format written in `trunk.json`.
+pub const FORMAT: &str = "k3-trunk/1";
+/// Alignment of runs in `trunk.bin`.
+pub const ALIGN: u64 = DIRECT_ALIGN as u64;
+/// Offset alignment of gathered tensors inside a run.
+const GATHER_ALIGN: u64 = 64;
+
+/// One tensor of a layer run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrunkTensor {
+    /// Byte offset within the run.
+    pub off: u64,
+    /// Byte length.
+    pub nbytes: u64,
+    /// Element type name (`BF16`, `F32`, `F16`, `U8`).
+    pub dtype: String,
+    /// Dimensions.
+    pub shape: Vec<usize>,
+}
+
+/// One layer of the trunk.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrunkLayer {
+    /// Layer index.
+    pub layer: usize,
+    /// Source shard (informational).
+    pub shard: String,
+    /// Absolute offset of the run in the shard (informational; the first tensor's when
+    /// gathered).
+    pub run_start: u64,
+    /// Run length rounded up to 4096.
+    pub nbytes: u64,
+    /// Offset in `trunk.bin` (a multiple of 4096).
+    pub file_off: u64,
+    /// Whether the run was gathered tensor by tensor (the source run was not contiguous).
+    #[serde(default)]
+    pub gathered: bool,
+    /// CRC-32 of the `nbytes` bytes at `file_off`.
+    pub crc32: u32,
+    /// The layer's tensors.
+    pub tensors: BTreeMap<String, TrunkTensor>,
+}
+
+/// `trunk.json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// [`FORMAT`].
+    pub format: String,
+    /// Number of layers.
+    pub n_layers: usize,
+    /// Run alignment (4096).
+    pub align: u64,
+    /// SHA-256 (hex) of the source checkpoint's tensor index (names, shards, dtypes,
+    /// shapes, offsets): the trunk is used only with the checkpoint it was packed from.
+    pub source_digest: String,
+    /// The source directory when packed (informational).
+    pub source_dir: String,
+    /// Size of `trunk.bin`.
+    pub total_bytes: u64,
+    /// Layers in order.
+    pub layers: Vec<TrunkLayer>,
+}
+
+/// A trunk could not be packed or used.
+#[derive(Debug, thiserror::Error)]
+pub enum TrunkError {
+    /// The source checkpoint cannot be packed.
+    #[error("cannot pack {dir}: {reason}")]
+    Source {
+        /// The model directory.
+        dir: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The output directory cannot be written.
+    #[error("{path}: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The output directory already holds a trunk.
+    #[error("{0} already holds a packed trunk (pass --force to replace it)")]
+    Exists(PathBuf),
+    /// `trunk.json` or `trunk.bin` is malformed or does not belong to this checkpoint.
+    #[error("trunk {dir}: {reason}")]
+    Invalid {
+        /// The trunk directory.
+        dir: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// Reading the source failed.
+    #[error(transparent)]
+    Stream(#[from] StreamError),
+}
+
+impl TrunkError {
+    /// Exit status: 1 for an I/O failure while packing, 3 for an unusable source or trunk.
+    #[must_use]
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            TrunkError::Write { .. } => 1,
+            TrunkError::Exists(_) => 2,
+            TrunkError::Stream(e) => e.exit_code(),
+            TrunkError::Source { .. } | TrunkError::Invalid { .. } => 3,
+        }
+    }
+}
+
+fn hex(d: &[u8]) -> String {
+    d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The trunk tensor names of each of `n_layers` layers: every tensor under
+/// `language_model.model.layers.L.` that is not a routed expert.
+fn layer_tensors(ck: &Checkpoint, n_layers: usize) -> Vec<Vec<String>> {
+    let mut out = vec![Vec::new(); n_layers];
+    for name in ck.index().names() {
+        let Some(rest) = name.strip_prefix("language_model.model.layers.") else {
+            continue;
+        };
+        let Some((il, tail)) = rest.split_once('.') else {
+            continue;
+        };
+        let Ok(il) = il.parse::<usize>() else {
+            continue;
+        };
+        if il < n_layers && !tail.contains("block_sparse_moe.experts.") {
+            out[il].push(name);
+        }
+    }
+    out
+}
+
+/// What [`pack`] did.
+#[derive(Clone, Debug)]
+pub struct PackReport {
+    /// The manifest written.
+    pub manifest: Manifest,
+    /// Layers copied as one verbatim run.
+    pub verbatim: usize,
+    /// Layers gathered tensor by tensor.
+    pub gathered: usize,
+}
+
+/// Where a layer's run comes from and how its tensors sit in it.
+struct Layout {
+    shard: usize,
+    run_start: u64,
+    gathered: bool,
+    tensors: BTreeMap<String, TrunkTensor>,
+    raw: u64,
+}
+
+/// Plan the layout of layer `il`.
+fn layout(ck: &Checkpoint, il: usize, names: &[String]) -> Result<Layout, String> {
+    if names.is_empty() {
+        return Err(format!("layer {il} has no trunk tensors"));
+    }
+    let mut infos: Vec<(String, super::TensorInfo)> = names
+        .iter()
+        .map(|n| (n.clone(), ck.info(n).expect("name from the index")))
+        .collect();
+    infos.sort_by_key(|(_, i)| (i.shard, i.offset));
+    let shard = infos[0].1.shard;
+    let start = infos[0].1.offset;
+    let one_shard = infos.iter().all(|(_, i)| i.shard == shard);
+    let mut end = start;
+    let mut contiguous = one_shard;
+    for (_, i) in &infos {
+        if i.shard != shard || i.offset != end {
+            contiguous = false;
+        }
+        end = end.max(i.offset + i.n_bytes()).max(i.offset);
+    }
+    let mut tensors = BTreeMap::new();
+    let mut at = 0u64;
+    for (n, i) in &infos {
+        let off = if contiguous {
+            i.offset - start
+        } else {
+            at.div_ceil(GATHER_ALIGN) * GATHER_ALIGN
+        };
+        at = off + i.n_bytes();
+        tensors.insert(
+            n.clone(),
+            TrunkTensor {
+                off,
+                nbytes: i.n_bytes(),
+                dtype: i.dtype.name().to_string(),
+                shape: i.shape.clone(),
+            },
+        );
+    }
+    Ok(Layout {
+        shard,
+        run_start: start,
+        gathered: !contiguous,
+        tensors,
+        raw: at,
+    })
+}
+
+/// Pack the trunk of the checkpoint in `ck` (with `n_layers` layers) into `out`:
+/// `trunk.bin` and `trunk.json` are written under temporary names, synced, and renamed into
+/// place (the manifest last). `progress(done, total)` is called as bytes are copied.
+pub fn pack(
+    ck: &Checkpoint,
+    n_layers: usize,
+    out: &Path,
+    force: bool,
+    progress: &dyn Fn(u64, u64),
+) -> Result<PackReport, TrunkError> {
+    let src = ck.dir().to_path_buf();
+    let bad = |reason: String| TrunkError::Source {
+        dir: src.clone(),
+        reason,
+    };
+    let per_layer = layer_tensors(ck, n_layers);
+    let mut layers = Vec::with_capacity(n_layers);
+    let mut file_off = 0u64;
+    for (il, names) in per_layer.iter().enumerate() {
+        let lay = layout(ck, il, names).map_err(bad)?;
+        let nbytes = lay.raw.div_ceil(ALIGN) * ALIGN;
+        layers.push(TrunkLayer {
+            layer: il,
+            shard: ck.index().shard_names()[lay.shard].clone(),
+            run_start: lay.run_start,
+            nbytes,
+            file_off,
+            gathered: lay.gathered,
+            crc32: 0,
+            tensors: lay.tensors,
+        });
+        file_off += nbytes;
+    }
+    let total = file_off;
+    let wr = |path: &Path| {
+        let path = path.to_path_buf();
+        move |e| TrunkError::Write {
+            path: path.clone(),
+            source: e,
+        }
+    };
+    std::fs::create_dir_all(out).map_err(wr(out))?;
+    let bin = out.join("trunk.bin");
+    let json = out.join("trunk.json");
+    if !force && (bin.exists() || json.exists()) {
+        return Err(TrunkError::Exists(out.to_path_buf()));
+    }
+    let tmp_bin = out.join(format!(".trunk.bin.partial-{}", std::process::id()));
+    let tmp_json = out.join(format!(".trunk.json.partial-{}", std::process::id()));
+    let result = (|| {
+        let mut f = File::create(&tmp_bin).map_err(wr(&tmp_bin))?;
+        let mut done = 0u64;
+        let mut buf = Vec::new();
+        let mut piece = Vec::new();
+        for l in &mut layers {
+            buf.clear();
+            buf.resize(l.nbytes as usize, 0);
+            if l.gathered {
+                for (name, t) in &l.tensors {
+                    ck.read_span(name, 0, t.nbytes, &mut piece)?;
+                    buf[t.off as usize..(t.off + t.nbytes) as usize].copy_from_slice(&piece);
+                }
+            } else {
+                // One read of the whole run: the first tensor's span widened to the run.
+                let first = l
+                    .tensors
+                    .iter()
+                    .min_by_key(|(_, t)| t.off)
+                    .map(|(n, _)| n.clone())
+                    .expect("non-empty layer");
+                let raw: u64 = l
+                    .tensors
+                    .values()
+                    .map(|t| t.off + t.nbytes)
+                    .max()
+                    .unwrap_or(0);
+                ck.read_run(&first, raw, &mut piece)?;
+                buf[..raw as usize].copy_from_slice(&piece);
+            }
+            l.crc32 = crc32fast::hash(&buf);
+            f.write_all(&buf).map_err(wr(&tmp_bin))?;
+            done += l.nbytes;
+            progress(done, total);
+        }
+        f.sync_all().map_err(wr(&tmp_bin))?;
+        let manifest = Manifest {
+            format: FORMAT.into(),
+            n_layers,
+            align: ALIGN,
+            source_digest: hex(&ck.index_digest()),
+            source_dir: src.display().to_string(),
+            total_bytes: total,
+            layers: layers.clone(),
+        };
+        let text = serde_json::to_string(&manifest).expect("manifest serialises");
+        let mut j = File::create(&tmp_json).map_err(wr(&tmp_json))?;
+        j.write_all(text.as_bytes()).map_err(wr(&tmp_json))?;
+        j.sync_all().map_err(wr(&tmp_json))?;
+        std::fs::rename(&tmp_bin, &bin).map_err(wr(&bin))?;
+        std::fs::rename(&tmp_json, &json).map_err(wr(&json))?;
+        if let Ok(d) = File::open(out) {
+            let _ = d.sync_all();
+        }
+        Ok(manifest)
+    })();
+    match result {
+        Ok(manifest) => {
+            let gathered = manifest.layers.iter().filter(|l| l.gathered).count();
+            Ok(PackReport {
+                verbatim: manifest.layers.len() - gathered,
+                gathered,
+                manifest,
+            })
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp_bin);
+            let _ = std::fs::remove_file(&tmp_json);
+            Err(e)
+        }
+    }
+}
+
+/// One layer's tensors read from the trunk, as raw bytes until taken.
+#[derive(Debug)]
+pub struct LayerRun {
+    layer: usize,
+    tensors: std::collections::HashMap<String, (Dtype, Vec<u8>)>,
+}
+
+impl LayerRun {
+    /// The layer.
+    #[must_use]
+    pub fn layer(&self) -> usize {
+        self.layer
+    }
+
+    /// Take tensor `name`'s dtype and bytes out of the run, if it holds it.
+    pub fn take(&mut self, name: &str) -> Option<(Dtype, Vec<u8>)> {
+        self.tensors.remove(name)
+    }
+}
+
+/// Size of the pieces a run is read in: the only memory a trunk read needs beyond the
+/// tensors themselves.
+const PIECE: usize = 32 << 20;
+
+/// An open packed trunk, checked against the checkpoint it serves.
+#[derive(Debug)]
+pub struct Trunk {
+    dir: PathBuf,
+    manifest: Manifest,
+    file: File,
+    direct: Option<File>,
+    direct_off: AtomicBool,
+    verified: Vec<AtomicBool>,
+    bytes_read: AtomicU64,
+    reads: AtomicU64,
+    fault: std::sync::Mutex<Option<(u64, Fault)>>,
+}
+
+impl Trunk {
+    /// Open the trunk in `dir` for the checkpoint `ck` with `n_layers` layers: the manifest is
+    /// validated in full (format, alignment, every offset and size, `trunk.bin`'s length) and
+    /// must describe exactly this checkpoint's trunk tensors with their dtypes and shapes.
+    pub fn open(dir: &Path, ck: &Checkpoint, n_layers: usize) -> Result<Trunk, TrunkError> {
+        let bad = |reason: String| TrunkError::Invalid {
+            dir: dir.to_path_buf(),
+            reason,
+        };
+        let json = dir.join("trunk.json");
+        let text = std::fs::read_to_string(&json)
+            .map_err(|e| bad(format!("cannot read trunk.json: {e} (run `k3 pack` first)")))?;
+        let m: Manifest = serde_json::from_str(&text)
+            .map_err(|e| bad(format!("trunk.json is not a k3 trunk manifest: {e}")))?;
+        if m.format != FORMAT {
+            return Err(bad(format!("format {:?}, expected {FORMAT:?}", m.format)));
+        }
+        if m.align != ALIGN {
+            return Err(bad(format!("align {}, expected {ALIGN}", m.align)));
+        }
+        let digest = hex(&ck.index_digest());
+        if m.source_digest != digest {
+            return Err(bad(format!(
+                "packed from a different checkpoint ({}…, this one is {}…); run `k3 pack` again",
+                &m.source_digest.get(..12).unwrap_or(&m.source_digest),
+                &digest[..12]
+            )));
+        }
+        if m.n_layers != n_layers || m.layers.len() != n_layers {
+            return Err(bad(format!(
+                "{} layers, the model has {n_layers}",
+                m.layers.len()
+            )));
+        }
+        let want = layer_tensors(ck, n_layers);
+        let mut end = 0u64;
+        for (il, (l, names)) in m.layers.iter().zip(&want).enumerate() {
+            if l.layer != il {
+                return Err(bad(format!("entry {il} is layer {}", l.layer)));
+            }
+            if l.file_off % ALIGN != 0 || l.nbytes % ALIGN != 0 || l.file_off < end {
+                return Err(bad(format!(
+                    "layer {il}: file_off {} / nbytes {} not 4096-aligned or overlapping",
+                    l.file_off, l.nbytes
+                )));
+            }
+            end = l.file_off + l.nbytes;
+            if l.tensors.len() != names.len() {
+                return Err(bad(format!(
+                    "layer {il}: {} tensors, the checkpoint has {}",
+                    l.tensors.len(),
+                    names.len()
+                )));
+            }
+            for n in names {
+                let i = ck.info(n).expect("name from the index");
+                let Some(t) = l.tensors.get(n) else {
+                    return Err(bad(format!("layer {il}: tensor {n} is missing")));
+                };
+                if t.dtype != i.dtype.name() || t.shape != i.shape || t.nbytes != i.n_bytes() {
+                    return Err(bad(format!(
+                        "layer {il}: tensor {n} is {} {:?} in the trunk, {} {:?} in the checkpoint",
+                        t.dtype,
+                        t.shape,
+                        i.dtype.name(),
+                        i.shape
+                    )));
+                }
+                if t.off.checked_add(t.nbytes).is_none_or(|e| e > l.nbytes) {
+                    return Err(bad(format!("layer {il}: tensor {n} lies outside its run")));
+                }
+            }
+        }
+        let bin = dir.join("trunk.bin");
+        let file = File::open(&bin).map_err(|e| bad(format!("cannot open trunk.bin: {e}")))?;
+        let len = file
+            .metadata()
+            .map_err(|e| bad(format!("trunk.bin: {e}")))?
+            .len();
+        if len != m.total_bytes || len < end {
+            return Err(bad(format!(
+                "trunk.bin is {len} bytes, the manifest says {} (truncated or from another pack?)",
+                m.total_bytes
+            )));
+        }
+        Ok(Trunk {
+            dir: dir.to_path_buf(),
+            direct: None,
+            direct_off: AtomicBool::new(false),
+            verified: (0..n_layers).map(|_| AtomicBool::new(false)).collect(),
+            bytes_read: AtomicU64::new(0),
+            reads: AtomicU64::new(0),
+            fault: std::sync::Mutex::new(None),
+            manifest: m,
+            file,
+        })
+    }
+
+    /// Read with `O_DIRECT` where the filesystem allows it; returns whether it does.
+    pub fn set_direct(&mut self, on: bool) -> bool {
+        self.direct = if on {
+            open_direct(&self.dir.join("trunk.bin"))
+        } else {
+            None
+        };
+        self.direct.is_some()
+    }
+
+    /// Whether reads bypass the page cache.
+    #[must_use]
+    pub fn is_direct(&self) -> bool {
+        self.direct.is_some() && !self.direct_off.load(Ordering::Relaxed)
+    }
+
+    /// The manifest.
+    #[must_use]
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// The trunk directory.
+    #[must_use]
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Bytes read from `trunk.bin` so far.
+    #[must_use]
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(Ordering::Relaxed)
+    }
+
+    /// Reads of `trunk.bin` issued so far.
+    #[must_use]
+    pub fn reads_issued(&self) -> u64 {
+        self.reads.load(Ordering::Relaxed)
+    }
+
+    /// Inject `fault` into the `n`-th read of `trunk.bin` (counting from 0), for tests.
+    pub fn inject_fault(&self, n: u64, fault: Fault) {
+        *self
+            .fault
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((n, fault));
+    }
+
+    /// Read layer `il`'s run front to back in large sequential pieces (direct where
+    /// allowed), scattering the bytes into one buffer per tensor; the run's checksum is
+    /// verified the first time the layer is read.
+    pub fn read_layer(&self, il: usize) -> Result<LayerRun, StreamError> {
+        let l = &self.manifest.layers[il];
+        let path = self.dir.join("trunk.bin");
+        let mut order: Vec<(&String, &TrunkTensor)> = l.tensors.iter().collect();
+        order.sort_by_key(|(_, t)| t.off);
+        let mut bufs: Vec<Vec<u8>> = order
+            .iter()
+            .map(|(_, t)| vec![0u8; t.nbytes as usize])
+            .collect();
+        let mut piece = AlignedBuf::new(PIECE.min(l.nbytes as usize));
+        let mut hasher = crc32fast::Hasher::new();
+        let mut first = 0usize;
+        let mut pos = 0u64;
+        while pos < l.nbytes {
+            let take = (l.nbytes - pos).min(PIECE as u64) as usize;
+            piece.resize(take);
+            let at = l.file_off + pos;
+            let err = |source: std::io::Error| StreamError::Read {
+                path: path.clone(),
+                offset: at,
+                len: take as u64,
+                name: format!("trunk layer {il}"),
+                source,
+            };
+            let buf = piece.as_mut_slice();
+            let r = match self.direct.as_ref().filter(|_| self.is_direct()) {
+                Some(f) => match pread_counted(&self.reads, &self.fault, f, buf, at, take) {
+                    Err(e) if e.raw_os_error() == Some(22) => {
+                        self.direct_off.store(true, Ordering::Relaxed);
+                        pread_counted(&self.reads, &self.fault, &self.file, buf, at, take)
+                    }
+                    r => r,
+                },
+                None => pread_counted(&self.reads, &self.fault, &self.file, buf, at, take),
+            };
+            r.map_err(err)?;
+            let bytes = piece.as_slice();
+            hasher.update(bytes);
+            let end = pos + take as u64;
+            // Scatter into every tensor overlapping [pos, end).
+            while first < order.len() && order[first].1.off + order[first].1.nbytes <= pos {
+                first += 1;
+            }
+            for (k, (_, t)) in order.iter().enumerate().skip(first) {
+                if t.off >= end {
+                    break;
+                }
+                let lo = t.off.max(pos);
+                let hi = (t.off + t.nbytes).min(end);
+                if lo < hi {
+                    bufs[k][(lo - t.off) as usize..(hi - t.off) as usize]
+                        .copy_from_slice(&bytes[(lo - pos) as usize..(hi - pos) as usize]);
+                }
+            }
+            if !self.is_direct() {
+                if let Some(n) = std::num::NonZeroU64::new(take as u64) {
+                    let _ =
+                        rustix::fs::fadvise(&self.file, at, Some(n), rustix::fs::Advice::DontNeed);
+                }
+            }
+            pos = end;
+        }
+        self.bytes_read.fetch_add(l.nbytes, Ordering::Relaxed);
+        if !self.verified[il].load(Ordering::Relaxed) {
+            let got = hasher.finalize();
+            if got != l.crc32 {
+                return Err(StreamError::Read {
+                    path,
+                    offset: l.file_off,
+                    len: l.nbytes,
+                    name: format!("trunk layer {il}"),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!(
+                            "checksum {got:08x}, the manifest says {:08x} (trunk.bin is corrupt; run `k3 pack --force`)",
+                            l.crc32
+                        ),
+                    ),
+                });
+            }
+            self.verified[il].store(true, Ordering::Relaxed);
+        }
+        let mut tensors = std::collections::HashMap::with_capacity(order.len());
+        for ((name, t), b) in order.into_iter().zip(bufs) {
+            let dtype = Dtype::parse(&t.dtype).ok_or_else(|| StreamError::Unrepresentable {
+                path: path.clone(),
+                name: name.clone(),
+                reason: format!("dtype {}", t.dtype),
+            })?;
+            tensors.insert(name.clone(), (dtype, b));
+        }
+        Ok(LayerRun { layer: il, tensors })
+    }
+}

@@ -1,0 +1,328 @@
+//! The packed trunk (`k3 pack`): the same logits with and without it at every budget, with
+//! direct and buffered reads, for verbatim and gathered layers; every bad trunk refused with
+//! its reason and exit code; read faults on `trunk.bin` retried or failing the step.
+
+use crate::bad_inputs::{copy_tiny, join, split};
+use crate::common::{argmax, fixture, json, u32s};
+use k3::engine::model::Logits;
+use k3::engine::weights::OpenOptions;
+use k3::engine::{Model, SeqState};
+use k3::stream::budget::{self, BudgetRequest};
+use k3::stream::checkpoint::Fault;
+use k3::stream::trunk;
+use k3::stream::Checkpoint;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Greedy generation: the logits of every step, `between(step)` called before each token.
+fn generate(
+    m: &Model,
+    prompt: &[u32],
+    n: usize,
+    mut between: impl FnMut(usize),
+) -> Result<Vec<Vec<f32>>, k3::stream::StreamError> {
+    let mut st = SeqState::new(&m.cfg);
+    let mut logits = m.forward(&mut st, prompt, Logits::Last)?;
+    let mut out = vec![logits.clone()];
+    for step in 0..n {
+        between(step);
+        let next = argmax(&logits);
+        logits = m.forward(&mut st, &[next], Logits::Last)?;
+        out.push(logits.clone());
+    }
+    Ok(out)
+}
+
+fn pack_into(model: &Path, out: &Path) -> trunk::PackReport {
+    let ck = Checkpoint::open(model).unwrap();
+    let cfg = k3::engine::config::ModelConfig::load(&model.join("config.json")).unwrap();
+    trunk::pack(&ck, cfg.num_hidden_layers, out, false, &|_, _| {}).unwrap()
+}
+
+fn open(model: &Path, budget: BudgetRequest, trunk: Option<&Path>, direct: bool) -> Model {
+    Model::open_with(
+        model,
+        &OpenOptions {
+            budget,
+            context: 512,
+            trunk: trunk.map(Path::to_path_buf),
+            direct,
+            progress: None,
+        },
+    )
+    .unwrap()
+    .0
+}
+
+fn k3(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .args(args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!err.contains("panicked"), "panic: {err}");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        err,
+    )
+}
+
+#[test]
+fn with_or_without_the_trunk_every_budget_gives_the_same_logits() {
+    for set in ["tiny", "tiny2"] {
+        let dir = fixture(set);
+        let tmp = tempfile::tempdir().unwrap();
+        let t = tmp.path().join("trunk");
+        let r = pack_into(&dir, &t);
+        assert_eq!(
+            r.verbatim, r.manifest.n_layers,
+            "{set}: runs are contiguous"
+        );
+        for l in &r.manifest.layers {
+            assert_eq!(l.file_off % 4096, 0);
+            assert_eq!(l.nbytes % 4096, 0);
+        }
+        let prompt = u32s(&json(&format!("{set}/oracle.json"))["prompt_ids"]);
+        let resident = open(&dir, BudgetRequest::Resident, None, true);
+        let want = generate(&resident, &prompt, 10, |_| {}).unwrap();
+        let (_, info) = Model::open(&dir, BudgetRequest::Resident, 512).unwrap();
+        let (floor, model) = (info.plan.floor_bytes, info.sizes.model_bytes());
+        for direct in [true, false] {
+            for req in [
+                BudgetRequest::Resident,
+                BudgetRequest::Total(floor),
+                BudgetRequest::Total(floor + model / 2),
+            ] {
+                let m = open(&dir, req, Some(&t), direct);
+                let got = generate(&m, &prompt, 10, |_| {}).unwrap();
+                for (a, b) in got.iter().zip(&want) {
+                    assert_eq!(bits(a), bits(b), "{set} {req:?} direct {direct}");
+                }
+                if let Some(st) = m.streamer() {
+                    let tr = st.trunk().expect("streaming from the trunk");
+                    assert!(tr.bytes_read() > 0);
+                    println!(
+                        "{set} {req:?}: {} B read from trunk.bin, direct I/O {}",
+                        tr.bytes_read(),
+                        tr.is_direct()
+                    );
+                }
+            }
+        }
+        // Two budget changes in the middle of a generation, streaming from the trunk.
+        let m = open(&dir, BudgetRequest::Total(floor), Some(&t), true);
+        let st = m.streamer().unwrap();
+        let sizes = info.sizes.clone();
+        let got = generate(&m, &prompt, 10, |step| {
+            let total = match step {
+                3 => floor + model,
+                7 => floor,
+                _ => return,
+            };
+            st.set_plan(budget::plan(&sizes, BudgetRequest::Total(total), 512, None).unwrap())
+                .unwrap();
+        })
+        .unwrap();
+        for (a, b) in got.iter().zip(&want) {
+            assert_eq!(bits(a), bits(b), "{set}: plan changes with the trunk");
+        }
+    }
+}
+
+/// A copy of tiny whose shards hold their tensors in reverse-name order, so every layer's
+/// trunk tensors are interleaved with other layers' and with experts.
+fn scrambled_tiny() -> (tempfile::TempDir, PathBuf) {
+    let (tmp, dir) = copy_tiny();
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            let (h, data) = split(&p);
+            let mut names: Vec<&String> = h.keys().filter(|k| *k != "__metadata__").collect();
+            names.sort_by(|a, b| b.chars().rev().cmp(a.chars().rev()));
+            let mut out_h = serde_json::Map::new();
+            let mut out = Vec::new();
+            for n in names {
+                let mut v = h[n].clone();
+                let o = &v["data_offsets"];
+                let (a, b) = (
+                    o[0].as_u64().unwrap() as usize,
+                    o[1].as_u64().unwrap() as usize,
+                );
+                let start = out.len();
+                out.extend_from_slice(&data[a..b]);
+                v["data_offsets"] = serde_json::json!([start, out.len()]);
+                out_h.insert(n.clone(), v);
+            }
+            join(&p, &out_h, &out);
+        }
+    }
+    (tmp, dir)
+}
+
+#[test]
+fn scattered_layers_are_gathered_and_give_the_same_logits() {
+    let (_tmp, dir) = scrambled_tiny();
+    let t = dir.parent().unwrap().join("trunk");
+    let r = pack_into(&dir, &t);
+    assert!(r.gathered > 0, "the scrambled layout needs gathering");
+    let prompt = u32s(&json("tiny/oracle.json")["prompt_ids"]);
+    let want = generate(
+        &open(&fixture("tiny"), BudgetRequest::Resident, None, true),
+        &prompt,
+        8,
+        |_| {},
+    )
+    .unwrap();
+    let (_, info) = Model::open(&dir, BudgetRequest::Resident, 512).unwrap();
+    for req in [
+        BudgetRequest::Resident,
+        BudgetRequest::Total(info.plan.floor_bytes),
+    ] {
+        let got = generate(&open(&dir, req, Some(&t), true), &prompt, 8, |_| {}).unwrap();
+        for (a, b) in got.iter().zip(&want) {
+            assert_eq!(bits(a), bits(b), "{req:?}");
+        }
+    }
+}
+
+#[test]
+fn bad_trunks_are_refused_with_their_reason() {
+    let tiny = fixture("tiny");
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path().join("trunk");
+    let ts = t.to_str().unwrap();
+    let tiny_s = tiny.to_str().unwrap();
+    let (code, _, err) = k3(&["pack", tiny_s, ts]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("13 layers"), "{err}");
+    let run = |model: &str, extra: &[&str]| {
+        let mut a = vec!["run", model, "--ids", "1,2,3", "--gen", "2", "--trunk", ts];
+        a.extend_from_slice(extra);
+        k3(&a)
+    };
+    let (code, good, err) = run(tiny_s, &["--mem", "0.05"]);
+    assert_eq!(code, 0, "{err}");
+
+    // An existing trunk is kept unless --force.
+    let before = std::fs::read(t.join("trunk.json")).unwrap();
+    let (code, _, err) = k3(&["pack", tiny_s, ts]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--force"), "{err}");
+    assert_eq!(std::fs::read(t.join("trunk.json")).unwrap(), before);
+    let (code, _, err) = k3(&["pack", tiny_s, ts, "--force"]);
+    assert_eq!(code, 0, "{err}");
+    let leftovers: Vec<_> = std::fs::read_dir(&t)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("partial"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+
+    // A trunk packed from another checkpoint.
+    let (code, _, err) = run(fixture("tiny2").to_str().unwrap(), &[]);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("different checkpoint"), "{err}");
+
+    // A flipped byte in trunk.bin: the layer's checksum fails the step, nothing is printed
+    // as if it were good.
+    let bin = t.join("trunk.bin");
+    let orig = std::fs::read(&bin).unwrap();
+    let mut bad = orig.clone();
+    bad[4096 * 3 + 100] ^= 0x40;
+    std::fs::write(&bin, &bad).unwrap();
+    let (code, out, err) = run(tiny_s, &["--mem", "0.05"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("checksum"), "{err}");
+    assert_ne!(out, good);
+
+    // A truncated trunk.bin is refused before anything runs.
+    std::fs::write(&bin, &orig[..orig.len() - 4096]).unwrap();
+    let (code, _, err) = run(tiny_s, &[]);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("truncated"), "{err}");
+    std::fs::write(&bin, &orig).unwrap();
+
+    // A malformed or tampered manifest.
+    let json_path = t.join("trunk.json");
+    let text = std::fs::read_to_string(&json_path).unwrap();
+    for (from, to, says) in [
+        ("\"align\":4096", "\"align\":512", "align"),
+        (
+            "\"format\":\"k3-trunk/1\"",
+            "\"format\":\"k3-trunk/9\"",
+            "format",
+        ),
+        ("\"file_off\":0,", "\"file_off\":100,", "aligned"),
+        ("{\"format\"", "[{\"format\"", "not a k3 trunk manifest"),
+    ] {
+        assert!(text.contains(from), "{from}");
+        std::fs::write(&json_path, text.replacen(from, to, 1)).unwrap();
+        let (code, _, err) = run(tiny_s, &[]);
+        assert_eq!(code, 3, "{from}: {err}");
+        assert!(err.contains(says), "{from}: {err}");
+    }
+    std::fs::remove_file(&json_path).unwrap();
+    let (code, _, err) = run(tiny_s, &[]);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("k3 pack"), "{err}");
+
+    // A source that cannot be packed: nothing is written.
+    let (_ctmp, broken) = copy_tiny();
+    let cfg = broken.join("config.json");
+    let c = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, c.replacen("\"hidden_size\"", "\"hidden_size_x\"", 1)).unwrap();
+    let out2 = tmp.path().join("never");
+    let (code, _, err) = k3(&["pack", broken.to_str().unwrap(), out2.to_str().unwrap()]);
+    assert_ne!(code, 0, "{err}");
+    assert!(!out2.join("trunk.bin").exists());
+    // An output path that is a file.
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let (code, _, err) = k3(&["pack", tiny_s, file.to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+}
+
+#[test]
+fn trunk_read_faults_are_retried_or_fail_the_step() {
+    let dir = fixture("tiny");
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path().join("trunk");
+    pack_into(&dir, &t);
+    let prompt = u32s(&json("tiny/oracle.json")["prompt_ids"]);
+    let want = generate(
+        &open(&dir, BudgetRequest::Resident, None, true),
+        &prompt,
+        4,
+        |_| {},
+    )
+    .unwrap();
+    let (_, info) = Model::open(&dir, BudgetRequest::Resident, 512).unwrap();
+    let floor = BudgetRequest::Total(info.plan.floor_bytes);
+    let mut failed = 0;
+    for n in [0u64, 1, 5, 13, 30] {
+        for fault in [Fault::Interrupted, Fault::Short, Fault::Io] {
+            let m = open(&dir, floor, Some(&t), true);
+            let tr = m.streamer().unwrap().trunk().unwrap();
+            tr.inject_fault(tr.reads_issued() + n, fault);
+            match (fault, generate(&m, &prompt, 4, |_| {})) {
+                (Fault::Io, Err(e)) => {
+                    assert!(e.to_string().contains("trunk layer"), "{e}");
+                    assert_eq!(e.exit_code(), 1);
+                    failed += 1;
+                }
+                (_, got) => {
+                    let got = got.unwrap_or_else(|e| panic!("{fault:?} at read {n}: {e}"));
+                    for (a, b) in got.iter().zip(&want) {
+                        assert_eq!(bits(a), bits(b), "{fault:?} at read {n}");
+                    }
+                }
+            }
+        }
+    }
+    assert!(failed >= 3, "{failed} EIO faults failed their step");
+}

@@ -158,6 +158,25 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// Threads that read missed experts: reads block in the kernel, so more of them than cores
+/// keeps the device's queue full (`K3_IO_THREADS`, default 8). Results do not depend on it.
+fn io_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        let n = std::env::var("K3_IO_THREADS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| (1..=256).contains(&n))
+            .unwrap_or(8);
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .thread_name(|i| format!("k3-io-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
 /// Read one layer's non-expert weights.
 fn load_layer(ck: &Checkpoint, trunk: Option<&Trunk>, cfg: &ModelConfig, il: usize) -> LayerResult {
     let mut b = Binder::new(ck, true, false).with_trunk(trunk);
@@ -454,10 +473,17 @@ impl Streamer {
             .fetch_add(misses.len() as u64, Ordering::Relaxed);
         if !misses.is_empty() {
             let t0 = Instant::now();
-            let loaded: Vec<Result<Expert, StreamError>> = misses
-                .par_iter()
-                .map(|&i| load_expert(&self.ck, &self.cfg, il, ids[i]))
-                .collect();
+            let read = || {
+                misses
+                    .par_iter()
+                    .map(|&i| load_expert(&self.ck, &self.cfg, il, ids[i]))
+                    .collect()
+            };
+            // Without an I/O pool (threads refused), the compute pool reads.
+            let loaded: Vec<Result<Expert, StreamError>> = match io_pool() {
+                Some(pool) => pool.install(read),
+                None => read(),
+            };
             self.note_io(
                 t0,
                 self.sizes.expert_bytes * misses.len() as u64,

@@ -421,9 +421,21 @@ pub(crate) fn bind_expert(
 ) -> Result<Option<Expert>, StreamError> {
     let n = |r: &str| names::layer(il, &format!("block_sparse_moe.experts.{e}.{r}"));
     let (lat, inter) = (cfg.routed_expert_hidden_size, cfg.moe_intermediate_size);
+    // An expert streamed on its own is read in one piece when its tensors are contiguous.
+    let streamed = b.read && b.experts && b.run.is_none();
+    if streamed {
+        let all: Vec<String> = ["w1", "w2", "w3"]
+            .iter()
+            .flat_map(|w| [n(&format!("{w}.weight_packed")), n(&format!("{w}.weight_scale"))])
+            .collect();
+        b.run = b.ck.read_group(&all)?.map(|p| LayerRun::from_parts(il, p));
+    }
     let w1 = b.mxfp4(&n("w1"), inter, lat)?;
     let w2 = b.mxfp4(&n("w2"), lat, inter)?;
     let w3 = b.mxfp4(&n("w3"), inter, lat)?;
+    if streamed {
+        b.run = None;
+    }
     Ok(match (w1, w2, w3) {
         (Some(w1), Some(w2), Some(w3)) => Some(Expert { w1, w2, w3 }),
         _ => None,

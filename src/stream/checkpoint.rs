@@ -45,6 +45,10 @@ pub struct Checkpoint {
 /// Alignment of file offsets, lengths and buffer addresses for `O_DIRECT` (4Kn devices).
 pub const DIRECT_ALIGN: usize = 4096;
 
+/// Reads shorter than this stay buffered (with the cache dropped behind them): a direct read
+/// is a device round trip, which costs more than it saves on a small tensor.
+pub const DIRECT_MIN: u64 = 256 << 10;
+
 /// A byte buffer whose usable part starts at a `DIRECT_ALIGN`-aligned address.
 #[derive(Debug, Default)]
 pub struct AlignedBuf {
@@ -104,8 +108,11 @@ pub enum Fault {
     Interrupted,
     /// The read returns only part of what was asked: the rest is read by a second call.
     Short,
-    /// The read fails with EIO: the step fails with an error naming the shard and offset.
+    /// The read fails with EIO, and so does its one retry: the step fails with an error
+    /// naming the shard and offset.
     Io,
+    /// The read fails with EIO once: the one bounded retry succeeds.
+    TransientIo,
 }
 
 /// Called with the total bytes read so far after every read.
@@ -369,7 +376,7 @@ impl Checkpoint {
         if let Some(p) = &self.progress {
             p(total);
         }
-        if self.drop_behind.load(Ordering::Relaxed) && !self.is_direct(shard) {
+        if self.drop_behind.load(Ordering::Relaxed) && !(self.is_direct(shard) && len >= DIRECT_MIN) {
             if let Some(n) = std::num::NonZeroU64::new(len) {
                 let _ = rustix::fs::fadvise(
                     &self.files[shard],
@@ -497,6 +504,44 @@ impl Checkpoint {
         self.read_span(name, 0, info.n_bytes(), buf)
     }
 
+    /// Read tensors `names` in one read when they sit gap-free, back to back, in one shard
+    /// (the six tensors of a routed expert in the release), returning each one's dtype and
+    /// bytes; None when they do not (the caller reads them one by one).
+    pub fn read_group(
+        &self,
+        names: &[String],
+    ) -> Result<Option<Vec<(String, Dtype, Vec<u8>)>>, StreamError> {
+        let mut infos = Vec::with_capacity(names.len());
+        for n in names {
+            let Some(i) = self.info(n) else {
+                return Ok(None);
+            };
+            infos.push((n, i));
+        }
+        infos.sort_by_key(|(_, i)| (i.shard, i.offset));
+        let Some((first, start)) = infos.first().map(|(n, i)| (*n, i.clone())) else {
+            return Ok(None);
+        };
+        let mut end = start.offset;
+        for (_, i) in &infos {
+            if i.shard != start.shard || i.offset != end {
+                return Ok(None);
+            }
+            end += i.n_bytes();
+        }
+        let mut all = Vec::new();
+        self.read_bytes(start.shard, start.offset, end - start.offset, first, &mut all)?;
+        Ok(Some(
+            infos
+                .into_iter()
+                .map(|(n, i)| {
+                    let at = (i.offset - start.offset) as usize;
+                    (n.clone(), i.dtype, all[at..at + i.n_bytes() as usize].to_vec())
+                })
+                .collect(),
+        ))
+    }
+
     /// Read `len` bytes of the shard holding `name`, starting at its first byte and possibly
     /// running past it into the tensors that follow (a layer's contiguous run).
     pub fn read_run(&self, name: &str, len: u64, buf: &mut Vec<u8>) -> Result<(), StreamError> {
@@ -518,7 +563,7 @@ impl Checkpoint {
     ) -> Result<(), StreamError> {
         buf.clear();
         buf.resize(len as usize, 0);
-        let direct = self.is_direct(shard);
+        let direct = self.is_direct(shard) && len >= DIRECT_MIN;
         let mut scratch = AlignedBuf::default();
         let mut done = 0usize;
         while done < buf.len() {
@@ -637,9 +682,10 @@ pub(crate) fn pread_counted(
             file.read_exact_at(&mut buf[..half], at)?;
             done = half;
         }
-        // An interrupted call did nothing; the loop below is the retry.
-        Some(Fault::Interrupted | Fault::Short) | None => {}
+        // An interrupted call (or a first EIO) did nothing; the loop below is the retry.
+        Some(Fault::Interrupted | Fault::Short | Fault::TransientIo) | None => {}
     }
+    let mut retried_eio = matches!(fault, Some(Fault::TransientIo));
     while done < buf.len() {
         match file.read_at(&mut buf[done..], at + done as u64) {
             Ok(0) if done >= need => break,
@@ -651,6 +697,8 @@ pub(crate) fn pread_counted(
             }
             Ok(k) => done += k,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            // One bounded retry of an I/O error (a transient device hiccup); a second fails.
+            Err(e) if e.raw_os_error() == Some(5) && !retried_eio => retried_eio = true,
             Err(e) => return Err(e),
         }
     }

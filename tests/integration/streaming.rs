@@ -246,8 +246,13 @@ fn injected_read_faults_are_retried_or_fail_the_step_never_a_wrong_token() {
     let n_reads = ck.reads_issued() - start;
     assert!(n_reads > 100, "{n_reads} reads");
     let (mut tried, mut failed) = (0, 0);
-    for n in (0..n_reads).step_by(41).chain([n_reads - 1]) {
-        for fault in [Fault::Interrupted, Fault::Short, Fault::Io] {
+    for n in (0..n_reads).step_by(53).chain([n_reads - 1]) {
+        for fault in [
+            Fault::Interrupted,
+            Fault::Short,
+            Fault::TransientIo,
+            Fault::Io,
+        ] {
             let (m, _) = open("tiny", floor);
             let ck = m.streamer().unwrap().checkpoint();
             ck.inject_fault(ck.reads_issued() + n, fault);

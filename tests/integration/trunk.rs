@@ -305,7 +305,12 @@ fn trunk_read_faults_are_retried_or_fail_the_step() {
     let floor = BudgetRequest::Total(info.plan.floor_bytes);
     let mut failed = 0;
     for n in [0u64, 1, 5, 13, 30] {
-        for fault in [Fault::Interrupted, Fault::Short, Fault::Io] {
+        for fault in [
+            Fault::Interrupted,
+            Fault::Short,
+            Fault::TransientIo,
+            Fault::Io,
+        ] {
             let m = open(&dir, floor, Some(&t), true);
             let tr = m.streamer().unwrap().trunk().unwrap();
             tr.inject_fault(tr.reads_issued() + n, fault);

@@ -45,6 +45,16 @@ pub enum EngineEvent {
         /// One line: model, layers, vocabulary, session name.
         info: String,
     },
+    /// A generating turn starts: how its tokens are to be read (raw continuation, or a chat
+    /// completion starting in the thinking channel or in the answer).
+    TurnStarted {
+        /// Turn.
+        turn: TurnId,
+        /// Raw mode.
+        raw: bool,
+        /// The completion starts inside the thinking channel.
+        thinking: bool,
+    },
     /// Text of one generated token (may be empty while a UTF-8 sequence is incomplete).
     Token {
         /// Turn.

@@ -503,6 +503,12 @@ impl Ctx<'_> {
                     .is_ok();
             }
         };
+        let started = EngineEvent::TurnStarted {
+            turn,
+            raw: self.session.mode == crate::session::chat::Mode::Raw,
+            thinking: self.session.settings.thinking,
+        };
+        let _ = tx.send(started);
         let result = f(&mut self.session, self.cancel, &mut emit);
         self.deferred.extend(deferred);
         if let Ok(r) = &result {

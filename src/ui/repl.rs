@@ -6,6 +6,7 @@ use crate::app::protocol::{EngineEvent, Request, TurnId};
 use crate::app::worker::Worker;
 use crate::session::chat::{Stop, TurnReport};
 use crate::session::commands::{self, Command};
+use crate::session::template::TolerantParser;
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -88,6 +89,26 @@ impl Input {
 }
 
 /// Control characters from model output are shown escaped, never sent to the terminal.
+/// The part of a parsed completion not shown yet: new reasoning, then (once the answer
+/// starts) a blank line after any reasoning, then new answer text.
+fn show_new(p: &TolerantParser, r_at: &mut usize, c_at: &mut usize) -> String {
+    let mut s = String::new();
+    let r = p.reasoning();
+    if let Some(new) = r.get(*r_at..) {
+        s.push_str(new);
+    }
+    *r_at = r.len();
+    let c = p.content();
+    if let Some(new) = c.get(*c_at..).filter(|n| !n.is_empty()) {
+        if *c_at == 0 && *r_at > 0 {
+            s.push_str("\n\n");
+        }
+        s.push_str(new);
+    }
+    *c_at = c.len();
+    s
+}
+
 fn safe(text: &str) -> String {
     crate::app::run::terminal_safe(text)
 }
@@ -201,15 +222,36 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
             exit_code = 1;
             break;
         }
+        // Chat completions are shown through the tolerant parser: the reasoning, a blank line,
+        // then the answer, never the channel markers. Raw continuations are shown as they come.
+        let mut view: Option<(TolerantParser, usize, usize)> = None;
         loop {
             match worker.recv() {
+                Some(EngineEvent::TurnStarted {
+                    turn: t,
+                    raw,
+                    thinking,
+                }) if t == turn => {
+                    view = (!raw).then(|| (TolerantParser::new(thinking), 0, 0));
+                }
                 Some(EngineEvent::Token { turn: t, text, .. }) if t == turn => {
                     if !opts.jsonl {
-                        let _ = out.write_all(safe(&text).as_bytes());
+                        let shown = match &mut view {
+                            None => text,
+                            Some((p, r_at, c_at)) => {
+                                p.push(&text);
+                                show_new(p, r_at, c_at)
+                            }
+                        };
+                        let _ = out.write_all(safe(&shown).as_bytes());
                         let _ = out.flush();
                     }
                 }
                 Some(EngineEvent::TurnDone { turn: t, report }) if t == turn => {
+                    if let Some((p, r_at, c_at)) = view.as_mut().filter(|_| !opts.jsonl) {
+                        p.finish();
+                        let _ = out.write_all(safe(&show_new(p, r_at, c_at)).as_bytes());
+                    }
                     if opts.jsonl {
                         let _ = writeln!(out, "{}", jsonl_line(turn, &report));
                     } else {

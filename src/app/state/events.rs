@@ -60,6 +60,8 @@ impl App {
                 return true;
             }
             EngineEvent::Ready { info } => self.ready(info, fx),
+            // The client already knows the mode it sent the turn in.
+            EngineEvent::TurnStarted { .. } => return false,
             EngineEvent::Token { turn, id, text } => return self.token(turn, id, &text),
             EngineEvent::Stats { turn, stats } => return self.engine_stats(turn, *stats),
             EngineEvent::TurnDone { turn, report } => {

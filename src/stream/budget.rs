@@ -179,9 +179,11 @@ pub fn gb(b: u64) -> String {
 const HEAD_CHUNK_BYTES: u64 = 64 << 20;
 
 /// Fixed overhead: activations of a 64-token prefill chunk (about 40 hidden-wide buffers),
-/// two logits rows, and allocator slack.
+/// two logits rows, the buffers of a layer's expert reads in flight (at most top-k at once,
+/// each read into an aligned window and then split: twice the expert), the piece
+/// buffer of a trunk read (8 MiB), and allocator slack.
 fn fixed_overhead(s: &ModelSizes) -> u64 {
-    64 * 40 * s.hidden * 4 + 2 * s.vocab * 4 + (32 << 20)
+    64 * 40 * s.hidden * 4 + 2 * s.vocab * 4 + 2 * s.top_k * s.expert_bytes + (40 << 20)
 }
 
 /// Make a plan for `req`, with room for `context` positions of carried state. A memory limit

@@ -375,7 +375,7 @@ impl LayerRun {
 
 /// Size of the pieces a run is read in: the only memory a trunk read needs beyond the
 /// tensors themselves.
-const PIECE: usize = 32 << 20;
+const PIECE: usize = 8 << 20;
 
 /// An open packed trunk, checked against the checkpoint it serves.
 #[derive(Debug)]

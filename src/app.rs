@@ -5,6 +5,7 @@ pub mod bench;
 pub mod budget_args;
 pub mod chat;
 pub mod config;
+pub mod demo;
 pub mod pack;
 pub mod plan;
 pub mod protocol;

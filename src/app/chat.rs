@@ -18,7 +18,7 @@ use std::path::PathBuf;
 #[derive(Debug, Args)]
 pub struct ChatArgs {
     /// Checkpoint directory (config.json, safetensors shards, tokenizer files); default: the
-    /// config file's `model_dir`.
+    /// config file's `model_dir`, else the small demo model built into k3.
     pub model_dir: Option<PathBuf>,
     /// Use the plain line-mode client instead of the terminal interface (automatic when stdin
     /// or stdout is not a terminal, or TERM is `dumb`).
@@ -128,17 +128,12 @@ fn settings(args: &ChatArgs, cfg: &Config) -> Settings {
 /// Run `k3 chat`; returns the exit status.
 pub fn run(args: &ChatArgs) -> crate::Result<i32> {
     let cfg = Config::load().map_err(|e| crate::Error::Usage(e.to_string()))?;
-    let model_dir = args
-        .model_dir
-        .clone()
-        .or_else(|| cfg.model_dir.clone())
-        .ok_or_else(|| {
-            crate::Error::Usage(
-                "k3 chat needs a checkpoint directory (or model_dir in the config file; see \
-                 `k3 config path`)"
-                    .into(),
-            )
-        })?;
+    let given = args.model_dir.clone().or_else(|| cfg.model_dir.clone());
+    let demo = given.is_none();
+    let model_dir = match given {
+        Some(d) => d,
+        None => super::demo::materialise()?,
+    };
     super::run::set_threads(args.threads)?;
     let settings = settings(args, &cfg);
     settings.render_options().map_err(crate::Error::Usage)?;
@@ -164,10 +159,14 @@ pub fn run(args: &ChatArgs) -> crate::Result<i32> {
             .session_dir
             .clone()
             .unwrap_or_else(SessionStore::default_dir);
-        let model = model_dir.file_name().map_or_else(
-            || model_dir.display().to_string(),
-            |n| n.to_string_lossy().into_owned(),
-        );
+        let model = if demo {
+            "demo model".to_string()
+        } else {
+            model_dir.file_name().map_or_else(
+                || model_dir.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            )
+        };
         let labels: KeyLabels = keys.labels();
         let init = AppInit {
             model,

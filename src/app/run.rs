@@ -14,8 +14,9 @@ use std::time::Instant;
 #[derive(Debug, Args)]
 #[command(group = clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "ids"]))]
 pub struct RunArgs {
-    /// Checkpoint directory (config.json, safetensors shards, tokenizer files).
-    pub model_dir: PathBuf,
+    /// Checkpoint directory (config.json, safetensors shards, tokenizer files); default: the
+    /// small demo model built into k3.
+    pub model_dir: Option<PathBuf>,
     /// Prompt text (special-token names are recognised, as in raw mode).
     #[arg(long)]
     pub prompt: Option<String>,
@@ -166,6 +167,10 @@ fn run_stats(model: &Model, info: &crate::engine::weights::LoadInfo) -> serde_js
 /// Run `k3 run`.
 pub fn run(args: &RunArgs) -> Result<()> {
     set_threads(args.threads)?;
+    let model_dir = match &args.model_dir {
+        Some(d) => d.clone(),
+        None => super::demo::materialise()?,
+    };
     let sampler_cfg = SamplerConfig {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -179,7 +184,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         .budget
         .request(crate::stream::budget::BudgetRequest::Resident)?;
     let (model, info) = Model::open_with(
-        &args.model_dir,
+        &model_dir,
         &crate::engine::weights::OpenOptions {
             budget: req,
             context: 4096,
@@ -190,7 +195,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let load_bytes = info.bytes_read;
     let vocab_u32 = u32::try_from(model.cfg.vocab_size)
         .map_err(|_| Error::Usage("vocab_size above u32".into()))?;
-    let tok = load_tokenizer(&args.model_dir, vocab_u32)?;
+    let tok = load_tokenizer(&model_dir, vocab_u32)?;
     let prompt = prompt_ids(args, tok.as_ref())?;
     if prompt.is_empty() {
         return Err(Error::Usage("the prompt is empty".into()));

@@ -426,7 +426,12 @@ pub(crate) fn bind_expert(
     if streamed {
         let all: Vec<String> = ["w1", "w2", "w3"]
             .iter()
-            .flat_map(|w| [n(&format!("{w}.weight_packed")), n(&format!("{w}.weight_scale"))])
+            .flat_map(|w| {
+                [
+                    n(&format!("{w}.weight_packed")),
+                    n(&format!("{w}.weight_scale")),
+                ]
+            })
             .collect();
         b.run = b.ck.read_group(&all)?.map(|p| LayerRun::from_parts(il, p));
     }

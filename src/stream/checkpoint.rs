@@ -42,6 +42,9 @@ pub struct Checkpoint {
     direct_off: Vec<std::sync::atomic::AtomicBool>,
 }
 
+/// A tensor's name, dtype and raw bytes.
+pub type RawTensor = (String, Dtype, Vec<u8>);
+
 /// Alignment of file offsets, lengths and buffer addresses for `O_DIRECT` (4Kn devices).
 pub const DIRECT_ALIGN: usize = 4096;
 
@@ -376,7 +379,8 @@ impl Checkpoint {
         if let Some(p) = &self.progress {
             p(total);
         }
-        if self.drop_behind.load(Ordering::Relaxed) && !(self.is_direct(shard) && len >= DIRECT_MIN) {
+        if self.drop_behind.load(Ordering::Relaxed) && !(self.is_direct(shard) && len >= DIRECT_MIN)
+        {
             if let Some(n) = std::num::NonZeroU64::new(len) {
                 let _ = rustix::fs::fadvise(
                     &self.files[shard],
@@ -507,10 +511,7 @@ impl Checkpoint {
     /// Read tensors `names` in one read when they sit gap-free, back to back, in one shard
     /// (the six tensors of a routed expert in the release), returning each one's dtype and
     /// bytes; None when they do not (the caller reads them one by one).
-    pub fn read_group(
-        &self,
-        names: &[String],
-    ) -> Result<Option<Vec<(String, Dtype, Vec<u8>)>>, StreamError> {
+    pub fn read_group(&self, names: &[String]) -> Result<Option<Vec<RawTensor>>, StreamError> {
         let mut infos = Vec::with_capacity(names.len());
         for n in names {
             let Some(i) = self.info(n) else {
@@ -530,13 +531,23 @@ impl Checkpoint {
             end += i.n_bytes();
         }
         let mut all = Vec::new();
-        self.read_bytes(start.shard, start.offset, end - start.offset, first, &mut all)?;
+        self.read_bytes(
+            start.shard,
+            start.offset,
+            end - start.offset,
+            first,
+            &mut all,
+        )?;
         Ok(Some(
             infos
                 .into_iter()
                 .map(|(n, i)| {
                     let at = (i.offset - start.offset) as usize;
-                    (n.clone(), i.dtype, all[at..at + i.n_bytes() as usize].to_vec())
+                    (
+                        n.clone(),
+                        i.dtype,
+                        all[at..at + i.n_bytes() as usize].to_vec(),
+                    )
                 })
                 .collect(),
         ))

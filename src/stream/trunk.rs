@@ -354,7 +354,7 @@ pub struct LayerRun {
 impl LayerRun {
     /// A run of already-read tensors (e.g. an expert read in one piece).
     #[must_use]
-    pub fn from_parts(layer: usize, parts: Vec<(String, Dtype, Vec<u8>)>) -> LayerRun {
+    pub fn from_parts(layer: usize, parts: Vec<super::checkpoint::RawTensor>) -> LayerRun {
         LayerRun {
             layer,
             tensors: parts.into_iter().map(|(n, d, b)| (n, (d, b))).collect(),

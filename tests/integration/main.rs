@@ -4,6 +4,7 @@
 mod bad_inputs;
 mod common;
 mod config;
+mod demo;
 mod ops;
 mod oracle_tiny;
 mod reader;

@@ -422,3 +422,39 @@ fn config_file_path_init_show_and_refusal_with_line_and_column() {
         assert!(err.contains("temprature"), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn chat_with_no_model_opens_the_demo_and_answers() {
+    assert!(
+        tmux_available(),
+        "tmux is required for the terminal-client end-to-end test; install it \
+         (apt-get install -y tmux) and run the tests again"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let command = format!(
+        "env K3_DATA_DIR={data} K3_CACHE_DIR={data}/cache K3_CONFIG={data}/no-config.toml \
+         TERM=xterm-256color {bin} chat --greedy --no-think; echo K3-EXIT=$?; sleep 60",
+        data = dir.path().display(),
+        bin = env!("CARGO_BIN_EXE_k3"),
+    );
+    let t = Tmux::start(&dir.path().join("tmux-d.sock"), "k3d", &command);
+    let screen = t.wait_for("the ready status bar", 60, ready);
+    assert!(screen.contains("demo model"), "{screen}");
+    t.type_text("What is the capital of Japan?");
+    t.keys(&["Enter"]);
+    let screen = t.wait_for("the answer", 60, |s| {
+        s.contains("tokens/s · prompt") && ready(s)
+    });
+    assert!(screen.contains("Tokyo"), "{screen}");
+    assert!(
+        !screen.contains("<|"),
+        "a template marker on screen:\n{screen}"
+    );
+    t.keys(&["C-q"]);
+    t.wait_for("the unsaved question", 10, |s| {
+        s.contains("unsaved changes")
+    });
+    t.keys(&["q"]);
+    let screen = t.wait_for("the exit", 30, |s| s.contains("K3-EXIT="));
+    assert!(screen.contains("K3-EXIT=0"), "{screen}");
+}

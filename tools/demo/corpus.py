@@ -369,7 +369,46 @@ SYL_END = ["", "", "", "n", "r", "l", "s", "th", "x", "ck", "m", "nd", "ra", "na
 _HELDOUT_NAME_SET = {n.lower() for n in HELDOUT_NAMES}
 
 
+MORE_NAMES = [
+    "Abigail", "Adrian", "Agnes", "Albert", "Alfred", "Alma", "Amos", "Angela", "Anton", "Apollo",
+    "Archibald", "Arnold", "Augustin", "Aurora", "Barnaby", "Beatrice", "Benedict", "Bernard",
+    "Bertha", "Blanche", "Boris", "Brigitte", "Caspar", "Cecilia", "Cedric", "Clarence",
+    "Claudia", "Cornelius", "Cyril", "Dagmar", "Delphine", "Desmond", "Dorothea", "Edgar",
+    "Edmund", "Eleanor", "Elias", "Eloise", "Emeric", "Ernest", "Eugenia", "Evander", "Fabian",
+    "Felicity", "Ferdinand", "Florian", "Frederica", "Gabriel", "Genevieve", "Gertrude",
+    "Gideon", "Gilbert", "Godfrey", "Gwendolyn", "Harold", "Helga", "Horace", "Ignatius",
+    "Imogen", "Ingrid", "Isadora", "Jacqueline", "Jeremiah", "Josephine", "Juniper", "Leopold",
+    "Lorenzo", "Lucinda", "Magdalena", "Marcellus", "Matilda", "Maximilian", "Melchior",
+    "Mildred", "Montgomery", "Nathaniel", "Octavia", "Ophelia", "Oswald", "Penelope",
+    "Percival", "Philippa", "Prudence", "Reginald", "Rupert", "Sebastian", "Seraphina",
+    "Sigmund", "Sylvester", "Theodora", "Tobias", "Ulysses", "Valerian", "Winifred",
+    "Zachariah", "Zenobia", "Ignacio", "Mortimer", "Cordelia", "Leontine", "Hyacinth",
+]
+_VOW = "aeiouy"
+_CON = "bcdfghjklmnpqrstvwxz"
+_CLUST = ["br", "ch", "cl", "dr", "fl", "gr", "kr", "ph", "pr", "sh", "st", "th", "tr", "wh",
+          "sk", "sl", "sn", "qu", "ll", "nn", "rr", "ss", "tt", "ck", "nd", "rt", "lm", "x", "z"]
+
+
 def pseudo_name(rng):
+    """A made-up name: random letters in consonant/vowel patterns (every letter of the
+    alphabet occurs), so the names split into many different BPE pieces."""
+    while True:
+        n = []
+        length = rng.choice([3, 4, 5, 5, 6, 6, 7, 8, 9, 10])
+        vowel = rng.random() < 0.35
+        while sum(len(x) for x in n) < length:
+            if vowel:
+                n.append(rng.choice(_VOW) if rng.random() < 0.85 else rng.choice(["ea", "io", "ou", "ai", "ee"]))
+            else:
+                n.append(rng.choice(_CON) if rng.random() < 0.8 else rng.choice(_CLUST))
+            vowel = not vowel
+        name = "".join(n)
+        if name.lower() not in _HELDOUT_NAME_SET:
+            return name[0].upper() + name[1:]
+
+
+def syllable_name(rng):
     while True:
         n = "".join(rng.choice(SYL_A) for _ in range(rng.choice([1, 2, 2, 2, 3]))) + rng.choice(SYL_END)
         if 3 <= len(n) <= 11 and n.lower() not in _HELDOUT_NAME_SET:
@@ -377,7 +416,14 @@ def pseudo_name(rng):
 
 
 def any_name(rng):
-    return rng.choice(TRAIN_NAMES) if rng.random() < 0.5 else pseudo_name(rng)
+    k = rng.random()
+    if k < 0.2:
+        return rng.choice(TRAIN_NAMES)
+    if k < 0.35:
+        return rng.choice(MORE_NAMES)
+    if k < 0.55:
+        return syllable_name(rng)
+    return pseudo_name(rng)
 
 
 def fav_number(rng):
@@ -681,11 +727,11 @@ def gen_chat(rng, thinking):
         t = len(turns)
         ready = [s for s, (_, ti) in mem.items() if t - ti >= 1]
         unset = [s for s in ("name", "number", "colour") if s not in mem]
-        opts = [("fact", 0.42), ("talk", 0.12)]
+        opts = [("fact", 0.36), ("talk", 0.10)]
         if unset:
-            opts += [("state", 0.22), ("unknown", 0.02)]
+            opts += [("state", 0.30), ("unknown", 0.02)]
         if ready:
-            opts += [("recall", 0.28)]
+            opts += [("recall", 0.40)]
         k = rng.random() * sum(w for _, w in opts)
         for kind, w in opts:
             if k < w:
@@ -705,6 +751,32 @@ def gen_chat(rng, thinking):
             turns.append(small_talk_turn(rng))
         else:
             turns.append(fact_turn(rng))
+    for q, a, r in turns:
+        msgs.append({"role": "user", "content": q})
+        m = {"role": "assistant", "content": a}
+        if thinking:
+            m["reasoning"] = r
+        msgs.append(m)
+    return {"kind": "chat", "thinking": thinking,
+            "effort": rng.choice(["max", "max", "max", "low", "high"]), "messages": msgs}
+
+
+def gen_name_chat(rng, thinking):
+    """A conversation built around a name: stated in the first turns, asked back later, with
+    other turns in between (the copying the recall test needs, on names never seen before)."""
+    name = any_name(rng)
+    turns = []
+    if rng.random() < 0.3:
+        us, as_ = SMALL_TALK[rng.randrange(0, 4)]
+        turns.append((rng.choice(us), rng.choice(as_), "The user greets me. I should greet them back."))
+    turns.append(state_turn(rng, "name", name))
+    for _ in range(rng.choice([0, 1, 1, 2, 2, 3])):
+        turns.append(fact_turn(rng) if rng.random() < 0.75 else small_talk_turn(rng))
+    turns.append(recall_turn(rng, "name", name))
+    if rng.random() < 0.3:
+        turns.append(fact_turn(rng))
+        turns.append(recall_turn(rng, "name", name))
+    msgs = []
     for q, a, r in turns:
         msgs.append({"role": "user", "content": q})
         m = {"role": "assistant", "content": a}
@@ -736,15 +808,49 @@ def fact_statement(rng):
     return f"{a} minus {b} is {a - b}."
 
 
-def gen_raw(rng):
+def memory_drill(rng):
+    """Plain-text copying practice: values stated, other sentences, then asked back."""
+    slots = []
+    for _ in range(rng.randint(1, 3)):
+        kind = rng.choice(["name", "name", "number", "colour"])
+        v = any_name(rng) if kind == "name" else fav_number(rng) if kind == "number" else rng.choice(FAV_COLOURS)
+        who = any_name(rng)
+        slots.append((kind, v, who))
+    out = []
+    for kind, v, who in slots:
+        out.append({"name": f"{who}'s friend is called {v}.", "number": f"{who}'s number is {v}.",
+                    "colour": f"{who}'s favourite colour is {v}."}[kind])
+    for _ in range(rng.randint(0, 3)):
+        out.append(fact_statement(rng) if rng.random() < 0.5 else simple_sentence(rng))
+    rng.shuffle(slots)
+    for kind, v, who in slots:
+        out.append({"name": f"The name of {who}'s friend is {v}.", "number": f"The number of {who} is {v}.",
+                    "colour": f"The favourite colour of {who} is {v}."}[kind])
+    return " ".join(out)
+
+
+def copy_drill(rng):
+    """Raw text that can only be continued by copying: a list of made-up names, then the same
+    list again (the second half is predictable only from the first)."""
+    names = [any_name(rng) for _ in range(rng.randint(4, 10))]
+    sep = rng.choice([" Again: ", ". Once more: ", " and again ", ". Repeat: "])
+    first = " ".join(names)
+    return first + sep + first + "."
+
+
+def gen_raw(rng, copy_share=0.0):
+    if copy_share and rng.random() < copy_share:
+        return {"kind": "raw", "text": copy_drill(rng)}
     k = rng.random()
     if k < 0.3:
         parts = [story(rng)]
         if rng.random() < 0.5:
             parts.append(story(rng))
         return {"kind": "raw", "text": "\n\n".join(parts)}
-    if k < 0.5:
+    if k < 0.45:
         return {"kind": "raw", "text": " ".join(simple_sentence(rng) for _ in range(rng.randint(3, 8)))}
+    if k < 0.6:
+        return {"kind": "raw", "text": memory_drill(rng)}
     # facts and sums stated as plain text
     return {"kind": "raw", "text": " ".join(fact_statement(rng) for _ in range(rng.randint(8, 20)))}
 
@@ -752,17 +858,21 @@ def gen_raw(rng):
 MIX = {"chat_nothink": 0.47, "chat_think": 0.20, "raw": 0.33}
 
 
-def generate(seed, n):
+def generate(seed, n, name_focus=0.0, copy_share=0.0):
+    """n records from `seed`; a share `name_focus` of them are name dialogues, and a share
+    `copy_share` of the raw records are copy drills."""
     rng = random.Random(seed)
     out = []
     while len(out) < n:
         k = rng.random()
-        if k < MIX["chat_nothink"]:
+        if name_focus and rng.random() < name_focus:
+            r = gen_name_chat(rng, rng.random() < 0.25)
+        elif k < MIX["chat_nothink"]:
             r = gen_chat(rng, False)
         elif k < MIX["chat_nothink"] + MIX["chat_think"]:
             r = gen_chat(rng, True)
         else:
-            r = gen_raw(rng)
+            r = gen_raw(rng, copy_share)
         if _contains_raw_prompt(r):
             continue          # the grammar can produce a held-out raw prompt: drop the record
         out.append(r)

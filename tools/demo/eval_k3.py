@@ -9,7 +9,8 @@ Drives `k3 chat MODEL --plain --jsonl --greedy [--no-think]` with one input scri
     conversation (`/new` between them);
   * each recall conversation: three user turns, scored on the third reply;
   * the raw-mode prompts (`/raw`, `/set max_tokens 24`): the continuation must contain no special
-    token and only words that occur in the training corpus (--corpus).
+    token and only words that occur in the training corpus (--corpus); capitalised words that
+    do not are reported as new names (the corpus teaches the model to make names up).
 Scoring rule: corpus.score_reply (see the `scoring` text in heldout.json).
 """
 
@@ -104,10 +105,13 @@ def main():
         specials = re.compile(r"<\|[^|]*\|>|\[(BOS|EOS|EOT|UNK|PAD|start_header_id|end_header_id)\]")
         for p, r in zip(held["raw_prompts"], reps):
             text = r["reply"]
-            ws = [w.lower() for w in re.findall(r"[A-Za-z]+", text)]
-            oov = [w for w in ws if w not in words]
+            # every word must occur in the training corpus, except capitalised words that do
+            # not (new proper names, which the corpus teaches the model to make up)
+            ws = re.findall(r"[A-Za-z]+", text)
+            oov = [w for w in ws if w.lower() not in words and not w[0].isupper()]
+            names = [w for w in ws if w.lower() not in words and w[0].isupper()]
             bad_ids = [t for t in r["generated_ids"] if t >= n_ranks]
-            raw.append({"prompt": p, "continuation": text, "oov_words": oov,
+            raw.append({"prompt": p, "continuation": text, "oov_words": oov, "new_names": names,
                         "special_ids": bad_ids, "ok": not oov and not bad_ids and not specials.search(text)})
     res = {"think": a.think, "facts_correct": nf, "facts_total": len(facts), "recall_correct": nr,
            "recall_total": len(recall), "raw_ok": sum(x["ok"] for x in raw), "raw_total": len(raw),

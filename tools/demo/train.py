@@ -227,20 +227,26 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "assets", "demo"))
     ap.add_argument("--work", default="/tmp/demo")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--records", type=int, default=120000)
+    ap.add_argument("--records", type=int, default=60000)
     ap.add_argument("--ranks", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=320)
-    ap.add_argument("--batch-tokens", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=1600)
+    ap.add_argument("--batch-tokens", type=int, default=3072)
+    ap.add_argument("--steps", type=int, default=2400)
     ap.add_argument("--qat-steps", type=int, default=200)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--user-weight", type=float, default=0.0)
     ap.add_argument("--bias-rate", type=float, default=1e-3)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=400)
     ap.add_argument("--no-amp", action="store_true")
     ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--name-focus", type=float, default=0.0,
+                    help="share of records that are name dialogues (corpus.gen_name_chat)")
+    ap.add_argument("--copy-share", type=float, default=0.0,
+                    help="share of raw records that are copy drills (corpus.copy_drill)")
+    ap.add_argument("--init", help="start from this exported checkpoint (its weights and its "
+                    "tokenizer) instead of a fresh tokenizer and random weights")
     a = ap.parse_args()
 
     torch.set_num_threads(a.threads)
@@ -259,7 +265,7 @@ def main():
 
     # 1. corpus
     t0 = time.time()
-    records = corpus.generate(a.seed, a.records)
+    records = corpus.generate(a.seed, a.records, a.name_focus, a.copy_share)
     for r in records:
         corpus.check_record(r)
     with open(os.path.join(a.work, "corpus.jsonl"), "w") as f:
@@ -277,9 +283,14 @@ def main():
     t0 = time.time()
     tokdir = os.path.join(a.work, "tok")
     os.makedirs(tokdir, exist_ok=True)
-    vocab = bpe.train(bpe.corpus_texts(records[:60000]), a.ranks, log=log)
-    bpe.write_tiktoken(os.path.join(tokdir, "tiktoken.model"), vocab)
-    bpe.write_tokenizer_config(os.path.join(tokdir, "tokenizer_config.json"), len(vocab))
+    if a.init:
+        for fn in ("tiktoken.model", "tokenizer_config.json"):
+            shutil.copyfile(os.path.join(a.init, fn), os.path.join(tokdir, fn))
+        log(f"tokenizer: reused from {a.init}")
+    else:
+        vocab = bpe.train(bpe.corpus_texts(records[:60000]), a.ranks, log=log)
+        bpe.write_tiktoken(os.path.join(tokdir, "tiktoken.model"), vocab)
+        bpe.write_tokenizer_config(os.path.join(tokdir, "tokenizer_config.json"), len(vocab))
     assert bpe.check(tokdir, records, log=log)
     tok = bpe.Tok(tokdir)
     times["tokenizer_s"] = time.time() - t0
@@ -290,9 +301,15 @@ def main():
     times["tokenise_s"] = time.time() - t0
 
     # 4. model
-    c = M.Cfg(vocab_size=tok.vocab, n_ranks=tok.n_ranks, hidden_size=a.hidden)
-    m = M.K3(c)
-    m.init_weights(a.seed)
+    if a.init:
+        m = M.load_checkpoint(a.init, torch.float32)
+        c = m.c
+        assert c.vocab_size == tok.vocab and c.n_ranks == tok.n_ranks
+        log(f"weights: initialised from {a.init}")
+    else:
+        c = M.Cfg(vocab_size=tok.vocab, n_ranks=tok.n_ranks, hidden_size=a.hidden)
+        m = M.K3(c)
+        m.init_weights(a.seed)
     n_par = sum(p.numel() for p in m.parameters())
     log(f"model: {n_par / 1e6:.2f}M parameters; cfg {json.dumps(c.__dict__)}")
     decay, no_decay = [], []
@@ -309,6 +326,8 @@ def main():
     t_train = time.time()
     tokens_seen = 0
     tokens_proc = 0
+    cur_threads, best, retry_at = a.threads, {}, 0
+    win_t, win_tok = time.time(), 0
     ema = None
     step = 0
     history = []
@@ -326,6 +345,7 @@ def main():
                 fo, ro, _, _ = evaluate(m, tok, held, False, log)
                 pre["mxfp4" if q else "float"] = {"facts": fo, "recall": ro}
             log(f"before QAT: {json.dumps(pre)}")
+            win_t = time.time()
             m.set_quant(True)
             log("qat: routed experts now fake-quantised to MXFP4")
         for gph in opt.param_groups:
@@ -347,6 +367,22 @@ def main():
         tokens_proc += x.numel()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         step += 1
+        if step % 20 == 0:
+            # adaptive threads: on a shared machine two OpenMP threads collapse when the other
+            # core is busy; fall back to one thread for a while when throughput drops
+            now = time.time()
+            rate = (tokens_proc - win_tok) / max(now - win_t, 1e-9)
+            win_t, win_tok = now, tokens_proc
+            best[cur_threads] = max(best.get(cur_threads, 0.0), rate)
+            if cur_threads > 1 and rate < 0.6 * best[cur_threads]:
+                cur_threads, retry_at = 1, step + 200
+                torch.set_num_threads(1)
+                log(f"throughput {rate:.0f} tok/s < 60% of the best with {a.threads} threads: using 1 thread")
+            elif cur_threads == 1 and a.threads > 1 and step >= retry_at:
+                cur_threads = a.threads
+                torch.set_num_threads(a.threads)
+                best.pop(a.threads, None)
+                log(f"trying {a.threads} threads again")
         if step % 20 == 0 or step == 1:
             el = time.time() - t_train
             log(f"step {step}/{total} loss {loss.item():.4f} ema {ema:.4f} lr {a.lr * sched(step):.2e} "
@@ -354,6 +390,7 @@ def main():
             history.append({"step": step, "loss": loss.item(), "ema": ema, "elapsed_s": el})
         if a.eval_every and step % a.eval_every == 0 and step < total:
             evaluate(m, tok, held, False, log)
+            win_t = time.time()                  # keep evaluation time out of the throughput window
     times["train_s"] = time.time() - t_train
     log(f"trained {total} steps ({a.qat_steps} QAT) in {times['train_s'] / 60:.1f} min, {tokens_seen} tokens")
     torch.save({"state": m.state_dict(), "cfg": c.__dict__}, os.path.join(a.work, "model.pt"))

@@ -5,6 +5,7 @@
 //! truncated or shrinks while k3 runs produces an error, not a SIGBUS. Every shard is validated
 //! in full when the checkpoint is opened.
 
+pub mod alloc;
 pub mod budget;
 pub mod cache_policy;
 pub mod checkpoint;

@@ -71,7 +71,7 @@ pub enum Command {
 /// Parse the command line, run, and return the process exit status.
 #[must_use]
 pub fn main() -> i32 {
-    crate::stream::alloc::pin_mmap_threshold();
+    crate::stream::alloc::keep_rss_inside_the_plan();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => run::run(&args).map(|()| 0),

@@ -42,6 +42,16 @@ pub struct Checkpoint {
     direct_off: Vec<std::sync::atomic::AtomicBool>,
 }
 
+thread_local! {
+    /// This thread's aligned window for direct reads, kept between reads.
+    static SCRATCH: std::cell::RefCell<AlignedBuf> = std::cell::RefCell::new(AlignedBuf::default());
+    /// This thread's buffer for a group read (an expert), kept between reads.
+    static GROUP: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Largest per-thread read buffer kept for reuse; larger ones are freed after their read.
+const KEEP_BYTES: usize = 64 << 20;
+
 /// A tensor's name, dtype and raw bytes.
 pub type RawTensor = (String, Dtype, Vec<u8>);
 
@@ -78,6 +88,12 @@ impl AlignedBuf {
         }
         self.start = self.raw.as_ptr().align_offset(DIRECT_ALIGN);
         self.len = len;
+    }
+
+    /// Bytes allocated.
+    #[must_use]
+    pub fn capacity(&self) -> usize {
+        self.raw.len()
     }
 
     /// The usable bytes.
@@ -530,7 +546,7 @@ impl Checkpoint {
             }
             end += i.n_bytes();
         }
-        let mut all = Vec::new();
+        let mut all = GROUP.with(|g| std::mem::take(&mut *g.borrow_mut()));
         self.read_bytes(
             start.shard,
             start.offset,
@@ -538,19 +554,21 @@ impl Checkpoint {
             first,
             &mut all,
         )?;
-        Ok(Some(
-            infos
-                .into_iter()
-                .map(|(n, i)| {
-                    let at = (i.offset - start.offset) as usize;
-                    (
-                        n.clone(),
-                        i.dtype,
-                        all[at..at + i.n_bytes() as usize].to_vec(),
-                    )
-                })
-                .collect(),
-        ))
+        let parts = infos
+            .into_iter()
+            .map(|(n, i)| {
+                let at = (i.offset - start.offset) as usize;
+                (
+                    n.clone(),
+                    i.dtype,
+                    all[at..at + i.n_bytes() as usize].to_vec(),
+                )
+            })
+            .collect();
+        if all.capacity() <= KEEP_BYTES {
+            GROUP.with(|g| *g.borrow_mut() = all);
+        }
+        Ok(Some(parts))
     }
 
     /// Read `len` bytes of the shard holding `name`, starting at its first byte and possibly
@@ -575,7 +593,9 @@ impl Checkpoint {
         buf.clear();
         buf.resize(len as usize, 0);
         let direct = self.is_direct(shard) && len >= DIRECT_MIN;
-        let mut scratch = AlignedBuf::default();
+        // Each thread keeps its aligned window between reads (fresh pages cost a fault and a
+        // zeroing per 4 KiB); windows above KEEP_BYTES are allocated for the one read.
+        let mut scratch = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
         let mut done = 0usize;
         while done < buf.len() {
             let take = (buf.len() - done).min(MAX_READ);
@@ -594,6 +614,9 @@ impl Checkpoint {
                 source: e,
             })?;
             done += take;
+        }
+        if scratch.capacity() <= KEEP_BYTES {
+            SCRATCH.with(|s| *s.borrow_mut() = scratch);
         }
         self.after_read(shard, at0, len);
         Ok(())

@@ -21,6 +21,15 @@ pub use safetensors::{Dtype, HeaderError};
 
 use std::path::PathBuf;
 
+/// The layer index and the rest of a per-layer tensor name
+/// (`language_model.model.layers.L.REST` → `(L, REST)`), or None for any other name.
+#[must_use]
+pub fn layer_tensor(name: &str) -> Option<(usize, &str)> {
+    let rest = name.strip_prefix("language_model.model.layers.")?;
+    let (il, tail) = rest.split_once('.')?;
+    Some((il.parse().ok()?, tail))
+}
+
 /// A checkpoint file could not be opened, failed validation, or could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {

@@ -613,13 +613,7 @@ pub fn model_sizes(cfg: &ModelConfig, ck: &Checkpoint) -> crate::stream::budget:
     let mut layer_trunk = vec![0u64; cfg.num_hidden_layers];
     let mut expert_bytes = 0u64;
     for name in ck.index().names() {
-        let Some(rest) = name.strip_prefix("language_model.model.layers.") else {
-            continue;
-        };
-        let Some((il, tail)) = rest.split_once('.') else {
-            continue;
-        };
-        let Ok(il) = il.parse::<usize>() else {
+        let Some((il, tail)) = crate::stream::layer_tensor(&name) else {
             continue;
         };
         if il >= layer_trunk.len() {

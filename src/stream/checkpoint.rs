@@ -390,13 +390,17 @@ impl Checkpoint {
             && !self.direct_off[shard].load(Ordering::Relaxed)
     }
 
+    /// Whether a read of `len` bytes from `shard` goes around the page cache.
+    fn reads_direct(&self, shard: usize, len: u64) -> bool {
+        len >= DIRECT_MIN && self.is_direct(shard)
+    }
+
     fn after_read(&self, shard: usize, offset: u64, len: u64) {
         let total = self.bytes_read.fetch_add(len, Ordering::Relaxed) + len;
         if let Some(p) = &self.progress {
             p(total);
         }
-        if self.drop_behind.load(Ordering::Relaxed) && !(self.is_direct(shard) && len >= DIRECT_MIN)
-        {
+        if self.drop_behind.load(Ordering::Relaxed) && !self.reads_direct(shard, len) {
             if let Some(n) = std::num::NonZeroU64::new(len) {
                 let _ = rustix::fs::fadvise(
                     &self.files[shard],
@@ -592,7 +596,7 @@ impl Checkpoint {
     ) -> Result<(), StreamError> {
         buf.clear();
         buf.resize(len as usize, 0);
-        let direct = self.is_direct(shard) && len >= DIRECT_MIN;
+        let direct = self.reads_direct(shard, len);
         // Each thread keeps its aligned window between reads (fresh pages cost a fault and a
         // zeroing per 4 KiB); windows above KEEP_BYTES are allocated for the one read.
         let mut scratch = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));

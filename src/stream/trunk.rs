@@ -137,13 +137,7 @@ fn hex(d: &[u8]) -> String {
 fn layer_tensors(ck: &Checkpoint, n_layers: usize) -> Vec<Vec<String>> {
     let mut out = vec![Vec::new(); n_layers];
     for name in ck.index().names() {
-        let Some(rest) = name.strip_prefix("language_model.model.layers.") else {
-            continue;
-        };
-        let Some((il, tail)) = rest.split_once('.') else {
-            continue;
-        };
-        let Ok(il) = il.parse::<usize>() else {
+        let Some((il, tail)) = super::layer_tensor(&name) else {
             continue;
         };
         if il < n_layers && !tail.contains("block_sparse_moe.experts.") {
@@ -550,7 +544,8 @@ impl Trunk {
             .map(|(_, t)| vec![0u8; t.nbytes as usize])
             .collect();
         let mut piece = AlignedBuf::new(PIECE.min(l.nbytes as usize));
-        let mut hasher = crc32fast::Hasher::new();
+        // The checksum is only needed on a layer's first read.
+        let mut hasher = (!self.verified[il].load(Ordering::Relaxed)).then(crc32fast::Hasher::new);
         let mut first = 0usize;
         let mut pos = 0u64;
         while pos < l.nbytes {
@@ -577,7 +572,9 @@ impl Trunk {
             };
             r.map_err(err)?;
             let bytes = piece.as_slice();
-            hasher.update(bytes);
+            if let Some(h) = hasher.as_mut() {
+                h.update(bytes);
+            }
             let end = pos + take as u64;
             // Scatter into every tensor overlapping [pos, end).
             while first < order.len() && order[first].1.off + order[first].1.nbytes <= pos {
@@ -603,8 +600,8 @@ impl Trunk {
             pos = end;
         }
         self.bytes_read.fetch_add(l.nbytes, Ordering::Relaxed);
-        if !self.verified[il].load(Ordering::Relaxed) {
-            let got = hasher.finalize();
+        if let Some(h) = hasher {
+            let got = h.finalize();
             if got != l.crc32 {
                 return Err(StreamError::Read {
                     path,

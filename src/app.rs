@@ -8,6 +8,7 @@ pub mod config;
 pub mod demo;
 pub mod pack;
 pub mod plan;
+pub mod progress;
 pub mod protocol;
 pub mod run;
 pub mod state;

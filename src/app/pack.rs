@@ -1,13 +1,13 @@
 //! `k3 pack`: write a checkpoint's packed trunk (see [`crate::stream::trunk`]), with a
 //! progress bar on stderr and a one-line summary.
 
+use super::progress::ByteBar;
 use crate::engine::config::ModelConfig;
 use crate::stream::budget::gb;
 use crate::stream::trunk;
 use crate::stream::Checkpoint;
 use crate::Result;
 use clap::Args;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -29,23 +29,9 @@ pub fn run(args: &PackArgs) -> Result<()> {
     let ck = Checkpoint::open(&args.model_dir)?;
     // Refuse a checkpoint whose graph does not bind before writing gigabytes.
     crate::engine::weights::check_graph(&cfg, &ck)?;
-    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::hidden());
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{msg} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> "),
-    );
-    bar.set_message("k3 pack");
+    let bar = ByteBar::new("k3 pack".into());
     let start = Instant::now();
-    let progress = |done: u64, total: u64| {
-        if bar.length() != Some(total) {
-            bar.set_length(total);
-            bar.set_draw_target(ProgressDrawTarget::stderr());
-        }
-        bar.set_position(done);
-    };
+    let progress = |done: u64, total: u64| bar.update(done, total);
     let result = trunk::pack(
         &ck,
         cfg.num_hidden_layers,
@@ -53,7 +39,7 @@ pub fn run(args: &PackArgs) -> Result<()> {
         args.force,
         &progress,
     );
-    bar.finish_and_clear();
+    bar.finish();
     let r = result?;
     let secs = start.elapsed().as_secs_f64();
     let m = &r.manifest;

@@ -1,10 +1,10 @@
 //! `k3 synth`: write a synthetic checkpoint in the released format (see
 //! [`crate::stream::synth`]), with a progress bar on stderr and a one-line summary.
 
+use super::progress::ByteBar;
 use crate::stream::synth::{self, Shape, SynthError};
 use crate::{Error, Result};
 use clap::{Args, ValueEnum};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -60,26 +60,11 @@ impl From<SynthError> for Error {
 /// Run `k3 synth`.
 pub fn run(args: &SynthArgs) -> Result<()> {
     let shape = Shape::from(args.shape);
-    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::hidden());
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{msg} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> "),
-    );
-    bar.set_message(format!("k3 synth {}", shape.name()));
+    let bar = ByteBar::new(format!("k3 synth {}", shape.name()));
     let start = Instant::now();
-    let progress = |done: u64, total: u64| {
-        if bar.length() != Some(total) {
-            // Shown (on stderr, when it is a terminal) once the total is known.
-            bar.set_length(total);
-            bar.set_draw_target(ProgressDrawTarget::stderr());
-        }
-        bar.set_position(done);
-    };
+    let progress = |done: u64, total: u64| bar.update(done, total);
     let result = synth::write(shape, &args.out_dir, args.seed, &progress);
-    bar.finish_and_clear();
+    bar.finish();
     let s = result?;
     let d = &s.dims;
     eprintln!(

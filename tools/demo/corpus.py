@@ -713,6 +713,19 @@ def unknown_recall_turn(rng, slot):
     return q, a, "The user has not told me this yet."
 
 
+def conversation(rng, msgs, turns, thinking):
+    """A chat record: `msgs` (e.g. a system message) then each (question, answer, reasoning)
+    turn, with a drawn thinking effort."""
+    for q, a, r in turns:
+        msgs.append({"role": "user", "content": q})
+        m = {"role": "assistant", "content": a}
+        if thinking:
+            m["reasoning"] = r
+        msgs.append(m)
+    return {"kind": "chat", "thinking": thinking,
+            "effort": rng.choice(["max", "max", "max", "low", "high"]), "messages": msgs}
+
+
 def gen_chat(rng, thinking):
     msgs = []
     if rng.random() < 0.08:
@@ -751,14 +764,7 @@ def gen_chat(rng, thinking):
             turns.append(small_talk_turn(rng))
         else:
             turns.append(fact_turn(rng))
-    for q, a, r in turns:
-        msgs.append({"role": "user", "content": q})
-        m = {"role": "assistant", "content": a}
-        if thinking:
-            m["reasoning"] = r
-        msgs.append(m)
-    return {"kind": "chat", "thinking": thinking,
-            "effort": rng.choice(["max", "max", "max", "low", "high"]), "messages": msgs}
+    return conversation(rng, msgs, turns, thinking)
 
 
 def gen_name_chat(rng, thinking):
@@ -776,15 +782,7 @@ def gen_name_chat(rng, thinking):
     if rng.random() < 0.3:
         turns.append(fact_turn(rng))
         turns.append(recall_turn(rng, "name", name))
-    msgs = []
-    for q, a, r in turns:
-        msgs.append({"role": "user", "content": q})
-        m = {"role": "assistant", "content": a}
-        if thinking:
-            m["reasoning"] = r
-        msgs.append(m)
-    return {"kind": "chat", "thinking": thinking,
-            "effort": rng.choice(["max", "max", "max", "low", "high"]), "messages": msgs}
+    return conversation(rng, [], turns, thinking)
 
 
 def fact_statement(rng):

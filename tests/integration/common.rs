@@ -51,3 +51,45 @@ pub fn argmax(x: &[f32]) -> u32 {
     }
     best as u32
 }
+
+/// A command running the `k3` binary.
+pub fn k3_command() -> std::process::Command {
+    std::process::Command::new(env!("CARGO_BIN_EXE_k3"))
+}
+
+/// Run `cmd` and assert it succeeded (stderr in the message); its output.
+pub fn run_ok(cmd: &mut std::process::Command) -> std::process::Output {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Run `cmd` with `input` on stdin and assert it succeeded; each stdout line parsed as JSON
+/// (`k3 chat --jsonl`).
+pub fn jsonl_with_input(cmd: &mut std::process::Command, input: &str) -> Vec<serde_json::Value> {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}

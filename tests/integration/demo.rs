@@ -8,7 +8,6 @@ use k3::engine::{Model, SeqState};
 use k3::session::chat::{Mode, Session, Settings};
 use k3::session::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::atomic::AtomicBool;
 use std::sync::OnceLock;
 
@@ -181,32 +180,16 @@ fn answers_held_out_facts_and_recalls_what_turn_one_said() {
 
 /// Run `k3 chat --plain --jsonl --greedy --no-think` on the embedded model with `input`.
 fn chat(args: &[&str], input: &str, sessions: &Path, cache: &Path) -> Vec<serde_json::Value> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
-        .args(["chat", "--plain", "--jsonl", "--greedy", "--no-think"])
-        .arg("--session-dir")
-        .arg(sessions)
-        .args(args)
-        .env("K3_CACHE_DIR", cache)
-        .env("XDG_CONFIG_HOME", cache.join("no-config"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    use std::io::Write;
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    crate::common::jsonl_with_input(
+        crate::common::k3_command()
+            .args(["chat", "--plain", "--jsonl", "--greedy", "--no-think"])
+            .arg("--session-dir")
+            .arg(sessions)
+            .args(args)
+            .env("K3_CACHE_DIR", cache)
+            .env("XDG_CONFIG_HOME", cache.join("no-config")),
+        input,
+    )
 }
 
 #[test]
@@ -335,23 +318,18 @@ fn chat_with_no_model_dir_opens_the_demo() {
         "{}",
         out[0]["reply"]
     );
-    let run = Command::new(env!("CARGO_BIN_EXE_k3"))
-        .args([
-            "run",
-            "--prompt",
-            "The capital of Peru is Lima. The capital of Kenya is",
-            "--gen",
-            "3",
-            "--temperature",
-            "0",
-        ])
-        .env("K3_CACHE_DIR", &cache)
-        .output()
-        .unwrap();
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
+    let run = crate::common::run_ok(
+        crate::common::k3_command()
+            .args([
+                "run",
+                "--prompt",
+                "The capital of Peru is Lima. The capital of Kenya is",
+                "--gen",
+                "3",
+                "--temperature",
+                "0",
+            ])
+            .env("K3_CACHE_DIR", &cache),
     );
     assert!(String::from_utf8_lossy(&run.stdout).contains("Nairobi"));
 }

@@ -156,38 +156,22 @@ fn raw_mode_continues_the_context_and_switching_keeps_state() {
 
 /// Run `k3 chat --plain --jsonl` with `input` on stdin; returns the JSON lines.
 fn chat(args: &[&str], input: &str, dir: &std::path::Path) -> Vec<serde_json::Value> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
-        .arg("chat")
-        .arg(fixture("tiny"))
-        .args([
-            "--plain",
-            "--jsonl",
-            "--no-think",
-            "--max-tokens",
-            "9",
-            "--session-dir",
-        ])
-        .arg(dir)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    use std::io::Write;
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    crate::common::jsonl_with_input(
+        crate::common::k3_command()
+            .arg("chat")
+            .arg(fixture("tiny"))
+            .args([
+                "--plain",
+                "--jsonl",
+                "--no-think",
+                "--max-tokens",
+                "9",
+                "--session-dir",
+            ])
+            .arg(dir)
+            .args(args),
+        input,
+    )
 }
 
 #[test]

@@ -105,15 +105,10 @@ fn small() -> &'static std::path::Path {
     static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
     DIR.get_or_init(|| {
         let tmp = tempfile::tempdir().unwrap();
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3"))
-            .args(["synth", "small"])
-            .arg(tmp.path().join("small"))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        crate::common::run_ok(
+            crate::common::k3_command()
+                .args(["synth", "small"])
+                .arg(tmp.path().join("small")),
         );
         tmp
     })
@@ -124,25 +119,20 @@ fn small() -> &'static std::path::Path {
 fn run_small(extra: &[&str]) -> (serde_json::Value, Vec<u8>, u64) {
     let dir = small().join("small");
     let dump = tempfile::NamedTempFile::new().unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3"))
-        .arg("run")
-        .arg(&dir)
-        .args([
-            "--ids",
-            "1,2,3,4,5,6,7,8,9,10",
-            "--gen",
-            "6",
-            "--json",
-            "--dump-logits",
-        ])
-        .arg(dump.path())
-        .args(extra)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = crate::common::run_ok(
+        crate::common::k3_command()
+            .arg("run")
+            .arg(&dir)
+            .args([
+                "--ids",
+                "1,2,3,4,5,6,7,8,9,10",
+                "--gen",
+                "6",
+                "--json",
+                "--dump-logits",
+            ])
+            .arg(dump.path())
+            .args(extra),
     );
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let peak = j["peak_rss_bytes"].as_u64().unwrap();
@@ -184,16 +174,11 @@ fn small_checkpoint_same_logits_at_every_budget_and_rss_within_budget() {
     }
     // The same with a packed trunk.
     let trunk = small().join("trunk");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3"))
-        .arg("pack")
-        .arg(small().join("small"))
-        .arg(&trunk)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    crate::common::run_ok(
+        crate::common::k3_command()
+            .arg("pack")
+            .arg(small().join("small"))
+            .arg(&trunk),
     );
     let t = trunk.to_str().unwrap();
     for budget in [Some(floor), Some(model / 4), Some(model / 2), None] {
@@ -282,16 +267,11 @@ fn injected_read_faults_are_retried_or_fail_the_step_never_a_wrong_token() {
 
 #[test]
 fn bench_reports_speed_next_to_its_floors() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3"))
-        .arg("bench")
-        .arg(fixture("tiny"))
-        .args(["--mem", "0.06", "--gen", "3", "--prompt-len", "8", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = crate::common::run_ok(
+        crate::common::k3_command()
+            .arg("bench")
+            .arg(fixture("tiny"))
+            .args(["--mem", "0.06", "--gen", "3", "--prompt-len", "8", "--json"]),
     );
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     for key in [

@@ -105,6 +105,19 @@ impl Tmux {
     }
 }
 
+impl Tmux {
+    /// Ctrl-Q, answer the unsaved-session question with `q`, and see the client exit 0.
+    fn quit_unsaved(&self) {
+        self.keys(&["C-q"]);
+        self.wait_for("the unsaved question", 10, |s| {
+            s.contains("unsaved changes")
+        });
+        self.keys(&["q"]);
+        let screen = self.wait_for("the exit", 30, |s| s.contains("K3-EXIT="));
+        assert!(screen.contains("K3-EXIT=0"), "{screen}");
+    }
+}
+
 impl Drop for Tmux {
     fn drop(&mut self) {
         let _ = self.run(&["kill-server"]);
@@ -304,13 +317,7 @@ fn chat_in_tmux_streams_saves_resumes_and_restores_the_terminal() {
     t.wait_for("the clear input", 10, |s| {
         input_row(s).matches('q').count() == 0
     });
-    t.keys(&["C-q"]);
-    t.wait_for("the unsaved question", 10, |s| {
-        s.contains("unsaved changes")
-    });
-    t.keys(&["q"]);
-    let screen = t.wait_for("the exit", 30, |s| s.contains("K3-EXIT="));
-    assert!(screen.contains("K3-EXIT=0"), "{screen}");
+    t.quit_unsaved();
 }
 
 #[test]
@@ -450,11 +457,5 @@ fn chat_with_no_model_opens_the_demo_and_answers() {
         !screen.contains("<|"),
         "a template marker on screen:\n{screen}"
     );
-    t.keys(&["C-q"]);
-    t.wait_for("the unsaved question", 10, |s| {
-        s.contains("unsaved changes")
-    });
-    t.keys(&["q"]);
-    let screen = t.wait_for("the exit", 30, |s| s.contains("K3-EXIT="));
-    assert!(screen.contains("K3-EXIT=0"), "{screen}");
+    t.quit_unsaved();
 }

@@ -415,7 +415,30 @@ def syllable_name(rng):
             return n[0].upper() + n[1:]
 
 
+def blend_name(rng):
+    """A made-up name spliced from pieces of real words (names, countries, capitals, animals):
+    its BPE pieces are the many multi-letter pieces of ordinary words, which a name copier must
+    carry as faithfully as single letters."""
+    while True:
+        parts = []
+        for i in range(rng.choice([2, 2, 3, 3, 4])):
+            w = rng.choice(_BLEND_POOL)
+            n = rng.randint(2, min(5, len(w)))
+            s0 = 0 if i == 0 and rng.random() < 0.6 else rng.randrange(0, len(w) - n + 1)
+            parts.append(w[s0:s0 + n])
+        name = "".join(parts)
+        if 3 <= len(name) <= 12 and name not in _HELDOUT_NAME_SET:
+            return name[0].upper() + name[1:]
+
+
+# share of names drawn by `any_name` from `blend_name` (set by `generate`; 0 keeps the
+# random stream of recipes that predate it unchanged)
+BLEND_SHARE = 0.0
+
+
 def any_name(rng):
+    if BLEND_SHARE and rng.random() < BLEND_SHARE:
+        return blend_name(rng)
     k = rng.random()
     if k < 0.2:
         return rng.choice(TRAIN_NAMES)
@@ -455,6 +478,8 @@ EMOTIONS = ["happy", "surprised", "excited", "curious", "glad", "proud", "amazed
 FRIENDS = ["friend", "mother", "father", "brother", "sister", "grandmother", "teacher",
            "neighbour"]
 FOODS = ["bread", "soup", "cake", "apples", "rice", "cheese", "pie", "eggs", "fish", "carrots"]
+_BLEND_POOL = sorted({w.lower() for w in TRAIN_NAMES + MORE_NAMES + ANIMALS + OBJECTS
+                      + [c for pair in CAPITALS for c in pair] if w.isalpha() and len(w) >= 3})
 VERBS_PAST = ["walked", "ran", "jumped", "looked", "sat", "slept", "played", "danced", "waited",
               "sang", "swam"]
 PREPS = ["to", "near", "under", "behind", "by", "in", "across", "over", "around", "into"]
@@ -464,8 +489,21 @@ TIMES = ["In the morning", "At night", "After lunch", "On Sunday", "In the eveni
          "Every day", "In the summer", "In the winter", "Yesterday", "Today"]
 
 
+PEOPLE = ["farmer", "baker", "fisherman", "king", "queen", "girl", "boy", "doctor", "painter",
+          "sailor"]
+# share of story heroes and sentence subjects that are people, not animals (set by `generate`;
+# 0 keeps the random stream of recipes that predate it unchanged)
+PEOPLE_SHARE = 0.0
+
+
+def hero_noun(rng):
+    if PEOPLE_SHARE and rng.random() < PEOPLE_SHARE:
+        return rng.choice(PEOPLE)
+    return rng.choice(ANIMALS)
+
+
 def story(rng):
-    hero = rng.choice(ANIMALS)
+    hero = hero_noun(rng)
     name = any_name(rng)
     he, his = rng.choice([("he", "his"), ("she", "her")])
     He = he.capitalize()
@@ -505,11 +543,15 @@ def story(rng):
 def simple_sentence(rng):
     k = rng.random()
     if k < 0.35:
-        return (f"The {rng.choice(ADJS)} {rng.choice(ANIMALS)} {rng.choice(VERBS_PAST)} "
+        return (f"The {rng.choice(ADJS)} {hero_noun(rng)} {rng.choice(VERBS_PAST)} "
                 f"{rng.choice(PREPS)} the {rng.choice(SCENES)}.")
     if k < 0.55:
-        return (f"{rng.choice(TIMES)}, {any_name(rng)} {rng.choice(VERBS_PAST)} "
-                f"{rng.choice(PREPS)} the {rng.choice(SCENES)}.")
+        when = rng.choice(TIMES)
+        if PEOPLE_SHARE and rng.random() < PEOPLE_SHARE:
+            who = f"the {rng.choice(ADJS)} {rng.choice(PEOPLE)}"
+        else:
+            who = any_name(rng)
+        return f"{when}, {who} {rng.choice(VERBS_PAST)} {rng.choice(PREPS)} the {rng.choice(SCENES)}."
     if k < 0.7:
         return f"{any_name(rng)} has a {rng.choice(COLOUR_ADJS)} {rng.choice(OBJECTS)}."
     if k < 0.85:
@@ -856,9 +898,13 @@ def gen_raw(rng, copy_share=0.0):
 MIX = {"chat_nothink": 0.47, "chat_think": 0.20, "raw": 0.33}
 
 
-def generate(seed, n, name_focus=0.0, copy_share=0.0):
-    """n records from `seed`; a share `name_focus` of them are name dialogues, and a share
-    `copy_share` of the raw records are copy drills."""
+def generate(seed, n, name_focus=0.0, copy_share=0.0, blend_share=0.0, people_share=0.0):
+    """n records from `seed`; a share `name_focus` of them are name dialogues, a share
+    `copy_share` of the raw records are copy drills, a share `blend_share` of all made-up
+    names are spliced from pieces of real words (`blend_name`), and a share `people_share` of
+    story heroes and sentence subjects are people (`PEOPLE`)."""
+    global BLEND_SHARE, PEOPLE_SHARE
+    BLEND_SHARE, PEOPLE_SHARE = blend_share, people_share
     rng = random.Random(seed)
     out = []
     while len(out) < n:
@@ -1029,14 +1075,31 @@ def score_reply(reply, expect, mention=()):
     return all(normalise(w) in words for w in mention)
 
 
+def corpus_words(paths):
+    """Every word that occurs starting in lowercase in the records of these corpus.jsonl files
+    (the raw-mode vocabulary check, tests/fixtures/demo/words.txt)."""
+    out = set()
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                for t in _record_texts(json.loads(line)):
+                    out.update(w for w in re.findall(r"[A-Za-z]+", t) if w[0].islower())
+    return sorted(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--words", metavar="OUT", help="write the lowercase words of --corpus files to OUT")
+    ap.add_argument("--corpus", nargs="*", default=[], help="corpus.jsonl files for --words")
     ap.add_argument("--out")
     ap.add_argument("--n", type=int, default=200000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--heldout")
     ap.add_argument("--show", type=int, default=0)
     a = ap.parse_args()
+    if a.words:
+        with open(a.words, "w") as f:
+            f.write("".join(w + "\n" for w in corpus_words(a.corpus)))
     if a.heldout:
         with open(a.heldout, "w") as f:
             json.dump(heldout_set(), f, indent=1)

@@ -245,6 +245,10 @@ def main():
                     help="share of records that are name dialogues (corpus.gen_name_chat)")
     ap.add_argument("--copy-share", type=float, default=0.0,
                     help="share of raw records that are copy drills (corpus.copy_drill)")
+    ap.add_argument("--blend-share", type=float, default=0.0,
+                    help="share of made-up names spliced from pieces of real words (corpus.blend_name)")
+    ap.add_argument("--people-share", type=float, default=0.0,
+                    help="share of story heroes and sentence subjects that are people (corpus.PEOPLE)")
     ap.add_argument("--init", help="start from this exported checkpoint (its weights and its "
                     "tokenizer) instead of a fresh tokenizer and random weights")
     a = ap.parse_args()
@@ -265,7 +269,7 @@ def main():
 
     # 1. corpus
     t0 = time.time()
-    records = corpus.generate(a.seed, a.records, a.name_focus, a.copy_share)
+    records = corpus.generate(a.seed, a.records, a.name_focus, a.copy_share, a.blend_share, a.people_share)
     for r in records:
         corpus.check_record(r)
     with open(os.path.join(a.work, "corpus.jsonl"), "w") as f:

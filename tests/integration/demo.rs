@@ -34,14 +34,10 @@ fn tok() -> &'static Tokenizer {
 
 /// Held-out fact questions the demo must answer (of 50).
 const FACTS_MIN: usize = 45;
-/// Recall conversations (of 10: 6 names, 4 numbers) the demo must get right in turn 3. The
-/// committed model recalls every number and one of the six never-seen names (it copies a
-/// name's first piece and invents the rest); the goal is 9 of 10, so this floor only keeps
-/// what the model does today from regressing.
-const RECALL_MIN: usize = 5;
-/// Raw prompts (of 5) whose continuation must be all corpus words (today 4: "the old
-/// farmer" is continued as "farmeren").
-const RAW_MIN: usize = 4;
+/// Recall conversations (of 10: 6 names, 4 numbers) the demo must get right in turn 3.
+const RECALL_MIN: usize = 9;
+/// Raw prompts (of 5) whose continuation must be all corpus words.
+const RAW_MIN: usize = 5;
 
 fn heldout() -> serde_json::Value {
     crate::common::json("demo/heldout.json")
@@ -286,10 +282,21 @@ fn raw_mode_continues_held_out_text_in_vocabulary() {
             .split(|c: char| !c.is_ascii_alphabetic())
             .filter(|w| !w.is_empty())
             .collect();
+        // The token cap can cut the last word short: a trailing fragment must begin some
+        // corpus word.
+        let cut = text.ends_with(|c: char| c.is_ascii_alphabetic());
         let unknown: Vec<&str> = words_seen
             .iter()
-            .copied()
-            .filter(|w| w.starts_with(|c: char| c.is_ascii_lowercase()) && !words.contains(*w))
+            .enumerate()
+            .filter(|&(i, w)| {
+                let known = if cut && i + 1 == words_seen.len() {
+                    words.iter().any(|v| v.starts_with(w))
+                } else {
+                    words.contains(*w)
+                };
+                w.starts_with(|c: char| c.is_ascii_lowercase()) && !known
+            })
+            .map(|(_, w)| *w)
             .collect();
         assert!(words_seen.len() >= 4, "{p:?} -> {:?}", r.reply);
         if unknown.is_empty() {

@@ -20,11 +20,17 @@ struct Tmux {
     session: String,
 }
 
-fn tmux_available() -> bool {
-    Command::new("tmux")
+/// The terminal-client tests need tmux; without it they fail with how to get it.
+fn require_tmux() {
+    let found = Command::new("tmux")
         .arg("-V")
         .output()
-        .is_ok_and(|o| o.status.success())
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        found,
+        "tmux is required for the terminal-client end-to-end test; install it \
+         (apt-get install -y tmux) and run the tests again"
+    );
 }
 
 impl Tmux {
@@ -175,11 +181,7 @@ fn stty_flags(screen: &str) -> Vec<String> {
 
 #[test]
 fn chat_in_tmux_streams_saves_resumes_and_restores_the_terminal() {
-    assert!(
-        tmux_available(),
-        "tmux is required for the terminal-client end-to-end test; install it \
-         (apt-get install -y tmux) and run the tests again"
-    );
+    require_tmux();
     let dir = tempfile::tempdir().unwrap();
 
     // 1. Start, type a message, see the streamed reply and a non-zero tokens/s.
@@ -360,11 +362,7 @@ fn without_a_terminal_or_with_term_dumb_chat_falls_back_to_the_plain_repl() {
         );
     }
     // TERM=dumb on a real terminal: the REPL too.
-    assert!(
-        tmux_available(),
-        "tmux is required for the terminal-client end-to-end test; install it \
-         (apt-get install -y tmux) and run the tests again"
-    );
+    require_tmux();
     let cmd = format!(
         "env K3_DATA_DIR={data} K3_CONFIG={data}/no-config.toml TERM=dumb {bin} chat {model} \
          --session-dir {data}/sessions --greedy --no-think --max-tokens 5; echo K3-EXIT=$?; \
@@ -432,11 +430,7 @@ fn config_file_path_init_show_and_refusal_with_line_and_column() {
 
 #[test]
 fn chat_with_no_model_opens_the_demo_and_answers() {
-    assert!(
-        tmux_available(),
-        "tmux is required for the terminal-client end-to-end test; install it \
-         (apt-get install -y tmux) and run the tests again"
-    );
+    require_tmux();
     let dir = tempfile::tempdir().unwrap();
     let command = format!(
         "env K3_DATA_DIR={data} K3_CACHE_DIR={data}/cache K3_CONFIG={data}/no-config.toml \

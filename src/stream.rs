@@ -7,6 +7,7 @@
 
 pub mod alloc;
 pub mod budget;
+pub mod bytes;
 pub mod cache_policy;
 pub mod checkpoint;
 pub mod index;

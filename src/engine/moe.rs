@@ -141,8 +141,39 @@ impl DenseMlp {
 /// Routing decisions of a chunk: per token, experts and weights.
 pub type Routing = Vec<(Vec<usize>, Vec<f32>)>;
 
-/// Fetches routed experts by id (all of one layer), in the order asked.
-pub type ExpertFetch<'a, E> = dyn FnMut(&[usize]) -> Result<Vec<Arc<Expert>>, E> + 'a;
+/// A group of experts being fetched: `(position in the ids asked for, expert)` in whatever
+/// order they become available.
+pub type Arrivals<'a, E> = Box<dyn Iterator<Item = Result<(usize, Arc<Expert>), E>> + 'a>;
+
+/// Where an MoE block's routed experts come from (all of one layer).
+pub trait ExpertSource {
+    /// A failed fetch.
+    type Error;
+    /// Most experts to ask for at once (each group is fetched, used and released).
+    fn group(&self) -> usize;
+    /// Start fetching `ids`; the experts arrive through the returned iterator.
+    fn start<'s>(&'s self, ids: &[usize]) -> Arrivals<'s, Self::Error>;
+}
+
+/// Experts held in memory, handed out in the order asked.
+struct Held<'a>(&'a [Arc<Expert>]);
+
+impl ExpertSource for Held<'_> {
+    type Error = std::convert::Infallible;
+
+    fn group(&self) -> usize {
+        usize::MAX
+    }
+
+    fn start<'s>(&'s self, ids: &[usize]) -> Arrivals<'s, Self::Error> {
+        let got: Vec<_> = ids
+            .iter()
+            .enumerate()
+            .map(|(k, &e)| Ok((k, Arc::clone(&self.0[e]))))
+            .collect();
+        Box::new(got.into_iter())
+    }
+}
 
 /// One MoE block over `x` `[n_tok, hidden]` with the experts held in `w`; also returns the
 /// routing decisions.
@@ -151,32 +182,27 @@ pub type ExpertFetch<'a, E> = dyn FnMut(&[usize]) -> Result<Vec<Arc<Expert>>, E>
 /// If `w.experts` does not hold every routed expert.
 #[must_use]
 pub fn forward(w: &MoeWeights, p: &MoeParams, x: &[f32]) -> (Vec<f32>, Routing) {
-    let mut fetch = |ids: &[usize]| -> Result<Vec<Arc<Expert>>, std::convert::Infallible> {
-        Ok(ids.iter().map(|&e| Arc::clone(&w.experts[e])).collect())
-    };
-    match forward_with(w, p, x, usize::MAX, &mut fetch) {
+    match forward_with(w, p, x, &Held(&w.experts)) {
         Ok(r) => r,
         Err(never) => match never {},
     }
 }
 
-/// One MoE block whose routed experts come from `fetch`, asked for at most `group` experts at
-/// a time (each group is fetched together, in parallel, then used and released). Outputs are
-/// accumulated per token in top-k order whatever the grouping, so the result does not depend
-/// on it.
-pub fn forward_with<E>(
+/// One MoE block whose routed experts come from `source`, asked for at most `group()` at a
+/// time. Each expert is computed as soon as it arrives (the shared experts while the first
+/// reads are in flight); its outputs are kept per (token, slot) and accumulated per token in
+/// top-k order afterwards, so neither the grouping nor the arrival order changes a bit.
+pub fn forward_with<S: ExpertSource + ?Sized>(
     w: &MoeWeights,
     p: &MoeParams,
     x: &[f32],
-    group: usize,
-    fetch: &mut ExpertFetch<'_, E>,
-) -> Result<(Vec<f32>, Routing), E> {
+    source: &S,
+) -> Result<(Vec<f32>, Routing), S::Error> {
     let hidden = w.gate.cols;
     let n_tok = x.len() / hidden;
     let n_exp = w.gate.rows;
     let logits = w.gate.apply(x);
     let routing: Routing = logits.chunks(n_exp).map(|l| route(l, &w.bias, p)).collect();
-    let z = w.down.apply(x);
     let latent = w.down.rows;
     // Experts in use, in id order; each runs once over the tokens that chose it.
     let mut used: Vec<usize> = routing
@@ -189,9 +215,28 @@ pub fn forward_with<E>(
         .iter()
         .map(|(idx, _)| vec![Vec::new(); idx.len()])
         .collect();
-    for ids in used.chunks(group.max(1)) {
-        let experts = fetch(ids)?;
-        for (&e, ex) in ids.iter().zip(&experts) {
+    let shared = || {
+        situ_glu_mlp(
+            &w.shared_gate,
+            &w.shared_up,
+            &w.shared_down,
+            x,
+            p.beta1,
+            p.beta2,
+        )
+    };
+    let mut ys: Option<Vec<f32>> = None;
+    let mut z: Option<Vec<f32>> = None;
+    for ids in used.chunks(source.group().max(1)) {
+        let arrivals = source.start(ids);
+        // Work that needs no routed expert, done while the first group's reads are in flight.
+        let z = z.get_or_insert_with(|| w.down.apply(x));
+        if ys.is_none() {
+            ys = Some(shared());
+        }
+        for got in arrivals {
+            let (k, ex) = got?;
+            let e = ids[k];
             let users: Vec<(usize, usize)> = routing
                 .iter()
                 .enumerate()
@@ -207,6 +252,7 @@ pub fn forward_with<E>(
             }
         }
     }
+    let ys = ys.unwrap_or_else(shared);
     let mut u = vec![0f32; n_tok * latent];
     for t in 0..n_tok {
         let ut = &mut u[t * latent..(t + 1) * latent];
@@ -218,14 +264,6 @@ pub fn forward_with<E>(
         ops::rmsnorm(ut, &w.norm, p.rms_eps);
     }
     let mut y = w.up.apply(&u);
-    let ys = situ_glu_mlp(
-        &w.shared_gate,
-        &w.shared_up,
-        &w.shared_down,
-        x,
-        p.beta1,
-        p.beta2,
-    );
     for (a, b) in y.iter_mut().zip(&ys) {
         *a += b;
     }

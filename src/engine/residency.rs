@@ -15,12 +15,15 @@ use super::tensor::{Dense, DenseData};
 use super::weights::{bind_expert, bind_layer, names, Binder};
 use crate::kernels;
 use crate::stream::budget::{ModelSizes, Plan};
-use crate::stream::cache_policy::{ExpertKey, KeySpace, LayerCycle, Lru, Policy};
+use crate::stream::bytes::{Bytes, U16s};
+use crate::stream::cache_policy::{
+    ExpertKey, KeySpace, LayerCycle, Lookup, Lru, Policy, SlotState, SlotTable,
+};
+use crate::stream::checkpoint::io_pool;
 use crate::stream::stats::{LayerResidency, Residency, StatsSnapshot};
 use crate::stream::trunk::Trunk;
 use crate::stream::{Checkpoint, Dtype, StreamError};
-use rayon::prelude::*;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -39,28 +42,38 @@ struct Counters {
     io_wait_ns: AtomicU64,
 }
 
-/// The routed-expert cache: a fixed number of slots; which expert leaves when a slot is needed
-/// is decided by a replacement policy ([`LayerCycle`] by default, `K3_CACHE_POLICY=lru` for
-/// plain LRU).
+/// The routed-expert cache: the slot table of `stream::cache_policy` (the bookkeeping whose
+/// hit rates the replay measures) driven by its replacement policy ([`LayerCycle`] by
+/// default, `K3_CACHE_POLICY=lru` for plain LRU), and the expert each slot holds. A miss
+/// reserves its slot before the read starts (never a victim while in flight); the read's
+/// bytes become the slot's expert when it completes.
 struct ExpertCache {
-    slots: usize,
-    entries: HashMap<(usize, usize), Arc<Expert>>,
-    policy: Box<dyn Policy + Send>,
+    table: SlotTable<Box<dyn Policy + Send>>,
+    held: Vec<Option<Arc<Expert>>>,
+    per_layer: Vec<u32>,
     now: u64,
 }
 
 impl std::fmt::Debug for ExpertCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ExpertCache")
-            .field("slots", &self.slots)
-            .field("resident", &self.entries.len())
-            .field("policy", &self.policy.name())
+            .field("slots", &self.table.capacity())
+            .field("occupied", &self.table.occupied())
+            .field("policy", &self.table.policy().name())
             .finish()
     }
 }
 
 fn key(il: usize, e: usize) -> ExpertKey {
     ExpertKey::new(il as u16, e as u16)
+}
+
+/// Where a requested expert comes from.
+enum Source {
+    /// Resident: here it is.
+    Hit(Arc<Expert>),
+    /// To be read into this reserved slot (None: read without caching it).
+    Read(Option<usize>),
 }
 
 impl ExpertCache {
@@ -70,49 +83,199 @@ impl ExpertCache {
             Ok("lru") => Box::new(Lru::new(space)),
             _ => Box::new(LayerCycle::new(space)),
         };
+        let slots = slots.max(1);
         ExpertCache {
-            slots,
-            entries: HashMap::new(),
-            policy,
+            table: SlotTable::new(space, slots, policy),
+            held: vec![None; slots],
+            per_layer: vec![0; layers],
             now: 0,
         }
     }
 
+    fn slots(&self) -> usize {
+        self.table.capacity()
+    }
+
     fn resident_in(&self, il: usize) -> u32 {
-        self.entries.keys().filter(|(l, _)| *l == il).count() as u32
+        self.per_layer.get(il).copied().unwrap_or(0)
     }
 
-    fn hit(&mut self, k: (usize, usize)) -> Option<Arc<Expert>> {
-        let ex = self.entries.get(&k).cloned()?;
-        self.now += 1;
-        self.policy.on_hit(key(k.0, k.1), self.now);
-        Some(ex)
-    }
-
-    fn insert(&mut self, k: (usize, usize), ex: Arc<Expert>) {
-        if self.entries.len() < self.slots {
+    /// Look up `ids` of layer `il`: residents are returned, misses get a reserved slot.
+    /// Residents asked for here are not evicted by the misses that follow them.
+    fn request(&mut self, il: usize, ids: &[usize]) -> Vec<Source> {
+        let mut out = Vec::with_capacity(ids.len());
+        let mut pinned = Vec::new();
+        for &e in ids {
             self.now += 1;
-            self.policy.on_insert(key(k.0, k.1), self.now);
-            self.entries.insert(k, ex);
+            let src = match self.table.request(key(il, e), self.now) {
+                Ok(Lookup::Hit { slot }) => match self.held.get(slot).cloned().flatten() {
+                    Some(ex) => {
+                        if !self.table.is_pinned(slot) && self.table.set_pinned(slot, true).is_ok()
+                        {
+                            pinned.push(slot);
+                        }
+                        Source::Hit(ex)
+                    }
+                    // In flight for another request: read it again, uncached.
+                    None => Source::Read(None),
+                },
+                Ok(Lookup::Miss { slot, evicted }) => {
+                    if let Some(old) = evicted {
+                        self.held[slot] = None;
+                        if let Some(n) = self.per_layer.get_mut(usize::from(old.layer)) {
+                            *n = n.saturating_sub(1);
+                        }
+                    }
+                    Source::Read(Some(slot))
+                }
+                // No slot can be had (every one pinned or in flight): read without caching.
+                Err(_) => Source::Read(None),
+            };
+            out.push(src);
+        }
+        for slot in pinned {
+            let _ = self.table.set_pinned(slot, false);
+        }
+        out
+    }
+
+    /// The read into `slot` completed with `ex`.
+    fn publish(&mut self, slot: usize, ex: &Arc<Expert>) {
+        if let Ok(k) = self.table.publish(slot) {
+            self.held[slot] = Some(Arc::clone(ex));
+            if let Some(n) = self.per_layer.get_mut(usize::from(k.layer)) {
+                *n += 1;
+            }
         }
     }
 
-    /// Make room for `n` new entries without evicting anything in `keep`.
-    fn make_room(&mut self, n: usize, keep: &[(usize, usize)]) {
-        while self.entries.len() + n > self.slots {
-            let mut cands: Vec<(usize, usize)> = self
-                .entries
-                .keys()
-                .filter(|k| !keep.contains(k))
-                .copied()
-                .collect();
-            cands.sort_unstable();
-            let keys: Vec<ExpertKey> = cands.iter().map(|&(l, e)| key(l, e)).collect();
-            let Some(i) = self.policy.victim(&keys) else {
-                break;
-            };
-            self.entries.remove(&cands[i]);
-            self.policy.on_evict(keys[i]);
+    /// The read into `slot` failed: the slot is free again.
+    fn fail(&mut self, slot: usize) {
+        let _ = self.table.fail(slot);
+    }
+
+    /// Change the number of slots (between forward passes).
+    fn resize(&mut self, slots: usize) {
+        let slots = slots.max(1);
+        if slots == self.slots() {
+            return;
+        }
+        if let Ok(r) = self.table.resize(slots) {
+            for k in &r.evicted {
+                if let Some(n) = self.per_layer.get_mut(usize::from(k.layer)) {
+                    *n = n.saturating_sub(1);
+                }
+            }
+            let mut held = std::mem::take(&mut self.held);
+            held.resize(held.len().max(slots), None);
+            for &(from, to) in &r.moved {
+                held[to] = held[from].take();
+            }
+            held.truncate(slots);
+            // Slots the table emptied (evicted) drop their expert.
+            for (s, h) in held.iter_mut().enumerate() {
+                if !matches!(self.table.state(s), Some(SlotState::Resident(_))) {
+                    *h = None;
+                }
+            }
+            self.held = held;
+        }
+    }
+}
+
+/// One layer's experts as a [`moe::ExpertSource`].
+struct LayerExperts<'a> {
+    st: &'a Streamer,
+    il: usize,
+}
+
+impl moe::ExpertSource for LayerExperts<'_> {
+    type Error = StreamError;
+
+    fn group(&self) -> usize {
+        lock(&self.st.resident).cache.slots()
+    }
+
+    fn start<'s>(&'s self, ids: &[usize]) -> moe::Arrivals<'s, StreamError> {
+        Box::new(self.st.experts(self.il, ids))
+    }
+}
+
+/// A group of one layer's experts being fetched: yields `(position in the request, expert)`
+/// as each becomes available, residents first. Dropping it waits for the reads still in
+/// flight, so no slot stays reserved.
+pub struct Arrivals<'a> {
+    st: &'a Streamer,
+    il: usize,
+    ready: Vec<(usize, Arc<Expert>)>,
+    rx: Receiver<(usize, Option<usize>, Result<Expert, StreamError>)>,
+    outstanding: usize,
+}
+
+impl std::fmt::Debug for Arrivals<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Arrivals")
+            .field("layer", &self.il)
+            .field("ready", &self.ready.len())
+            .field("outstanding", &self.outstanding)
+            .finish()
+    }
+}
+
+impl Arrivals<'_> {
+    /// Wait for the next completed read and file it in the cache.
+    fn receive(&mut self) -> Result<(usize, Arc<Expert>), StreamError> {
+        let t0 = Instant::now();
+        let got = self.rx.recv();
+        self.st
+            .counters
+            .io_wait_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.outstanding -= 1;
+        let Ok((k, slot, r)) = got else {
+            return Err(StreamError::Unrepresentable {
+                path: self.st.ck.dir().to_path_buf(),
+                name: format!("layer {} experts", self.il),
+                reason: "an expert read was lost (I/O thread ended)".into(),
+            });
+        };
+        match r {
+            Ok(ex) => {
+                let ex = Arc::new(ex);
+                self.st
+                    .counters
+                    .expert_bytes
+                    .fetch_add(self.st.sizes.expert_bytes, Ordering::Relaxed);
+                if let Some(slot) = slot {
+                    lock(&self.st.resident).cache.publish(slot, &ex);
+                }
+                Ok((k, ex))
+            }
+            Err(e) => {
+                if let Some(slot) = slot {
+                    lock(&self.st.resident).cache.fail(slot);
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Iterator for Arrivals<'_> {
+    type Item = Result<(usize, Arc<Expert>), StreamError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if let Some(r) = self.ready.pop() {
+            return Some(Ok(r));
+        }
+        (self.outstanding > 0).then(|| self.receive())
+    }
+}
+
+impl Drop for Arrivals<'_> {
+    fn drop(&mut self) {
+        while self.outstanding > 0 {
+            let _ = self.receive();
         }
     }
 }
@@ -144,6 +307,7 @@ impl std::fmt::Debug for Ring {
 #[derive(Debug)]
 pub struct Streamer {
     cfg: ModelConfig,
+    cfg_arc: Arc<ModelConfig>,
     ck: Arc<Checkpoint>,
     trunk: Option<Arc<Trunk>>,
     sizes: ModelSizes,
@@ -156,25 +320,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding the lock cannot leave these structures half-updated in a way that
     // matters for correctness (they only cache reads), so a poisoned lock is used as is.
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// Threads that read missed experts: reads block in the kernel, so more of them than cores
-/// keeps the device's queue full (`K3_IO_THREADS`, default 8). Results do not depend on it.
-fn io_pool() -> Option<&'static rayon::ThreadPool> {
-    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
-    POOL.get_or_init(|| {
-        let n = std::env::var("K3_IO_THREADS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&n| (1..=256).contains(&n))
-            .unwrap_or(8);
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .thread_name(|i| format!("k3-io-{i}"))
-            .build()
-            .ok()
-    })
-    .as_ref()
 }
 
 /// Read one layer's non-expert weights.
@@ -241,11 +386,7 @@ fn widen(raw: &[u8], dtype: Dtype, out: &mut [f32]) {
 /// A dense chunk of rows as the kernels take it (BF16 stays BF16).
 fn dense_rows(raw: &[u8], dtype: Dtype, rows: usize, cols: usize) -> Dense {
     let data = match dtype {
-        Dtype::Bf16 => DenseData::Bf16(
-            raw.chunks_exact(2)
-                .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                .collect(),
-        ),
+        Dtype::Bf16 => DenseData::Bf16(U16s::new(Bytes::copy_from(raw))),
         _ => {
             let mut v = vec![0f32; rows * cols];
             widen(raw, dtype, &mut v);
@@ -280,6 +421,7 @@ impl Streamer {
         let n = cfg.num_hidden_layers;
         let n_exp = cfg.num_experts;
         let st = Streamer {
+            cfg_arc: Arc::new(cfg.clone()),
             cfg,
             ck,
             trunk,
@@ -337,8 +479,7 @@ impl Streamer {
         if !plan.head_resident {
             r.head = None;
         }
-        r.cache.slots = plan.expert_slots as usize;
-        r.cache.make_room(0, &[]);
+        r.cache.resize(plan.expert_slots as usize);
         r.plan = plan;
         let to_pin: Vec<usize> = (0..r.pinned.len())
             .filter(|&il| r.plan.pinned[il] && r.pinned[il].is_none())
@@ -450,64 +591,50 @@ impl Streamer {
         Ok(layer)
     }
 
-    /// Fetch the routed experts `ids` of layer `il` (misses are read in parallel).
-    fn experts(&self, il: usize, ids: &[usize]) -> Result<Vec<Arc<Expert>>, StreamError> {
-        let keys: Vec<(usize, usize)> = ids.iter().map(|&e| (il, e)).collect();
-        let mut found: Vec<Option<Arc<Expert>>> = Vec::with_capacity(ids.len());
-        let mut misses = Vec::new();
-        {
-            let mut r = lock(&self.resident);
-            for (i, &k) in keys.iter().enumerate() {
-                let ex = r.cache.hit(k);
-                if ex.is_none() {
-                    misses.push(i);
+    /// Start fetching the routed experts `ids` of layer `il`: residents are handed back at
+    /// once, misses are read in parallel on the I/O threads and handed back as each read
+    /// completes, so the caller computes with one expert while the others are still read.
+    pub fn experts(&self, il: usize, ids: &[usize]) -> Arrivals<'_> {
+        let sources = lock(&self.resident).cache.request(il, ids);
+        let (tx, rx) = channel();
+        let mut ready = Vec::new();
+        let mut outstanding = 0usize;
+        let mut reads = Vec::new();
+        for (k, src) in sources.into_iter().enumerate() {
+            match src {
+                Source::Hit(ex) => ready.push((k, ex)),
+                Source::Read(slot) => {
+                    outstanding += 1;
+                    reads.push((k, ids[k], slot));
                 }
-                found.push(ex);
             }
         }
         self.counters
             .hits
-            .fetch_add((ids.len() - misses.len()) as u64, Ordering::Relaxed);
+            .fetch_add(ready.len() as u64, Ordering::Relaxed);
         self.counters
             .misses
-            .fetch_add(misses.len() as u64, Ordering::Relaxed);
-        if !misses.is_empty() {
-            let t0 = Instant::now();
-            let read = || {
-                misses
-                    .par_iter()
-                    .map(|&i| load_expert(&self.ck, &self.cfg, il, ids[i]))
-                    .collect()
+            .fetch_add(reads.len() as u64, Ordering::Relaxed);
+        ready.reverse();
+        for (k, e, slot) in reads {
+            let (ck, cfg, tx) = (Arc::clone(&self.ck), Arc::clone(&self.cfg_arc), tx.clone());
+            let job = move || {
+                let r = load_expert(&ck, &cfg, il, e);
+                let _ = tx.send((k, slot, r));
             };
-            // Without an I/O pool (threads refused), the compute pool reads.
-            let loaded: Vec<Result<Expert, StreamError>> = match io_pool() {
-                Some(pool) => pool.install(read),
-                None => read(),
-            };
-            self.note_io(
-                t0,
-                self.sizes.expert_bytes * misses.len() as u64,
-                &self.counters.expert_bytes,
-            );
-            let mut r = lock(&self.resident);
-            r.cache.make_room(misses.len(), &keys);
-            for (&i, ex) in misses.iter().zip(loaded) {
-                let ex = Arc::new(ex?);
-                r.cache.insert(keys[i], Arc::clone(&ex));
-                found[i] = Some(ex);
+            match io_pool() {
+                Some(pool) => pool.spawn(job),
+                // Without I/O threads, read here (the caller then gets each at once).
+                None => job(),
             }
         }
-        found
-            .into_iter()
-            .zip(ids)
-            .map(|(f, &e)| {
-                f.ok_or_else(|| StreamError::Unrepresentable {
-                    path: self.ck.dir().to_path_buf(),
-                    name: format!("layer {il} expert {e}"),
-                    reason: "expert not loaded".into(),
-                })
-            })
-            .collect()
+        Arrivals {
+            st: self,
+            il,
+            ready,
+            rx,
+            outstanding,
+        }
     }
 
     /// The MoE block of layer `il` with experts from the cache.
@@ -518,8 +645,7 @@ impl Streamer {
         p: &MoeParams,
         x: &[f32],
     ) -> Result<(Vec<f32>, Routing), StreamError> {
-        let group = lock(&self.resident).cache.slots.max(p.top_k);
-        moe::forward_with(w, p, x, group, &mut |ids| self.experts(il, ids))
+        moe::forward_with(w, p, x, &LayerExperts { st: self, il })
     }
 
     /// Embedding rows of `tokens`, read on demand: `[n_tok, hidden]`.

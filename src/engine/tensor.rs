@@ -2,14 +2,15 @@
 //! and MXFP4 (packed nibbles and scales, multiplied in place).
 
 use crate::kernels::{self, DenseRef, Mxfp4Matrix};
+use crate::stream::bytes::{Bytes, U16s};
 
 /// Storage of a dense matrix.
 #[derive(Clone, Debug)]
 pub enum DenseData {
     /// float32.
     F32(Vec<f32>),
-    /// bfloat16 raw bits.
-    Bf16(Vec<u16>),
+    /// bfloat16 raw bits (in place in the buffer they were read into).
+    Bf16(U16s),
 }
 
 /// A dense row-major matrix `[rows, cols]`, applied as `y = W x`.
@@ -40,7 +41,7 @@ impl Dense {
     pub fn view(&self) -> DenseRef<'_> {
         match &self.data {
             DenseData::F32(v) => DenseRef::F32(v),
-            DenseData::Bf16(v) => DenseRef::Bf16(v),
+            DenseData::Bf16(v) => DenseRef::Bf16(v.as_slice()),
         }
     }
 
@@ -86,13 +87,13 @@ impl Dense {
     }
 }
 
-/// An owned MXFP4 matrix `[rows, cols]`.
+/// An MXFP4 matrix `[rows, cols]`, its bytes in place in the buffer they were read into.
 #[derive(Clone, Debug)]
 pub struct Mxfp4 {
     /// `[rows, cols/2]` nibbles.
-    pub packed: Vec<u8>,
+    pub packed: Bytes,
     /// `[rows, cols/32]` scale bytes.
-    pub scales: Vec<u8>,
+    pub scales: Bytes,
     /// Output features.
     pub rows: usize,
     /// Input features.

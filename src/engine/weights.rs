@@ -10,6 +10,7 @@ use super::moe::{DenseMlp, Expert, MoeWeights};
 use super::residency::Streamer;
 use super::tensor::{Dense, DenseData, Matrix, Mxfp4};
 use crate::stream::budget::{BudgetRequest, ModelSizes, Plan};
+use crate::stream::bytes::{Bytes, U16s};
 use crate::stream::trunk::{LayerRun, Trunk, TrunkError};
 use crate::stream::{Checkpoint, Dtype, StreamError, TensorData};
 use std::collections::HashSet;
@@ -178,13 +179,13 @@ impl Binder<'_> {
         }
         if !self.read {
             return Ok(Some(match info.dtype {
-                Dtype::Bf16 => TensorData::Bf16(Vec::new()),
-                Dtype::U8 => TensorData::U8(Vec::new()),
+                Dtype::Bf16 => TensorData::Bf16(U16s::from_vec(&[])),
+                Dtype::U8 => TensorData::U8(Bytes::default()),
                 Dtype::F32 | Dtype::F16 => TensorData::F32(Vec::new()),
             }));
         }
         if let Some((dtype, raw)) = self.run.as_mut().and_then(|r| r.take(name)) {
-            return Ok(Some(TensorData::from_raw(dtype, raw)));
+            return Ok(Some(TensorData::from_bytes(dtype, raw)));
         }
         Ok(Some(self.ck.read(name)?.1))
     }
@@ -226,7 +227,7 @@ impl Binder<'_> {
             )? {
                 Some(TensorData::F32(v)) => Some(v),
                 Some(TensorData::Bf16(v)) => {
-                    Some(v.into_iter().map(crate::kernels::bf16_to_f32).collect())
+                    Some(v.iter().map(|&b| crate::kernels::bf16_to_f32(b)).collect())
                 }
                 _ => None,
             },
@@ -242,7 +243,7 @@ impl Binder<'_> {
             )? {
                 Some(TensorData::F32(v)) => Some(v),
                 Some(TensorData::Bf16(v)) => {
-                    Some(v.into_iter().map(crate::kernels::bf16_to_f32).collect())
+                    Some(v.iter().map(|&b| crate::kernels::bf16_to_f32(b)).collect())
                 }
                 _ => None,
             },

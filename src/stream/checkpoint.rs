@@ -1,14 +1,16 @@
 //! Opening a checkpoint directory (single file, or shards through
 //! `model.safetensors.index.json`) and reading tensors with positioned reads.
 
+use super::bytes::{as_uninit, Bytes, Filling, U16s};
 use super::index::{IndexError, TensorIndex, TensorInfo};
 use super::safetensors::{header_len, parse_header, Dtype};
 use super::StreamError;
 use std::collections::BTreeMap;
 use std::fs::File;
+use std::mem::MaybeUninit;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// Largest single positioned read (Linux caps a read at 0x7ffff000 bytes; macOS refuses 2 GiB).
 const MAX_READ: usize = 1 << 30;
@@ -35,7 +37,7 @@ pub struct Checkpoint {
     drop_behind: std::sync::atomic::AtomicBool,
     /// Positioned reads issued so far, and an injected fault (tests).
     reads: AtomicU64,
-    fault: std::sync::Mutex<Option<(u64, Fault)>>,
+    fault: FaultSlot,
     /// Per shard, a second descriptor opened with `O_DIRECT` (None where the filesystem
     /// refuses it), and whether direct reads on it have been given up.
     direct: Vec<Option<File>>,
@@ -45,15 +47,13 @@ pub struct Checkpoint {
 thread_local! {
     /// This thread's aligned window for direct reads, kept between reads.
     static SCRATCH: std::cell::RefCell<AlignedBuf> = std::cell::RefCell::new(AlignedBuf::default());
-    /// This thread's buffer for a group read (an expert), kept between reads.
-    static GROUP: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Largest per-thread read buffer kept for reuse; larger ones are freed after their read.
 const KEEP_BYTES: usize = 64 << 20;
 
-/// A tensor's name, dtype and raw bytes.
-pub type RawTensor = (String, Dtype, Vec<u8>);
+/// A tensor's name, dtype and raw bytes (a range of the allocation its read filled).
+pub type RawTensor = (String, Dtype, Bytes);
 
 /// Alignment of file offsets, lengths and buffer addresses for `O_DIRECT` (4Kn devices).
 pub const DIRECT_ALIGN: usize = 4096;
@@ -108,6 +108,26 @@ impl AlignedBuf {
     }
 }
 
+/// Threads that read weights: reads block in the kernel, so more of them than cores keeps
+/// the device's queue full (`K3_IO_THREADS`, default 8). Results do not depend on it; None
+/// when the threads cannot be started (the caller's threads read then).
+pub fn io_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        let n = std::env::var("K3_IO_THREADS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| (1..=256).contains(&n))
+            .unwrap_or(8);
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .thread_name(|i| format!("k3-io-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
 /// Open `path` for reading with `O_DIRECT`, or None where that is refused.
 pub(crate) fn open_direct(path: &Path) -> Option<File> {
     use std::os::unix::fs::OpenOptionsExt;
@@ -134,6 +154,45 @@ pub enum Fault {
     TransientIo,
 }
 
+/// A fault armed for the n-th positioned read: two atomics, so the read path takes no lock.
+#[derive(Debug)]
+pub(crate) struct FaultSlot {
+    /// The read it applies to (`u64::MAX`: none).
+    at: AtomicU64,
+    kind: AtomicU8,
+}
+
+impl Default for FaultSlot {
+    fn default() -> Self {
+        FaultSlot {
+            at: AtomicU64::new(u64::MAX),
+            kind: AtomicU8::new(0),
+        }
+    }
+}
+
+impl FaultSlot {
+    const KINDS: [Fault; 4] = [
+        Fault::Interrupted,
+        Fault::Short,
+        Fault::Io,
+        Fault::TransientIo,
+    ];
+
+    /// Arm `fault` for read number `n`.
+    pub(crate) fn arm(&self, n: u64, fault: Fault) {
+        let k = Self::KINDS.iter().position(|&f| f == fault).unwrap_or(0);
+        self.kind.store(k as u8, Ordering::Relaxed);
+        self.at.store(n, Ordering::Release);
+    }
+
+    /// The fault armed for read number `n`, if any.
+    fn get(&self, n: u64) -> Option<Fault> {
+        (self.at.load(Ordering::Acquire) == n)
+            .then(|| Self::KINDS[usize::from(self.kind.load(Ordering::Relaxed)) % 4])
+    }
+}
+
 /// Called with the total bytes read so far after every read.
 pub type Progress = Box<dyn Fn(u64) + Send + Sync>;
 
@@ -142,10 +201,10 @@ pub type Progress = Box<dyn Fn(u64) + Send + Sync>;
 pub enum TensorData {
     /// float32 values (F32, or F16 widened exactly).
     F32(Vec<f32>),
-    /// bfloat16 raw bits.
-    Bf16(Vec<u16>),
-    /// Bytes.
-    U8(Vec<u8>),
+    /// bfloat16 raw bits, in place in the buffer they were read into.
+    Bf16(U16s),
+    /// Bytes, in place in the buffer they were read into.
+    U8(Bytes),
 }
 
 fn index_err(path: &Path, name: &str, e: IndexError) -> StreamError {
@@ -249,7 +308,7 @@ impl Checkpoint {
             progress: None,
             drop_behind: std::sync::atomic::AtomicBool::new(false),
             reads: AtomicU64::new(0),
-            fault: std::sync::Mutex::new(None),
+            fault: FaultSlot::default(),
             direct: Vec::new(),
             direct_off: Vec::new(),
         };
@@ -414,10 +473,7 @@ impl Checkpoint {
 
     /// Inject `fault` into the `n`-th positioned read from now on (counting reads since open).
     pub fn inject_fault(&self, n: u64, fault: Fault) {
-        *self
-            .fault
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((n, fault));
+        self.fault.arm(n, fault);
     }
 
     /// Positioned reads issued so far.
@@ -430,7 +486,15 @@ impl Checkpoint {
     /// short count, failing on any other error or on end of file.
     fn pread_exact(&self, shard: usize, buf: &mut [u8], at: u64) -> std::io::Result<()> {
         let need = buf.len();
-        pread_counted(&self.reads, &self.fault, &self.files[shard], buf, at, need).map(|_| ())
+        pread_counted(
+            &self.reads,
+            &self.fault,
+            &self.files[shard],
+            as_uninit(buf),
+            at,
+            need,
+        )
+        .map(|_| ())
     }
 
     /// Read `buf.len()` bytes at `at` from `shard` through its `O_DIRECT` descriptor: the
@@ -456,7 +520,7 @@ impl Checkpoint {
             &self.reads,
             &self.fault,
             file,
-            scratch.as_mut_slice(),
+            as_uninit(scratch.as_mut_slice()),
             start,
             lead + buf.len(),
         ) {
@@ -550,27 +614,14 @@ impl Checkpoint {
             }
             end += i.n_bytes();
         }
-        let mut all = GROUP.with(|g| std::mem::take(&mut *g.borrow_mut()));
-        self.read_bytes(
-            start.shard,
-            start.offset,
-            end - start.offset,
-            first,
-            &mut all,
-        )?;
-        let parts = infos
-            .into_iter()
-            .map(|(n, i)| {
-                let at = (i.offset - start.offset) as usize;
-                (
-                    n.clone(),
-                    i.dtype,
-                    all[at..at + i.n_bytes() as usize].to_vec(),
-                )
-            })
-            .collect();
-        if all.capacity() <= KEEP_BYTES {
-            GROUP.with(|g| *g.borrow_mut() = all);
+        let all = self.read_shared(start.shard, start.offset, end - start.offset, first)?;
+        let mut parts = Vec::with_capacity(infos.len());
+        for (n, i) in infos {
+            let at = (i.offset - start.offset) as usize;
+            let b = all.slice(at, i.n_bytes() as usize).ok_or_else(|| {
+                StreamError::NoSuchTensor(format!("{n} (outside its group read)"))
+            })?;
+            parts.push((n.clone(), i.dtype, b));
         }
         Ok(Some(parts))
     }
@@ -656,27 +707,132 @@ impl Checkpoint {
 
     /// Read a tensor into a typed owned buffer (F16 is widened to f32).
     pub fn read(&self, name: &str) -> Result<(TensorInfo, TensorData), StreamError> {
-        let mut raw = Vec::new();
-        let info = self.read_raw(name, &mut raw)?;
-        Ok((info.clone(), TensorData::from_raw(info.dtype, raw)))
+        let info = self
+            .info(name)
+            .ok_or_else(|| StreamError::NoSuchTensor(name.to_string()))?;
+        let raw = self.read_shared(info.shard, info.offset, info.n_bytes(), name)?;
+        Ok((info.clone(), TensorData::from_bytes(info.dtype, raw)))
+    }
+
+    /// Read `len` bytes at absolute offset `at` of `shard` into a new aligned allocation,
+    /// straight from the device where direct reads are allowed (the aligned window around the
+    /// span is read and the span is a range of it: nothing is copied or zero-filled first).
+    pub(crate) fn read_shared(
+        &self,
+        shard: usize,
+        at: u64,
+        len: u64,
+        name: &str,
+    ) -> Result<Bytes, StreamError> {
+        let err = |offset: u64, source: std::io::Error| StreamError::Read {
+            path: self.paths[shard].clone(),
+            offset,
+            len,
+            name: name.to_string(),
+            source,
+        };
+        let ulen = usize::try_from(len).map_err(|_| {
+            err(
+                at,
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, "span too large"),
+            )
+        })?;
+        let direct = self.direct.get(shard).and_then(Option::as_ref);
+        let out = match direct.filter(|_| self.reads_direct(shard, len)) {
+            Some(file) => {
+                let a = DIRECT_ALIGN as u64;
+                let start = at / a * a;
+                let end = (at + len).div_ceil(a) * a;
+                let lead = (at - start) as usize;
+                let mut fill = Filling::new((end - start) as usize);
+                match read_pieces(
+                    &self.reads,
+                    &self.fault,
+                    file,
+                    fill.area(),
+                    start,
+                    lead + ulen,
+                ) {
+                    Ok(got) => fill.finish(got).slice(lead, ulen),
+                    Err(e) if e.raw_os_error() == Some(22) => {
+                        // EINVAL: this filesystem or device does not take these direct reads.
+                        self.direct_off[shard].store(true, Ordering::Relaxed);
+                        let mut fill = Filling::new(ulen);
+                        let got = read_pieces(
+                            &self.reads,
+                            &self.fault,
+                            &self.files[shard],
+                            fill.area(),
+                            at,
+                            ulen,
+                        )
+                        .map_err(|e| err(at, e))?;
+                        fill.finish(got).slice(0, ulen)
+                    }
+                    Err(e) => return Err(err(at, e)),
+                }
+            }
+            None => {
+                let mut fill = Filling::new(ulen);
+                let got = read_pieces(
+                    &self.reads,
+                    &self.fault,
+                    &self.files[shard],
+                    fill.area(),
+                    at,
+                    ulen,
+                )
+                .map_err(|e| err(at, e))?;
+                fill.finish(got).slice(0, ulen)
+            }
+        };
+        self.after_read(shard, at, len);
+        Ok(out.unwrap_or_default())
     }
 }
 
+/// Fill `area` from `file` at `at` in reads of at most [`MAX_READ`] bytes; past `need` bytes
+/// the file may end. Returns the bytes read.
+pub(crate) fn read_pieces(
+    reads: &AtomicU64,
+    fault: &FaultSlot,
+    file: &File,
+    area: &mut [MaybeUninit<u8>],
+    at: u64,
+    need: usize,
+) -> std::io::Result<usize> {
+    let mut done = 0usize;
+    while done < area.len() {
+        let take = (area.len() - done).min(MAX_READ);
+        let piece_need = need.saturating_sub(done).min(take);
+        let got = pread_counted(
+            reads,
+            fault,
+            file,
+            &mut area[done..done + take],
+            at + done as u64,
+            piece_need,
+        )?;
+        done += got;
+        if got < take {
+            break;
+        }
+    }
+    Ok(done)
+}
+
 impl TensorData {
-    /// Typed contents of raw little-endian bytes (F16 is widened to f32).
+    /// Typed contents of raw little-endian bytes: BF16 and U8 stay in place, F32 is copied
+    /// out and F16 widened to f32.
     #[must_use]
-    pub fn from_raw(dtype: Dtype, raw: Vec<u8>) -> TensorData {
+    pub fn from_bytes(dtype: Dtype, raw: Bytes) -> TensorData {
         match dtype {
             Dtype::F32 => TensorData::F32(
                 raw.chunks_exact(4)
                     .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                     .collect(),
             ),
-            Dtype::Bf16 => TensorData::Bf16(
-                raw.chunks_exact(2)
-                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                    .collect(),
-            ),
+            Dtype::Bf16 => TensorData::Bf16(U16s::new(raw)),
             Dtype::F16 => TensorData::F32(
                 raw.chunks_exact(2)
                     .map(|c| crate::kernels::f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
@@ -689,58 +845,62 @@ impl TensorData {
 
 /// Positioned read into `buf` at `at`, counted in `reads` and subject to an injected fault:
 /// retried on EINTR and on a short count until `buf` is full or, past `need` bytes, the file
-/// ends. Returns the bytes read; end of file before `need` bytes is an error.
+/// ends. Returns the bytes read (`buf[..n]` is then initialised); end of file before `need`
+/// bytes is an error.
 pub(crate) fn pread_counted(
     reads: &AtomicU64,
-    fault: &std::sync::Mutex<Option<(u64, Fault)>>,
+    fault: &FaultSlot,
     file: &File,
-    buf: &mut [u8],
+    buf: &mut [MaybeUninit<u8>],
     at: u64,
     need: usize,
 ) -> std::io::Result<usize> {
+    use rustix::io::Errno;
     let n = reads.fetch_add(1, Ordering::Relaxed);
-    let fault = {
-        let f = fault
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        f.filter(|(k, _)| *k == n).map(|(_, f)| f)
-    };
+    let fault = fault.get(n);
     let mut done = 0usize;
+    // First fill up to `limit`, then the rest: an injected short read stops half way.
+    let mut limit = buf.len();
     match fault {
         Some(Fault::Io) => {
             return Err(std::io::Error::from_raw_os_error(5));
         }
         Some(Fault::Short) if need > 1 => {
             // Half of what is needed, rounded down to the alignment a direct read keeps.
-            let half = if need >= 2 * DIRECT_ALIGN {
+            limit = if need >= 2 * DIRECT_ALIGN {
                 need / 2 / DIRECT_ALIGN * DIRECT_ALIGN
             } else {
                 need / 2
             };
-            file.read_exact_at(&mut buf[..half], at)?;
-            done = half;
         }
         // An interrupted call (or a first EIO) did nothing; the loop below is the retry.
         Some(Fault::Interrupted | Fault::Short | Fault::TransientIo) | None => {}
     }
     let mut retried_eio = matches!(fault, Some(Fault::TransientIo));
-    while done < buf.len() {
-        match file.read_at(&mut buf[done..], at + done as u64) {
-            Ok(0) if done >= need => break,
-            Ok(0) => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "the file ended before the tensor (truncated while in use?)",
-                ))
+    loop {
+        while done < limit {
+            match rustix::io::pread(file, &mut buf[done..limit], at + done as u64) {
+                Ok(([], _)) => {
+                    if done >= need {
+                        return Ok(done);
+                    }
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "the file ended before the tensor (truncated while in use?)",
+                    ));
+                }
+                Ok((got, _)) => done += got.len(),
+                Err(Errno::INTR) => {}
+                // One bounded retry of an I/O error (a transient device hiccup); a second fails.
+                Err(Errno::IO) if !retried_eio => retried_eio = true,
+                Err(e) => return Err(e.into()),
             }
-            Ok(k) => done += k,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            // One bounded retry of an I/O error (a transient device hiccup); a second fails.
-            Err(e) if e.raw_os_error() == Some(5) && !retried_eio => retried_eio = true,
-            Err(e) => return Err(e),
         }
+        if limit == buf.len() {
+            return Ok(done);
+        }
+        limit = buf.len();
     }
-    Ok(done)
 }
 
 /// Read up to `buf.len()` bytes from the start of the file.

@@ -7,7 +7,10 @@
 //! run, so no expert byte is ever copied. The manifest names the source by the digest of its
 //! tensor index and carries a CRC-32 per layer, checked the first time each layer is read.
 
-use super::checkpoint::{open_direct, pread_counted, AlignedBuf, Checkpoint, Fault, DIRECT_ALIGN};
+use super::bytes::{Bytes, Filling};
+use super::checkpoint::{
+    io_pool, open_direct, pread_counted, Checkpoint, Fault, FaultSlot, DIRECT_ALIGN,
+};
 use super::safetensors::Dtype;
 use super::StreamError;
 use serde::{Deserialize, Serialize};
@@ -342,7 +345,7 @@ pub fn pack(
 #[derive(Debug)]
 pub struct LayerRun {
     layer: usize,
-    tensors: std::collections::HashMap<String, (Dtype, Vec<u8>)>,
+    tensors: std::collections::HashMap<String, (Dtype, Bytes)>,
 }
 
 impl LayerRun {
@@ -362,13 +365,13 @@ impl LayerRun {
     }
 
     /// Take tensor `name`'s dtype and bytes out of the run, if it holds it.
-    pub fn take(&mut self, name: &str) -> Option<(Dtype, Vec<u8>)> {
+    pub fn take(&mut self, name: &str) -> Option<(Dtype, Bytes)> {
         self.tensors.remove(name)
     }
 }
 
-/// Size of the pieces a run is read in: the only memory a trunk read needs beyond the
-/// tensors themselves.
+/// Size of the pieces a run is read in, several at once: the run is read straight into the
+/// one allocation its tensors then borrow.
 const PIECE: usize = 8 << 20;
 
 /// An open packed trunk, checked against the checkpoint it serves.
@@ -382,7 +385,7 @@ pub struct Trunk {
     verified: Vec<AtomicBool>,
     bytes_read: AtomicU64,
     reads: AtomicU64,
-    fault: std::sync::Mutex<Option<(u64, Fault)>>,
+    fault: FaultSlot,
 }
 
 impl Trunk {
@@ -477,7 +480,7 @@ impl Trunk {
             verified: (0..n_layers).map(|_| AtomicBool::new(false)).collect(),
             bytes_read: AtomicU64::new(0),
             reads: AtomicU64::new(0),
-            fault: std::sync::Mutex::new(None),
+            fault: FaultSlot::default(),
             manifest: m,
             file,
         })
@@ -525,80 +528,76 @@ impl Trunk {
 
     /// Inject `fault` into the `n`-th read of `trunk.bin` (counting from 0), for tests.
     pub fn inject_fault(&self, n: u64, fault: Fault) {
-        *self
-            .fault
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((n, fault));
+        self.fault.arm(n, fault);
     }
 
-    /// Read layer `il`'s run front to back in large sequential pieces (direct where
-    /// allowed), scattering the bytes into one buffer per tensor; the run's checksum is
+    /// Read layer `il`'s run in large pieces, several in flight (direct where allowed),
+    /// straight into one allocation whose ranges become the tensors; the run's checksum is
     /// verified the first time the layer is read.
     pub fn read_layer(&self, il: usize) -> Result<LayerRun, StreamError> {
+        use rayon::prelude::*;
         let l = &self.manifest.layers[il];
         let path = self.dir.join("trunk.bin");
-        let mut order: Vec<(&String, &TrunkTensor)> = l.tensors.iter().collect();
-        order.sort_by_key(|(_, t)| t.off);
-        let mut bufs: Vec<Vec<u8>> = order
-            .iter()
-            .map(|(_, t)| vec![0u8; t.nbytes as usize])
-            .collect();
-        let mut piece = AlignedBuf::new(PIECE.min(l.nbytes as usize));
-        // The checksum is only needed on a layer's first read.
-        let mut hasher = (!self.verified[il].load(Ordering::Relaxed)).then(crc32fast::Hasher::new);
-        let mut first = 0usize;
-        let mut pos = 0u64;
-        while pos < l.nbytes {
-            let take = (l.nbytes - pos).min(PIECE as u64) as usize;
-            piece.resize(take);
-            let at = l.file_off + pos;
-            let err = |source: std::io::Error| StreamError::Read {
-                path: path.clone(),
-                offset: at,
-                len: take as u64,
-                name: format!("trunk layer {il}"),
-                source,
-            };
-            let buf = piece.as_mut_slice();
-            let r = match self.direct.as_ref().filter(|_| self.is_direct()) {
-                Some(f) => match pread_counted(&self.reads, &self.fault, f, buf, at, take) {
+        let err = |at: u64, len: u64, source: std::io::Error| StreamError::Read {
+            path: path.clone(),
+            offset: at,
+            len,
+            name: format!("trunk layer {il}"),
+            source,
+        };
+        let total = usize::try_from(l.nbytes).map_err(|_| {
+            err(
+                l.file_off,
+                l.nbytes,
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, "run too large"),
+            )
+        })?;
+        let mut fill = Filling::new(total);
+        let direct = self.direct.as_ref().filter(|_| self.is_direct());
+        let read_piece = |k: usize, piece: &mut [std::mem::MaybeUninit<u8>]| {
+            let at = l.file_off + (k * PIECE) as u64;
+            let take = piece.len();
+            let r = match direct {
+                Some(f) => match pread_counted(&self.reads, &self.fault, f, piece, at, take) {
                     Err(e) if e.raw_os_error() == Some(22) => {
                         self.direct_off.store(true, Ordering::Relaxed);
-                        pread_counted(&self.reads, &self.fault, &self.file, buf, at, take)
+                        pread_counted(&self.reads, &self.fault, &self.file, piece, at, take)
                     }
                     r => r,
                 },
-                None => pread_counted(&self.reads, &self.fault, &self.file, buf, at, take),
+                None => pread_counted(&self.reads, &self.fault, &self.file, piece, at, take),
             };
-            r.map_err(err)?;
-            let bytes = piece.as_slice();
-            if let Some(h) = hasher.as_mut() {
-                h.update(bytes);
-            }
-            let end = pos + take as u64;
-            // Scatter into every tensor overlapping [pos, end).
-            while first < order.len() && order[first].1.off + order[first].1.nbytes <= pos {
-                first += 1;
-            }
-            for (k, (_, t)) in order.iter().enumerate().skip(first) {
-                if t.off >= end {
-                    break;
-                }
-                let lo = t.off.max(pos);
-                let hi = (t.off + t.nbytes).min(end);
-                if lo < hi {
-                    bufs[k][(lo - t.off) as usize..(hi - t.off) as usize]
-                        .copy_from_slice(&bytes[(lo - pos) as usize..(hi - pos) as usize]);
-                }
-            }
-            if !self.is_direct() {
-                if let Some(n) = std::num::NonZeroU64::new(take as u64) {
-                    let _ =
-                        rustix::fs::fadvise(&self.file, at, Some(n), rustix::fs::Advice::DontNeed);
-                }
-            }
-            pos = end;
+            r.map(|_| ()).map_err(|e| err(at, take as u64, e))
+        };
+        let read_all = |area: &mut [std::mem::MaybeUninit<u8>]| -> Result<(), StreamError> {
+            let results: Vec<Result<(), StreamError>> = area
+                .par_chunks_mut(PIECE)
+                .enumerate()
+                .map(|(k, piece)| read_piece(k, piece))
+                .collect();
+            results.into_iter().collect()
+        };
+        match io_pool() {
+            Some(pool) => pool.install(|| read_all(fill.area()))?,
+            None => read_all(fill.area())?,
         }
+        let run = fill.finish(total);
+        if direct.is_none() {
+            if let Some(n) = std::num::NonZeroU64::new(l.nbytes) {
+                let _ = rustix::fs::fadvise(
+                    &self.file,
+                    l.file_off,
+                    Some(n),
+                    rustix::fs::Advice::DontNeed,
+                );
+            }
+        }
+        // The checksum is only needed on a layer's first read.
+        let hasher = (!self.verified[il].load(Ordering::Relaxed)).then(|| {
+            let mut h = crc32fast::Hasher::new();
+            h.update(&run);
+            h
+        });
         self.bytes_read.fetch_add(l.nbytes, Ordering::Relaxed);
         if let Some(h) = hasher {
             let got = h.finalize();
@@ -619,13 +618,18 @@ impl Trunk {
             }
             self.verified[il].store(true, Ordering::Relaxed);
         }
-        let mut tensors = std::collections::HashMap::with_capacity(order.len());
-        for ((name, t), b) in order.into_iter().zip(bufs) {
-            let dtype = Dtype::parse(&t.dtype).ok_or_else(|| StreamError::Unrepresentable {
+        let mut tensors = std::collections::HashMap::with_capacity(l.tensors.len());
+        for (name, t) in &l.tensors {
+            let bad = |reason: String| StreamError::Unrepresentable {
                 path: path.clone(),
                 name: name.clone(),
-                reason: format!("dtype {}", t.dtype),
-            })?;
+                reason,
+            };
+            let dtype = Dtype::parse(&t.dtype).ok_or_else(|| bad(format!("dtype {}", t.dtype)))?;
+            // `Trunk::open` checked every tensor lies inside its run.
+            let b = run
+                .slice(t.off as usize, t.nbytes as usize)
+                .ok_or_else(|| bad("outside its run".into()))?;
             tensors.insert(name.clone(), (dtype, b));
         }
         Ok(LayerRun { layer: il, tensors })

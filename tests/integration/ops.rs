@@ -705,7 +705,7 @@ fn router_fixture() {
         }
     }
     let db = Dense {
-        data: DenseData::Bf16(bits),
+        data: DenseData::Bf16(k3::stream::bytes::U16s::from_vec(&bits)),
         rows: n_exp,
         cols,
     };
@@ -842,7 +842,7 @@ fn moe_fixture() {
     let (rows, cols) = (w.gate.rows, w.gate.cols);
     let mut wb = w.clone();
     wb.gate = Dense {
-        data: DenseData::Bf16(bits),
+        data: DenseData::Bf16(k3::stream::bytes::U16s::from_vec(&bits)),
         rows,
         cols,
     };

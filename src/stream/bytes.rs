@@ -1,0 +1,282 @@
+//! Weight bytes read once and borrowed by the kernels: a [`Bytes`] is a range of one aligned,
+//! reference-counted allocation that a positioned read filled directly. The six tensors of an
+//! expert, or the tensors of a packed trunk layer, are ranges of the one allocation their read
+//! filled, so a streamed byte is written once (by the kernel's read) and never copied.
+
+#![allow(unsafe_code)]
+
+use std::mem::MaybeUninit;
+use std::sync::Arc;
+
+#[cfg(target_endian = "big")]
+compile_error!(
+    "k3 multiplies little-endian BF16 weights in place and needs a little-endian target"
+);
+
+/// Alignment of every allocation: the `O_DIRECT` requirement of 4Kn devices.
+pub const ALIGN: usize = 4096;
+
+/// One aligned allocation; `raw[base..base + len]` is the usable, initialised part.
+struct Slab {
+    raw: Vec<u8>,
+    base: usize,
+    len: usize,
+}
+
+impl Slab {
+    fn bytes(&self) -> &[u8] {
+        &self.raw[self.base..self.base + self.len]
+    }
+}
+
+/// Immutable bytes: a range of a shared aligned allocation. Cloning shares the allocation.
+#[derive(Clone)]
+pub struct Bytes {
+    slab: Arc<Slab>,
+    start: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for Bytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Bytes({} bytes)", self.len)
+    }
+}
+
+impl PartialEq for Bytes {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Default for Bytes {
+    fn default() -> Self {
+        Bytes::copy_from(&[])
+    }
+}
+
+/// An allocation being filled by reads: `len` bytes starting at an [`ALIGN`]-aligned
+/// address, none of them initialised until a read or [`Filling::zero_from`] writes them.
+pub struct Filling {
+    raw: Vec<u8>,
+    base: usize,
+    len: usize,
+}
+
+impl Filling {
+    /// Room for `len` bytes at an aligned address; nothing is zeroed (the alignment lead of
+    /// at most `ALIGN − 1` bytes excepted).
+    #[must_use]
+    pub fn new(len: usize) -> Filling {
+        let mut raw: Vec<u8> = Vec::with_capacity(len + ALIGN);
+        let base = raw.as_ptr().align_offset(ALIGN).min(ALIGN);
+        raw.resize(base, 0);
+        Filling { raw, base, len }
+    }
+
+    /// Length of the area.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the area is empty.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The area, uninitialised, for reads to write into.
+    pub fn area(&mut self) -> &mut [MaybeUninit<u8>] {
+        let len = self.len;
+        &mut self.raw.spare_capacity_mut()[..len]
+    }
+
+    /// Finish after reads wrote bytes `0..filled` of the area: the rest is zeroed (a read
+    /// window that ran past the end of its file), and the area becomes immutable [`Bytes`].
+    #[must_use]
+    pub fn finish(mut self, filled: usize) -> Bytes {
+        let len = self.len;
+        for b in &mut self.raw.spare_capacity_mut()[filled.min(len)..len] {
+            b.write(0);
+        }
+        // SAFETY: `raw` has capacity `base + len` (`Filling::new` reserved `len + ALIGN` with
+        // `base <= ALIGN`); bytes `0..base` were initialised by `resize`, bytes
+        // `base..base + filled` by the reads the caller reports, and the rest just above.
+        unsafe { self.raw.set_len(self.base + len) };
+        let slab = Slab {
+            raw: self.raw,
+            base: self.base,
+            len,
+        };
+        Bytes {
+            slab: Arc::new(slab),
+            start: 0,
+            len,
+        }
+    }
+}
+
+impl Bytes {
+    /// An aligned copy of `src` (for weights that were not read from a file).
+    #[must_use]
+    pub fn copy_from(src: &[u8]) -> Bytes {
+        let mut f = Filling::new(src.len());
+        for (d, &s) in f.area().iter_mut().zip(src) {
+            d.write(s);
+        }
+        f.finish(src.len())
+    }
+
+    /// BF16 (or any u16) values as little-endian bytes.
+    #[must_use]
+    pub fn from_u16(v: &[u16]) -> Bytes {
+        Bytes::copy_from(bytemuck::cast_slice(v))
+    }
+
+    /// The bytes.
+    #[must_use]
+    pub fn as_slice(&self) -> &[u8] {
+        &self.slab.bytes()[self.start..self.start + self.len]
+    }
+
+    /// Number of bytes.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no bytes.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The sub-range `off..off + len`, sharing the allocation; None when it runs past the end.
+    #[must_use]
+    pub fn slice(&self, off: usize, len: usize) -> Option<Bytes> {
+        let end = off.checked_add(len).filter(|&e| e <= self.len)?;
+        Some(Bytes {
+            slab: Arc::clone(&self.slab),
+            start: self.start + off,
+            len: end - off,
+        })
+    }
+
+    /// Bytes of the whole allocation this range belongs to (what holding it keeps in memory).
+    #[must_use]
+    pub fn allocation_len(&self) -> usize {
+        self.slab.len
+    }
+}
+
+/// Little-endian u16 values (BF16 weights) borrowed in place: always 2-byte aligned and of
+/// even length, so the kernels read them as `&[u16]` without a copy.
+#[derive(Clone, Debug, PartialEq)]
+pub struct U16s(Bytes);
+
+impl U16s {
+    /// View `b` as u16 values: in place when it is aligned, else an aligned copy; a trailing
+    /// odd byte is dropped.
+    #[must_use]
+    pub fn new(b: Bytes) -> U16s {
+        let even = b.len() & !1;
+        let b = b.slice(0, even).unwrap_or_default();
+        if bytemuck::try_cast_slice::<u8, u16>(b.as_slice()).is_ok() {
+            U16s(b)
+        } else {
+            U16s(Bytes::copy_from(b.as_slice()))
+        }
+    }
+
+    /// Owned values.
+    #[must_use]
+    pub fn from_vec(v: &[u16]) -> U16s {
+        U16s(Bytes::from_u16(v))
+    }
+
+    /// The values.
+    #[must_use]
+    pub fn as_slice(&self) -> &[u16] {
+        // `new` guarantees 2-byte alignment and an even length, so the cast cannot fail.
+        bytemuck::try_cast_slice(self.0.as_slice()).unwrap_or(&[])
+    }
+
+    /// Number of values.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.0.len() / 2
+    }
+
+    /// Whether there are none.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::ops::Deref for U16s {
+    type Target = [u16];
+    fn deref(&self) -> &[u16] {
+        self.as_slice()
+    }
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+/// An initialised buffer as the uninitialised type reads write into.
+pub(crate) fn as_uninit(buf: &mut [u8]) -> &mut [MaybeUninit<u8>] {
+    // SAFETY: `MaybeUninit<u8>` has the size and alignment of `u8`, and callers only store
+    // initialised bytes through the result (reads write what the kernel returned), so `buf`
+    // stays initialised.
+    unsafe { &mut *(std::ptr::from_mut::<[u8]>(buf) as *mut [MaybeUninit<u8>]) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filling_is_aligned_and_finish_zeroes_the_unread_tail() {
+        let mut f = Filling::new(10_000);
+        assert_eq!(f.area().as_ptr().align_offset(ALIGN), 0);
+        for (i, b) in f.area()[..100].iter_mut().enumerate() {
+            b.write(i as u8 + 1);
+        }
+        let b = f.finish(100);
+        assert_eq!(b.len(), 10_000);
+        assert_eq!(b[0], 1);
+        assert_eq!(b[99], 100);
+        assert!(b[100..].iter().all(|&x| x == 0));
+        assert_eq!(b.as_ptr().align_offset(ALIGN), 0);
+    }
+
+    #[test]
+    fn slices_share_and_bound_check() {
+        let b = Bytes::copy_from(&[1, 2, 3, 4, 5]);
+        let s = b.slice(1, 3).expect("in range");
+        assert_eq!(&*s, &[2, 3, 4]);
+        assert_eq!(s.allocation_len(), 5);
+        assert!(b.slice(3, 3).is_none());
+        assert!(b.slice(usize::MAX, 2).is_none());
+        assert_eq!(&*s.slice(2, 1).expect("in range"), &[4]);
+    }
+
+    #[test]
+    fn u16s_in_place_or_copied_when_odd() {
+        let b = Bytes::from_u16(&[0x3f80, 0x4000, 0xbf80]);
+        let v = U16s::new(b.clone());
+        assert_eq!(&*v, &[0x3f80, 0x4000, 0xbf80]);
+        assert_eq!(v.as_ptr() as usize, b.as_ptr() as usize);
+        // An odd start forces an aligned copy with the same values.
+        let raw = Bytes::copy_from(&[0, 0x80, 0x3f, 0x00, 0x40, 9]);
+        let odd = U16s::new(raw.slice(1, 5).expect("in range"));
+        assert_eq!(&*odd, &[0x3f80, 0x4000]);
+        assert_eq!(odd.len(), 2);
+    }
+}

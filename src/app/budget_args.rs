@@ -14,7 +14,8 @@ pub struct BudgetArgs {
     /// A named budget: ultra, laptop, desktop, workstation, server, max.
     #[arg(long, value_name = "NAME", conflicts_with_all = ["trunk_gb", "cache_gb"])]
     pub preset: Option<String>,
-    /// Trunk budget in GB (with --cache-gb).
+    /// Trunk budget in GB (with --cache-gb); 0 keeps the whole trunk resident. The two
+    /// numbers together are the budget.
     #[arg(long, value_name = "GB", requires = "cache_gb")]
     pub trunk_gb: Option<f64>,
     /// Expert-cache budget in GB (with --trunk-gb).
@@ -65,7 +66,11 @@ impl BudgetArgs {
         }
         if let (Some(t), Some(c)) = (self.trunk_gb, self.cache_gb) {
             return Ok(BudgetRequest::Split {
-                trunk: bytes(t, "--trunk-gb")?,
+                trunk: if t == 0.0 {
+                    None
+                } else {
+                    Some(bytes(t, "--trunk-gb")?)
+                },
                 cache: bytes(c, "--cache-gb")?,
             });
         }

@@ -56,10 +56,11 @@ pub enum BudgetRequest {
     Resident,
     /// One total budget in bytes.
     Total(u64),
-    /// Separate trunk and expert-cache budgets in bytes (the fixed costs come on top).
+    /// Separate trunk and expert-cache budgets in bytes; together they are the budget (the
+    /// fixed costs come out of the trunk's share first).
     Split {
-        /// Trunk budget.
-        trunk: u64,
+        /// Trunk budget (`None`: the whole trunk resident, the peers' `--trunk-gb 0`).
+        trunk: Option<u64>,
         /// Expert-cache budget.
         cache: u64,
     },
@@ -82,7 +83,7 @@ pub fn preset(name: &str) -> Option<BudgetRequest> {
         .iter()
         .find(|(n, _, _)| *n == name)
         .map(|&(_, t, c)| BudgetRequest::Split {
-            trunk: (t * 1e9) as u64,
+            trunk: Some((t * 1e9) as u64),
             cache: (c * 1e9) as u64,
         })
 }
@@ -249,16 +250,32 @@ pub fn plan(
             (trunk, reserve_cache, b)
         }
         BudgetRequest::Split { trunk, cache } => {
-            let cache = cache.max(s.top_k * s.expert_bytes);
-            let trunk = trunk.max(ring_min);
-            let total = fixed
-                + state_reserve
-                + trunk
-                + cache
-                + head_chunk_rows * s.row_bytes
-                + 64 * s.row_bytes
-                + s.small;
-            (trunk, cache, total)
+            let resident_trunk = trunk.is_none();
+            let trunk = trunk.unwrap_or(s.layer_trunk.iter().sum::<u64>() + s.head);
+            let total = trunk.saturating_add(cache);
+            if total < floor {
+                return Err(BelowFloor {
+                    budget: total,
+                    floor,
+                });
+            }
+            if total >= fixed + state_reserve + model_bytes {
+                return Ok(Plan {
+                    budget_bytes: Some(total),
+                    ..resident
+                });
+            }
+            // Everything but the ring and the cache comes out of the trunk's share first, or
+            // out of the cache's when the trunk is to stay resident.
+            let overhead = floor - ring_min - s.top_k * s.expert_bytes;
+            let avail = total - overhead;
+            let trunk_share = if resident_trunk {
+                trunk
+            } else {
+                trunk.saturating_sub(overhead)
+            };
+            let trunk_share = trunk_share.clamp(ring_min, avail - s.top_k * s.expert_bytes);
+            (trunk_share, avail - trunk_share, total)
         }
     };
     // Pin the output head first (it is read every token like a layer), then layers from the
@@ -298,12 +315,9 @@ pub fn plan(
         .sum();
     let ring_bytes = ring_of(&pinned);
     let ring_slots = (0..n).filter(|&i| !pinned[i]).count().min(2) as u64;
-    // Whatever the trunk did not use goes to the cache (for a total budget).
+    // Whatever the trunk did not use goes to the cache.
     let trunk_used = pinned_bytes + ring_bytes + if head_resident { s.head } else { 0 };
-    let cache_bytes = match req {
-        BudgetRequest::Total(_) => cache_budget + trunk_budget.saturating_sub(trunk_used),
-        _ => cache_budget,
-    };
+    let cache_bytes = cache_budget + trunk_budget.saturating_sub(trunk_used);
     let expert_slots =
         (cache_bytes / s.expert_bytes.max(1)).clamp(s.top_k, all_experts.max(s.top_k));
     Ok(Plan {
@@ -422,5 +436,44 @@ mod tests {
         )
         .unwrap();
         assert!(capped.budget_bytes.unwrap() <= 8_000_000_000);
+    }
+
+    #[test]
+    fn a_split_budget_is_the_sum_of_its_two_numbers() {
+        let s = k3_sizes();
+        for (t, c) in [(4e9, 2e9), (16e9, 10e9), (60e9, 30e9), (1e9, 8e9)] {
+            let req = BudgetRequest::Split {
+                trunk: Some(t as u64),
+                cache: c as u64,
+            };
+            let p = plan(&s, req, 4096, None).unwrap();
+            assert_eq!(p.budget_bytes, Some((t + c) as u64));
+            assert!(p.planned_bytes(&s) <= (t + c) as u64, "{t} + {c}");
+        }
+        // `--trunk-gb 0`: the whole trunk resident, the cache on top of it.
+        let req = BudgetRequest::Split {
+            trunk: None,
+            cache: 16_000_000_000,
+        };
+        let p = plan(&s, req, 4096, None).unwrap();
+        let trunk: u64 = s.layer_trunk.iter().sum::<u64>() + s.head;
+        assert_eq!(p.budget_bytes, Some(trunk + 16_000_000_000));
+        assert_eq!(p.n_pinned(), 93);
+        assert!(p.head_resident);
+        assert!(p.planned_bytes(&s) <= trunk + 16_000_000_000);
+        assert!(
+            p.expert_cache_bytes > 14_000_000_000,
+            "{}",
+            p.expert_cache_bytes
+        );
+        // Below the floor is refused with the sum.
+        let tiny = BudgetRequest::Split {
+            trunk: Some(1_000_000_000),
+            cache: 1_000_000_000,
+        };
+        assert_eq!(
+            plan(&s, tiny, 4096, None).unwrap_err().budget,
+            2_000_000_000
+        );
     }
 }

@@ -66,7 +66,7 @@ fn disk_bandwidth(dir: &Path) -> Option<(f64, bool)> {
         .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
         .filter_map(|e| Some((e.metadata().ok()?.len(), e.path())))
         .collect();
-    shards.sort_by(|a, b| b.0.cmp(&a.0));
+    shards.sort_by_key(|s| std::cmp::Reverse(s.0));
     let pool = crate::stream::checkpoint::io_pool()?;
     let streams = pool.current_num_threads().max(1);
     shards.truncate(streams);

@@ -21,6 +21,10 @@ pub struct PlanArgs {
     /// Positions of context to reserve state for.
     #[arg(long, default_value_t = 4096)]
     pub context: u64,
+    /// Plan as `k3 chat` does: room for the snapshots a conversation keeps beside its live
+    /// state (`k3 run` and `k3 bench` keep one state).
+    #[arg(long)]
+    pub chat: bool,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -38,7 +42,12 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     let req = args.budget.request(auto_request())?;
     let index_bytes = ck.index().memory_bytes();
     let n_tensors = ck.index().len();
-    let plan = budget::plan(&sizes, req, args.context, budget::cgroup_limit());
+    let states = if args.chat {
+        1 + crate::session::chat::SNAPSHOTS as u64
+    } else {
+        1
+    };
+    let plan = budget::plan_states(&sizes, req, args.context, states, budget::cgroup_limit());
     let plan = match plan {
         Ok(p) => p,
         Err(e) if args.json => {
@@ -123,9 +132,11 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         }
     );
     println!(
-        "state        {} for {} positions; fixed {}",
+        "state        {} for {} positions × {} state(s){}; fixed {}",
         gb(plan.state_reserve),
         args.context,
+        plan.states,
+        if args.chat { " (chat)" } else { "" },
         gb(plan.fixed_bytes)
     );
     if let Some(t) = &trunk {

@@ -137,7 +137,8 @@ fn apply_budget(model: &Model, gb: f64, context: u64) -> Result<String, String> 
         ));
     };
     let req = BudgetRequest::Total((gb * 1e9) as u64);
-    let plan = budget::plan(st.sizes(), req, context, budget::cgroup_limit())
+    let states = 1 + crate::session::chat::SNAPSHOTS as u64;
+    let plan = budget::plan_states(st.sizes(), req, context, states, budget::cgroup_limit())
         .map_err(|e| format!("/budget: {e}"))?;
     let line = format!(
         "budget {}: {} of {} layers pinned, {} expert slots, output head {}",
@@ -205,6 +206,7 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
     let opts = crate::engine::weights::OpenOptions {
         budget: cfg.budget,
         context: cfg.settings.context_limit as u64,
+        states: 1 + crate::session::chat::SNAPSHOTS as u64,
         trunk: cfg.trunk.clone(),
         progress: Some(progress),
         ..Default::default()

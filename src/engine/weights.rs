@@ -681,6 +681,8 @@ pub struct OpenOptions {
     pub budget: BudgetRequest,
     /// Context length the plan reserves state for.
     pub context: u64,
+    /// Sequence states of that length the plan reserves room for (1 + a chat's snapshots).
+    pub states: u64,
     /// A packed trunk directory (`k3 pack`) to read layers from.
     pub trunk: Option<PathBuf>,
     /// Read with `O_DIRECT` where the filesystem allows it (streamed weights and the trunk);
@@ -695,6 +697,7 @@ impl Default for OpenOptions {
         OpenOptions {
             budget: BudgetRequest::Resident,
             context: 4096,
+            states: 1,
             trunk: None,
             direct: std::env::var_os("K3_NO_DIRECT").is_none_or(|v| v.is_empty() || v == "0"),
             progress: None,
@@ -763,10 +766,11 @@ impl Model {
         };
         let digest = ck.index_digest();
         let sizes = model_sizes(&cfg, &ck);
-        let plan = crate::stream::budget::plan(
+        let plan = crate::stream::budget::plan_states(
             &sizes,
             req,
             context,
+            opts.states,
             crate::stream::budget::cgroup_limit(),
         )
         .map_err(|e| LoadError::Budget(e.to_string()))?;

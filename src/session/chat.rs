@@ -240,6 +240,10 @@ pub struct Session<'a> {
     on_prefill: Option<Box<dyn FnMut(usize, usize) + 'a>>,
 }
 
+/// Snapshots of the sequence state a session keeps (each one a full state: the engine's plan
+/// reserves memory for them, see `stream::budget::plan_states`).
+pub const SNAPSHOTS: usize = 4;
+
 /// Prompt tokens fed to the engine per forward call while prefilling (results do not depend
 /// on it; it only sets how often progress is reported).
 pub const PREFILL_CHUNK: usize = 64;
@@ -273,7 +277,7 @@ impl<'a> Session<'a> {
             pending: None,
             state: SeqState::new(&model.cfg),
             snapshots: Vec::new(),
-            max_snapshots: 8,
+            max_snapshots: SNAPSHOTS,
             on_prefill: None,
         })
     }

@@ -115,8 +115,11 @@ pub struct Plan {
     pub head_resident: bool,
     /// Rows of the output head per streamed chunk.
     pub head_chunk_rows: u64,
-    /// Bytes reserved for the carried state at the context limit.
+    /// Bytes reserved for the carried state at the context limit, for every state the plan
+    /// holds (the live one and the snapshots a chat keeps).
     pub state_reserve: u64,
+    /// Sequence states the reserve covers (1 + snapshots).
+    pub states: u64,
     /// Fixed overheads (activations, logits, index, allocator slack).
     pub fixed_bytes: u64,
     /// Bytes of pinned layers.
@@ -187,16 +190,29 @@ fn fixed_overhead(s: &ModelSizes) -> u64 {
     64 * 40 * s.hidden * 4 + 2 * s.vocab * 4 + 2 * s.top_k * s.expert_bytes + (40 << 20)
 }
 
-/// Make a plan for `req`, with room for `context` positions of carried state. A memory limit
-/// from the environment (a cgroup) caps a total budget.
+/// Make a plan for `req`, with room for one sequence state of `context` positions. A memory
+/// limit from the environment (a cgroup) caps a total budget.
 pub fn plan(
     s: &ModelSizes,
     req: BudgetRequest,
     context: u64,
     env_limit: Option<u64>,
 ) -> Result<Plan, BelowFloor> {
+    plan_states(s, req, context, 1, env_limit)
+}
+
+/// [`plan`] with room for `states` sequence states of `context` positions each (a chat's live
+/// state and the snapshots it keeps to reuse a prompt's prefix).
+pub fn plan_states(
+    s: &ModelSizes,
+    req: BudgetRequest,
+    context: u64,
+    states: u64,
+    env_limit: Option<u64>,
+) -> Result<Plan, BelowFloor> {
     let n = s.layer_trunk.len();
-    let state_reserve = s.state_bytes + s.kv_per_position * context;
+    let states = states.max(1);
+    let state_reserve = states * (s.state_bytes + s.kv_per_position * context);
     let fixed = fixed_overhead(s);
     let head_chunk_rows = (HEAD_CHUNK_BYTES / s.row_bytes.max(1)).clamp(1, s.vocab.max(1));
     let mut sorted = s.layer_trunk.clone();
@@ -225,6 +241,7 @@ pub fn plan(
         head_resident: true,
         head_chunk_rows,
         state_reserve,
+        states,
         fixed_bytes: fixed,
         pinned_bytes: s.layer_trunk.iter().sum(),
     };
@@ -334,6 +351,7 @@ pub fn plan(
         head_resident,
         head_chunk_rows,
         state_reserve,
+        states,
         fixed_bytes: fixed,
         pinned_bytes,
     })

@@ -123,6 +123,7 @@ fn jsonl_line(turn: TurnId, r: &TurnReport) -> String {
         "reasoning": r.reasoning.clone().unwrap_or_default(),
         "reused_tokens": r.reused_tokens,
         "prefilled_tokens": r.prefilled_tokens,
+        "peak_rss_bytes": crate::stream::stats::rss_bytes().1,
     })
     .to_string()
 }

@@ -167,10 +167,8 @@ fn small_checkpoint_same_logits_at_every_budget_and_rss_within_budget() {
         println!(
             "small at {budget} B: peak RSS {peak} B (resident {resident_peak} B, model {model} B)"
         );
-        if budget <= model / 4 {
-            // At a budget at least 4x below the model size, the process stays inside it.
-            assert!(peak <= budget, "peak RSS {peak} above the budget {budget}");
-        }
+        // At every budget, the whole process stays inside it.
+        assert!(peak <= budget, "peak RSS {peak} above the budget {budget}");
     }
     // The same with a packed trunk.
     let trunk = small().join("trunk");
@@ -194,11 +192,70 @@ fn small_checkpoint_same_logits_at_every_budget_and_rss_within_budget() {
             "dumped logits differ with the trunk at {budget:?}"
         );
         println!("small with trunk at {budget:?} B: peak RSS {peak} B");
-        if let Some(b) = budget.filter(|&b| b <= model / 4) {
+        if let Some(b) = budget {
             assert!(
                 peak <= b,
                 "peak RSS {peak} above the budget {b} with the trunk"
             );
+        }
+    }
+}
+
+#[test]
+fn a_chat_keeps_its_snapshots_inside_the_budget() {
+    let plan = crate::common::run_ok(
+        crate::common::k3_command()
+            .arg("plan")
+            .arg(small().join("small"))
+            .args(["--mem", "1000", "--json", "--chat", "--context", "2048"]),
+    );
+    let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    let model = plan["model_bytes"].as_u64().unwrap();
+    let floor = plan["floor_bytes"].as_u64().unwrap();
+    assert_eq!(
+        plan["states"].as_u64().unwrap(),
+        1 + k3::session::chat::SNAPSHOTS as u64
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let turns = "Hello there\nTell me more\nAnd then?\nOnce more\nThe end\n";
+    let mut replies = None;
+    for budget in [floor, (floor + model / 2) / 2, model / 2, model * 2] {
+        let gb = format!("{}", budget as f64 / 1e9);
+        let lines = crate::common::jsonl_with_input(
+            crate::common::k3_command()
+                .arg("chat")
+                .arg(small().join("small"))
+                .args([
+                    "--plain",
+                    "--jsonl",
+                    "--greedy",
+                    "--no-think",
+                    "--max-tokens",
+                    "12",
+                    "--context",
+                    "2048",
+                    "--mem",
+                    &gb,
+                    "--session-dir",
+                ])
+                .arg(dir.path()),
+            turns,
+        );
+        assert_eq!(lines.len(), 5, "budget {budget}");
+        let peak = lines
+            .iter()
+            .map(|l| l["peak_rss_bytes"].as_u64().unwrap())
+            .max();
+        let peak = peak.unwrap_or(0);
+        println!("chat on small at {budget} B: peak RSS {peak} B");
+        assert!(
+            peak > 0 && peak <= budget,
+            "chat peak RSS {peak} above {budget}"
+        );
+        let ids: Vec<_> = lines.iter().map(|l| l["generated_ids"].clone()).collect();
+        match &replies {
+            None => replies = Some(ids),
+            Some(want) => assert_eq!(&ids, want, "chat replies differ at budget {budget}"),
         }
     }
 }

@@ -49,6 +49,7 @@ fn open(model: &Path, budget: BudgetRequest, trunk: Option<&Path>, direct: bool)
         &OpenOptions {
             budget,
             context: 512,
+            states: 1,
             trunk: trunk.map(Path::to_path_buf),
             direct,
             progress: None,

@@ -4,6 +4,7 @@
 pub mod attnres;
 pub mod config;
 pub mod kda;
+pub mod layer;
 pub mod mla;
 pub mod model;
 pub mod moe;

@@ -9,50 +9,16 @@
 
 use super::attnres;
 use super::config::ModelConfig;
-use super::kda::{self, KdaParams, KdaWeights};
-use super::mla::{self, MlaParams, MlaWeights};
-use super::moe::{self, DenseMlp, MoeParams, MoeWeights, Routing};
+use super::kda;
+pub use super::layer::{kda_params, mla_params, moe_params, Attention, FeedForward, Layer};
+use super::mla;
+use super::moe::{self, MoeParams, MoeWeights, Routing};
 use super::residency::Streamer;
 use super::state::{LayerState, SeqState};
 use super::tensor::Dense;
 use crate::kernels::{self, ops};
 use crate::stream::StreamError;
 use std::sync::Arc;
-
-/// The attention block of a layer.
-#[derive(Clone, Debug)]
-pub enum Attention {
-    /// Kimi Delta Attention.
-    Kda(KdaWeights),
-    /// Gated MLA.
-    Mla(MlaWeights),
-}
-
-/// The feed-forward block of a layer.
-#[derive(Clone, Debug)]
-pub enum FeedForward {
-    /// Dense SiTU MLP (leading layers).
-    Dense(DenseMlp),
-    /// Latent MoE.
-    Moe(Box<MoeWeights>),
-}
-
-/// One decoder layer.
-#[derive(Clone, Debug)]
-pub struct Layer {
-    /// `[hidden]` gain before attention.
-    pub input_norm: Vec<f32>,
-    /// `[hidden]` gain before the FFN.
-    pub post_norm: Vec<f32>,
-    /// `[hidden]` pre-attention AttnRes score vector (norm ⊙ proj).
-    pub attn_res_fold: Vec<f32>,
-    /// `[hidden]` pre-FFN AttnRes score vector.
-    pub mlp_res_fold: Vec<f32>,
-    /// Attention.
-    pub attn: Attention,
-    /// Feed-forward.
-    pub ffn: FeedForward,
-}
 
 /// Where a model's large weights come from.
 #[derive(Debug)]
@@ -69,6 +35,56 @@ pub enum Weights {
     /// Read from the checkpoint under a memory plan (pinned layers, a read-ahead ring, an
     /// expert cache, streamed embedding rows and output head).
     Streamed(Box<Streamer>),
+}
+
+impl Weights {
+    /// Embedding rows of `tokens`, `[n_tok, hidden]`.
+    fn embed(&self, tokens: &[u32], d: usize) -> Result<Vec<f32>, StreamError> {
+        match self {
+            Weights::Resident { embed, .. } => {
+                let mut x = vec![0f32; tokens.len() * d];
+                for (row, &id) in x.chunks_mut(d).zip(tokens) {
+                    embed.row_into(id as usize, row);
+                }
+                Ok(x)
+            }
+            Weights::Streamed(st) => st.embed_rows(tokens),
+        }
+    }
+
+    /// Layer `il`'s non-expert weights.
+    fn layer(&self, il: usize) -> Result<Arc<Layer>, StreamError> {
+        match self {
+            Weights::Resident { layers, .. } => Ok(Arc::clone(&layers[il])),
+            Weights::Streamed(st) => st.layer(il),
+        }
+    }
+
+    /// Layer `il`'s MoE block over `h`, with its routed experts from wherever they live.
+    fn moe(
+        &self,
+        il: usize,
+        m: &MoeWeights,
+        p: &MoeParams,
+        h: &[f32],
+    ) -> Result<(Vec<f32>, Routing), StreamError> {
+        match self {
+            Weights::Resident { .. } => Ok(moe::forward(m, p, h)),
+            Weights::Streamed(st) => st.moe(il, m, p, h),
+        }
+    }
+
+    /// Logits of `rows` `[n, hidden]`, `[n, vocab]`.
+    fn head(&self, rows: &[f32], vocab: usize, d: usize) -> Result<Vec<f32>, StreamError> {
+        match self {
+            Weights::Resident { lm_head, .. } => {
+                let mut logits = vec![0f32; rows.len() / d * vocab];
+                kernels::matmul(lm_head.view(), vocab, d, rows, &mut logits);
+                Ok(logits)
+            }
+            Weights::Streamed(st) => st.head(rows),
+        }
+    }
 }
 
 /// A loaded model (share it between sequences; the memory plan can change between calls).
@@ -104,45 +120,6 @@ pub struct Trace {
     pub routing: Vec<Routing>,
     /// `[n_tok, hidden]` after the output aggregator and the final norm.
     pub final_hidden: Vec<f32>,
-}
-
-/// KDA constants from a config.
-#[must_use]
-pub fn kda_params(cfg: &ModelConfig) -> KdaParams {
-    KdaParams {
-        heads: cfg.kda_num_heads,
-        head_dim: cfg.kda_head_dim,
-        kernel: cfg.short_conv_kernel_size,
-        lower_bound: cfg.gate_lower_bound,
-        rms_eps: cfg.rms_norm_eps,
-        l2_eps: cfg.kda_l2norm_eps,
-    }
-}
-
-/// MLA constants from a config.
-#[must_use]
-pub fn mla_params(cfg: &ModelConfig) -> MlaParams {
-    MlaParams {
-        heads: cfg.num_attention_heads,
-        nope: cfg.qk_nope_head_dim,
-        rope: cfg.qk_rope_head_dim,
-        v: cfg.v_head_dim,
-        kv_lora: cfg.kv_lora_rank,
-        lora_eps: cfg.mla_lora_norm_eps,
-    }
-}
-
-/// MoE constants from a config.
-#[must_use]
-pub fn moe_params(cfg: &ModelConfig) -> MoeParams {
-    MoeParams {
-        top_k: cfg.num_experts_per_token,
-        renormalize: cfg.moe_renormalize,
-        scaling: cfg.routed_scaling_factor,
-        rms_eps: cfg.rms_norm_eps,
-        beta1: cfg.situ_beta,
-        beta2: cfg.situ_linear_beta,
-    }
 }
 
 /// Per-chunk AttnRes bookkeeping: block snapshots and the running partial sum.
@@ -222,10 +199,7 @@ impl Layer {
         let (f, routing) = match &self.ffn {
             FeedForward::Dense(m) => (m.forward(&h, cfg.situ_beta, cfg.situ_linear_beta), None),
             FeedForward::Moe(m) => {
-                let (y, r) = match weights {
-                    Weights::Resident { .. } => moe::forward(m, &moe_params(cfg), &h),
-                    Weights::Streamed(st) => st.moe(il, m, &moe_params(cfg), &h)?,
-                };
+                let (y, r) = weights.moe(il, m, &moe_params(cfg), &h)?;
                 (y, Some(r))
             }
         };
@@ -272,32 +246,15 @@ impl Model {
                 "token id {id} outside the vocabulary"
             );
         }
-        let x = match &self.weights {
-            Weights::Resident { embed, .. } => {
-                let mut x = vec![0f32; n_tok * d];
-                for (row, &id) in x.chunks_mut(d).zip(tokens) {
-                    embed.row_into(id as usize, row);
-                }
-                x
-            }
-            Weights::Streamed(st) => st.embed_rows(tokens)?,
-        };
+        let x = self.weights.embed(tokens, d)?;
         let mut res = Residuals {
             blocks: Vec::new(),
             partial: Some(x),
         };
         for (il, ls) in state.layers.iter_mut().enumerate() {
-            let routing = match &self.weights {
-                Weights::Resident { layers, .. } => {
-                    layers[il].forward(il, cfg, &mut res, ls, &self.weights)?
-                }
-                Weights::Streamed(st) => {
-                    let layer = st.layer(il)?;
-                    let r = layer.forward(il, cfg, &mut res, ls, &self.weights)?;
-                    drop(layer);
-                    r
-                }
-            };
+            let layer = self.weights.layer(il)?;
+            let routing = layer.forward(il, cfg, &mut res, ls, &self.weights)?;
+            drop(layer);
             if let Some(t) = trace.as_deref_mut() {
                 t.layer_out.push(res.partial.clone().unwrap_or_default());
                 t.routing.push(routing.unwrap_or_default());
@@ -316,14 +273,7 @@ impl Model {
             Logits::Last => &h[(n_tok - 1) * d..],
             Logits::All => &h,
         };
-        match &self.weights {
-            Weights::Resident { lm_head, .. } => {
-                let mut logits = vec![0f32; rows.len() / d * cfg.vocab_size];
-                kernels::matmul(lm_head.view(), cfg.vocab_size, d, rows, &mut logits);
-                Ok(logits)
-            }
-            Weights::Streamed(st) => st.head(rows),
-        }
+        self.weights.head(rows, cfg.vocab_size, d)
     }
 
     /// The streamer, when the model reads its weights under a memory plan.

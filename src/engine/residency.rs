@@ -9,7 +9,7 @@
 //! skipped.
 
 use super::config::ModelConfig;
-use super::model::Layer;
+use super::layer::Layer;
 use super::moe::{self, Expert, MoeParams, MoeWeights, Routing};
 use super::tensor::{Dense, DenseData};
 use super::weights::{bind_expert, bind_layer, names, Binder};

@@ -4,7 +4,7 @@
 
 use super::config::ModelConfig;
 use super::kda::KdaState;
-use super::model::{kda_params, mla_params};
+use super::layer::{kda_params, mla_params};
 
 /// Carried state of one layer.
 #[derive(Clone, Debug, PartialEq)]

@@ -4,8 +4,9 @@
 
 use super::config::ModelConfig;
 use super::kda::KdaWeights;
+use super::layer::{Attention, FeedForward, Layer};
 use super::mla::MlaWeights;
-use super::model::{Attention, FeedForward, Layer, Model, Weights};
+use super::model::{Model, Weights};
 use super::moe::{DenseMlp, Expert, MoeWeights};
 use super::residency::Streamer;
 use super::tensor::{Dense, DenseData, Matrix, Mxfp4};
@@ -632,7 +633,7 @@ pub fn model_sizes(cfg: &ModelConfig, ck: &Checkpoint) -> crate::stream::budget:
         .filter(|&il| !cfg.is_dense(il))
         .count() as u64;
     let n_mla = cfg.is_mla.iter().filter(|&&m| m).count() as u64;
-    let kp = super::model::kda_params(cfg);
+    let kp = super::layer::kda_params(cfg);
     let kda_layer = (kp.heads * kp.head_dim * kp.head_dim
         + 3 * kp.heads * kp.head_dim * (kp.kernel - 1)) as u64
         * 4;

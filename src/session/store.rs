@@ -51,7 +51,7 @@ use sha2::{Digest, Sha256};
 
 use crate::engine::config::{ModelConfig, MAX_LAYERS};
 use crate::engine::kda::KdaState;
-use crate::engine::model::{kda_params, mla_params};
+use crate::engine::layer::{kda_params, mla_params};
 use crate::engine::sampling::{self, SamplerConfig};
 use crate::engine::state::{LayerState, SeqState};
 

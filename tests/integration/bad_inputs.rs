@@ -201,3 +201,90 @@ fn out_of_vocabulary_id_is_a_usage_error() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("99999"));
 }
+
+/// Set the config value at `path` (dotted, from the root) in `dir/config.json`.
+fn set_config(dir: &Path, path: &str, value: serde_json::Value) {
+    let p = dir.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    let mut at = &mut v;
+    let keys: Vec<&str> = path.split('.').collect();
+    for k in &keys[..keys.len() - 1] {
+        at = &mut at[*k];
+    }
+    at[keys[keys.len() - 1]] = value;
+    std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+}
+
+#[test]
+fn huge_config_dimensions_are_refused_before_anything_is_sized() {
+    let cases = [
+        ("text_config.num_hidden_layers", serde_json::json!(1e9)),
+        (
+            "text_config.num_hidden_layers",
+            serde_json::json!(1_048_576),
+        ),
+        ("text_config.num_experts", serde_json::json!(1e9)),
+        ("text_config.num_experts", serde_json::json!(100_000)),
+        ("text_config.hidden_size", serde_json::json!(1e300)),
+        ("text_config.vocab_size", serde_json::json!(1u64 << 40)),
+        (
+            "text_config.linear_attn_config.num_heads",
+            serde_json::json!(1_048_576),
+        ),
+    ];
+    for (key, value) in cases {
+        let (_t, dir) = copy_tiny();
+        set_config(&dir, key, value.clone());
+        let (code, err) = run_k3(&dir);
+        assert_eq!(code, 2, "{key} = {value}: {err}");
+        assert!(
+            err.contains(&format!("`{key}`")) && err.contains("above the limit"),
+            "{key} = {value}: {err}"
+        );
+        assert!(err.len() < 1000, "{key} = {value}: {} bytes", err.len());
+    }
+}
+
+#[test]
+fn more_kda_heads_than_head_dim_is_a_refusal_not_a_panic() {
+    let (_t, dir) = copy_tiny();
+    set_config(
+        &dir,
+        "text_config.linear_attn_config.num_heads",
+        serde_json::json!(17),
+    );
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("A_log") && err.contains("17 heads"), "{err}");
+}
+
+#[test]
+fn long_problem_lists_are_capped() {
+    // Within the bounds, but the checkpoint holds 8 experts: a million missing tensors.
+    let (_t, dir) = copy_tiny();
+    set_config(&dir, "text_config.num_experts", serde_json::json!(14_336));
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("more") && err.contains("… and"), "{err}");
+    assert!(err.lines().count() < 30, "{err}");
+    // A layer list longer than the model, and one with a value too long to print whole.
+    let (_t, dir) = copy_tiny();
+    let many: Vec<u32> = (1..=100_000).collect();
+    set_config(
+        &dir,
+        "text_config.linear_attn_config.full_attn_layers",
+        serde_json::json!(many),
+    );
+    set_config(
+        &dir,
+        "text_config.hidden_act",
+        serde_json::json!("x".repeat(1 << 20)),
+    );
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("lists 100000 layers; the model has 13"),
+        "{err}"
+    );
+    assert!(err.len() < 2000, "{} bytes", err.len());
+}

@@ -183,11 +183,24 @@ fn prompt_ids(args: &RunArgs, tok: Option<&Tokenizer>, context: usize) -> Result
     Ok(need_tok()?.encode(&text, true))
 }
 
+/// The most compute threads `--threads` accepts: 8 per available core, and never above 1024.
+#[must_use]
+pub fn max_threads() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    cores.saturating_mul(8).min(1024)
+}
+
 /// Size the compute pool (`--threads`); `None` keeps one thread per core.
 pub fn set_threads(threads: Option<usize>) -> Result<()> {
     if let Some(n) = threads {
         if n == 0 {
             return Err(Error::Usage("--threads must be at least 1".into()));
+        }
+        let max = max_threads();
+        if n > max {
+            return Err(Error::Usage(format!(
+                "--threads {n} is above the limit of {max} (8 per available core, at most 1024)"
+            )));
         }
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)

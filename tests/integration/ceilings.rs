@@ -95,3 +95,45 @@ fn run_plan_holds_state_for_the_prompt_it_is_given() {
         "{err}"
     );
 }
+
+#[test]
+fn threads_above_the_limit_are_refused() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let max = (cores * 8).min(1024);
+    let tiny = tiny();
+    let too_many = (max + 1).to_string();
+    for n in [too_many.as_str(), "100000"] {
+        let (code, err) = k3(&["run", &tiny, "--ids", "1", "--gen", "1", "--threads", n]);
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains(&format!("limit of {max}")), "{err}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = k3_command()
+        .args([
+            "chat",
+            &tiny,
+            "--plain",
+            "--threads",
+            "100000",
+            "--session-dir",
+        ])
+        .arg(dir.path())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains(&format!("limit of {max}")), "{err}");
+    // The limit itself is accepted.
+    let (code, err) = k3(&[
+        "run",
+        &tiny,
+        "--ids",
+        "1",
+        "--gen",
+        "1",
+        "--threads",
+        &max.to_string(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+}

@@ -21,6 +21,30 @@ pub use safetensors::{Dtype, HeaderError};
 
 use std::path::PathBuf;
 
+/// Read a whole small file (a config), refusing one above `limit` bytes: a regular file by its
+/// size before reading, anything else (a FIFO, a file that grows) by reading at most one byte
+/// past the limit. The refusal is an `io::Error` of kind `FileTooLarge` with both numbers.
+pub fn read_capped(path: &std::path::Path, limit: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let too_large = |size: &str| {
+        std::io::Error::new(
+            std::io::ErrorKind::FileTooLarge,
+            format!("{size}, above the limit of {limit} bytes"),
+        )
+    };
+    let file = std::fs::File::open(path)?;
+    let meta = file.metadata()?;
+    if meta.is_file() && meta.len() > limit {
+        return Err(too_large(&format!("the file is {} bytes", meta.len())));
+    }
+    let mut bytes = Vec::new();
+    file.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(too_large("it holds more"));
+    }
+    Ok(bytes)
+}
+
 /// The layer index and the rest of a per-layer tensor name
 /// (`language_model.model.layers.L.REST` → `(L, REST)`), or None for any other name.
 #[must_use]

@@ -38,10 +38,13 @@ pub enum ConfigFileError {
         message: String,
     },
     /// A value is out of range or two key bindings collide.
-    #[error("{path}: {field}: {message}")]
+    #[error("{path}{}: {field}: {message}", at_text(*.at))]
     Invalid {
         /// The file.
         path: PathBuf,
+        /// 1-based line and column of the value in the file (None: the key is not in the file,
+        /// its default collides).
+        at: Option<(usize, usize)>,
         /// The offending key, dotted (`sampling.top_p`).
         field: String,
         /// What is wrong.
@@ -56,6 +59,13 @@ pub enum ConfigFileError {
         /// The file.
         path: PathBuf,
     },
+}
+
+/// Largest user config file read: 1 MiB.
+pub const MAX_CONFIG_TOML_BYTES: u64 = 1 << 20;
+
+fn at_text(at: Option<(usize, usize)>) -> String {
+    at.map_or_else(String::new, |(l, c)| format!(":{l}:{c}"))
 }
 
 /// Colour scheme of the terminal client.
@@ -239,12 +249,16 @@ impl KeyChord {
         }
         let mut chord = KeyChord::plain(KeyName::Enter);
         for m in parts.iter().filter(|m| !m.is_empty()) {
-            match m.to_ascii_lowercase().as_str() {
-                "ctrl" | "control" | "c" => chord.ctrl = true,
-                "alt" | "meta" | "m" => chord.alt = true,
-                "shift" | "s" => chord.shift = true,
+            let held = match m.to_ascii_lowercase().as_str() {
+                "ctrl" | "control" | "c" => &mut chord.ctrl,
+                "alt" | "meta" | "m" => &mut chord.alt,
+                "shift" | "s" => &mut chord.shift,
                 other => return Err(format!("unknown modifier {other:?} in {text:?}")),
+            };
+            if *held {
+                return Err(format!("modifier {m:?} given twice in {text:?}"));
             }
+            *held = true;
         }
         chord.key = key_name(last).ok_or_else(|| format!("unknown key {last:?} in {text:?}"))?;
         if let KeyName::Char(c) = chord.key {
@@ -568,6 +582,25 @@ fn line_column(text: &str, offset: usize) -> (usize, usize) {
     (line, col)
 }
 
+/// 1-based line and column of the value of the dotted key `field` in `text`, if it is there.
+fn value_position(text: &str, field: &str) -> Option<(usize, usize)> {
+    use toml::de::{DeTable, DeValue};
+    let doc = DeTable::parse(text).ok()?;
+    let mut table = doc.get_ref();
+    let parts: Vec<&str> = field.split('.').collect();
+    for (i, part) in parts.iter().enumerate() {
+        let (_, value) = table.iter().find(|(k, _)| k.get_ref().as_ref() == *part)?;
+        if i + 1 == parts.len() {
+            return Some(line_column(text, value.span().start));
+        }
+        match value.get_ref() {
+            DeValue::Table(t) => table = t,
+            _ => return None,
+        }
+    }
+    None
+}
+
 impl Config {
     /// Parse and check a config file's text; `path` is only used in messages.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigFileError> {
@@ -580,13 +613,14 @@ impl Config {
                 message: e.message().trim().to_string(),
             }
         })?;
-        cfg.validate(path)?;
+        cfg.validate(path, text)?;
         Ok(cfg)
     }
 
-    fn validate(&self, path: &Path) -> Result<(), ConfigFileError> {
+    fn validate(&self, path: &Path, text: &str) -> Result<(), ConfigFileError> {
         let bad = |field: &str, message: String| ConfigFileError::Invalid {
             path: path.to_path_buf(),
+            at: value_position(text, field),
             field: field.into(),
             message,
         };
@@ -643,9 +677,17 @@ impl Config {
             .ok_or(ConfigFileError::NoConfigDir)
     }
 
-    /// Read `path`; a missing file gives the defaults.
+    /// Read `path` (at most [`MAX_CONFIG_TOML_BYTES`]); a missing file gives the defaults.
     pub fn load_from(path: &Path) -> Result<Config, ConfigFileError> {
-        match std::fs::read_to_string(path) {
+        let text = crate::stream::read_capped(path, MAX_CONFIG_TOML_BYTES).and_then(|b| {
+            String::from_utf8(b).map_err(|e| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("not UTF-8 (at byte {})", e.utf8_error().valid_up_to()),
+                )
+            })
+        });
+        match text {
             Ok(text) => Config::parse(&text, path),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Config::default()),
             Err(source) => Err(ConfigFileError::Read {

@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 
 /// Largest `num_experts_per_token` the engine accepts.
 pub const MAX_TOP_K: usize = 64;
+/// Largest `config.json` read: 16 MiB (the released one is a few kB).
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
 /// Largest number of AttnRes sources the engine accepts per aggregator.
 pub const MAX_LAYERS: usize = 4096;
 
@@ -217,11 +219,16 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
-    /// Read and validate `path`.
+    /// Read and validate `path` (at most [`MAX_CONFIG_BYTES`]).
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+        let bytes =
+            crate::stream::read_capped(path, MAX_CONFIG_BYTES).map_err(|e| ConfigError::Read {
+                path: path.to_path_buf(),
+                source: e,
+            })?;
+        let text = String::from_utf8(bytes).map_err(|e| ConfigError::Parse {
             path: path.to_path_buf(),
-            source: e,
+            reason: format!("not UTF-8 (at byte {})", e.utf8_error().valid_up_to()),
         })?;
         Self::parse(&text, path)
     }

@@ -21,6 +21,24 @@ pub use safetensors::{Dtype, HeaderError};
 
 use std::path::PathBuf;
 
+/// The most entries an error message lists; the rest are counted.
+pub const MAX_LISTED: usize = 20;
+
+/// `items` joined with ", ", at most [`MAX_LISTED`] of them, then "and N more".
+#[must_use]
+pub fn join_listed(items: &[String]) -> String {
+    let mut s = items
+        .iter()
+        .take(MAX_LISTED)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if items.len() > MAX_LISTED {
+        s.push_str(&format!(" and {} more", items.len() - MAX_LISTED));
+    }
+    s
+}
+
 /// Read a whole small file (a config), refusing one above `limit` bytes: a regular file by its
 /// size before reading, anything else (a FIFO, a file that grows) by reading at most one byte
 /// past the limit. The refusal is an `io::Error` of kind `FileTooLarge` with both numbers.
@@ -81,12 +99,12 @@ pub enum StreamError {
         /// What is wrong.
         reason: String,
     },
-    /// Shards named by the index are missing (all of them listed).
-    #[error("{dir}: missing shard(s): {}", .files.join(", "))]
+    /// Shards named by the index are missing (the first [`MAX_LISTED`] listed, all counted).
+    #[error("{dir}: {} missing shard(s): {}", .files.len(), join_listed(.files))]
     MissingShards {
         /// The model directory.
         dir: PathBuf,
-        /// Every missing file, with how many tensors need it.
+        /// Every missing file (escaped), with how many tensors need it.
         files: Vec<String>,
     },
     /// No safetensors file was found.

@@ -211,7 +211,7 @@ impl Checkpoint {
             let missing: Vec<String> = map
                 .iter()
                 .filter(|(f, _)| !dir.join(f).is_file())
-                .map(|(f, t)| format!("{f} (needed by {} tensors, e.g. {:?})", t.len(), t[0]))
+                .map(|(f, t)| format!("{f:?} (needed by {} tensors, e.g. {:?})", t.len(), t[0]))
                 .collect();
             if !missing.is_empty() {
                 return Err(StreamError::MissingShards {
@@ -341,6 +341,7 @@ impl Checkpoint {
             })?
             .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
             .filter(|n| n.ends_with(".safetensors") && !map.contains_key(n))
+            .map(|n| format!("{n:?}"))
             .collect();
         if strays.is_empty() {
             Ok(())
@@ -348,8 +349,9 @@ impl Checkpoint {
             Err(StreamError::Index {
                 path: index_path.to_path_buf(),
                 reason: format!(
-                    "shard file(s) not named by the index: {}",
-                    strays.join(", ")
+                    "{} shard file(s) not named by the index: {}",
+                    strays.len(),
+                    crate::stream::join_listed(&strays)
                 ),
             })
         }

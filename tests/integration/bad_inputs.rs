@@ -288,3 +288,39 @@ fn long_problem_lists_are_capped() {
     );
     assert!(err.len() < 2000, "{} bytes", err.len());
 }
+
+#[test]
+fn file_names_from_the_index_and_the_directory_are_printed_escaped() {
+    let evil = "\u{1b}]0;owned\u{7}x.safetensors";
+    // A weight_map entry naming a file that is not there.
+    let (_t, dir) = copy_tiny();
+    let p = dir.join("model.safetensors.index.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    let map = v["weight_map"].as_object_mut().unwrap();
+    let first = map.keys().next().unwrap().clone();
+    map[&first] = serde_json::json!(evil);
+    std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("missing shard"), "{err}");
+    assert!(err.contains("\\u{1b}]0;owned\\u{7}x"), "{err}");
+    assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err:?}");
+    // A stray file in the model directory.
+    let (_t, dir) = copy_tiny();
+    std::fs::write(dir.join(evil), b"").unwrap();
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("not named by the index"), "{err}");
+    assert!(err.contains("\\u{1b}]0;owned\\u{7}x"), "{err}");
+    assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err:?}");
+    // Many strays are counted, not all listed.
+    for i in 0..50 {
+        std::fs::write(dir.join(format!("stray-{i}.safetensors")), b"").unwrap();
+    }
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains("51 shard file(s)") && err.contains("and 31 more"),
+        "{err}"
+    );
+}

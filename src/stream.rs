@@ -21,6 +21,25 @@ pub use safetensors::{Dtype, HeaderError};
 
 use std::path::PathBuf;
 
+/// What a non-regular file is, for messages.
+#[must_use]
+pub fn file_kind(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_block_device() || t.is_char_device() {
+        "a device"
+    } else if t.is_file() {
+        "a regular file"
+    } else {
+        "not a plain file"
+    }
+}
+
 /// The most entries an error message lists; the rest are counted.
 pub const MAX_LISTED: usize = 20;
 
@@ -106,6 +125,14 @@ pub enum StreamError {
         dir: PathBuf,
         /// Every missing file (escaped), with how many tensors need it.
         files: Vec<String>,
+    },
+    /// A shard path exists but is not a regular file (a FIFO, a directory, a device...).
+    #[error("{path}: is {kind}, not a regular file; a shard must be a regular file")]
+    NotRegular {
+        /// The shard path.
+        path: PathBuf,
+        /// What it is instead ("a FIFO", "a directory", ...).
+        kind: &'static str,
     },
     /// No safetensors file was found.
     #[error("{dir}: no model.safetensors, model.safetensors.index.json or *.safetensors file")]

@@ -210,7 +210,7 @@ impl Checkpoint {
             let map = read_weight_map(&index_path)?;
             let missing: Vec<String> = map
                 .iter()
-                .filter(|(f, _)| !dir.join(f).is_file())
+                .filter(|(f, _)| !dir.join(f).exists())
                 .map(|(f, t)| format!("{f:?} (needed by {} tensors, e.g. {:?})", t.len(), t[0]))
                 .collect();
             if !missing.is_empty() {
@@ -279,6 +279,14 @@ impl Checkpoint {
             path: path.clone(),
             source: e,
         };
+        // Opening a FIFO would block until a writer comes: look before opening.
+        let kind = std::fs::metadata(&path).map_err(open_err)?.file_type();
+        if !kind.is_file() {
+            return Err(StreamError::NotRegular {
+                path: path.clone(),
+                kind: crate::stream::file_kind(kind),
+            });
+        }
         let file = File::open(&path).map_err(open_err)?;
         let file_len = file.metadata().map_err(open_err)?.len();
         let header_err = |e| StreamError::Header {

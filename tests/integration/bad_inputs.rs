@@ -79,7 +79,10 @@ fn header_length_beyond_file_is_refused() {
     std::fs::write(&p, &bytes).unwrap();
     let (code, err) = run_k3(&dir);
     assert_eq!(code, 3, "{err}");
-    assert!(err.contains("exceeds file size"), "{err}");
+    assert!(
+        err.contains("exceeds the") && err.contains("after the 8-byte prefix"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -323,4 +326,68 @@ fn file_names_from_the_index_and_the_directory_are_printed_escaped() {
         err.contains("51 shard file(s)") && err.contains("and 31 more"),
         "{err}"
     );
+}
+
+#[test]
+fn misleading_messages_say_what_is_wrong() {
+    // A header length of 0 is not "exceeding" anything.
+    let (_t, dir) = copy_tiny();
+    let p = shard(&dir, 1);
+    let mut bytes = std::fs::read(&p).unwrap();
+    bytes[..8].copy_from_slice(&0u64.to_le_bytes());
+    std::fs::write(&p, &bytes).unwrap();
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains("header length is 0") && !err.contains("exceeds"),
+        "{err}"
+    );
+    // A FIFO where a shard should be is not "missing", and opening it must not block.
+    let (_t, dir) = copy_tiny();
+    let p = shard(&dir, 2);
+    std::fs::remove_file(&p).unwrap();
+    let status = Command::new("mkfifo").arg(&p).status().unwrap();
+    assert!(status.success());
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains("is a FIFO, not a regular file") && !err.contains("missing shard"),
+        "{err}"
+    );
+    // A value too large is not "must be an integer ≥ 1".
+    let (_t, dir) = copy_tiny();
+    set_config(
+        &dir,
+        "text_config.intermediate_size",
+        serde_json::json!(1e12),
+    );
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("above the limit") && !err.contains("≥"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_bad_session_name_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    for flag in ["--session", "--resume"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_k3"))
+            .arg("chat")
+            .arg(fixture("tiny"))
+            .args(["--plain", flag, "../x", "--session-dir"])
+            .arg(dir.path())
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
+        assert!(
+            err.contains(flag) && err.contains("\"../x\""),
+            "{flag}: {err}"
+        );
+        // Refused before the model was opened: no ready line.
+        assert!(!err.contains("layers, vocabulary"), "{flag}: {err}");
+    }
 }

@@ -472,3 +472,43 @@ fn resume_is_held_to_the_context_limit() {
     assert!(err.contains("loaded session"), "{err}");
     assert!(err.contains("context"), "the limit was not applied: {err}");
 }
+
+#[test]
+fn invalid_utf8_on_stdin_is_replaced_and_the_session_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .arg("chat")
+        .arg(fixture("tiny"))
+        .args([
+            "--plain",
+            "--jsonl",
+            "--greedy",
+            "--no-think",
+            "--max-tokens",
+            "3",
+        ])
+        .arg("--session-dir")
+        .arg(dir.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"hello\nbad \xff line\n/save x\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("input line 2: invalid UTF-8"), "{err}");
+    let turns: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(turns.len(), 2, "{err}");
+    assert!(dir.path().join("x.k3session").is_file(), "{err}");
+}

@@ -21,6 +21,25 @@ pub use safetensors::{Dtype, HeaderError};
 
 use std::path::PathBuf;
 
+/// A path for a message, with control characters escaped (`\u{1b}`): shard names come from
+/// the index and the directory listing, so they must not reach the terminal raw.
+#[must_use]
+pub fn shown(path: &std::path::Path) -> String {
+    let text = path.display().to_string();
+    if !text.chars().any(char::is_control) {
+        return text;
+    }
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_debug().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 /// What a non-regular file is, for messages.
 #[must_use]
 pub fn file_kind(t: std::fs::FileType) -> &'static str {
@@ -95,7 +114,7 @@ pub fn layer_tensor(name: &str) -> Option<(usize, &str)> {
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
     /// A file could not be opened or its size read.
-    #[error("{path}: {source}")]
+    #[error("{}: {source}", shown(.path))]
     Open {
         /// The file.
         path: PathBuf,
@@ -103,7 +122,7 @@ pub enum StreamError {
         source: std::io::Error,
     },
     /// A shard header failed validation.
-    #[error("{path}: {source}")]
+    #[error("{}: {source}", shown(.path))]
     Header {
         /// The shard.
         path: PathBuf,
@@ -127,7 +146,7 @@ pub enum StreamError {
         files: Vec<String>,
     },
     /// A shard path exists but is not a regular file (a FIFO, a directory, a device...).
-    #[error("{path}: is {kind}, not a regular file; a shard must be a regular file")]
+    #[error("{}: is {kind}, not a regular file; a shard must be a regular file", shown(.path))]
     NotRegular {
         /// The shard path.
         path: PathBuf,
@@ -141,7 +160,7 @@ pub enum StreamError {
         dir: PathBuf,
     },
     /// The same tensor name appears in two shards.
-    #[error("duplicate tensor {name:?} (in {first} and {second})")]
+    #[error("duplicate tensor {name:?} (in {first:?} and {second:?})")]
     DuplicateTensor {
         /// The tensor.
         name: String,
@@ -154,7 +173,7 @@ pub enum StreamError {
     #[error("tensor {0:?} is not in the checkpoint")]
     NoSuchTensor(String),
     /// The index cannot represent an entry (a dimension above u32, too many shards or names).
-    #[error("{path}: tensor {name:?}: {reason}")]
+    #[error("{}: tensor {name:?}: {reason}", shown(.path))]
     Unrepresentable {
         /// The shard.
         path: PathBuf,
@@ -164,7 +183,8 @@ pub enum StreamError {
         reason: String,
     },
     /// A read failed or came back short (file shrank, I/O error).
-    #[error("read error in {path} at byte {offset} ({len} bytes for {name:?}): {source}")]
+    #[error("read error in {} at byte {offset} ({len} bytes for {name:?}): {source}",
+        shown(.path))]
     Read {
         /// The shard.
         path: PathBuf,

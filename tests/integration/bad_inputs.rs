@@ -391,3 +391,27 @@ fn a_bad_session_name_is_refused_at_start() {
         assert!(!err.contains("layers, vocabulary"), "{flag}: {err}");
     }
 }
+
+#[test]
+fn a_bad_shard_with_a_hostile_name_is_named_escaped() {
+    // The index names an existing shard whose name carries an escape sequence, and the shard
+    // is truncated: the header refusal names it escaped.
+    let evil = "\u{1b}]0;owned\u{7}.safetensors";
+    let (_t, dir) = copy_tiny();
+    let old = "model-00002-of-000003.safetensors";
+    let bytes = std::fs::read(dir.join(old)).unwrap();
+    std::fs::remove_file(dir.join(old)).unwrap();
+    std::fs::write(dir.join(evil), &bytes[..bytes.len() / 2]).unwrap();
+    let p = dir.join("model.safetensors.index.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    for file in v["weight_map"].as_object_mut().unwrap().values_mut() {
+        if file == old {
+            *file = serde_json::json!(evil);
+        }
+    }
+    std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("\\u{1b}]0;owned\\u{7}"), "{err}");
+    assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err:?}");
+}

@@ -22,6 +22,86 @@ pub use safetensors::{Dtype, HeaderError};
 
 use std::path::PathBuf;
 
+/// A path for a message, with control characters escaped (`\u{1b}`): shard names come from
+/// the index and the directory listing, so they must not reach the terminal raw.
+#[must_use]
+pub fn shown(path: &std::path::Path) -> String {
+    let text = path.display().to_string();
+    if !text.chars().any(char::is_control) {
+        return text;
+    }
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_debug().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
+/// What a non-regular file is, for messages.
+#[must_use]
+pub fn file_kind(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_block_device() || t.is_char_device() {
+        "a device"
+    } else if t.is_file() {
+        "a regular file"
+    } else {
+        "not a plain file"
+    }
+}
+
+/// The most entries an error message lists; the rest are counted.
+pub const MAX_LISTED: usize = 20;
+
+/// `items` joined with ", ", at most [`MAX_LISTED`] of them, then "and N more".
+#[must_use]
+pub fn join_listed(items: &[String]) -> String {
+    let mut s = items
+        .iter()
+        .take(MAX_LISTED)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if items.len() > MAX_LISTED {
+        s.push_str(&format!(" and {} more", items.len() - MAX_LISTED));
+    }
+    s
+}
+
+/// Read a whole small file (a config), refusing one above `limit` bytes: a regular file by its
+/// size before reading, anything else (a FIFO, a file that grows) by reading at most one byte
+/// past the limit. The refusal is an `io::Error` of kind `FileTooLarge` with both numbers.
+pub fn read_capped(path: &std::path::Path, limit: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let too_large = |size: &str| {
+        std::io::Error::new(
+            std::io::ErrorKind::FileTooLarge,
+            format!("{size}, above the limit of {limit} bytes"),
+        )
+    };
+    let file = std::fs::File::open(path)?;
+    let meta = file.metadata()?;
+    if meta.is_file() && meta.len() > limit {
+        return Err(too_large(&format!("the file is {} bytes", meta.len())));
+    }
+    let mut bytes = Vec::new();
+    file.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(too_large("it holds more"));
+    }
+    Ok(bytes)
+}
+
 /// The layer index and the rest of a per-layer tensor name
 /// (`language_model.model.layers.L.REST` → `(L, REST)`), or None for any other name.
 #[must_use]
@@ -35,7 +115,7 @@ pub fn layer_tensor(name: &str) -> Option<(usize, &str)> {
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
     /// A file could not be opened or its size read.
-    #[error("{path}: {source}")]
+    #[error("{}: {source}", shown(.path))]
     Open {
         /// The file.
         path: PathBuf,
@@ -43,7 +123,7 @@ pub enum StreamError {
         source: std::io::Error,
     },
     /// A shard header failed validation.
-    #[error("{path}: {source}")]
+    #[error("{}: {source}", shown(.path))]
     Header {
         /// The shard.
         path: PathBuf,
@@ -58,13 +138,21 @@ pub enum StreamError {
         /// What is wrong.
         reason: String,
     },
-    /// Shards named by the index are missing (all of them listed).
-    #[error("{dir}: missing shard(s): {}", .files.join(", "))]
+    /// Shards named by the index are missing (the first [`MAX_LISTED`] listed, all counted).
+    #[error("{dir}: {} missing shard(s): {}", .files.len(), join_listed(.files))]
     MissingShards {
         /// The model directory.
         dir: PathBuf,
-        /// Every missing file, with how many tensors need it.
+        /// Every missing file (escaped), with how many tensors need it.
         files: Vec<String>,
+    },
+    /// A shard path exists but is not a regular file (a FIFO, a directory, a device...).
+    #[error("{}: is {kind}, not a regular file; a shard must be a regular file", shown(.path))]
+    NotRegular {
+        /// The shard path.
+        path: PathBuf,
+        /// What it is instead ("a FIFO", "a directory", ...).
+        kind: &'static str,
     },
     /// No safetensors file was found.
     #[error("{dir}: no model.safetensors, model.safetensors.index.json or *.safetensors file")]
@@ -73,7 +161,7 @@ pub enum StreamError {
         dir: PathBuf,
     },
     /// The same tensor name appears in two shards.
-    #[error("duplicate tensor {name:?} (in {first} and {second})")]
+    #[error("duplicate tensor {name:?} (in {first:?} and {second:?})")]
     DuplicateTensor {
         /// The tensor.
         name: String,
@@ -86,7 +174,7 @@ pub enum StreamError {
     #[error("tensor {0:?} is not in the checkpoint")]
     NoSuchTensor(String),
     /// The index cannot represent an entry (a dimension above u32, too many shards or names).
-    #[error("{path}: tensor {name:?}: {reason}")]
+    #[error("{}: tensor {name:?}: {reason}", shown(.path))]
     Unrepresentable {
         /// The shard.
         path: PathBuf,
@@ -96,7 +184,8 @@ pub enum StreamError {
         reason: String,
     },
     /// A read failed or came back short (file shrank, I/O error).
-    #[error("read error in {path} at byte {offset} ({len} bytes for {name:?}): {source}")]
+    #[error("read error in {} at byte {offset} ({len} bytes for {name:?}): {source}",
+        shown(.path))]
     Read {
         /// The shard.
         path: PathBuf,

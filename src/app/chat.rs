@@ -128,6 +128,19 @@ fn settings(args: &ChatArgs, cfg: &Config) -> Settings {
 /// Run `k3 chat`; returns the exit status.
 pub fn run(args: &ChatArgs) -> crate::Result<i32> {
     let cfg = Config::load().map_err(|e| crate::Error::Usage(e.to_string()))?;
+    // A session name is checked now, not at the first `/save`.
+    for (flag, name) in [("--session", &args.session), ("--resume", &args.resume)] {
+        if let Some(name) = name {
+            crate::session::store::validate_name(name)
+                .map_err(|e| crate::Error::Usage(format!("{flag}: {e}")))?;
+        }
+    }
+    if let Some(n) = args.context.filter(|&n| n > super::run::MAX_CONTEXT) {
+        return Err(crate::Error::Usage(format!(
+            "--context {n} is above the limit of {} positions",
+            super::run::MAX_CONTEXT
+        )));
+    }
     let given = args.model_dir.clone().or_else(|| cfg.model_dir.clone());
     let demo = given.is_none();
     let model_dir = match given {

@@ -38,10 +38,13 @@ pub enum ConfigFileError {
         message: String,
     },
     /// A value is out of range or two key bindings collide.
-    #[error("{path}: {field}: {message}")]
+    #[error("{path}{}: {field}: {message}", at_text(*.at))]
     Invalid {
         /// The file.
         path: PathBuf,
+        /// 1-based line and column of the value in the file (None: the key is not in the file,
+        /// its default collides).
+        at: Option<(usize, usize)>,
         /// The offending key, dotted (`sampling.top_p`).
         field: String,
         /// What is wrong.
@@ -56,6 +59,13 @@ pub enum ConfigFileError {
         /// The file.
         path: PathBuf,
     },
+}
+
+/// Largest user config file read: 1 MiB.
+pub const MAX_CONFIG_TOML_BYTES: u64 = 1 << 20;
+
+fn at_text(at: Option<(usize, usize)>) -> String {
+    at.map_or_else(String::new, |(l, c)| format!(":{l}:{c}"))
 }
 
 /// Colour scheme of the terminal client.
@@ -239,12 +249,16 @@ impl KeyChord {
         }
         let mut chord = KeyChord::plain(KeyName::Enter);
         for m in parts.iter().filter(|m| !m.is_empty()) {
-            match m.to_ascii_lowercase().as_str() {
-                "ctrl" | "control" | "c" => chord.ctrl = true,
-                "alt" | "meta" | "m" => chord.alt = true,
-                "shift" | "s" => chord.shift = true,
+            let held = match m.to_ascii_lowercase().as_str() {
+                "ctrl" | "control" | "c" => &mut chord.ctrl,
+                "alt" | "meta" | "m" => &mut chord.alt,
+                "shift" | "s" => &mut chord.shift,
                 other => return Err(format!("unknown modifier {other:?} in {text:?}")),
+            };
+            if *held {
+                return Err(format!("modifier {m:?} given twice in {text:?}"));
             }
+            *held = true;
         }
         chord.key = key_name(last).ok_or_else(|| format!("unknown key {last:?} in {text:?}"))?;
         if let KeyName::Char(c) = chord.key {
@@ -465,6 +479,18 @@ impl KeysConfig {
         }
     }
 
+    /// Where in `text` another binding with the same chord as `field` (`keys.NAME`) is written.
+    fn clash_in_file(&self, text: &str, field: &str) -> Option<(usize, usize)> {
+        let chord_of = |cmd: Cmd| KeyChord::parse(self.get(cmd)).ok();
+        let name = field.strip_prefix("keys.")?;
+        let (_, cmd) = Cmd::ALL.iter().find(|(n, _)| *n == name)?;
+        let want = chord_of(*cmd)?;
+        Cmd::ALL
+            .iter()
+            .filter(|(n, c)| *n != name && chord_of(*c) == Some(want))
+            .find_map(|(n, _)| value_position(text, &format!("keys.{n}")))
+    }
+
     /// Every binding, parsed; the error names the `[keys]` entry.
     pub fn bindings(&self) -> Result<Vec<(Cmd, KeyChord)>, (String, String)> {
         let mut out: Vec<(Cmd, KeyChord)> = Vec::with_capacity(Cmd::ALL.len());
@@ -568,6 +594,25 @@ fn line_column(text: &str, offset: usize) -> (usize, usize) {
     (line, col)
 }
 
+/// 1-based line and column of the value of the dotted key `field` in `text`, if it is there.
+fn value_position(text: &str, field: &str) -> Option<(usize, usize)> {
+    use toml::de::{DeTable, DeValue};
+    let doc = DeTable::parse(text).ok()?;
+    let mut table = doc.get_ref();
+    let parts: Vec<&str> = field.split('.').collect();
+    for (i, part) in parts.iter().enumerate() {
+        let (_, value) = table.iter().find(|(k, _)| k.get_ref().as_ref() == *part)?;
+        if i + 1 == parts.len() {
+            return Some(line_column(text, value.span().start));
+        }
+        match value.get_ref() {
+            DeValue::Table(t) => table = t,
+            _ => return None,
+        }
+    }
+    None
+}
+
 impl Config {
     /// Parse and check a config file's text; `path` is only used in messages.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigFileError> {
@@ -580,13 +625,14 @@ impl Config {
                 message: e.message().trim().to_string(),
             }
         })?;
-        cfg.validate(path)?;
+        cfg.validate(path, text)?;
         Ok(cfg)
     }
 
-    fn validate(&self, path: &Path) -> Result<(), ConfigFileError> {
+    fn validate(&self, path: &Path, text: &str) -> Result<(), ConfigFileError> {
         let bad = |field: &str, message: String| ConfigFileError::Invalid {
             path: path.to_path_buf(),
+            at: value_position(text, field),
             field: field.into(),
             message,
         };
@@ -609,7 +655,11 @@ impl Config {
                 "must be > 0",
             ),
             ("sampling.max_tokens", s.max_tokens >= 1, "must be ≥ 1"),
-            ("sampling.context", s.context >= 2, "must be ≥ 2"),
+            (
+                "sampling.context",
+                (2..=crate::app::run::MAX_CONTEXT).contains(&s.context),
+                "must be in 2..=1048576",
+            ),
             (
                 "thinking.effort",
                 matches!(self.thinking.effort.as_str(), "low" | "high" | "max"),
@@ -626,9 +676,15 @@ impl Config {
                 return Err(bad("memory.budget_gb", "must be a positive number".into()));
             }
         }
-        self.keys
-            .bindings()
-            .map_err(|(field, message)| bad(&field, message))?;
+        self.keys.bindings().map_err(|(field, message)| {
+            let mut e = bad(&field, message);
+            if let ConfigFileError::Invalid { at: at @ None, .. } = &mut e {
+                // The key refused keeps its default: point at the binding in the file it
+                // collides with.
+                *at = self.keys.clash_in_file(text, &field);
+            }
+            e
+        })?;
         Ok(())
     }
 
@@ -643,15 +699,33 @@ impl Config {
             .ok_or(ConfigFileError::NoConfigDir)
     }
 
-    /// Read `path`; a missing file gives the defaults.
+    /// Read `path` (at most [`MAX_CONFIG_TOML_BYTES`]); a missing file gives the defaults.
     pub fn load_from(path: &Path) -> Result<Config, ConfigFileError> {
-        match std::fs::read_to_string(path) {
+        let bytes = match crate::stream::read_capped(path, MAX_CONFIG_TOML_BYTES) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Config::default()),
+            Err(source) => {
+                return Err(ConfigFileError::Read {
+                    path: path.to_path_buf(),
+                    source,
+                })
+            }
+        };
+        match String::from_utf8(bytes) {
             Ok(text) => Config::parse(&text, path),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Config::default()),
-            Err(source) => Err(ConfigFileError::Read {
-                path: path.to_path_buf(),
-                source,
-            }),
+            Err(e) => {
+                // Where the bad byte is, counted over the valid text before it.
+                let at = e.utf8_error().valid_up_to();
+                let bytes = e.as_bytes();
+                let valid = String::from_utf8_lossy(&bytes[..at]);
+                let (line, column) = line_column(&valid, valid.len());
+                Err(ConfigFileError::Parse {
+                    path: path.to_path_buf(),
+                    line,
+                    column,
+                    message: format!("not UTF-8 (byte 0x{:02x})", bytes[at]),
+                })
+            }
         }
     }
 

@@ -3,6 +3,7 @@
 use crate::engine::model::Logits;
 use crate::engine::sampling::{Sampler, SamplerConfig};
 use crate::engine::{Model, SeqState};
+use crate::session::chat::PREFILL_CHUNK;
 use crate::session::tokenizer::{Tokenizer, Utf8Stream};
 use crate::{Error, Result};
 use clap::Args;
@@ -29,6 +30,9 @@ pub struct RunArgs {
     /// Tokens to generate.
     #[arg(long, default_value_t = 16)]
     pub gen: usize,
+    /// Most positions the run may hold: prompt tokens plus `--gen` (at most 1048576).
+    #[arg(long, default_value_t = 32_768)]
+    pub context: usize,
     /// Sampling temperature; 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
@@ -96,6 +100,12 @@ pub fn peak_rss_bytes() -> u64 {
     crate::stream::stats::rss_bytes().1
 }
 
+/// Largest `--context` accepted: the released model's `max_position_embeddings`.
+pub const MAX_CONTEXT: usize = 1 << 20;
+
+/// Largest `--prompt-file` read, whatever the context: 256 MiB.
+const MAX_PROMPT_FILE_BYTES: u64 = 256 << 20;
+
 fn load_tokenizer(dir: &Path, vocab: u32) -> Result<Option<Tokenizer>> {
     if dir.join("tiktoken.model").is_file() {
         Ok(Some(Tokenizer::load_expecting(dir, vocab)?))
@@ -104,29 +114,80 @@ fn load_tokenizer(dir: &Path, vocab: u32) -> Result<Option<Tokenizer>> {
     }
 }
 
-fn prompt_ids(args: &RunArgs, tok: Option<&Tokenizer>) -> Result<Vec<u32>> {
+/// Read `path`, refusing (without reading it whole) a file above `limit` bytes; `why` says
+/// where the limit comes from.
+fn read_prompt_file(path: &Path, limit: u64, why: &str) -> Result<String> {
+    use std::io::Read;
+    let shown = path.display();
+    let file = std::fs::File::open(path)
+        .map_err(|e| Error::Usage(format!("--prompt-file {shown}: {e}")))?;
+    let too_big = |size: String| {
+        Error::Usage(format!(
+            "--prompt-file {shown}: {size} is more than {limit} bytes ({why})"
+        ))
+    };
+    if let Ok(m) = file.metadata() {
+        if m.is_file() && m.len() > limit {
+            return Err(too_big(format!("{} bytes", m.len())));
+        }
+    }
+    // A pipe or a file that grows has no size up front: read at most one byte past the limit.
+    let mut bytes = Vec::new();
+    file.take(limit.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(|e| Error::Usage(format!("--prompt-file {shown}: {e}")))?;
+    if bytes.len() as u64 > limit {
+        return Err(too_big("the input".into()));
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        Error::Usage(format!(
+            "--prompt-file {shown}: not UTF-8 (byte {})",
+            e.utf8_error().valid_up_to()
+        ))
+    })
+}
+
+/// The prompt as token ids. A `--prompt-file` that cannot fit in `context` tokens even at the
+/// longest token's length is refused before it is read whole.
+fn prompt_ids(args: &RunArgs, tok: Option<&Tokenizer>, context: usize) -> Result<Vec<u32>> {
     if let Some(ids) = &args.ids {
         return parse_ids(ids);
     }
+    let need_tok = || {
+        tok.ok_or_else(|| {
+            Error::Usage(
+                "a text prompt needs tiktoken.model in the model directory; use --ids".into(),
+            )
+        })
+    };
     let text = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
         (None, Some(path)) => {
-            let bytes = std::fs::read(path)
-                .map_err(|e| Error::Usage(format!("--prompt-file {}: {e}", path.display())))?;
-            String::from_utf8(bytes).map_err(|e| {
-                Error::Usage(format!(
-                    "--prompt-file {}: not UTF-8 (byte {})",
-                    path.display(),
-                    e.utf8_error().valid_up_to()
-                ))
-            })?
+            let longest = need_tok()?.longest_token_bytes();
+            let fit = (context as u64).saturating_mul(longest as u64);
+            let (limit, why) = if fit < MAX_PROMPT_FILE_BYTES {
+                (
+                    fit,
+                    format!(
+                        "{context} tokens of --context at most {longest} bytes each; \
+                         raise --context or shorten the prompt"
+                    ),
+                )
+            } else {
+                (MAX_PROMPT_FILE_BYTES, "the prompt-file cap".to_string())
+            };
+            read_prompt_file(path, limit, &why)?
         }
         (None, None) => return Err(Error::Usage("give --prompt, --prompt-file or --ids".into())),
     };
-    let tok = tok.ok_or_else(|| {
-        Error::Usage("a text prompt needs tiktoken.model in the model directory; use --ids".into())
-    })?;
-    Ok(tok.encode(&text, true))
+    Ok(need_tok()?.encode(&text, true))
+}
+
+/// The most compute threads `--threads` accepts: 8 per available core, and never above 1024.
+#[must_use]
+pub fn max_threads() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    cores.saturating_mul(8).min(1024)
 }
 
 /// Size the compute pool (`--threads`); `None` keeps one thread per core.
@@ -134,6 +195,12 @@ pub fn set_threads(threads: Option<usize>) -> Result<()> {
     if let Some(n) = threads {
         if n == 0 {
             return Err(Error::Usage("--threads must be at least 1".into()));
+        }
+        let max = max_threads();
+        if n > max {
+            return Err(Error::Usage(format!(
+                "--threads {n} is above the limit of {max} (8 per available core, at most 1024)"
+            )));
         }
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
@@ -183,29 +250,57 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let req = args
         .budget
         .request(crate::stream::budget::BudgetRequest::Resident)?;
-    let (model, info) = Model::open_with(
-        &model_dir,
-        &crate::engine::weights::OpenOptions {
-            budget: req,
-            context: 4096,
-            trunk: args.budget.trunk.clone(),
-            ..Default::default()
-        },
-    )?;
-    let load_bytes = info.bytes_read;
-    let vocab_u32 = u32::try_from(model.cfg.vocab_size)
-        .map_err(|_| Error::Usage("vocab_size above u32".into()))?;
+    if args.context > MAX_CONTEXT {
+        return Err(Error::Usage(format!(
+            "--context {} is above the limit of {MAX_CONTEXT} positions",
+            args.context
+        )));
+    }
+    // The prompt is measured before any weight is read: the config gives the vocabulary, the
+    // tokenizer the length.
+    let cfg = crate::engine::ModelConfig::load(&model_dir.join("config.json"))?;
+    let vocab = cfg.vocab_size;
+    let vocab_u32 =
+        u32::try_from(vocab).map_err(|_| Error::Usage("vocab_size above u32".into()))?;
     let tok = load_tokenizer(&model_dir, vocab_u32)?;
-    let prompt = prompt_ids(args, tok.as_ref())?;
+    let prompt = prompt_ids(args, tok.as_ref(), args.context)?;
     if prompt.is_empty() {
         return Err(Error::Usage("the prompt is empty".into()));
     }
-    let vocab = model.cfg.vocab_size;
     if let Some(bad) = prompt.iter().find(|&&id| id as usize >= vocab) {
         return Err(Error::Usage(format!(
             "token id {bad} is outside the vocabulary (0..{vocab})"
         )));
     }
+    let positions = prompt.len().saturating_add(args.gen);
+    if positions > args.context {
+        return Err(Error::Usage(format!(
+            "the prompt is {} tokens and --gen is {}: {positions} positions exceed --context {} \
+             (raise --context or shorten the prompt)",
+            prompt.len(),
+            args.gen,
+            args.context
+        )));
+    }
+    // The plan reserves carried state for exactly the positions this run holds.
+    let (model, info) = Model::open_with(
+        &model_dir,
+        &crate::engine::weights::OpenOptions {
+            budget: req,
+            context: positions as u64,
+            trunk: args.budget.trunk.clone(),
+            ..Default::default()
+        },
+    )
+    .map_err(|e| match e {
+        crate::engine::weights::LoadError::Budget(m) => Error::Usage(format!(
+            "{m} (the plan holds state for {positions} positions: {} prompt tokens + --gen {})",
+            prompt.len(),
+            args.gen
+        )),
+        e => e.into(),
+    })?;
+    let load_bytes = info.bytes_read;
     let mut dump = match &args.dump_logits {
         Some(p) => Some(std::io::BufWriter::new(std::fs::File::create(p).map_err(
             |e| Error::Write {
@@ -217,7 +312,18 @@ pub fn run(args: &RunArgs) -> Result<()> {
     };
     let mut state = SeqState::new(&model.cfg);
     let t0 = Instant::now();
-    let mut logits = model.forward(&mut state, &prompt, Logits::Last)?;
+    // Prefill in the chunks the plan's activation reserve is sized for; only the last chunk's
+    // distribution is needed.
+    let mut logits = Vec::new();
+    let n_chunks = prompt.len().div_ceil(PREFILL_CHUNK);
+    for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
+        let want = if i + 1 == n_chunks {
+            Logits::Last
+        } else {
+            Logits::None
+        };
+        logits = model.forward(&mut state, chunk, want)?;
+    }
     let prefill_s = t0.elapsed().as_secs_f64();
     let mut history = prompt.clone();
     let mut generated = Vec::new();

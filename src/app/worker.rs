@@ -590,8 +590,23 @@ impl Ctx<'_> {
             .load(name, &self.session.model().cfg, &self.identity)
         {
             Ok(rec) => {
-                let settings: Settings = serde_json::from_slice(&rec.settings_json)
+                // The plan reserved state for this process's context limit: it wins over the
+                // saved one, and a session longer than it is refused before anything changes.
+                let limit = self.session.settings.context_limit;
+                if rec.tokens.len() > limit {
+                    return Err((
+                        format!(
+                            "session {name:?} holds {} positions, more than the context limit \
+                             of {limit} (--context); resume it with --context {} or more",
+                            rec.tokens.len(),
+                            rec.tokens.len()
+                        ),
+                        2,
+                    ));
+                }
+                let mut settings: Settings = serde_json::from_slice(&rec.settings_json)
                     .map_err(|e| refused(format!("session {name:?}: settings: {e}")))?;
+                settings.context_limit = limit;
                 self.session
                     .set_settings(settings)
                     .map_err(|e| refused(e.to_string()))?;

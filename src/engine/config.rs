@@ -12,8 +12,102 @@ use std::path::{Path, PathBuf};
 
 /// Largest `num_experts_per_token` the engine accepts.
 pub const MAX_TOP_K: usize = 64;
+/// Largest `config.json` read: 16 MiB (the released one is a few kB).
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
 /// Largest number of AttnRes sources the engine accepts per aggregator.
 pub const MAX_LAYERS: usize = 4096;
+
+/// How far a dimension may exceed the released Kimi K3 value (MODEL.md §1.1) before it is
+/// refused: every dimension is bounded before anything is sized from it.
+pub const DIM_HEADROOM: usize = 16;
+
+/// Each bounded dimension with its released value; the limit is [`DIM_HEADROOM`] times that.
+pub const RELEASED_DIMS: [(&str, usize); 20] = [
+    ("hidden_size", 7168),
+    ("num_hidden_layers", 93),
+    ("vocab_size", 163_840),
+    ("linear_attn_config.num_heads", 96),
+    ("linear_attn_config.head_dim", 128),
+    ("short_conv_kernel_size", 4),
+    ("num_attention_heads", 96),
+    ("q_lora_rank", 1536),
+    ("kv_lora_rank", 512),
+    ("qk_nope_head_dim", 128),
+    ("qk_rope_head_dim", 64),
+    ("v_head_dim", 128),
+    ("num_experts", 896),
+    ("num_experts_per_token", 16),
+    ("num_shared_experts", 2),
+    ("routed_expert_hidden_size", 3584),
+    ("moe_intermediate_size", 3072),
+    ("intermediate_size", 33_792),
+    // Bounded by the layer limit: a dense prefix or a block can span every layer.
+    ("first_k_dense_replace", 93),
+    ("attn_res_block_size", 93),
+];
+
+/// The limit of a bounded dimension (its released value × [`DIM_HEADROOM`]).
+#[must_use]
+pub fn dim_limit(key: &str) -> usize {
+    RELEASED_DIMS
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map_or(usize::MAX, |&(_, v)| v * DIM_HEADROOM)
+}
+
+/// The most problems a refusal lists; the rest are counted.
+pub const MAX_LISTED_PROBLEMS: usize = 20;
+/// The longest single problem line, in characters (values from the file are cut).
+const MAX_PROBLEM_CHARS: usize = 240;
+
+/// Problems collected while validating: the first [`MAX_LISTED_PROBLEMS`] kept (each at most
+/// [`MAX_PROBLEM_CHARS`] characters), the rest only counted, so a hostile file cannot make a
+/// refusal huge.
+#[derive(Clone, Debug, Default)]
+pub struct ProblemList {
+    /// The problems kept, in the order found.
+    pub list: Vec<String>,
+    /// How many more were found and not kept.
+    pub more: usize,
+}
+
+impl ProblemList {
+    /// Record a problem.
+    pub fn push(&mut self, msg: String) {
+        if self.list.len() >= MAX_LISTED_PROBLEMS {
+            self.more += 1;
+            return;
+        }
+        if msg.chars().count() > MAX_PROBLEM_CHARS {
+            let cut: String = msg.chars().take(MAX_PROBLEM_CHARS).collect();
+            self.list.push(format!("{cut}…"));
+        } else {
+            self.list.push(msg);
+        }
+    }
+
+    /// Whether nothing was found.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty() && self.more == 0
+    }
+
+    /// Problems found in all (kept and counted).
+    #[must_use]
+    pub fn total(&self) -> usize {
+        self.list.len() + self.more
+    }
+}
+
+/// `problems` as indented lines, then "… and N more" when `more` were left out.
+#[must_use]
+pub fn list_problems(problems: &[String], more: usize) -> String {
+    let mut s = problems.join("\n  - ");
+    if more > 0 {
+        s.push_str(&format!("\n  … and {more} more"));
+    }
+    s
+}
 
 /// `config.json` is missing, unreadable or refused.
 #[derive(Debug, thiserror::Error)]
@@ -36,12 +130,14 @@ pub enum ConfigError {
     },
     /// One or more keys are missing, contradictory, out of range or unsupported.
     #[error("{path}: refusing this config ({} problem(s)); no defaults are substituted:\n  - {}",
-        .problems.len(), .problems.join("\n  - "))]
+        .problems.len() + .more, list_problems(.problems, *.more))]
     Invalid {
         /// The file.
         path: PathBuf,
-        /// Every problem, each naming its key path.
+        /// The problems (the first [`MAX_LISTED_PROBLEMS`]), each naming its key path.
         problems: Vec<String>,
+        /// Problems found beyond those listed.
+        more: usize,
     },
 }
 
@@ -123,11 +219,16 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
-    /// Read and validate `path`.
+    /// Read and validate `path` (at most [`MAX_CONFIG_BYTES`]).
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+        let bytes =
+            crate::stream::read_capped(path, MAX_CONFIG_BYTES).map_err(|e| ConfigError::Read {
+                path: path.to_path_buf(),
+                source: e,
+            })?;
+        let text = String::from_utf8(bytes).map_err(|e| ConfigError::Parse {
             path: path.to_path_buf(),
-            source: e,
+            reason: format!("not UTF-8 (at byte {})", e.utf8_error().valid_up_to()),
         })?;
         Self::parse(&text, path)
     }
@@ -148,7 +249,8 @@ impl ModelConfig {
             Some(c) if r.problems.is_empty() => Ok(c),
             _ => Err(ConfigError::Invalid {
                 path: path.to_path_buf(),
-                problems: r.problems,
+                problems: r.problems.list,
+                more: r.problems.more,
             }),
         }
     }
@@ -189,7 +291,7 @@ struct Reader<'a> {
     scopes: Vec<(&'static str, &'a Map<String, Value>)>,
     lin: Option<(&'static str, &'a Map<String, Value>)>,
     flat: Option<&'a Map<String, Value>>,
-    problems: Vec<String>,
+    problems: ProblemList,
 }
 
 impl<'a> Reader<'a> {
@@ -219,7 +321,7 @@ impl<'a> Reader<'a> {
             scopes,
             lin,
             flat,
-            problems: Vec::new(),
+            problems: ProblemList::default(),
         }
     }
 
@@ -269,11 +371,28 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// A dimension: an integer ≥ `min` and at most its limit ([`dim_limit`] of `names[0]`).
     fn size(&mut self, names: &[&str], min: usize) -> Option<usize> {
         let (p, x) = self.number(names)?;
-        if x.fract() != 0.0 || x < min as f64 || x > 1e9 {
+        self.bounded(&p, x, min, dim_limit(names[0]))
+    }
+
+    fn bounded(&mut self, p: &str, x: f64, min: usize, max: usize) -> Option<usize> {
+        // Huge values in exponent form, so the message stays short.
+        let shown = if x.abs() >= 1e15 {
+            format!("{x:e}")
+        } else {
+            format!("{x}")
+        };
+        if x.fract() != 0.0 || x < min as f64 {
             self.problems
-                .push(format!("`{p}` = {x} must be an integer ≥ {min}"));
+                .push(format!("`{p}` = {shown} must be an integer ≥ {min}"));
+            return None;
+        }
+        if x > max as f64 {
+            self.problems.push(format!(
+                "`{p}` = {shown} is above the limit of {max} ({DIM_HEADROOM} × the released value)"
+            ));
             return None;
         }
         Some(x as usize)
@@ -323,14 +442,20 @@ impl<'a> Reader<'a> {
                 ));
                 None
             }
-            Some((p, v)) => match v.as_u64() {
-                Some(n) if (1..=1 << 20).contains(&n) => Some(n as usize),
+            Some((p, Value::Number(n))) => match n.as_f64() {
+                Some(x) if x.is_finite() => {
+                    self.bounded(&p, x, 1, dim_limit(&format!("linear_attn_config.{key}")))
+                }
                 _ => {
-                    self.problems
-                        .push(format!("`{p}` = {v} must be a positive integer"));
+                    self.problems.push(format!("`{p}` is not a finite number"));
                     None
                 }
             },
+            Some((p, v)) => {
+                self.problems
+                    .push(format!("`{p}` must be a positive integer, found {v}"));
+                None
+            }
         }
     }
 
@@ -341,13 +466,22 @@ impl<'a> Reader<'a> {
                 .push(format!("`{p}` must be an array of one-based layer numbers"));
             return None;
         };
+        if arr.len() > n_layers {
+            self.problems.push(format!(
+                "`{p}` lists {} layers; the model has {n_layers}",
+                arr.len()
+            ));
+            return None;
+        }
         let mut out = Vec::with_capacity(arr.len());
+        let mut seen = vec![false; n_layers + 1];
         for x in arr {
             match x.as_u64() {
                 Some(i) if i >= 1 && i as usize <= n_layers => {
-                    if out.contains(&(i as usize)) {
+                    if seen[i as usize] {
                         self.problems.push(format!("`{p}` lists layer {i} twice"));
                     }
+                    seen[i as usize] = true;
                     out.push(i as usize);
                 }
                 _ => self.problems.push(format!(
@@ -388,8 +522,15 @@ impl<'a> Reader<'a> {
             got.sort_unstable();
             want.sort_unstable();
             if got != want {
+                let missing = want.iter().find(|i| got.binary_search(i).is_err());
+                let extra = got.iter().find(|i| want.binary_search(i).is_err());
+                let first = match (missing, extra) {
+                    (Some(i), _) => format!("layer {i} is in neither list"),
+                    (None, Some(i)) => format!("layer {i} is in both"),
+                    (None, None) => "a layer is listed twice".to_string(),
+                };
                 self.problems.push(format!(
-                    "`{pk}` is not the complement of `{p}` in 1..={n} (expected {want:?})"
+                    "`{pk}` is not the complement of `{p}` in 1..={n} ({first})"
                 ));
             }
         }
@@ -508,10 +649,6 @@ impl<'a> Reader<'a> {
     fn build(&mut self) -> Option<ModelConfig> {
         let hidden_size = self.size(&["hidden_size"], 1);
         let num_hidden_layers = self.size(&["num_hidden_layers"], 1);
-        if num_hidden_layers.is_some_and(|n| n > MAX_LAYERS) {
-            self.problems
-                .push(format!("`num_hidden_layers` above {MAX_LAYERS}"));
-        }
         let vocab_size = self.size(&["vocab_size"], 1);
         let rms_norm_eps = self.float(&["rms_norm_eps"]);
         if rms_norm_eps.is_some_and(|e| e <= 0.0 || e >= 1.0) {

@@ -2,7 +2,7 @@
 //! tensor is requested with the shape the config implies, and tensors nobody claims under
 //! `language_model.` are refused. All problems are collected and reported together.
 
-use super::config::ModelConfig;
+use super::config::{list_problems, ModelConfig, ProblemList};
 use super::kda::KdaWeights;
 use super::layer::{Attention, FeedForward, Layer};
 use super::mla::MlaWeights;
@@ -20,12 +20,24 @@ use std::path::{Path, PathBuf};
 /// The checkpoint's tensors do not fit the graph the config describes.
 #[derive(Debug, thiserror::Error)]
 #[error("{dir}: the checkpoint does not match config.json ({} problem(s)):\n  - {}",
-    .problems.len(), .problems.join("\n  - "))]
+    .problems.total(), list_problems(&.problems.list, .problems.more))]
 pub struct BindError {
     /// Model directory.
     pub dir: PathBuf,
-    /// Every missing, mis-shaped, mistyped or unclaimed tensor.
-    pub problems: Vec<String>,
+    /// Missing, mis-shaped, mistyped or unclaimed tensors (the first few listed, all counted).
+    pub problems: ProblemList,
+}
+
+impl BindError {
+    /// A refusal with one problem.
+    fn one(dir: &Path, problem: &str) -> Self {
+        let mut problems = ProblemList::default();
+        problems.push(problem.to_string());
+        BindError {
+            dir: dir.to_path_buf(),
+            problems,
+        }
+    }
 }
 
 /// Failure while loading a model.
@@ -95,7 +107,7 @@ pub mod names {
 pub(crate) struct Binder<'a> {
     ck: &'a Checkpoint,
     claimed: HashSet<String>,
-    problems: Vec<String>,
+    problems: ProblemList,
     /// Read tensor data (else only check names, shapes and dtypes).
     read: bool,
     /// Bind routed experts with their layer (else they are fetched on demand).
@@ -110,7 +122,7 @@ impl<'a> Binder<'a> {
         Binder {
             ck,
             claimed: HashSet::new(),
-            problems: Vec::new(),
+            problems: ProblemList::default(),
             read,
             experts,
             trunk: None,
@@ -260,6 +272,13 @@ impl Binder<'_> {
     ) -> Result<Option<Vec<f32>>, StreamError> {
         let len = self.ck.info(name).map_or(heads, |i| i.numel());
         let want = if len == heads { heads } else { head_dim };
+        if want < heads {
+            // Padding to head_dim cannot hold more heads than head_dim.
+            self.problems.push(format!(
+                "tensor {name:?}: {len} values for {heads} heads (head_dim {head_dim})"
+            ));
+            return Ok(None);
+        }
         let Some(v) = self.vector(name, want)? else {
             return Ok(None);
         };
@@ -667,11 +686,7 @@ pub fn check_graph(cfg: &ModelConfig, ck: &Checkpoint) -> Result<(), LoadError> 
     if ok {
         Ok(())
     } else {
-        Err(BindError {
-            dir: ck.dir().to_path_buf(),
-            problems: vec!["incomplete graph".into()],
-        }
-        .into())
+        Err(BindError::one(ck.dir(), "incomplete graph").into())
     }
 }
 
@@ -798,22 +813,14 @@ impl Model {
         let ok = bind_model(&mut check, &cfg, false)?.is_some();
         check.into_result()?;
         if !ok {
-            return Err(BindError {
-                dir: dir.to_path_buf(),
-                problems: vec!["incomplete graph".into()],
-            }
-            .into());
+            return Err(BindError::one(dir, "incomplete graph").into());
         }
         let mut b = Binder::new(&ck, true, false);
         let norm = b.vector(names::NORM, cfg.hidden_size)?;
         let fold = b.fold(names::OUT_RES_NORM, names::OUT_RES_PROJ, cfg.hidden_size)?;
         b.into_result()?;
         let (Some(norm), Some(out_res_fold)) = (norm, fold) else {
-            return Err(BindError {
-                dir: dir.to_path_buf(),
-                problems: vec!["final norm".into()],
-            }
-            .into());
+            return Err(BindError::one(dir, "final norm").into());
         };
         ck.set_drop_behind(true);
         ck.set_direct(opts.direct);

@@ -699,6 +699,18 @@ impl Tokenizer {
         self.n_base + NUM_SPECIAL_TOKENS
     }
 
+    /// Bytes of the longest token (special strings included): a text of more than
+    /// `n × longest_token_bytes()` bytes cannot encode to `n` tokens or fewer.
+    #[must_use]
+    pub fn longest_token_bytes(&self) -> usize {
+        self.offsets
+            .windows(2)
+            .map(|w| w[1].saturating_sub(w[0]))
+            .max()
+            .unwrap_or(0)
+            .max(1)
+    }
+
     /// Id of the special token with exactly this string (named or
     /// `<|reserved_token_N|>`), if any.
     pub fn special_id(&self, name: &str) -> Option<u32> {

@@ -159,7 +159,7 @@ impl Plan {
 #[derive(Debug, thiserror::Error, PartialEq)]
 #[error(
     "a budget of {} is below the floor of {} for this model (short by {}); \
-     give at least {} (or more)",
+     give at least {}",
     gb(*.budget), gb(*.floor), gb(.floor - .budget), gb(*.floor)
 )]
 pub struct BelowFloor {

@@ -269,8 +269,8 @@ impl Checkpoint {
             let map = read_weight_map(&index_path)?;
             let missing: Vec<String> = map
                 .iter()
-                .filter(|(f, _)| !dir.join(f).is_file())
-                .map(|(f, t)| format!("{f} (needed by {} tensors, e.g. {:?})", t.len(), t[0]))
+                .filter(|(f, _)| !dir.join(f).exists())
+                .map(|(f, t)| format!("{f:?} (needed by {} tensors, e.g. {:?})", t.len(), t[0]))
                 .collect();
             if !missing.is_empty() {
                 return Err(StreamError::MissingShards {
@@ -338,6 +338,14 @@ impl Checkpoint {
             path: path.clone(),
             source: e,
         };
+        // Opening a FIFO would block until a writer comes: look before opening.
+        let kind = std::fs::metadata(&path).map_err(open_err)?.file_type();
+        if !kind.is_file() {
+            return Err(StreamError::NotRegular {
+                path: path.clone(),
+                kind: crate::stream::file_kind(kind),
+            });
+        }
         let file = File::open(&path).map_err(open_err)?;
         let file_len = file.metadata().map_err(open_err)?.len();
         let header_err = |e| StreamError::Header {
@@ -400,6 +408,7 @@ impl Checkpoint {
             })?
             .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
             .filter(|n| n.ends_with(".safetensors") && !map.contains_key(n))
+            .map(|n| format!("{n:?}"))
             .collect();
         if strays.is_empty() {
             Ok(())
@@ -407,8 +416,9 @@ impl Checkpoint {
             Err(StreamError::Index {
                 path: index_path.to_path_buf(),
                 reason: format!(
-                    "shard file(s) not named by the index: {}",
-                    strays.join(", ")
+                    "{} shard file(s) not named by the index: {}",
+                    strays.len(),
+                    crate::stream::join_listed(&strays)
                 ),
             })
         }

@@ -87,7 +87,7 @@ pub enum HeaderError {
         len: u64,
     },
     /// The header length is zero, above the cap, or past the end of the file.
-    #[error("header length {n} exceeds file size {file_len} / cap {cap}{hint}")]
+    #[error("{}{hint}", header_length_text(*.n, *.file_len, *.cap))]
     HeaderLength {
         /// Declared header length.
         n: u64,
@@ -156,6 +156,19 @@ pub enum HeaderError {
         /// "truncated" or "trailing bytes" explanation.
         detail: String,
     },
+}
+
+/// What is wrong with header length `n` in a file of `file_len` bytes, said plainly.
+fn header_length_text(n: u64, file_len: u64, cap: u64) -> String {
+    let room = file_len.saturating_sub(8);
+    let size = format!("file is {file_len} bytes");
+    if n == 0 {
+        format!("header length is 0: a safetensors header is a non-empty JSON object ({size})")
+    } else if n > cap {
+        format!("header length {n} is above the cap of {cap} bytes ({size})")
+    } else {
+        format!("header length {n} exceeds the {room} bytes after the 8-byte prefix ({size})")
+    }
 }
 
 /// Read the header length prefix and check it against the file size and the cap.

@@ -418,7 +418,8 @@ impl Trunk {
         }
         if m.n_layers != n_layers || m.layers.len() != n_layers {
             return Err(bad(format!(
-                "{} layers, the model has {n_layers}",
+                "the manifest declares {} layers and lists {}; the model has {n_layers}",
+                m.n_layers,
                 m.layers.len()
             )));
         }

@@ -24,7 +24,28 @@ pub struct ReplOptions {
 /// Where input lines come from.
 enum Input {
     Editor(Box<rustyline::DefaultEditor>),
-    Stdin(std::io::Lines<std::io::StdinLock<'static>>),
+    /// Plain stdin and the number of lines read so far.
+    Stdin(std::io::StdinLock<'static>, usize),
+}
+
+/// One line from `r` without its `\n` or `\r\n`; invalid UTF-8 is replaced with U+FFFD and
+/// reported by the flag. `None` at the end of input or on a read error.
+fn read_lossy_line(r: &mut impl BufRead) -> Option<(String, bool)> {
+    let mut buf = Vec::new();
+    match r.read_until(b'\n', &mut buf) {
+        Ok(0) | Err(_) => return None,
+        Ok(_) => {}
+    }
+    if buf.last() == Some(&b'\n') {
+        buf.pop();
+        if buf.last() == Some(&b'\r') {
+            buf.pop();
+        }
+    }
+    match String::from_utf8(buf) {
+        Ok(line) => Some((line, false)),
+        Err(e) => Some((String::from_utf8_lossy(e.as_bytes()).into_owned(), true)),
+    }
 }
 
 impl Input {
@@ -37,7 +58,7 @@ impl Input {
                 return Input::Editor(Box::new(ed));
             }
         }
-        Input::Stdin(std::io::stdin().lock().lines())
+        Input::Stdin(std::io::stdin().lock(), 0)
     }
 
     /// One logical input: lines ending in `\` continue. `None` at end of input.
@@ -59,9 +80,18 @@ impl Input {
                     }
                     Err(_) => return None,
                 },
-                Input::Stdin(lines) => match lines.next() {
-                    Some(Ok(l)) => l,
-                    _ => return (!text.is_empty()).then_some(text),
+                Input::Stdin(stdin, n) => match read_lossy_line(stdin) {
+                    Some((l, lossy)) => {
+                        *n += 1;
+                        if lossy {
+                            eprintln!(
+                                "k3: input line {n}: invalid UTF-8, the bad bytes were replaced \
+                                 with U+FFFD"
+                            );
+                        }
+                        l
+                    }
+                    None => return (!text.is_empty()).then_some(text),
                 },
             };
             if let Some(head) = line.strip_suffix('\\') {
@@ -281,4 +311,18 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
         exit_code = 130;
     }
     exit_code
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_lossy_line;
+
+    #[test]
+    fn lines_are_split_like_lines_and_bad_bytes_replaced() {
+        let mut r = &b"a\r\nb \xff c\nlast"[..];
+        assert_eq!(read_lossy_line(&mut r), Some(("a".into(), false)));
+        assert_eq!(read_lossy_line(&mut r), Some(("b \u{fffd} c".into(), true)));
+        assert_eq!(read_lossy_line(&mut r), Some(("last".into(), false)));
+        assert_eq!(read_lossy_line(&mut r), None);
+    }
 }

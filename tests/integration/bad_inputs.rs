@@ -79,7 +79,10 @@ fn header_length_beyond_file_is_refused() {
     std::fs::write(&p, &bytes).unwrap();
     let (code, err) = run_k3(&dir);
     assert_eq!(code, 3, "{err}");
-    assert!(err.contains("exceeds file size"), "{err}");
+    assert!(
+        err.contains("exceeds the") && err.contains("after the 8-byte prefix"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -200,4 +203,215 @@ fn out_of_vocabulary_id_is_a_usage_error() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("99999"));
+}
+
+/// Set the config value at `path` (dotted, from the root) in `dir/config.json`.
+fn set_config(dir: &Path, path: &str, value: serde_json::Value) {
+    let p = dir.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    let mut at = &mut v;
+    let keys: Vec<&str> = path.split('.').collect();
+    for k in &keys[..keys.len() - 1] {
+        at = &mut at[*k];
+    }
+    at[keys[keys.len() - 1]] = value;
+    std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+}
+
+#[test]
+fn huge_config_dimensions_are_refused_before_anything_is_sized() {
+    let cases = [
+        ("text_config.num_hidden_layers", serde_json::json!(1e9)),
+        (
+            "text_config.num_hidden_layers",
+            serde_json::json!(1_048_576),
+        ),
+        ("text_config.num_experts", serde_json::json!(1e9)),
+        ("text_config.num_experts", serde_json::json!(100_000)),
+        ("text_config.hidden_size", serde_json::json!(1e300)),
+        ("text_config.vocab_size", serde_json::json!(1u64 << 40)),
+        (
+            "text_config.linear_attn_config.num_heads",
+            serde_json::json!(1_048_576),
+        ),
+    ];
+    for (key, value) in cases {
+        let (_t, dir) = copy_tiny();
+        set_config(&dir, key, value.clone());
+        let (code, err) = run_k3(&dir);
+        assert_eq!(code, 2, "{key} = {value}: {err}");
+        assert!(
+            err.contains(&format!("`{key}`")) && err.contains("above the limit"),
+            "{key} = {value}: {err}"
+        );
+        assert!(err.len() < 1000, "{key} = {value}: {} bytes", err.len());
+    }
+}
+
+#[test]
+fn more_kda_heads_than_head_dim_is_a_refusal_not_a_panic() {
+    let (_t, dir) = copy_tiny();
+    set_config(
+        &dir,
+        "text_config.linear_attn_config.num_heads",
+        serde_json::json!(17),
+    );
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("A_log") && err.contains("17 heads"), "{err}");
+}
+
+#[test]
+fn long_problem_lists_are_capped() {
+    // Within the bounds, but the checkpoint holds 8 experts: a million missing tensors.
+    let (_t, dir) = copy_tiny();
+    set_config(&dir, "text_config.num_experts", serde_json::json!(14_336));
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("more") && err.contains("… and"), "{err}");
+    assert!(err.lines().count() < 30, "{err}");
+    // A layer list longer than the model, and one with a value too long to print whole.
+    let (_t, dir) = copy_tiny();
+    let many: Vec<u32> = (1..=100_000).collect();
+    set_config(
+        &dir,
+        "text_config.linear_attn_config.full_attn_layers",
+        serde_json::json!(many),
+    );
+    set_config(
+        &dir,
+        "text_config.hidden_act",
+        serde_json::json!("x".repeat(1 << 20)),
+    );
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("lists 100000 layers; the model has 13"),
+        "{err}"
+    );
+    assert!(err.len() < 2000, "{} bytes", err.len());
+}
+
+#[test]
+fn file_names_from_the_index_and_the_directory_are_printed_escaped() {
+    let evil = "\u{1b}]0;owned\u{7}x.safetensors";
+    // A weight_map entry naming a file that is not there.
+    let (_t, dir) = copy_tiny();
+    let p = dir.join("model.safetensors.index.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    let map = v["weight_map"].as_object_mut().unwrap();
+    let first = map.keys().next().unwrap().clone();
+    map[&first] = serde_json::json!(evil);
+    std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("missing shard"), "{err}");
+    assert!(err.contains("\\u{1b}]0;owned\\u{7}x"), "{err}");
+    assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err:?}");
+    // A stray file in the model directory.
+    let (_t, dir) = copy_tiny();
+    std::fs::write(dir.join(evil), b"").unwrap();
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("not named by the index"), "{err}");
+    assert!(err.contains("\\u{1b}]0;owned\\u{7}x"), "{err}");
+    assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err:?}");
+    // Many strays are counted, not all listed.
+    for i in 0..50 {
+        std::fs::write(dir.join(format!("stray-{i}.safetensors")), b"").unwrap();
+    }
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains("51 shard file(s)") && err.contains("and 31 more"),
+        "{err}"
+    );
+}
+
+#[test]
+fn misleading_messages_say_what_is_wrong() {
+    // A header length of 0 is not "exceeding" anything.
+    let (_t, dir) = copy_tiny();
+    let p = shard(&dir, 1);
+    let mut bytes = std::fs::read(&p).unwrap();
+    bytes[..8].copy_from_slice(&0u64.to_le_bytes());
+    std::fs::write(&p, &bytes).unwrap();
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains("header length is 0") && !err.contains("exceeds"),
+        "{err}"
+    );
+    // A FIFO where a shard should be is not "missing", and opening it must not block.
+    let (_t, dir) = copy_tiny();
+    let p = shard(&dir, 2);
+    std::fs::remove_file(&p).unwrap();
+    let status = Command::new("mkfifo").arg(&p).status().unwrap();
+    assert!(status.success());
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains("is a FIFO, not a regular file") && !err.contains("missing shard"),
+        "{err}"
+    );
+    // A value too large is not "must be an integer ≥ 1".
+    let (_t, dir) = copy_tiny();
+    set_config(
+        &dir,
+        "text_config.intermediate_size",
+        serde_json::json!(1e12),
+    );
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("above the limit") && !err.contains("≥"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_bad_session_name_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    for flag in ["--session", "--resume"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_k3"))
+            .arg("chat")
+            .arg(fixture("tiny"))
+            .args(["--plain", flag, "../x", "--session-dir"])
+            .arg(dir.path())
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
+        assert!(
+            err.contains(flag) && err.contains("\"../x\""),
+            "{flag}: {err}"
+        );
+        // Refused before the model was opened: no ready line.
+        assert!(!err.contains("layers, vocabulary"), "{flag}: {err}");
+    }
+}
+
+#[test]
+fn a_bad_shard_with_a_hostile_name_is_named_escaped() {
+    // The index names an existing shard whose name carries an escape sequence, and the shard
+    // is truncated: the header refusal names it escaped.
+    let evil = "\u{1b}]0;owned\u{7}.safetensors";
+    let (_t, dir) = copy_tiny();
+    let old = "model-00002-of-000003.safetensors";
+    let bytes = std::fs::read(dir.join(old)).unwrap();
+    std::fs::remove_file(dir.join(old)).unwrap();
+    std::fs::write(dir.join(evil), &bytes[..bytes.len() / 2]).unwrap();
+    let p = dir.join("model.safetensors.index.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    for file in v["weight_map"].as_object_mut().unwrap().values_mut() {
+        if file == old {
+            *file = serde_json::json!(evil);
+        }
+    }
+    std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("\\u{1b}]0;owned\\u{7}"), "{err}");
+    assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err:?}");
 }

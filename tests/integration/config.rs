@@ -144,3 +144,95 @@ fn unknown_keys_are_tolerated() {
     });
     assert!(c.is_ok());
 }
+
+/// Run `k3 ARGS` with `K3_CONFIG=file`; returns (exit code, stderr).
+fn k3_with_user_config(file: &std::path::Path, args: &[&str]) -> (i32, String) {
+    let out = crate::common::k3_command()
+        .args(args)
+        .env("K3_CONFIG", file)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!err.contains("panicked"), "panic: {err}");
+    (out.status.code().unwrap_or(-1), err)
+}
+
+#[test]
+fn user_config_refusals_carry_line_and_column() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("config.toml");
+    let cases = [
+        (
+            "[keys]\nquit = \"ctrl-ctrl-q\"\n",
+            "config.toml:2:8: keys.quit",
+            "twice",
+        ),
+        (
+            "theme = \"dark\"\n[sampling]\ntop_p = 2.0\n",
+            "config.toml:3:9",
+            "sampling.top_p",
+        ),
+        (
+            "[sampling]\n  context = 1\n",
+            "config.toml:2:13",
+            "sampling.context",
+        ),
+        ("[sampling]\ntop_k = -1\n", "config.toml:2:9", "-1"),
+        // The collision is reported on the default it hits, placed at the line that caused it.
+        (
+            "[keys]\nhelp = \"ctrl-q\"\n",
+            "config.toml:2:8: keys.quit",
+            "bound to help",
+        ),
+    ];
+    for (text, at, what) in cases {
+        std::fs::write(&file, text).unwrap();
+        let (code, err) = k3_with_user_config(&file, &["config", "show"]);
+        assert_eq!(code, 2, "{text}: {err}");
+        assert!(err.contains(at) && err.contains(what), "{text}: {err}");
+    }
+    // A byte that is not UTF-8 is placed by line and column too.
+    std::fs::write(&file, b"theme = \"dark\"\n[keys]\nquit = \"ctrl-\xff\"\n").unwrap();
+    let (code, err) = k3_with_user_config(&file, &["config", "show"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("config.toml:3:14: not UTF-8 (byte 0xff)"),
+        "{err}"
+    );
+    // A doubled modifier is refused wherever it appears, a single one still works.
+    std::fs::write(&file, "[keys]\ncopy = \"alt-ALT-c\"\n").unwrap();
+    let (code, err) = k3_with_user_config(&file, &["config", "show"]);
+    assert_eq!(code, 2, "{err}");
+    std::fs::write(&file, "[keys]\ncopy = \"alt-c\"\n").unwrap();
+    let (code, err) = k3_with_user_config(&file, &["config", "show"]);
+    assert_eq!(code, 0, "{err}");
+}
+
+#[test]
+fn oversized_config_files_are_refused_unread() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("config.toml");
+    std::fs::write(&file, "# padding\n".repeat(200_000)).unwrap();
+    let (code, err) = k3_with_user_config(&file, &["config", "show"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("2000000 bytes, above the limit of 1048576 bytes"),
+        "{err}"
+    );
+    // The model's config.json: valid JSON padded past 16 MiB.
+    let (_t, model) = crate::bad_inputs::copy_tiny();
+    let p = model.join("config.json");
+    let mut text = std::fs::read(&p).unwrap();
+    text.extend(std::iter::repeat_n(b' ', 17 << 20));
+    std::fs::write(&p, &text).unwrap();
+    let (code, err) = k3_with_user_config(
+        &file,
+        &["run", model.to_str().unwrap(), "--ids", "1", "--gen", "1"],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("config.json") && err.contains("above the limit of 16777216 bytes"),
+        "{err}"
+    );
+}

@@ -420,3 +420,95 @@ fn another_models_session_is_refused_and_its_transcript_offered() {
         "{text}"
     );
 }
+
+#[test]
+fn resume_is_held_to_the_context_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let plain = |args: &[&str], input: &str| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
+            .arg("chat")
+            .arg(fixture("tiny"))
+            .args(["--plain", "--greedy", "--no-think", "--max-tokens", "9"])
+            .arg("--session-dir")
+            .arg(dir.path())
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!err.contains("panicked"), "{err}");
+        (out.status.code().unwrap_or(-1), err)
+    };
+    let (code, err) = plain(&[], "Hello K3\n/save base\n");
+    assert_eq!(code, 0, "{err}");
+    let positions: usize = err
+        .split("saved session \"base\" (")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no positions in: {err}"));
+    let small = (positions - 1).to_string();
+    let (code, err) = plain(&["--resume", "base", "--context", &small], "more\n");
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&format!("holds {positions} positions"))
+            && err.contains(&format!("context limit of {small}")),
+        "{err}"
+    );
+    // At the limit it resumes, and the saved limit does not replace the one given.
+    let exact = positions.to_string();
+    let (code, err) = plain(&["--resume", "base", "--context", &exact], "more\n");
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("loaded session"), "{err}");
+    assert!(err.contains("context"), "the limit was not applied: {err}");
+}
+
+#[test]
+fn invalid_utf8_on_stdin_is_replaced_and_the_session_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .arg("chat")
+        .arg(fixture("tiny"))
+        .args([
+            "--plain",
+            "--jsonl",
+            "--greedy",
+            "--no-think",
+            "--max-tokens",
+            "3",
+        ])
+        .arg("--session-dir")
+        .arg(dir.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"hello\nbad \xff line\n/save x\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("input line 2: invalid UTF-8"), "{err}");
+    let turns: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(turns.len(), 2, "{err}");
+    assert!(dir.path().join("x.k3session").is_file(), "{err}");
+}

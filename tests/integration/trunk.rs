@@ -260,6 +260,11 @@ fn bad_trunks_are_refused_with_their_reason() {
         ),
         ("\"file_off\":0,", "\"file_off\":100,", "aligned"),
         ("{\"format\"", "[{\"format\"", "not a k3 trunk manifest"),
+        (
+            "\"n_layers\":13",
+            "\"n_layers\":12",
+            "declares 12 layers and lists 13; the model has 13",
+        ),
     ] {
         assert!(text.contains(from), "{from}");
         std::fs::write(&json_path, text.replacen(from, to, 1)).unwrap();

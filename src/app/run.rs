@@ -331,6 +331,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let mut text = String::new();
     let stdout = std::io::stdout();
     let t1 = Instant::now();
+    let mut steps = Vec::with_capacity(args.gen);
     for step in 0..args.gen {
         if let Some(w) = dump.as_mut() {
             let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -357,7 +358,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         if args.stop_ids.contains(&next) || step + 1 == args.gen {
             break;
         }
+        let ts = Instant::now();
         logits = model.forward(&mut state, &[next], Logits::Last)?;
+        steps.push(ts.elapsed().as_secs_f64());
     }
     let tail = stream.finish();
     text.push_str(&tail);
@@ -375,6 +378,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     } else {
         0.0
     };
+    let median_s = super::bench::median(&mut steps);
     let prefill_tps = prompt.len() as f64 / prefill_s.max(1e-9);
     let peak = peak_rss_bytes();
     if args.json {
@@ -384,6 +388,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "text": text,
             "prefill_tokens_per_second": prefill_tps,
             "decode_seconds_per_token": s_per_tok,
+            "decode_median_seconds_per_token": median_s,
             "peak_rss_bytes": peak,
             "bytes_read": load_bytes + model.streamer().map_or(0, |s| s.stats().disk_bytes_read),
             "stats": run_stats(&model, &info),
@@ -393,11 +398,12 @@ pub fn run(args: &RunArgs) -> Result<()> {
         print!("{}", terminal_safe(&tail));
         println!();
         eprintln!(
-            "k3: {} prompt tokens at {:.1} tokens/s; {} generated at {:.4} s/token; peak RSS {:.1} MB",
+            "k3: {} prompt tokens at {:.1} tokens/s; {} generated at {:.4} s/token ({:.4} median); peak RSS {:.1} MB",
             prompt.len(),
             prefill_tps,
             generated.len(),
             s_per_tok,
+            median_s,
             peak as f64 / 1e6
         );
     }

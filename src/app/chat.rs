@@ -135,6 +135,12 @@ pub fn run(args: &ChatArgs) -> crate::Result<i32> {
                 .map_err(|e| crate::Error::Usage(format!("{flag}: {e}")))?;
         }
     }
+    if let Some(n) = args.context.filter(|&n| n > super::run::MAX_CONTEXT) {
+        return Err(crate::Error::Usage(format!(
+            "--context {n} is above the limit of {} positions",
+            super::run::MAX_CONTEXT
+        )));
+    }
     let given = args.model_dir.clone().or_else(|| cfg.model_dir.clone());
     let demo = given.is_none();
     let model_dir = match given {

@@ -643,7 +643,11 @@ impl Config {
                 "must be > 0",
             ),
             ("sampling.max_tokens", s.max_tokens >= 1, "must be ≥ 1"),
-            ("sampling.context", s.context >= 2, "must be ≥ 2"),
+            (
+                "sampling.context",
+                (2..=crate::app::run::MAX_CONTEXT).contains(&s.context),
+                "must be in 2..=1048576",
+            ),
             (
                 "thinking.effort",
                 matches!(self.thinking.effort.as_str(), "low" | "high" | "max"),

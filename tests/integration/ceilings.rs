@@ -137,3 +137,31 @@ fn threads_above_the_limit_are_refused() {
     ]);
     assert_eq!(code, 0, "{err}");
 }
+
+#[test]
+fn chat_context_above_the_limit_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.toml");
+    let chat = |extra: &[&str]| {
+        let out = k3_command()
+            .args(["chat", &tiny(), "--plain", "--session-dir"])
+            .arg(dir.path())
+            .args(extra)
+            .env("K3_CONFIG", &cfg)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.code().unwrap_or(-1), err)
+    };
+    let (code, err) = chat(&["--context", "2000000"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--context 2000000 is above the limit of 1048576"),
+        "{err}"
+    );
+    std::fs::write(&cfg, "[sampling]\ncontext = 2000000\n").unwrap();
+    let (code, err) = chat(&[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("config.toml:2:11: sampling.context"), "{err}");
+}

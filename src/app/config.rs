@@ -683,21 +683,31 @@ impl Config {
 
     /// Read `path` (at most [`MAX_CONFIG_TOML_BYTES`]); a missing file gives the defaults.
     pub fn load_from(path: &Path) -> Result<Config, ConfigFileError> {
-        let text = crate::stream::read_capped(path, MAX_CONFIG_TOML_BYTES).and_then(|b| {
-            String::from_utf8(b).map_err(|e| {
-                std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("not UTF-8 (at byte {})", e.utf8_error().valid_up_to()),
-                )
-            })
-        });
-        match text {
+        let bytes = match crate::stream::read_capped(path, MAX_CONFIG_TOML_BYTES) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Config::default()),
+            Err(source) => {
+                return Err(ConfigFileError::Read {
+                    path: path.to_path_buf(),
+                    source,
+                })
+            }
+        };
+        match String::from_utf8(bytes) {
             Ok(text) => Config::parse(&text, path),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Config::default()),
-            Err(source) => Err(ConfigFileError::Read {
-                path: path.to_path_buf(),
-                source,
-            }),
+            Err(e) => {
+                // Where the bad byte is, counted over the valid text before it.
+                let at = e.utf8_error().valid_up_to();
+                let bytes = e.as_bytes();
+                let valid = String::from_utf8_lossy(&bytes[..at]);
+                let (line, column) = line_column(&valid, valid.len());
+                Err(ConfigFileError::Parse {
+                    path: path.to_path_buf(),
+                    line,
+                    column,
+                    message: format!("not UTF-8 (byte 0x{:02x})", bytes[at]),
+                })
+            }
         }
     }
 

@@ -186,6 +186,14 @@ fn user_config_refusals_carry_line_and_column() {
         assert_eq!(code, 2, "{text}: {err}");
         assert!(err.contains(at) && err.contains(what), "{text}: {err}");
     }
+    // A byte that is not UTF-8 is placed by line and column too.
+    std::fs::write(&file, b"theme = \"dark\"\n[keys]\nquit = \"ctrl-\xff\"\n").unwrap();
+    let (code, err) = k3_with_user_config(&file, &["config", "show"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("config.toml:3:14: not UTF-8 (byte 0xff)"),
+        "{err}"
+    );
     // A doubled modifier is refused wherever it appears, a single one still works.
     std::fs::write(&file, "[keys]\ncopy = \"alt-ALT-c\"\n").unwrap();
     let (code, err) = k3_with_user_config(&file, &["config", "show"]);

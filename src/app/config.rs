@@ -479,6 +479,18 @@ impl KeysConfig {
         }
     }
 
+    /// Where in `text` another binding with the same chord as `field` (`keys.NAME`) is written.
+    fn clash_in_file(&self, text: &str, field: &str) -> Option<(usize, usize)> {
+        let chord_of = |cmd: Cmd| KeyChord::parse(self.get(cmd)).ok();
+        let name = field.strip_prefix("keys.")?;
+        let (_, cmd) = Cmd::ALL.iter().find(|(n, _)| *n == name)?;
+        let want = chord_of(*cmd)?;
+        Cmd::ALL
+            .iter()
+            .filter(|(n, c)| *n != name && chord_of(*c) == Some(want))
+            .find_map(|(n, _)| value_position(text, &format!("keys.{n}")))
+    }
+
     /// Every binding, parsed; the error names the `[keys]` entry.
     pub fn bindings(&self) -> Result<Vec<(Cmd, KeyChord)>, (String, String)> {
         let mut out: Vec<(Cmd, KeyChord)> = Vec::with_capacity(Cmd::ALL.len());
@@ -664,9 +676,15 @@ impl Config {
                 return Err(bad("memory.budget_gb", "must be a positive number".into()));
             }
         }
-        self.keys
-            .bindings()
-            .map_err(|(field, message)| bad(&field, message))?;
+        self.keys.bindings().map_err(|(field, message)| {
+            let mut e = bad(&field, message);
+            if let ConfigFileError::Invalid { at: at @ None, .. } = &mut e {
+                // The key refused keeps its default: point at the binding in the file it
+                // collides with.
+                *at = self.keys.clash_in_file(text, &field);
+            }
+            e
+        })?;
         Ok(())
     }
 

@@ -179,6 +179,12 @@ fn user_config_refusals_carry_line_and_column() {
             "sampling.context",
         ),
         ("[sampling]\ntop_k = -1\n", "config.toml:2:9", "-1"),
+        // The collision is reported on the default it hits, placed at the line that caused it.
+        (
+            "[keys]\nhelp = \"ctrl-q\"\n",
+            "config.toml:2:8: keys.quit",
+            "bound to help",
+        ),
     ];
     for (text, at, what) in cases {
         std::fs::write(&file, text).unwrap();

@@ -247,7 +247,7 @@ fn ctrl_c_stops_the_reply_and_keeps_the_session() {
             "--max-tokens",
             "1000000",
             "--context",
-            "2000000",
+            "1048576",
         ])
         .arg("--session-dir")
         .arg(dir.path())

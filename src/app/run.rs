@@ -315,8 +315,11 @@ pub fn run(args: &RunArgs) -> Result<()> {
     // Prefill in the chunks the plan's activation reserve is sized for; only the last chunk's
     // distribution is needed.
     let mut logits = Vec::new();
-    let n_chunks = prompt.len().div_ceil(PREFILL_CHUNK);
-    for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
+    let chunk_len = usize::try_from(info.plan.prefill_chunk)
+        .unwrap_or(PREFILL_CHUNK)
+        .max(1);
+    let n_chunks = prompt.len().div_ceil(chunk_len);
+    for (i, chunk) in prompt.chunks(chunk_len).enumerate() {
         let want = if i + 1 == n_chunks {
             Logits::Last
         } else {

@@ -122,6 +122,9 @@ pub struct Plan {
     pub states: u64,
     /// Fixed overheads (activations, logits, index, allocator slack).
     pub fixed_bytes: u64,
+    /// Prompt tokens per prefill chunk the activation reserve is sized for: a longer chunk
+    /// reads each routed expert once for more tokens.
+    pub prefill_chunk: u64,
     /// Bytes of pinned layers.
     pub pinned_bytes: u64,
 }
@@ -179,6 +182,27 @@ pub fn gb(b: u64) -> String {
     }
 }
 
+/// The smallest prefill chunk (tokens), the one the floor is computed for.
+pub const MIN_PREFILL_CHUNK: u64 = 64;
+
+/// Bytes of activations per prefill token (about 48 hidden-wide buffers, with room for the
+/// routed experts' per-slot outputs).
+fn activation_bytes_per_token(s: &ModelSizes) -> u64 {
+    48 * s.hidden * 4
+}
+
+/// The longest prefill chunk whose extra activations (beyond the floor's 64 tokens) fit in
+/// `spare` and take at most 1/32 of `budget`: (chunk, extra bytes).
+fn prefill_chunk(s: &ModelSizes, budget: Option<u64>, spare: u64) -> (u64, u64) {
+    for c in [512u64, 256, 128] {
+        let extra = (c - MIN_PREFILL_CHUNK) * activation_bytes_per_token(s);
+        if extra <= spare && budget.is_none_or(|b| extra <= b / 32) {
+            return (c, extra);
+        }
+    }
+    (MIN_PREFILL_CHUNK, 0)
+}
+
 /// Rows of the output head read per chunk when it is streamed.
 const HEAD_CHUNK_BYTES: u64 = 64 << 20;
 
@@ -187,7 +211,10 @@ const HEAD_CHUNK_BYTES: u64 = 64 << 20;
 /// each read into an aligned window and then split: twice the expert), the piece
 /// buffer of a trunk read (8 MiB), and allocator slack.
 fn fixed_overhead(s: &ModelSizes) -> u64 {
-    64 * 40 * s.hidden * 4 + 2 * s.vocab * 4 + 2 * s.top_k * s.expert_bytes + (40 << 20)
+    MIN_PREFILL_CHUNK * activation_bytes_per_token(s)
+        + 2 * s.vocab * 4
+        + 2 * s.top_k * s.expert_bytes
+        + (40 << 20)
 }
 
 /// Make a plan for `req`, with room for one sequence state of `context` positions. A memory
@@ -243,10 +270,24 @@ pub fn plan_states(
         state_reserve,
         states,
         fixed_bytes: fixed,
+        prefill_chunk: MIN_PREFILL_CHUNK,
         pinned_bytes: s.layer_trunk.iter().sum(),
     };
-    let (trunk_budget, cache_budget, total) = match req {
-        BudgetRequest::Resident => return Ok(resident),
+    // A resident plan: whatever the budget leaves beyond everything may lengthen the chunk.
+    let resident_in = |budget: Option<u64>| {
+        let spare = budget.map_or(u64::MAX, |b| {
+            b.saturating_sub(fixed + state_reserve + model_bytes)
+        });
+        let (chunk, extra) = prefill_chunk(s, budget, spare);
+        Plan {
+            budget_bytes: budget,
+            fixed_bytes: fixed + extra,
+            prefill_chunk: chunk,
+            ..resident.clone()
+        }
+    };
+    let (trunk_budget, cache_budget, total, chunk, extra) = match req {
+        BudgetRequest::Resident => return Ok(resident_in(None)),
         BudgetRequest::Total(b) => {
             let b = env_limit.map_or(b, |l| b.min(l));
             if b < floor {
@@ -254,17 +295,15 @@ pub fn plan_states(
             }
             let everything = fixed + state_reserve + model_bytes;
             if b >= everything {
-                return Ok(Plan {
-                    budget_bytes: Some(b),
-                    ..resident
-                });
+                return Ok(resident_in(Some(b)));
             }
             // Trunk first (every pinned gigabyte removes a gigabyte of reads per token), then
             // the cache; see RUNTIME §6.2.
-            let spare = b - floor;
+            let (chunk, extra) = prefill_chunk(s, Some(b), b - floor);
+            let spare = b - floor - extra;
             let reserve_cache = s.top_k * s.expert_bytes;
             let trunk = spare + ring_min;
-            (trunk, reserve_cache, b)
+            (trunk, reserve_cache, b, chunk, extra)
         }
         BudgetRequest::Split { trunk, cache } => {
             let resident_trunk = trunk.is_none();
@@ -277,10 +316,7 @@ pub fn plan_states(
                 });
             }
             if total >= fixed + state_reserve + model_bytes {
-                return Ok(Plan {
-                    budget_bytes: Some(total),
-                    ..resident
-                });
+                return Ok(resident_in(Some(total)));
             }
             // Everything but the ring and the cache comes out of the trunk's share first, or
             // out of the cache's when the trunk is to stay resident.
@@ -292,9 +328,17 @@ pub fn plan_states(
                 trunk.saturating_sub(overhead)
             };
             let trunk_share = trunk_share.clamp(ring_min, avail - s.top_k * s.expert_bytes);
-            (trunk_share, avail - trunk_share, total)
+            // A longer prefill chunk, paid from the cache's share.
+            let cache_share = avail - trunk_share;
+            let (chunk, extra) = prefill_chunk(
+                s,
+                Some(total),
+                cache_share.saturating_sub(s.top_k * s.expert_bytes),
+            );
+            (trunk_share, cache_share - extra, total, chunk, extra)
         }
     };
+    let fixed = fixed + extra;
     // Pin the output head first (it is read every token like a layer), then layers from the
     // first one up, keeping room for the ring of the layers left unpinned.
     let mut pinned = vec![false; n];
@@ -353,6 +397,7 @@ pub fn plan_states(
         state_reserve,
         states,
         fixed_bytes: fixed,
+        prefill_chunk: chunk,
         pinned_bytes,
     })
 }
@@ -480,7 +525,7 @@ mod tests {
         assert!(p.head_resident);
         assert!(p.planned_bytes(&s) <= trunk + 16_000_000_000);
         assert!(
-            p.expert_cache_bytes > 14_000_000_000,
+            p.expert_cache_bytes > 13_000_000_000,
             "{}",
             p.expert_cache_bytes
         );

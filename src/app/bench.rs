@@ -195,6 +195,15 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "trunk": args.budget.trunk.as_ref().map(|t| t.display().to_string()),
         "direct_io": model.streamer().map(|s| s.checkpoint().is_direct(0)),
         "trunk_direct_io": model.streamer().and_then(|s| s.trunk()).map(|t| t.is_direct()),
+        "prefetch": model.streamer().map(|s| {
+            let st = s.stats();
+            serde_json::json!({
+                "reads": st.prefetch_reads,
+                "used": st.prefetch_used,
+                "predicted": st.predicted,
+                "predicted_right": st.predicted_right,
+            })
+        }),
         "bytes_touched_per_token": touched,
         "memory_floor_seconds_per_token": mem_floor,
         "io_floor_seconds_per_token": io_floor,

@@ -227,6 +227,10 @@ fn run_stats(model: &Model, info: &crate::engine::weights::LoadInfo) -> serde_js
         o.insert("expert_misses".into(), st.expert_misses.into());
         o.insert("expert_hit_rate".into(), st.expert_hit_rate().into());
         o.insert("io_wait_seconds".into(), st.io_wait_seconds.into());
+        o.insert("prefetch_reads".into(), st.prefetch_reads.into());
+        o.insert("prefetch_used".into(), st.prefetch_used.into());
+        o.insert("predicted".into(), st.predicted.into());
+        o.insert("predicted_right".into(), st.predicted_right.into());
     }
     j
 }

@@ -9,7 +9,7 @@
 //! skipped.
 
 use super::config::ModelConfig;
-use super::layer::Layer;
+use super::layer::{FeedForward, Layer};
 use super::moe::{self, Expert, MoeParams, MoeWeights, Routing};
 use super::tensor::{Dense, DenseData};
 use super::weights::{bind_expert, bind_layer, names, Binder};
@@ -23,7 +23,7 @@ use crate::stream::checkpoint::io_pool;
 use crate::stream::stats::{LayerResidency, Residency, StatsSnapshot};
 use crate::stream::trunk::Trunk;
 use crate::stream::{Checkpoint, Dtype, StreamError};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -40,6 +40,10 @@ struct Counters {
     hits: AtomicU64,
     misses: AtomicU64,
     io_wait_ns: AtomicU64,
+    prefetch_reads: AtomicU64,
+    prefetch_used: AtomicU64,
+    predicted: AtomicU64,
+    predicted_right: AtomicU64,
 }
 
 /// The routed-expert cache: the slot table of `stream::cache_policy` (the bookkeeping whose
@@ -52,6 +56,27 @@ struct ExpertCache {
     held: Vec<Option<Arc<Expert>>>,
     per_layer: Vec<u32>,
     now: u64,
+    /// Slots being filled by a prefetch, with the requests waiting for them.
+    waiting: HashMap<usize, Vec<(Sender<Arrival>, usize)>>,
+    /// Slots filled (or being filled) by a prefetch that no request has asked for yet.
+    prefetched: Vec<bool>,
+    /// The last prediction: (layer, experts).
+    prediction: Option<(usize, Vec<usize>)>,
+}
+
+/// A completed read, sent to the request that waits for it.
+enum Arrival {
+    /// The request's own read into `slot` (None: uncached) of its `k`-th expert.
+    Read {
+        k: usize,
+        slot: Option<usize>,
+        result: Result<Box<Expert>, StreamError>,
+    },
+    /// A prefetch the request waited for (already in the cache); None if that read failed.
+    Shared {
+        k: usize,
+        expert: Option<Arc<Expert>>,
+    },
 }
 
 impl std::fmt::Debug for ExpertCache {
@@ -74,6 +99,8 @@ enum Source {
     Hit(Arc<Expert>),
     /// To be read into this reserved slot (None: read without caching it).
     Read(Option<usize>),
+    /// Being read by a prefetch; it arrives with that read.
+    Waiting,
 }
 
 impl ExpertCache {
@@ -89,6 +116,9 @@ impl ExpertCache {
             held: vec![None; slots],
             per_layer: vec![0; layers],
             now: 0,
+            waiting: HashMap::new(),
+            prefetched: vec![false; slots],
+            prediction: None,
         }
     }
 
@@ -100,25 +130,41 @@ impl ExpertCache {
         self.per_layer.get(il).copied().unwrap_or(0)
     }
 
-    /// Look up `ids` of layer `il`: residents are returned, misses get a reserved slot.
-    /// Residents asked for here are not evicted by the misses that follow them.
-    fn request(&mut self, il: usize, ids: &[usize]) -> Vec<Source> {
+    /// Look up `ids` of layer `il`: residents are returned, misses get a reserved slot, and
+    /// experts a prefetch is still reading are waited for (`tx` is told when they land).
+    /// Residents asked for here are not evicted by the misses that follow them. Returns the
+    /// sources and how many prefetched experts were used.
+    fn request(&mut self, il: usize, ids: &[usize], tx: &Sender<Arrival>) -> (Vec<Source>, u64) {
         let mut out = Vec::with_capacity(ids.len());
         let mut pinned = Vec::new();
-        for &e in ids {
+        let mut used = 0;
+        for (k, &e) in ids.iter().enumerate() {
             self.now += 1;
             let src = match self.table.request(key(il, e), self.now) {
-                Ok(Lookup::Hit { slot }) => match self.held.get(slot).cloned().flatten() {
-                    Some(ex) => {
-                        if !self.table.is_pinned(slot) && self.table.set_pinned(slot, true).is_ok()
-                        {
-                            pinned.push(slot);
-                        }
-                        Source::Hit(ex)
+                Ok(Lookup::Hit { slot }) => {
+                    if std::mem::take(&mut self.prefetched[slot]) {
+                        used += 1;
                     }
-                    // In flight for another request: read it again, uncached.
-                    None => Source::Read(None),
-                },
+                    match self.held.get(slot).cloned().flatten() {
+                        Some(ex) => {
+                            if !self.table.is_pinned(slot)
+                                && self.table.set_pinned(slot, true).is_ok()
+                            {
+                                pinned.push(slot);
+                            }
+                            Source::Hit(ex)
+                        }
+                        None => match self.waiting.get_mut(&slot) {
+                            // A prefetch is reading it: wait for that read.
+                            Some(w) => {
+                                w.push((tx.clone(), k));
+                                Source::Waiting
+                            }
+                            // In flight for another request: read it again, uncached.
+                            None => Source::Read(None),
+                        },
+                    }
+                }
                 Ok(Lookup::Miss { slot, evicted }) => {
                     if let Some(old) = evicted {
                         self.held[slot] = None;
@@ -136,7 +182,58 @@ impl ExpertCache {
         for slot in pinned {
             let _ = self.table.set_pinned(slot, false);
         }
+        (out, used)
+    }
+
+    /// Reserve slots for a prefetch of `ids` of layer `il`: the ones neither resident nor in
+    /// flight, as long as a slot can be had. Returns (expert, slot) pairs to read.
+    fn reserve_prefetch(&mut self, il: usize, ids: &[usize]) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        for &e in ids {
+            if self.table.slot_of(key(il, e)).is_some() {
+                continue;
+            }
+            self.now += 1;
+            match self.table.request(key(il, e), self.now) {
+                Ok(Lookup::Miss { slot, evicted }) => {
+                    if let Some(old) = evicted {
+                        self.held[slot] = None;
+                        self.prefetched[slot] = false;
+                        if let Some(n) = self.per_layer.get_mut(usize::from(old.layer)) {
+                            *n = n.saturating_sub(1);
+                        }
+                    }
+                    self.prefetched[slot] = true;
+                    self.waiting.insert(slot, Vec::new());
+                    out.push((e, slot));
+                }
+                Ok(Lookup::Hit { .. }) => {}
+                Err(_) => break,
+            }
+        }
         out
+    }
+
+    /// A prefetch into `slot` completed: file it and hand it to the requests waiting for it.
+    fn complete_prefetch(&mut self, slot: usize, result: Result<Expert, StreamError>) {
+        let expert = match result {
+            Ok(ex) => {
+                let ex = Arc::new(ex);
+                self.publish(slot, &ex);
+                Some(ex)
+            }
+            Err(_) => {
+                self.prefetched[slot] = false;
+                self.fail(slot);
+                None
+            }
+        };
+        for (tx, k) in self.waiting.remove(&slot).unwrap_or_default() {
+            let _ = tx.send(Arrival::Shared {
+                k,
+                expert: expert.clone(),
+            });
+        }
     }
 
     /// The read into `slot` completed with `ex`.
@@ -172,6 +269,7 @@ impl ExpertCache {
                 held[to] = held[from].take();
             }
             held.truncate(slots);
+            self.prefetched = vec![false; slots];
             // Slots the table emptied (evicted) drop their expert.
             for (s, h) in held.iter_mut().enumerate() {
                 if !matches!(self.table.state(s), Some(SlotState::Resident(_))) {
@@ -187,6 +285,9 @@ impl ExpertCache {
 struct LayerExperts<'a> {
     st: &'a Streamer,
     il: usize,
+    /// A decoding step's FFN input: the next layer's experts are predicted from it.
+    predict_from: Option<&'a [f32]>,
+    predicted: std::cell::Cell<bool>,
 }
 
 impl moe::ExpertSource for LayerExperts<'_> {
@@ -197,7 +298,12 @@ impl moe::ExpertSource for LayerExperts<'_> {
     }
 
     fn start<'s>(&'s self, ids: &[usize]) -> moe::Arrivals<'s, StreamError> {
-        Box::new(self.st.experts(self.il, ids))
+        let arrivals = self.st.experts(self.il, ids);
+        // This layer's reads are queued first; the prediction's come after them.
+        if let Some(x) = self.predict_from.filter(|_| !self.predicted.replace(true)) {
+            self.st.prefetch_after(self.il, x);
+        }
+        Box::new(arrivals)
     }
 }
 
@@ -207,8 +313,10 @@ impl moe::ExpertSource for LayerExperts<'_> {
 pub struct Arrivals<'a> {
     st: &'a Streamer,
     il: usize,
+    ids: Vec<usize>,
     ready: Vec<(usize, Arc<Expert>)>,
-    rx: Receiver<(usize, Option<usize>, Result<Expert, StreamError>)>,
+    tx: Sender<Arrival>,
+    rx: Receiver<Arrival>,
     outstanding: usize,
 }
 
@@ -225,23 +333,51 @@ impl std::fmt::Debug for Arrivals<'_> {
 impl Arrivals<'_> {
     /// Wait for the next completed read and file it in the cache.
     fn receive(&mut self) -> Result<(usize, Arc<Expert>), StreamError> {
-        let t0 = Instant::now();
-        let got = self.rx.recv();
-        self.st
-            .counters
-            .io_wait_ns
-            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        self.outstanding -= 1;
-        let Ok((k, slot, r)) = got else {
-            return Err(StreamError::Unrepresentable {
-                path: self.st.ck.dir().to_path_buf(),
-                name: format!("layer {} experts", self.il),
-                reason: "an expert read was lost (I/O thread ended)".into(),
-            });
-        };
+        loop {
+            let t0 = Instant::now();
+            let got = self.rx.recv();
+            self.st
+                .counters
+                .io_wait_ns
+                .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            match got {
+                Ok(Arrival::Read { k, slot, result }) => {
+                    self.outstanding -= 1;
+                    return self.file(k, slot, result);
+                }
+                Ok(Arrival::Shared {
+                    k,
+                    expert: Some(ex),
+                }) => {
+                    self.outstanding -= 1;
+                    return Ok((k, ex));
+                }
+                // The prefetch it waited for failed: read it here (uncached), still owed.
+                Ok(Arrival::Shared { k, expert: None }) => {
+                    self.st.spawn_read(self.il, k, self.ids[k], None, &self.tx);
+                }
+                Err(_) => {
+                    self.outstanding -= 1;
+                    return Err(StreamError::Unrepresentable {
+                        path: self.st.ck.dir().to_path_buf(),
+                        name: format!("layer {} experts", self.il),
+                        reason: "an expert read was lost (I/O thread ended)".into(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// File the request's own read of its `k`-th expert.
+    fn file(
+        &mut self,
+        k: usize,
+        slot: Option<usize>,
+        r: Result<Box<Expert>, StreamError>,
+    ) -> Result<(usize, Arc<Expert>), StreamError> {
         match r {
             Ok(ex) => {
-                let ex = Arc::new(ex);
+                let ex = Arc::new(*ex);
                 self.st
                     .counters
                     .expert_bytes
@@ -311,9 +447,14 @@ pub struct Streamer {
     ck: Arc<Checkpoint>,
     trunk: Option<Arc<Trunk>>,
     sizes: ModelSizes,
-    resident: Mutex<Resident>,
+    resident: Arc<Mutex<Resident>>,
     ring: Mutex<Ring>,
-    counters: Counters,
+    counters: Arc<Counters>,
+    /// How many of the next layer's predicted experts (the most likely first) are read
+    /// ahead (`K3_PREFETCH=N`; 0 turns it off).
+    prefetch: std::sync::atomic::AtomicUsize,
+    /// Prefetch reads in flight (a plan change waits for them).
+    prefetching: Arc<(Mutex<u64>, std::sync::Condvar)>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -426,20 +567,33 @@ impl Streamer {
             ck,
             trunk,
             sizes,
-            resident: Mutex::new(Resident {
+            resident: Arc::new(Mutex::new(Resident {
                 plan: plan.clone(),
                 pinned: vec![None; n],
                 head: None,
                 cache: ExpertCache::new(plan.expert_slots as usize, n, n_exp),
-            }),
+            })),
             ring: Mutex::new(Ring {
                 tx,
                 pending: VecDeque::new(),
             }),
-            counters: Counters::default(),
+            counters: Arc::new(Counters::default()),
+            prefetch: std::sync::atomic::AtomicUsize::new(
+                std::env::var("K3_PREFETCH")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0),
+            ),
+            prefetching: Arc::new((Mutex::new(0), std::sync::Condvar::new())),
         };
         st.set_plan(plan)?;
         Ok(st)
+    }
+
+    /// Read up to `n` of the next layer's predicted experts ahead of it while decoding (0:
+    /// off, the default; `K3_PREFETCH=N` sets it at start). Tokens do not depend on it.
+    pub fn set_prefetch(&self, n: usize) {
+        self.prefetch.store(n, Ordering::Relaxed);
     }
 
     /// The plan in force.
@@ -470,6 +624,17 @@ impl Streamer {
     /// or shrink the expert cache. Nothing else changes; the next tokens are those an
     /// unchanged run produces.
     pub fn set_plan(&self, plan: Plan) -> Result<(), StreamError> {
+        // Reads ahead of a layer that never came (a wrong prediction) finish first, so every
+        // slot can be resized.
+        {
+            let (n, cv) = &*self.prefetching;
+            let mut n = lock(n);
+            while *n > 0 {
+                n = cv
+                    .wait(n)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+        }
         let mut r = lock(&self.resident);
         for (il, slot) in r.pinned.iter_mut().enumerate() {
             if !plan.pinned.get(il).copied().unwrap_or(false) {
@@ -595,14 +760,37 @@ impl Streamer {
     /// once, misses are read in parallel on the I/O threads and handed back as each read
     /// completes, so the caller computes with one expert while the others are still read.
     pub fn experts(&self, il: usize, ids: &[usize]) -> Arrivals<'_> {
-        let sources = lock(&self.resident).cache.request(il, ids);
         let (tx, rx) = channel();
+        let (sources, used) = {
+            let mut r = lock(&self.resident);
+            let c = &mut r.cache;
+            if let Some((pl, predicted)) = c.prediction.take() {
+                if pl == il {
+                    let right = predicted.iter().filter(|e| ids.contains(e)).count();
+                    self.counters
+                        .predicted
+                        .fetch_add(predicted.len() as u64, Ordering::Relaxed);
+                    self.counters
+                        .predicted_right
+                        .fetch_add(right as u64, Ordering::Relaxed);
+                }
+            }
+            c.request(il, ids, &tx)
+        };
+        self.counters
+            .prefetch_used
+            .fetch_add(used, Ordering::Relaxed);
         let mut ready = Vec::new();
         let mut outstanding = 0usize;
+        let mut waited = 0usize;
         let mut reads = Vec::new();
         for (k, src) in sources.into_iter().enumerate() {
             match src {
                 Source::Hit(ex) => ready.push((k, ex)),
+                Source::Waiting => {
+                    outstanding += 1;
+                    waited += 1;
+                }
                 Source::Read(slot) => {
                     outstanding += 1;
                     reads.push((k, ids[k], slot));
@@ -611,29 +799,88 @@ impl Streamer {
         }
         self.counters
             .hits
-            .fetch_add(ready.len() as u64, Ordering::Relaxed);
+            .fetch_add((ready.len() + waited) as u64, Ordering::Relaxed);
         self.counters
             .misses
             .fetch_add(reads.len() as u64, Ordering::Relaxed);
         ready.reverse();
         for (k, e, slot) in reads {
-            let (ck, cfg, tx) = (Arc::clone(&self.ck), Arc::clone(&self.cfg_arc), tx.clone());
-            let job = move || {
-                let r = load_expert(&ck, &cfg, il, e);
-                let _ = tx.send((k, slot, r));
-            };
-            match io_pool() {
-                Some(pool) => pool.spawn(job),
-                // Without I/O threads, read here (the caller then gets each at once).
-                None => job(),
-            }
+            self.spawn_read(il, k, e, slot, &tx);
         }
         Arrivals {
             st: self,
             il,
+            ids: ids.to_vec(),
             ready,
+            tx,
             rx,
             outstanding,
+        }
+    }
+
+    /// Read expert `e` of layer `il` on an I/O thread; the result goes to `tx` as the
+    /// request's `k`-th expert, for `slot`.
+    fn spawn_read(&self, il: usize, k: usize, e: usize, slot: Option<usize>, tx: &Sender<Arrival>) {
+        let (ck, cfg, tx) = (Arc::clone(&self.ck), Arc::clone(&self.cfg_arc), tx.clone());
+        let job = move || {
+            let result = load_expert(&ck, &cfg, il, e).map(Box::new);
+            let _ = tx.send(Arrival::Read { k, slot, result });
+        };
+        match io_pool() {
+            Some(pool) => pool.spawn(job),
+            // Without I/O threads, read here (the caller then gets each at once).
+            None => job(),
+        }
+    }
+
+    /// Predict the routed experts of the MoE layer after `il` from this layer's FFN input `x`
+    /// (one token) through that layer's router, and read the ones not cached into the cache
+    /// ahead of time. Only a prefetch: the next layer still asks for exactly the experts its
+    /// own routing picks, so a wrong prediction costs bandwidth, never a different bit.
+    fn prefetch_after(&self, il: usize, x: &[f32]) {
+        let j = il + 1;
+        let n = self.prefetch.load(Ordering::Relaxed);
+        if n == 0 || j >= self.cfg.num_hidden_layers || self.cfg.is_dense(j) {
+            return;
+        }
+        // The next layer's router is at hand only when it is pinned.
+        let Some(next) = lock(&self.resident).pinned[j].clone() else {
+            return;
+        };
+        let FeedForward::Moe(m) = &next.ffn else {
+            return;
+        };
+        let p = super::layer::moe_params(&self.cfg);
+        let (ids, _) = moe::route(&m.gate.apply(x), &m.bias, &p);
+        let reads = {
+            let mut r = lock(&self.resident);
+            let n = n.min(ids.len());
+            r.cache.prediction = Some((j, ids.clone()));
+            r.cache.reserve_prefetch(j, &ids[..n])
+        };
+        self.counters
+            .prefetch_reads
+            .fetch_add(reads.len() as u64, Ordering::Relaxed);
+        *lock(&self.prefetching.0) += reads.len() as u64;
+        for (e, slot) in reads {
+            let (ck, cfg) = (Arc::clone(&self.ck), Arc::clone(&self.cfg_arc));
+            let (resident, counters) = (Arc::clone(&self.resident), Arc::clone(&self.counters));
+            let pending = Arc::clone(&self.prefetching);
+            let bytes = self.sizes.expert_bytes;
+            let job = move || {
+                let result = load_expert(&ck, &cfg, j, e);
+                if result.is_ok() {
+                    counters.expert_bytes.fetch_add(bytes, Ordering::Relaxed);
+                }
+                lock(&resident).cache.complete_prefetch(slot, result);
+                let (n, cv) = &*pending;
+                *lock(n) -= 1;
+                cv.notify_all();
+            };
+            match io_pool() {
+                Some(pool) => pool.spawn(job),
+                None => job(),
+            }
         }
     }
 
@@ -645,7 +892,14 @@ impl Streamer {
         p: &MoeParams,
         x: &[f32],
     ) -> Result<(Vec<f32>, Routing), StreamError> {
-        moe::forward_with(w, p, x, &LayerExperts { st: self, il })
+        let d = self.cfg.hidden_size;
+        let source = LayerExperts {
+            st: self,
+            il,
+            predict_from: (x.len() == d).then_some(x),
+            predicted: std::cell::Cell::new(false),
+        };
+        moe::forward_with(w, p, x, &source)
     }
 
     /// Embedding rows of `tokens`, read on demand: `[n_tok, hidden]`.
@@ -732,6 +986,10 @@ impl Streamer {
             expert_misses: c.misses.load(Ordering::Relaxed),
             layers,
             io_wait_seconds: c.io_wait_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            prefetch_reads: c.prefetch_reads.load(Ordering::Relaxed),
+            prefetch_used: c.prefetch_used.load(Ordering::Relaxed),
+            predicted: c.predicted.load(Ordering::Relaxed),
+            predicted_right: c.predicted_right.load(Ordering::Relaxed),
             ..StatsSnapshot::default()
         }
     }

@@ -62,6 +62,14 @@ pub struct StatsSnapshot {
     pub compute_seconds: f64,
     /// Seconds spent waiting on reads since start.
     pub io_wait_seconds: f64,
+    /// Routed experts read ahead of their layer on a prediction.
+    pub prefetch_reads: u64,
+    /// Of those, the ones their layer then asked for.
+    pub prefetch_used: u64,
+    /// Experts predicted for the next layer (top-k per prediction).
+    pub predicted: u64,
+    /// Of those, the ones the next layer chose.
+    pub predicted_right: u64,
     /// Positions the session holds.
     pub positions: u64,
     /// Most positions the session may hold.

@@ -62,6 +62,41 @@ fn every_budget_gives_the_same_logits() {
 }
 
 #[test]
+fn prefetching_predicted_experts_changes_no_token() {
+    let mut read_ahead = 0;
+    for set in ["tiny", "tiny2"] {
+        let o = json(&format!("{set}/oracle.json"));
+        let prompt = u32s(&o["prompt_ids"]);
+        let (resident, info) = open(set, BudgetRequest::Resident);
+        let want = generate(&resident, &prompt, 12, |_| {});
+        let (floor, everything) = (info.plan.floor_bytes, info.sizes.model_bytes());
+        for (total, n) in [(floor + everything / 2, 2), (floor + everything / 3, 16)] {
+            let (m, _) = open(set, BudgetRequest::Total(total));
+            let st = m.streamer().expect("streamed");
+            st.set_prefetch(n);
+            let got = generate(&m, &prompt, 12, |step| {
+                // A plan change waits for reads ahead of a layer that never asked for them.
+                if step == 6 {
+                    let p = budget::plan(&info.sizes, BudgetRequest::Total(floor), 512, None);
+                    st.set_plan(p.unwrap()).unwrap();
+                }
+            });
+            for (a, b) in got.iter().zip(&want) {
+                assert_eq!(bits(a), bits(b), "{set} at {total} bytes, prefetch {n}");
+            }
+            let s = st.stats();
+            println!(
+                "{set}: prefetch {n}: {} read ahead, {} used; {} of {} predicted right",
+                s.prefetch_reads, s.prefetch_used, s.predicted_right, s.predicted
+            );
+            assert!(s.prefetch_used <= s.prefetch_reads, "{s:?}");
+            read_ahead += s.prefetch_reads;
+        }
+    }
+    assert!(read_ahead > 0, "no expert was read ahead");
+}
+
+#[test]
 fn a_plan_change_between_tokens_changes_no_token() {
     let set = "tiny";
     let o = json(&format!("{set}/oracle.json"));

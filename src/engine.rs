@@ -2,6 +2,7 @@
 //! MLA, latent MoE), plus sampling. Numbers in, numbers out: no terminal, no file format.
 
 pub mod attnres;
+pub mod bind;
 pub mod config;
 pub mod kda;
 pub mod layer;

@@ -27,10 +27,10 @@ pub struct BenchArgs {
     /// Prompt tokens to prefill.
     #[arg(long, default_value_t = 32)]
     pub prompt_len: usize,
-    /// Positions of carried state the plan reserves (as `k3 run --context`), so the plan is
-    /// the one `k3 run` makes at the same budget.
-    #[arg(long, default_value_t = 4096)]
-    pub context: u64,
+    /// Positions of carried state the plan reserves; default: the prompt and the generated
+    /// tokens, as `k3 run` plans, so the plan is the one `k3 run` makes at the same budget.
+    #[arg(long)]
+    pub context: Option<u64>,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -141,7 +141,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         &args.model_dir,
         &crate::engine::weights::OpenOptions {
             budget: req,
-            context: args.context.max((args.prompt_len + args.gen + 1) as u64),
+            context: args
+                .context
+                .unwrap_or((args.prompt_len + args.gen) as u64)
+                .max((args.prompt_len + args.gen) as u64),
             trunk: args.budget.trunk.clone(),
             ..Default::default()
         },

@@ -8,11 +8,11 @@
 //! identical at every budget. A failed read fails the step with an error; an expert is never
 //! skipped.
 
+use super::bind::{bind_expert, bind_layer, names, Binder};
 use super::config::ModelConfig;
 use super::layer::{FeedForward, Layer};
 use super::moe::{self, Expert, MoeParams, MoeWeights, Routing};
 use super::tensor::{Dense, DenseData};
-use super::weights::{bind_expert, bind_layer, names, Binder};
 use crate::kernels;
 use crate::stream::budget::{ModelSizes, Plan};
 use crate::stream::bytes::{Bytes, U16s};
@@ -561,6 +561,9 @@ impl Streamer {
             })?;
         let n = cfg.num_hidden_layers;
         let n_exp = cfg.num_experts;
+        // Freed expert allocations are reused by the next misses (the plan's fixed overhead
+        // holds top-k experts' worth of read buffers).
+        ck.pool_group_reads(cfg.num_experts_per_token.max(1));
         let st = Streamer {
             cfg_arc: Arc::new(cfg.clone()),
             cfg,

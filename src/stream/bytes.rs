@@ -6,7 +6,7 @@
 #![allow(unsafe_code)]
 
 use std::mem::MaybeUninit;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 #[cfg(target_endian = "big")]
 compile_error!(
@@ -16,11 +16,68 @@ compile_error!(
 /// Alignment of every allocation: the `O_DIRECT` requirement of 4Kn devices.
 pub const ALIGN: usize = 4096;
 
-/// One aligned allocation; `raw[base..base + len]` is the usable, initialised part.
+/// One aligned allocation; `raw[base..base + len]` is the usable, initialised part. It goes
+/// back to its pool, if it came from one, when the last range of it is dropped.
 struct Slab {
     raw: Vec<u8>,
     base: usize,
     len: usize,
+    pool: Option<Arc<Pool>>,
+}
+
+impl Drop for Slab {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            pool.put(std::mem::take(&mut self.raw));
+        }
+    }
+}
+
+/// Allocations kept for the next read of a similar size: memory that is already mapped, so a
+/// large read (a streamed trunk layer) costs no page faults and no kernel zeroing. At most
+/// `keep` idle allocations are kept; one too small for the next read is freed.
+#[derive(Debug)]
+pub struct Pool {
+    free: Mutex<Vec<Vec<u8>>>,
+    keep: usize,
+}
+
+impl Pool {
+    /// A pool that keeps up to `keep` idle allocations.
+    #[must_use]
+    pub fn new(keep: usize) -> Arc<Pool> {
+        Arc::new(Pool {
+            free: Mutex::new(Vec::new()),
+            keep,
+        })
+    }
+
+    fn take(&self, cap: usize) -> Option<Vec<u8>> {
+        let mut free = self
+            .free
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let i = free.iter().position(|v| v.capacity() >= cap);
+        match i {
+            Some(i) => Some(free.swap_remove(i)),
+            None => {
+                // Nothing fits: free one idle allocation before a new one is made.
+                free.pop();
+                None
+            }
+        }
+    }
+
+    fn put(&self, mut raw: Vec<u8>) {
+        let mut free = self
+            .free
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if free.len() < self.keep {
+            raw.clear();
+            free.push(raw);
+        }
+    }
 }
 
 impl Slab {
@@ -61,6 +118,7 @@ pub struct Filling {
     raw: Vec<u8>,
     base: usize,
     len: usize,
+    pool: Option<Arc<Pool>>,
 }
 
 impl Filling {
@@ -68,10 +126,31 @@ impl Filling {
     /// at most `ALIGN − 1` bytes excepted).
     #[must_use]
     pub fn new(len: usize) -> Filling {
-        let mut raw: Vec<u8> = Vec::with_capacity(len + ALIGN);
+        Self::from_raw(Vec::with_capacity(len + ALIGN), len, None)
+    }
+
+    /// [`Filling::new`] in an allocation from `pool` when one fits; the allocation goes back
+    /// to the pool when the bytes are dropped.
+    #[must_use]
+    pub fn new_in(len: usize, pool: &Arc<Pool>) -> Filling {
+        let raw = pool
+            .take(len + ALIGN)
+            .unwrap_or_else(|| Vec::with_capacity(len + ALIGN));
+        Self::from_raw(raw, len, Some(Arc::clone(pool)))
+    }
+
+    /// Lay out `len` bytes at an aligned address in `raw` (empty, capacity at least
+    /// `len + ALIGN`).
+    fn from_raw(mut raw: Vec<u8>, len: usize, pool: Option<Arc<Pool>>) -> Filling {
+        raw.clear();
         let base = raw.as_ptr().align_offset(ALIGN).min(ALIGN);
         raw.resize(base, 0);
-        Filling { raw, base, len }
+        Filling {
+            raw,
+            base,
+            len,
+            pool,
+        }
     }
 
     /// Length of the area.
@@ -100,14 +179,15 @@ impl Filling {
         for b in &mut self.raw.spare_capacity_mut()[filled.min(len)..len] {
             b.write(0);
         }
-        // SAFETY: `raw` has capacity `base + len` (`Filling::new` reserved `len + ALIGN` with
-        // `base <= ALIGN`); bytes `0..base` were initialised by `resize`, bytes
-        // `base..base + filled` by the reads the caller reports, and the rest just above.
+        // SAFETY: `raw` has capacity at least `base + len` (`from_raw` is given at least
+        // `len + ALIGN` and `base <= ALIGN`); bytes `0..base` were initialised by `resize`,
+        // bytes `base..base + filled` by the reads the caller reports, and the rest just above.
         unsafe { self.raw.set_len(self.base + len) };
         let slab = Slab {
-            raw: self.raw,
+            raw: std::mem::take(&mut self.raw),
             base: self.base,
             len,
+            pool: self.pool.take(),
         };
         Bytes {
             slab: Arc::new(slab),
@@ -254,6 +334,26 @@ mod tests {
         assert_eq!(b[99], 100);
         assert!(b[100..].iter().all(|&x| x == 0));
         assert_eq!(b.as_ptr().align_offset(ALIGN), 0);
+    }
+
+    #[test]
+    fn pooled_allocations_are_reused_once_dropped() {
+        let pool = Pool::new(1);
+        let a = Filling::new_in(100_000, &pool).finish(0);
+        let addr = a.as_ptr() as usize;
+        drop(a);
+        // Reused in place, its old bytes overwritten or zeroed like a fresh one.
+        let mut f = Filling::new_in(90_000, &pool);
+        f.area()[0].write(7);
+        let b = f.finish(1);
+        assert_eq!(b.as_ptr() as usize, addr);
+        assert_eq!(b[0], 7);
+        assert!(b[1..].iter().all(|&x| x == 0));
+        // Too small for a larger read: a new allocation is made.
+        drop(b);
+        let c = Filling::new_in(200_000, &pool).finish(0);
+        assert_eq!(c.len(), 200_000);
+        assert_eq!(c.as_ptr().align_offset(ALIGN), 0);
     }
 
     #[test]

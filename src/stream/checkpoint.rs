@@ -1,7 +1,7 @@
 //! Opening a checkpoint directory (single file, or shards through
 //! `model.safetensors.index.json`) and reading tensors with positioned reads.
 
-use super::bytes::{as_uninit, Bytes, Filling, U16s};
+use super::bytes::{as_uninit, Bytes, Filling, Pool, U16s};
 use super::index::{IndexError, TensorIndex, TensorInfo};
 use super::safetensors::{header_len, parse_header, Dtype};
 use super::StreamError;
@@ -42,6 +42,8 @@ pub struct Checkpoint {
     /// refuses it), and whether direct reads on it have been given up.
     direct: Vec<Option<File>>,
     direct_off: Vec<std::sync::atomic::AtomicBool>,
+    /// Allocations of group reads (routed experts), reused once an expert is dropped.
+    group_pool: std::sync::OnceLock<std::sync::Arc<Pool>>,
 }
 
 thread_local! {
@@ -311,6 +313,7 @@ impl Checkpoint {
             fault: FaultSlot::default(),
             direct: Vec::new(),
             direct_off: Vec::new(),
+            group_pool: std::sync::OnceLock::new(),
         };
         for name in &shards {
             ck.add_shard(
@@ -624,7 +627,13 @@ impl Checkpoint {
             }
             end += i.n_bytes();
         }
-        let all = self.read_shared(start.shard, start.offset, end - start.offset, first)?;
+        let all = self.read_shared_in(
+            start.shard,
+            start.offset,
+            end - start.offset,
+            first,
+            self.group_pool.get(),
+        )?;
         let mut parts = Vec::with_capacity(infos.len());
         for (n, i) in infos {
             let at = (i.offset - start.offset) as usize;
@@ -734,6 +743,29 @@ impl Checkpoint {
         len: u64,
         name: &str,
     ) -> Result<Bytes, StreamError> {
+        self.read_shared_in(shard, at, len, name, None)
+    }
+
+    /// Keep up to `keep` freed allocations of group reads (experts) for the next ones, so a
+    /// streamed expert lands in memory that is already mapped. Set once; later calls do
+    /// nothing.
+    pub fn pool_group_reads(&self, keep: usize) {
+        let _ = self.group_pool.set(Pool::new(keep));
+    }
+
+    /// [`Checkpoint::read_shared`] into an allocation from `pool` where one fits.
+    fn read_shared_in(
+        &self,
+        shard: usize,
+        at: u64,
+        len: u64,
+        name: &str,
+        pool: Option<&std::sync::Arc<Pool>>,
+    ) -> Result<Bytes, StreamError> {
+        let alloc = |n: usize| match pool {
+            Some(p) => Filling::new_in(n, p),
+            None => Filling::new(n),
+        };
         let err = |offset: u64, source: std::io::Error| StreamError::Read {
             path: self.paths[shard].clone(),
             offset,
@@ -754,7 +786,7 @@ impl Checkpoint {
                 let start = at / a * a;
                 let end = (at + len).div_ceil(a) * a;
                 let lead = (at - start) as usize;
-                let mut fill = Filling::new((end - start) as usize);
+                let mut fill = alloc((end - start) as usize);
                 match read_pieces(
                     &self.reads,
                     &self.fault,
@@ -767,7 +799,7 @@ impl Checkpoint {
                     Err(e) if e.raw_os_error() == Some(22) => {
                         // EINVAL: this filesystem or device does not take these direct reads.
                         self.direct_off[shard].store(true, Ordering::Relaxed);
-                        let mut fill = Filling::new(ulen);
+                        let mut fill = alloc(ulen);
                         let got = read_pieces(
                             &self.reads,
                             &self.fault,
@@ -783,7 +815,7 @@ impl Checkpoint {
                 }
             }
             None => {
-                let mut fill = Filling::new(ulen);
+                let mut fill = alloc(ulen);
                 let got = read_pieces(
                     &self.reads,
                     &self.fault,

@@ -7,7 +7,7 @@
 //! run, so no expert byte is ever copied. The manifest names the source by the digest of its
 //! tensor index and carries a CRC-32 per layer, checked the first time each layer is read.
 
-use super::bytes::{Bytes, Filling};
+use super::bytes::{Bytes, Filling, Pool};
 use super::checkpoint::{
     io_pool, open_direct, pread_counted, Checkpoint, Fault, FaultSlot, DIRECT_ALIGN,
 };
@@ -386,6 +386,8 @@ pub struct Trunk {
     bytes_read: AtomicU64,
     reads: AtomicU64,
     fault: FaultSlot,
+    /// Allocations of streamed layers, reused by the next read.
+    pool: std::sync::Arc<Pool>,
 }
 
 impl Trunk {
@@ -482,6 +484,7 @@ impl Trunk {
             bytes_read: AtomicU64::new(0),
             reads: AtomicU64::new(0),
             fault: FaultSlot::default(),
+            pool: Pool::new(1),
             manifest: m,
             file,
         })
@@ -553,7 +556,7 @@ impl Trunk {
                 std::io::Error::new(std::io::ErrorKind::InvalidInput, "run too large"),
             )
         })?;
-        let mut fill = Filling::new(total);
+        let mut fill = Filling::new_in(total, &self.pool);
         let direct = self.direct.as_ref().filter(|_| self.is_direct());
         let read_piece = |k: usize, piece: &mut [std::mem::MaybeUninit<u8>]| {
             let at = l.file_off + (k * PIECE) as u64;

@@ -57,7 +57,7 @@ pub enum BudgetRequest {
     /// One total budget in bytes.
     Total(u64),
     /// Separate trunk and expert-cache budgets in bytes; together they are the budget (the
-    /// fixed costs come out of the trunk's share first).
+    /// fixed costs come out of the cache's share first).
     Split {
         /// Trunk budget (`None`: the whole trunk resident, the peers' `--trunk-gb 0`).
         trunk: Option<u64>,
@@ -306,7 +306,6 @@ pub fn plan_states(
             (trunk, reserve_cache, b, chunk, extra)
         }
         BudgetRequest::Split { trunk, cache } => {
-            let resident_trunk = trunk.is_none();
             let trunk = trunk.unwrap_or(s.layer_trunk.iter().sum::<u64>() + s.head);
             let total = trunk.saturating_add(cache);
             if total < floor {
@@ -318,16 +317,11 @@ pub fn plan_states(
             if total >= fixed + state_reserve + model_bytes {
                 return Ok(resident_in(Some(total)));
             }
-            // Everything but the ring and the cache comes out of the trunk's share first, or
-            // out of the cache's when the trunk is to stay resident.
+            // Everything but the ring and the cache comes out of the cache's share first (a
+            // trunk share that holds the trunk keeps holding it), then out of the trunk's.
             let overhead = floor - ring_min - s.top_k * s.expert_bytes;
             let avail = total - overhead;
-            let trunk_share = if resident_trunk {
-                trunk
-            } else {
-                trunk.saturating_sub(overhead)
-            };
-            let trunk_share = trunk_share.clamp(ring_min, avail - s.top_k * s.expert_bytes);
+            let trunk_share = trunk.clamp(ring_min, avail - s.top_k * s.expert_bytes);
             // A longer prefill chunk, paid from the cache's share.
             let cache_share = avail - trunk_share;
             let (chunk, extra) = prefill_chunk(

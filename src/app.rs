@@ -13,6 +13,7 @@ pub mod protocol;
 pub mod run;
 pub mod state;
 pub mod synth;
+pub mod verify;
 pub mod worker;
 
 use clap::{Parser, Subcommand};
@@ -55,6 +56,12 @@ pub enum Command {
     /// source checkpoint's identity) atomically. Exit status: 0 ok, 1 write failure, 2 an
     /// existing trunk without --force, 3 a checkpoint that fails validation.
     Pack(pack::PackArgs),
+    /// Check a checkpoint's files: every shard read once, all-zero and non-finite tensors,
+    /// optional SHA-256 sums, the tokenizer's ranks, a packed trunk byte for byte.
+    ///
+    /// Every problem is listed (the first 20 in the report, all counted). Exit status: 0 all
+    /// checks pass, 3 a check failed (or the checkpoint is refused at open).
+    Verify(verify::VerifyArgs),
     /// Print the memory plan for a checkpoint and a budget, before loading any weight.
     ///
     /// A budget below the floor is refused with the floor, the budget and the shortfall
@@ -82,6 +89,7 @@ pub fn main() -> i32 {
         Command::Config(args) => config::run(&args),
         Command::Synth(args) => synth::run(&args).map(|()| 0),
         Command::Pack(args) => pack::run(&args).map(|()| 0),
+        Command::Verify(args) => verify::run(&args),
     };
     match result {
         Ok(code) => code,

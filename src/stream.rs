@@ -15,6 +15,7 @@ pub mod safetensors;
 pub mod stats;
 pub mod synth;
 pub mod trunk;
+pub mod verify;
 
 pub use checkpoint::{Checkpoint, TensorData};
 pub use index::{TensorIndex, TensorInfo};

@@ -54,6 +54,17 @@ thread_local! {
 /// Largest per-thread read buffer kept for reuse; larger ones are freed after their read.
 const KEEP_BYTES: usize = 64 << 20;
 
+/// What identifies a shard's bytes without reading them: its size and modification time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardStat {
+    /// Size in bytes.
+    pub size: u64,
+    /// Modification time, whole seconds since the Unix epoch.
+    pub mtime_sec: i64,
+    /// Modification time, nanoseconds within the second.
+    pub mtime_nsec: i64,
+}
+
 /// A tensor's name, dtype and raw bytes (a range of the allocation its read filled).
 pub type RawTensor = (String, Dtype, Bytes);
 
@@ -431,6 +442,27 @@ impl Checkpoint {
     #[must_use]
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The path of shard number `shard`.
+    #[must_use]
+    pub fn shard_path(&self, shard: usize) -> Option<&Path> {
+        self.paths.get(shard).map(PathBuf::as_path)
+    }
+
+    /// Size and modification time of shard number `shard`, from the descriptor it is read
+    /// through (so a file replaced by rename after open is seen as the one being read).
+    pub fn shard_stat(&self, shard: usize) -> std::io::Result<ShardStat> {
+        use std::os::unix::fs::MetadataExt;
+        let file = self.files.get(shard).ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no such shard number")
+        })?;
+        let m = file.metadata()?;
+        Ok(ShardStat {
+            size: m.len(),
+            mtime_sec: m.mtime(),
+            mtime_nsec: m.mtime_nsec(),
+        })
     }
 
     /// Drop the page cache behind each read from now on (`posix_fadvise(DONTNEED)`; a hint,

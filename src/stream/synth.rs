@@ -1129,8 +1129,11 @@ fn send_shard(
 
 // ------------------------------------------------------------------------------------ tokenizer
 
-/// The 256 single bytes in the GPT-2 order: printable bytes first, then the rest.
-fn gpt2_byte_order() -> Vec<u8> {
+/// The 256 bytes in the order of the byte-level BPE alphabet (GPT-2's): the printable bytes
+/// 33–126, 161–172, 174–255 first, then the rest; the released rank file holds them at ranks
+/// 0..=255 in this order.
+#[must_use]
+pub fn gpt2_byte_order() -> Vec<u8> {
     let printable = |b: u8| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
     let mut v: Vec<u8> = (0..=255u8).filter(|&b| printable(b)).collect();
     v.extend((0..=255u8).filter(|&b| !printable(b)));

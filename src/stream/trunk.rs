@@ -5,11 +5,14 @@
 //! A layer whose trunk tensors already form one gap-free run in one shard is copied verbatim;
 //! otherwise its tensors are gathered in offset order, each at a 64-byte aligned offset of the
 //! run, so no expert byte is ever copied. The manifest names the source by the digest of its
-//! tensor index and carries a CRC-32 per layer, checked the first time each layer is read.
+//! tensor index, records the size and modification time of every shard it was packed from (a
+//! trunk whose source changed since is refused at open) and carries two CRC-32 per layer: of
+//! the run in `trunk.bin`, checked the first time each layer is read, and of the layer's source
+//! bytes as read from the shards, which `k3 verify` recomputes.
 
 use super::bytes::{Bytes, Filling, Pool};
 use super::checkpoint::{
-    io_pool, open_direct, pread_counted, Checkpoint, Fault, FaultSlot, DIRECT_ALIGN,
+    io_pool, open_direct, pread_counted, Checkpoint, Fault, FaultSlot, ShardStat, DIRECT_ALIGN,
 };
 use super::safetensors::Dtype;
 use super::StreamError;
@@ -21,7 +24,12 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Manifest format written in `trunk.json`.
-pub const FORMAT: &str = "k3-trunk/1";
+pub const FORMAT: &str = "k3-trunk/2";
+/// Earlier manifest formats: refused with a request to re-pack (they do not record what
+/// identifies the source bytes).
+const OLD_FORMATS: [&str; 1] = ["k3-trunk/1"];
+/// Largest `trunk.json` read (the released model's is well under a megabyte).
+const MAX_MANIFEST_BYTES: u64 = 64 << 20;
 /// Alignment of runs in `trunk.bin`.
 pub const ALIGN: u64 = DIRECT_ALIGN as u64;
 /// Offset alignment of gathered tensors inside a run.
@@ -59,8 +67,34 @@ pub struct TrunkLayer {
     pub gathered: bool,
     /// CRC-32 of the `nbytes` bytes at `file_off`.
     pub crc32: u32,
+    /// CRC-32 of the layer's source bytes: its tensors' bytes as read from the shards,
+    /// concatenated in the order of their offsets in the run (no padding).
+    pub source_crc32: u32,
     /// The layer's tensors.
     pub tensors: BTreeMap<String, TrunkTensor>,
+}
+
+/// A shard the trunk was packed from, as it was then.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceShard {
+    /// File name in the model directory.
+    pub name: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Modification time, whole seconds since the Unix epoch.
+    pub mtime_sec: i64,
+    /// Modification time, nanoseconds within the second.
+    pub mtime_nsec: i64,
+}
+
+impl SourceShard {
+    fn stat(&self) -> ShardStat {
+        ShardStat {
+            size: self.size,
+            mtime_sec: self.mtime_sec,
+            mtime_nsec: self.mtime_nsec,
+        }
+    }
 }
 
 /// `trunk.json`.
@@ -79,6 +113,8 @@ pub struct Manifest {
     pub source_dir: String,
     /// Size of `trunk.bin`.
     pub total_bytes: u64,
+    /// Every shard holding a trunk tensor, with its size and modification time when packed.
+    pub shards: Vec<SourceShard>,
     /// Layers in order.
     pub layers: Vec<TrunkLayer>,
 }
@@ -148,6 +184,117 @@ fn layer_tensors(ck: &Checkpoint, n_layers: usize) -> Vec<Vec<String>> {
         }
     }
     out
+}
+
+/// The shards holding the trunk tensors `per_layer`, in shard order, with their size and
+/// modification time now.
+fn source_shards(ck: &Checkpoint, per_layer: &[Vec<String>]) -> Result<Vec<SourceShard>, String> {
+    let used: std::collections::BTreeSet<usize> = per_layer
+        .iter()
+        .flatten()
+        .filter_map(|n| ck.info(n).map(|i| i.shard))
+        .collect();
+    let mut out = Vec::with_capacity(used.len());
+    for k in used {
+        let name = ck.index().shard_names()[k].clone();
+        let st = ck
+            .shard_stat(k)
+            .map_err(|e| format!("cannot stat {}: {e}", super::shown(Path::new(&name))))?;
+        out.push(SourceShard {
+            name,
+            size: st.size,
+            mtime_sec: st.mtime_sec,
+            mtime_nsec: st.mtime_nsec,
+        });
+    }
+    Ok(out)
+}
+
+fn describe(st: &ShardStat) -> String {
+    format!(
+        "{} bytes, modified {}.{:09}",
+        st.size, st.mtime_sec, st.mtime_nsec
+    )
+}
+
+/// Refuse a trunk whose source shards are not the ones it was packed from: a recorded shard
+/// missing from the checkpoint, a shard holding trunk tensors that is not recorded, or one
+/// whose size or modification time differs.
+fn check_sources(
+    m: &Manifest,
+    ck: &Checkpoint,
+    want: &[Vec<String>],
+    dir: &Path,
+) -> Result<(), String> {
+    let names = ck.index().shard_names();
+    let mut changed = Vec::new();
+    for s in &m.shards {
+        let shown = super::shown(Path::new(&s.name));
+        let Some(k) = names.iter().position(|n| *n == s.name) else {
+            return Err(format!(
+                "the manifest names shard {shown}, which this checkpoint does not have"
+            ));
+        };
+        let now = ck
+            .shard_stat(k)
+            .map_err(|e| format!("cannot stat {shown}: {e}"))?;
+        if now != s.stat() {
+            changed.push(format!(
+                "{shown} was {} when packed and is {} now",
+                describe(&s.stat()),
+                describe(&now)
+            ));
+        }
+    }
+    for n in want.iter().flatten() {
+        if let Some(i) = ck.info(n) {
+            let shard = &names[i.shard];
+            if !m.shards.iter().any(|s| s.name == *shard) {
+                return Err(format!(
+                    "the manifest does not record shard {}, which holds trunk tensor {n:?}",
+                    super::shown(Path::new(shard))
+                ));
+            }
+        }
+    }
+    if changed.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "the checkpoint changed since it was packed: {}; the trunk may no longer match its \
+         source; run `k3 pack --force {} {}` to re-pack it",
+        super::join_listed(&changed),
+        super::shown(ck.dir()),
+        super::shown(dir)
+    ))
+}
+
+/// Read and parse `trunk.json` in `dir`: older formats and foreign files are refused before
+/// any field is looked at.
+fn read_manifest(dir: &Path) -> Result<Manifest, String> {
+    let json = dir.join("trunk.json");
+    let bytes = super::read_capped(&json, MAX_MANIFEST_BYTES)
+        .map_err(|e| format!("cannot read trunk.json: {e} (run `k3 pack` first)"))?;
+    let v: serde_json::Value = serde_json::from_slice(&bytes)
+        .map_err(|e| format!("trunk.json is not a k3 trunk manifest: {e}"))?;
+    if !v.is_object() {
+        return Err("trunk.json is not a k3 trunk manifest: not a JSON object".into());
+    }
+    match v.get("format").and_then(serde_json::Value::as_str) {
+        Some(FORMAT) => {}
+        Some(f) if OLD_FORMATS.contains(&f) => {
+            return Err(format!(
+                "trunk.json is format {f:?}, written by an earlier k3 that did not record what \
+                 identifies the source bytes; re-pack it with `k3 pack --force MODEL_DIR {}`",
+                super::shown(dir)
+            ));
+        }
+        Some(f) => return Err(format!("format {f:?}, expected {FORMAT:?}")),
+        None => {
+            return Err("trunk.json is not a k3 trunk manifest: no \"format\" string".into());
+        }
+    }
+    serde_json::from_value(v).map_err(|e| format!("trunk.json is not a k3 trunk manifest: {e}"))
 }
 
 /// What [`pack`] did.
@@ -235,6 +382,7 @@ pub fn pack(
         reason,
     };
     let per_layer = layer_tensors(ck, n_layers);
+    let before = source_shards(ck, &per_layer).map_err(&bad)?;
     let mut layers = Vec::with_capacity(n_layers);
     let mut file_off = 0u64;
     for (il, names) in per_layer.iter().enumerate() {
@@ -248,6 +396,7 @@ pub fn pack(
             file_off,
             gathered: lay.gathered,
             crc32: 0,
+            source_crc32: 0,
             tensors: lay.tensors,
         });
         file_off += nbytes;
@@ -277,10 +426,15 @@ pub fn pack(
             buf.clear();
             buf.resize(l.nbytes as usize, 0);
             if l.gathered {
-                for (name, t) in &l.tensors {
+                let mut source = crc32fast::Hasher::new();
+                let mut order: Vec<(&String, &TrunkTensor)> = l.tensors.iter().collect();
+                order.sort_by_key(|(_, t)| t.off);
+                for (name, t) in order {
                     ck.read_span(name, 0, t.nbytes, &mut piece)?;
+                    source.update(&piece);
                     buf[t.off as usize..(t.off + t.nbytes) as usize].copy_from_slice(&piece);
                 }
+                l.source_crc32 = source.finalize();
             } else {
                 // One read of the whole run: the first tensor's span widened to the run.
                 let first = l
@@ -297,6 +451,8 @@ pub fn pack(
                     .unwrap_or(0);
                 ck.read_run(&first, raw, &mut piece)?;
                 buf[..raw as usize].copy_from_slice(&piece);
+                // A verbatim run is its tensors back to back.
+                l.source_crc32 = crc32fast::hash(&piece);
             }
             l.crc32 = crc32fast::hash(&buf);
             f.write_all(&buf).map_err(wr(&tmp_bin))?;
@@ -304,6 +460,14 @@ pub fn pack(
             progress(done, total);
         }
         f.sync_all().map_err(wr(&tmp_bin))?;
+        let after = source_shards(ck, &per_layer).map_err(&bad)?;
+        if after != before {
+            return Err(bad(
+                "a shard changed while it was being packed (size or modification time); \
+                 pack again once it is complete"
+                    .into(),
+            ));
+        }
         let manifest = Manifest {
             format: FORMAT.into(),
             n_layers,
@@ -311,6 +475,7 @@ pub fn pack(
             source_digest: hex(&ck.index_digest()),
             source_dir: src.display().to_string(),
             total_bytes: total,
+            shards: before.clone(),
             layers: layers.clone(),
         };
         let text = serde_json::to_string(&manifest).expect("manifest serialises");
@@ -399,14 +564,7 @@ impl Trunk {
             dir: dir.to_path_buf(),
             reason,
         };
-        let json = dir.join("trunk.json");
-        let text = std::fs::read_to_string(&json)
-            .map_err(|e| bad(format!("cannot read trunk.json: {e} (run `k3 pack` first)")))?;
-        let m: Manifest = serde_json::from_str(&text)
-            .map_err(|e| bad(format!("trunk.json is not a k3 trunk manifest: {e}")))?;
-        if m.format != FORMAT {
-            return Err(bad(format!("format {:?}, expected {FORMAT:?}", m.format)));
-        }
+        let m = read_manifest(dir).map_err(bad)?;
         if m.align != ALIGN {
             return Err(bad(format!("align {}, expected {ALIGN}", m.align)));
         }
@@ -418,6 +576,8 @@ impl Trunk {
                 &digest[..12]
             )));
         }
+        let want = layer_tensors(ck, n_layers);
+        check_sources(&m, ck, &want, dir).map_err(bad)?;
         if m.n_layers != n_layers || m.layers.len() != n_layers {
             return Err(bad(format!(
                 "the manifest declares {} layers and lists {}; the model has {n_layers}",
@@ -425,19 +585,23 @@ impl Trunk {
                 m.layers.len()
             )));
         }
-        let want = layer_tensors(ck, n_layers);
         let mut end = 0u64;
         for (il, (l, names)) in m.layers.iter().zip(&want).enumerate() {
             if l.layer != il {
                 return Err(bad(format!("entry {il} is layer {}", l.layer)));
             }
-            if l.file_off % ALIGN != 0 || l.nbytes % ALIGN != 0 || l.file_off < end {
+            let next = l.file_off.checked_add(l.nbytes);
+            if l.file_off % ALIGN != 0
+                || l.nbytes % ALIGN != 0
+                || l.file_off < end
+                || next.is_none()
+            {
                 return Err(bad(format!(
                     "layer {il}: file_off {} / nbytes {} not 4096-aligned or overlapping",
                     l.file_off, l.nbytes
                 )));
             }
-            end = l.file_off + l.nbytes;
+            end = next.unwrap_or(u64::MAX);
             if l.tensors.len() != names.len() {
                 return Err(bad(format!(
                     "layer {il}: {} tensors, the checkpoint has {}",

@@ -14,3 +14,4 @@ mod streaming;
 mod synth;
 mod trunk;
 mod tui;
+mod verify;

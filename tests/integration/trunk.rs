@@ -2,7 +2,7 @@
 //! direct and buffered reads, for verbatim and gathered layers; every bad trunk refused with
 //! its reason and exit code; read faults on `trunk.bin` retried or failing the step.
 
-use crate::bad_inputs::{copy_tiny, join, split};
+use crate::bad_inputs::{copy_tiny, join, shard, split};
 use crate::common::{argmax, fixture, json, u32s};
 use k3::engine::model::Logits;
 use k3::engine::weights::OpenOptions;
@@ -254,9 +254,14 @@ fn bad_trunks_are_refused_with_their_reason() {
     for (from, to, says) in [
         ("\"align\":4096", "\"align\":512", "align"),
         (
-            "\"format\":\"k3-trunk/1\"",
+            "\"format\":\"k3-trunk/2\"",
             "\"format\":\"k3-trunk/9\"",
             "format",
+        ),
+        (
+            "\"format\":\"k3-trunk/2\"",
+            "\"format\":\"k3-trunk/1\"",
+            "re-pack it with `k3 pack --force",
         ),
         ("\"file_off\":0,", "\"file_off\":100,", "aligned"),
         ("{\"format\"", "[{\"format\"", "not a k3 trunk manifest"),
@@ -336,4 +341,81 @@ fn trunk_read_faults_are_retried_or_fail_the_step() {
         }
     }
     assert!(failed >= 3, "{failed} EIO faults failed their step");
+}
+
+/// Flip one byte of tensor `name` in the shard at `path`, in place: the file keeps its size
+/// and its header, so the checkpoint's tensor index (and its digest) is unchanged.
+pub(crate) fn flip_tensor_byte(path: &Path, name: &str, at: usize) {
+    let (h, _) = split(path);
+    let mut bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let begin = h[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[8 + n + begin + at] ^= 0x10;
+    std::fs::write(path, &bytes).unwrap();
+}
+
+#[test]
+fn a_trunk_whose_source_changed_is_refused_until_repacked() {
+    let (_tmp, dir) = copy_tiny();
+    let t = dir.parent().unwrap().join("trunk");
+    let (ds, ts) = (dir.to_str().unwrap(), t.to_str().unwrap());
+    let (code, _, err) = k3(&["pack", ds, ts]);
+    assert_eq!(code, 0, "{err}");
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(t.join("trunk.json")).unwrap()).unwrap();
+    assert_eq!(manifest["format"], "k3-trunk/2");
+    // The shards holding layer tensors (the third holds only the model-level ones).
+    let recorded: Vec<&str> = manifest["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        recorded.contains(&"model-00001-of-000003.safetensors"),
+        "{recorded:?}"
+    );
+    assert!(manifest["shards"][0]["size"].as_u64().unwrap() > 0);
+    assert!(manifest["layers"][0]["source_crc32"].is_u64());
+    let run = |trunk: bool| {
+        let mut a = vec!["run", ds, "--ids", "1,2,3", "--gen", "2", "--mem", "0.05"];
+        if trunk {
+            a.extend(["--trunk", ts]);
+        }
+        k3(&a)
+    };
+    let (code, _, err) = run(true);
+    assert_eq!(code, 0, "{err}");
+
+    // Only layer-0 weights change: one byte of a trunk tensor, same size, a new mtime.
+    let p = shard(&dir, 1);
+    let meta = std::fs::metadata(&p).unwrap();
+    flip_tensor_byte(
+        &p,
+        "language_model.model.layers.0.self_attn.q_proj.weight",
+        6,
+    );
+    let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.set_modified(meta.modified().unwrap() + std::time::Duration::from_secs(7))
+        .unwrap();
+    drop(f);
+    assert_eq!(std::fs::metadata(&p).unwrap().len(), meta.len());
+
+    let (code, out, err) = run(true);
+    assert_eq!(code, 3, "{err}");
+    assert!(out.is_empty(), "{out}");
+    assert!(err.contains("changed since it was packed"), "{err}");
+    assert!(err.contains("model-00001-of-000003.safetensors"), "{err}");
+    assert!(err.contains("k3 pack --force"), "{err}");
+    // `plan` opens the trunk too.
+    let (code, _, err) = k3(&["plan", ds, "--mem", "0.05", "--trunk", ts]);
+    assert_eq!(code, 3, "{err}");
+    // Without the trunk the changed checkpoint runs; re-packed, the trunk gives the same.
+    let (code, plain, err) = run(false);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = k3(&["pack", ds, ts, "--force"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, packed, err) = run(true);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(packed, plain);
 }

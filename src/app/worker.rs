@@ -7,7 +7,9 @@ use crate::engine::weights::LoadInfo;
 use crate::engine::Model;
 use crate::session::chat::{Entry, Mode, Session, Settings};
 use crate::session::commands::{Command, ExportFormat, Setting, Think, HELP};
-use crate::session::store::{self, ModelIdentity, SessionRecord, SessionStore, Summary};
+use crate::session::store::{
+    self, LockError, ModelIdentity, SessionLock, SessionRecord, SessionStore, Summary,
+};
 use crate::session::tokenizer::Tokenizer;
 use crate::stream::stats::{self, LayerResidency, Residency, StatsSnapshot};
 use serde::{Deserialize, Serialize};
@@ -162,6 +164,9 @@ struct Ctx<'a> {
     store: SessionStore,
     identity: ModelIdentity,
     name: String,
+    /// The session this process has open (resumed, loaded or saved to), locked against every
+    /// other process until another one is opened or the worker ends.
+    open: Option<SessionLock>,
     created: u64,
     tx: &'a Sender<EngineEvent>,
     /// Requests, read between tokens too (a budget change applies at the next token).
@@ -176,6 +181,9 @@ struct Ctx<'a> {
     /// Seconds spent in forward passes (prefill and decode) since start.
     busy_seconds: f64,
 }
+
+/// A session's lock, and a warning when it holds none.
+type Claim = (SessionLock, Option<String>);
 
 /// Least time between two `Stats` events while a turn runs.
 const STATS_INTERVAL_S: f64 = 0.2;
@@ -274,6 +282,7 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
             .session_name
             .clone()
             .unwrap_or_else(|| format!("session-{}", unix_now())),
+        open: None,
         created: unix_now(),
         tx,
         rx,
@@ -542,7 +551,7 @@ impl Ctx<'_> {
         self.turn_result(turn, |s, c, e| s.send(text, c, e))
     }
 
-    fn record(&self) -> Result<SessionRecord, String> {
+    fn record(&self, name: &str) -> Result<SessionRecord, String> {
         let s = &self.session;
         let transcript = SavedTranscript {
             system: s.system.clone(),
@@ -551,7 +560,7 @@ impl Ctx<'_> {
             pending: s.pending(),
         };
         Ok(SessionRecord {
-            name: self.name.clone(),
+            name: name.to_string(),
             created_unix: self.created,
             saved_unix: unix_now(),
             identity: self.identity,
@@ -577,10 +586,42 @@ impl Ctx<'_> {
         Ok(t.pending)
     }
 
-    /// Load `name`: full restore, or the transcript alone when the state is refused. The error
-    /// carries the exit status a non-interactive caller should use.
+    /// Load `name`: full restore, or the transcript alone when the state is refused. The
+    /// session is locked first, and stays locked while it is open here; one that another
+    /// process has open is refused with that process's pid. The error carries the exit status
+    /// a non-interactive caller should use.
     fn load(&mut self, name: &str) -> Result<String, (String, i32)> {
-        self.load_inner(name)
+        let claim = self.claim_to_open(name)?;
+        let mut msg = self.load_inner(name)?;
+        if let Some((lock, warning)) = claim {
+            if let Some(w) = warning {
+                msg.push('\n');
+                msg.push_str(&w);
+            }
+            self.open = Some(lock);
+        }
+        Ok(msg)
+    }
+
+    /// The lock to hold once `name` is opened: `None` when it is open here already or there is
+    /// no such session (the load then says so). Where no lock can be taken for another reason
+    /// (a read-only session directory) the session opens unguarded, with a warning.
+    fn claim_to_open(&self, name: &str) -> Result<Option<Claim>, (String, i32)> {
+        if self.open.as_ref().is_some_and(|l| l.name() == name) || !self.store.exists(name) {
+            return Ok(None);
+        }
+        match self.store.lock(name) {
+            Ok(lock) => Ok(Some((lock, None))),
+            Err(e @ LockError::Io { .. }) => {
+                let lock = SessionLock::unlocked(name).map_err(|n| (n.to_string(), 2))?;
+                let warning = format!(
+                    "warning: {e}; the session is open without a lock, so another process could \
+                     save over it"
+                );
+                Ok(Some((lock, Some(warning))))
+            }
+            Err(e) => Err((e.to_string(), e.exit_code())),
+        }
     }
 
     fn load_inner(&mut self, name: &str) -> Result<String, (String, i32)> {
@@ -640,13 +681,29 @@ impl Ctx<'_> {
         }
     }
 
+    /// Save under `name` (default: the session's name). A session saved to for the first time
+    /// is locked first (refused, unsaved, when another process has it open) and stays locked.
     fn save(&mut self, name: Option<String>) -> Result<String, String> {
-        if let Some(n) = name {
-            self.name = n;
-        }
-        let rec = self.record()?;
+        let target = name.unwrap_or_else(|| self.name.clone());
+        let claim = match &self.open {
+            Some(l) if l.name() == target => None,
+            _ => Some(
+                self.store
+                    .lock(&target)
+                    .map_err(|e| e.into_save_error().to_string())?,
+            ),
+        };
+        let rec = self.record(&target)?;
         let t0 = std::time::Instant::now();
-        let bytes = self.store.save(&rec).map_err(|e| e.to_string())?;
+        let saved = match claim.as_ref().or(self.open.as_ref()) {
+            Some(lock) => self.store.save_locked(&rec, lock),
+            None => self.store.save(&rec),
+        };
+        let bytes = saved.map_err(|e| e.to_string())?;
+        if let Some(lock) = claim {
+            self.open = Some(lock);
+        }
+        self.name = target;
         Ok(format!(
             "saved session {:?} ({} positions, {:.1} KB, {:.0} ms)",
             self.name,

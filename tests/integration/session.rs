@@ -512,3 +512,135 @@ fn invalid_utf8_on_stdin_is_replaced_and_the_session_goes_on() {
     assert_eq!(turns.len(), 2, "{err}");
     assert!(dir.path().join("x.k3session").is_file(), "{err}");
 }
+
+/// Run `k3 chat --plain` on the tiny model with `input` on stdin; (exit code, stderr).
+fn plain(dir: &std::path::Path, args: &[&str], input: &str) -> (i32, String) {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .arg("chat")
+        .arg(fixture("tiny"))
+        .args(["--plain", "--greedy", "--no-think", "--max-tokens", "4"])
+        .arg("--session-dir")
+        .arg(dir)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A run refused at start may be gone before its input is written.
+    let _ = child.stdin.take().unwrap().write_all(input.as_bytes());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!err.contains("panicked"), "{err}");
+    (out.status.code().unwrap_or(-1), err)
+}
+
+/// A `k3 chat --plain` process whose stdin stays open, with its stderr read as it comes.
+struct Live {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    lines: std::sync::mpsc::Receiver<String>,
+    seen: String,
+}
+
+impl Live {
+    fn spawn(dir: &std::path::Path, args: &[&str]) -> Live {
+        use std::io::BufRead;
+        let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
+            .arg("chat")
+            .arg(fixture("tiny"))
+            .args(["--plain", "--greedy", "--no-think", "--max-tokens", "4"])
+            .arg("--session-dir")
+            .arg(dir)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take();
+        let err = child.stderr.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(err).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Live {
+            child,
+            stdin,
+            lines,
+            seen: String::new(),
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn send(&mut self, text: &str) {
+        use std::io::Write;
+        let stdin = self.stdin.as_mut().unwrap();
+        stdin.write_all(text.as_bytes()).unwrap();
+        stdin.flush().unwrap();
+    }
+
+    /// Wait until stderr has shown `needle` (at most a minute).
+    fn wait_for(&mut self, needle: &str) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !self.seen.contains(needle) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.seen.push_str(&line);
+                    self.seen.push('\n');
+                }
+                Err(_) => panic!("no {needle:?} on stderr: {}", self.seen),
+            }
+        }
+    }
+
+    /// Close stdin and wait for the exit; (exit code, all of stderr).
+    fn finish(mut self) -> (i32, String) {
+        drop(self.stdin.take());
+        let status = self.child.wait().unwrap();
+        while let Ok(line) = self.lines.recv() {
+            self.seen.push_str(&line);
+            self.seen.push('\n');
+        }
+        (status.code().unwrap_or(-1), self.seen)
+    }
+}
+
+#[test]
+fn a_session_open_in_one_process_is_refused_to_a_second() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, err) = plain(dir.path(), &[], "Hello K3\n/save shared\n");
+    assert_eq!(code, 0, "{err}");
+    let mut a = Live::spawn(dir.path(), &["--resume", "shared"]);
+    a.wait_for("loaded session");
+    let holder = format!("pid {}", a.pid());
+    // B resumes the session A has open: refused before any work, naming A.
+    let (code, err) = plain(dir.path(), &["--resume", "shared"], "from B\n/save\n");
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("in use by") && err.contains(&holder), "{err}");
+    // C, a new conversation, cannot save over it either.
+    let (_, err) = plain(dir.path(), &[], "from C\n/save shared\n");
+    assert!(err.contains("NOT saved") && err.contains(&holder), "{err}");
+    a.send("from A\n/save\n");
+    a.wait_for("saved session \"shared\"");
+    let (code, err) = a.finish();
+    assert_eq!(code, 0, "{err}");
+    let file = std::fs::read(dir.path().join("shared.k3session")).unwrap();
+    let has = |s: &str| file.windows(s.len()).any(|w| w == s.as_bytes());
+    assert!(has("Hello K3") && has("from A"), "A's turns are kept");
+    assert!(!has("from B") && !has("from C"), "nobody else wrote");
+    // Once A has left, the session opens again.
+    let (code, err) = plain(dir.path(), &["--resume", "shared"], "/stats\n");
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("loaded session"), "{err}");
+}

@@ -7,6 +7,7 @@ use crate::engine::weights::LoadInfo;
 use crate::engine::Model;
 use crate::session::chat::{Entry, Mode, Session, Settings};
 use crate::session::commands::{Command, ExportFormat, Setting, Think, HELP};
+use crate::session::naming;
 use crate::session::store::{
     self, LockError, ModelIdentity, SessionLock, SessionRecord, SessionStore, Summary,
 };
@@ -31,7 +32,8 @@ pub struct ChatConfig {
     pub system: Option<String>,
     /// Session to resume.
     pub resume: Option<String>,
-    /// Name to save under (default: derived from the start time).
+    /// Name to save under (default: chosen at the first save from the conversation's first
+    /// words and the date).
     pub session_name: Option<String>,
     /// Session directory (default: the data directory).
     pub session_dir: Option<PathBuf>,
@@ -163,7 +165,9 @@ struct Ctx<'a> {
     session: Session<'a>,
     store: SessionStore,
     identity: ModelIdentity,
-    name: String,
+    /// The session's name; `None` until it is first saved without one given (it is then named
+    /// from its first words and the date).
+    name: Option<String>,
     /// The session this process has open (resumed, loaded or saved to), locked against every
     /// other process until another one is opened or the worker ends.
     open: Option<SessionLock>,
@@ -278,10 +282,7 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         session,
         store,
         identity,
-        name: cfg
-            .session_name
-            .clone()
-            .unwrap_or_else(|| format!("session-{}", unix_now())),
+        name: cfg.session_name.clone(),
         open: None,
         created: unix_now(),
         tx,
@@ -300,17 +301,25 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
             Err((msg, code)) => return fail(msg, code),
         }
     }
+    let session_label = match &ctx.name {
+        Some(n) => format!("session {n:?}"),
+        None => "new session (named when first saved)".to_string(),
+    };
     let mut info_line = format!(
-        "k3: {} ({} layers, vocabulary {}), session {:?}, {} mode",
+        "k3: {} ({} layers, vocabulary {}), {session_label}, {} mode",
         cfg.model_dir.display(),
         model.cfg.num_hidden_layers,
         model.cfg.vocab_size,
-        ctx.name,
         ctx.session.mode.name()
     );
     if let Some(msg) = resumed {
         info_line.push('\n');
         info_line.push_str(&msg);
+    } else if let Some(n) = ctx.name.as_ref().filter(|n| ctx.store.exists(n)) {
+        info_line.push_str(&format!(
+            "\nsession {n:?} exists already and is not replaced by /save: --resume {n} \
+             continues it, /save! replaces it"
+        ));
     }
     if stale > 0 {
         info_line.push_str(&format!(
@@ -657,7 +666,7 @@ impl Ctx<'_> {
                 self.session
                     .restore(rec.tokens, rec.state, pending, rec.rng_state)
                     .map_err(|e| refused(e.to_string()))?;
-                self.name = rec.name;
+                self.name = Some(rec.name);
                 self.created = rec.created_unix;
                 Ok(format!(
                     "loaded session {name:?}: {} turns, {} positions, no re-prefill needed",
@@ -671,7 +680,7 @@ impl Ctx<'_> {
             }) => {
                 self.session.reset().map_err(|e| refused(e.to_string()))?;
                 self.apply_transcript(&transcript_json).map_err(refused)?;
-                self.name = name.to_string();
+                self.name = Some(name.to_string());
                 Ok(format!(
                     "session {name:?}: the saved state was refused ({reason}); its transcript \
                      is loaded and the next turn re-reads the history"
@@ -681,17 +690,43 @@ impl Ctx<'_> {
         }
     }
 
-    /// Save under `name` (default: the session's name). A session saved to for the first time
-    /// is locked first (refused, unsaved, when another process has it open) and stays locked.
-    fn save(&mut self, name: Option<String>) -> Result<String, String> {
-        let target = name.unwrap_or_else(|| self.name.clone());
-        let claim = match &self.open {
-            Some(l) if l.name() == target => None,
-            _ => Some(
-                self.store
-                    .lock(&target)
-                    .map_err(|e| e.into_save_error().to_string())?,
-            ),
+    /// Save under `name` (default: the session's name, or a new one from its first words and
+    /// the date). A session saved to for the first time is locked first (refused, unsaved, when
+    /// another process has it open) and stays locked; a different saved session of that name
+    /// is replaced only when `replace` is set (`/save!`).
+    fn save(&mut self, name: Option<String>, replace: bool) -> Result<String, String> {
+        let (target, claim) = match name.or_else(|| self.name.clone()) {
+            Some(target) => match &self.open {
+                Some(l) if l.name() == target => (target, None),
+                _ => {
+                    let lock = self
+                        .store
+                        .lock(&target)
+                        .map_err(|e| e.into_save_error().to_string())?;
+                    if !replace && self.store.exists(&target) {
+                        return Err(format!(
+                            "session {target:?} NOT saved: a different saved session has that \
+                             name; /save! {target} replaces it, /save OTHER-NAME keeps both"
+                        ));
+                    }
+                    (target, Some(lock))
+                }
+            },
+            None => {
+                let base = naming::default_name(&self.first_text(), unix_now());
+                let lock = self
+                    .store
+                    .claim_new(&base)
+                    .map_err(|e| e.into_save_error().to_string())?
+                    .ok_or_else(|| {
+                        format!(
+                            "session NOT saved: {base} and its numbered variants up to -{} are \
+                             all taken; /save NAME picks another name",
+                            naming::MAX_SUFFIX
+                        )
+                    })?;
+                (lock.name().to_string(), Some(lock))
+            }
         };
         let rec = self.record(&target)?;
         let t0 = std::time::Instant::now();
@@ -703,14 +738,27 @@ impl Ctx<'_> {
         if let Some(lock) = claim {
             self.open = Some(lock);
         }
-        self.name = target;
-        Ok(format!(
-            "saved session {:?} ({} positions, {:.1} KB, {:.0} ms)",
-            self.name,
+        let answer = format!(
+            "saved session {target:?} ({} positions, {:.1} KB, {:.0} ms)",
             rec.tokens.len(),
             bytes as f64 / 1e3,
             t0.elapsed().as_secs_f64() * 1e3
-        ))
+        );
+        self.name = Some(target);
+        Ok(answer)
+    }
+
+    /// The first message (or raw text) of the conversation, for its default name.
+    fn first_text(&self) -> String {
+        self.session
+            .entries
+            .iter()
+            .find_map(|e| match e {
+                Entry::Message { role, content, .. } if role == "user" => Some(content.clone()),
+                Entry::Raw { prompt, .. } => Some(prompt.clone()),
+                _ => None,
+            })
+            .unwrap_or_default()
     }
 
     fn sessions(&self) -> Result<String, String> {
@@ -753,7 +801,7 @@ impl Ctx<'_> {
                 serde_json::to_string_pretty(&t).map_err(|e| e.to_string())?
             }
             ExportFormat::Markdown => {
-                let mut md = format!("# {}\n", self.name);
+                let mut md = format!("# {}\n", self.name.as_deref().unwrap_or("k3 conversation"));
                 if let Some(sys) = &s.system {
                     md.push_str(&format!("\n**system**\n\n{sys}\n"));
                 }
@@ -873,7 +921,8 @@ impl Ctx<'_> {
                 .undo()
                 .map(|()| "last exchange removed".into())
                 .map_err(|e| e.to_string()),
-            Command::Save(name) => self.save(name),
+            Command::Save(name) => self.save(name, false),
+            Command::SaveOver(name) => self.save(name, true),
             Command::Load(name) => self.load(&name).map_err(|(m, _)| m),
             Command::Sessions => self.sessions(),
             Command::Export(fmt, path) => self.export(fmt, &path),

@@ -2373,6 +2373,24 @@ impl SessionStore {
         })
     }
 
+    /// Claims the first free name of `base`, `base-2`, … `base-999` (see
+    /// [`crate::session::naming`]); `None` when all are taken. Free means that no session file
+    /// of that name exists and no other process has it locked. The lock is taken before the
+    /// name is checked, so two processes never pick the same one.
+    pub fn claim_new(&self, base: &str) -> Result<Option<SessionLock>, LockError> {
+        use crate::session::naming::{with_suffix, MAX_SUFFIX};
+        validate_name(&with_suffix(base, MAX_SUFFIX))?;
+        for k in 1..=MAX_SUFFIX {
+            let name = with_suffix(base, k);
+            match self.lock(&name) {
+                Ok(lock) if !self.exists(&name) => return Ok(Some(lock)),
+                Ok(_) | Err(LockError::InUse { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
+    }
+
     /// Whether something (a session file, or anything else) is at session `name`'s path.
     #[must_use]
     pub fn exists(&self, name: &str) -> bool {
@@ -3577,6 +3595,21 @@ mod tests {
         assert!(store.exists("held") && !store.exists("other"));
         let bad = store.lock("../x").unwrap_err();
         assert_eq!(bad.exit_code(), 2);
+    }
+
+    #[test]
+    fn new_names_skip_saved_and_locked_sessions() {
+        let (_dir, store, cfg) = setup();
+        store.save(&record(&cfg, "talk", 3, 1)).unwrap();
+        let held = store.lock("talk-2").unwrap();
+        let first = store.claim_new("talk").unwrap().unwrap();
+        assert_eq!(first.name(), "talk-3");
+        let second = store.claim_new("talk").unwrap().unwrap();
+        assert_eq!(second.name(), "talk-4");
+        drop((held, first));
+        let third = store.claim_new("talk").unwrap().unwrap();
+        assert_eq!(third.name(), "talk-2");
+        assert!(store.claim_new("../up").is_err());
     }
 
     #[test]

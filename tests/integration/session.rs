@@ -644,3 +644,71 @@ fn a_session_open_in_one_process_is_refused_to_a_second() {
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("loaded session"), "{err}");
 }
+
+/// The session names saved in `dir`.
+fn saved_names(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().into_string().ok()?;
+            Some(name.strip_suffix(".k3session")?.to_string())
+        })
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn default_names_are_readable_and_never_replace_another_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_path_buf();
+    // Two runs at the same time, both saving under the default name.
+    let runs: Vec<_> = (0..2)
+        .map(|_| {
+            let path = path.clone();
+            std::thread::spawn(move || plain(&path, &[], "Hello K3, how are you?\n/save\n"))
+        })
+        .collect();
+    for r in runs {
+        let (code, err) = r.join().unwrap();
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            err.contains("saved session \"hello-k3-how-are-you-"),
+            "{err}"
+        );
+    }
+    let names = saved_names(dir.path());
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert!(
+        names
+            .iter()
+            .all(|n| n.starts_with("hello-k3-how-are-you-20")),
+        "{names:?}"
+    );
+    assert!(names.iter().any(|n| n.ends_with("-2")), "{names:?}");
+
+    // `/save keep` never replaces an unrelated `keep`; `/save! keep` does.
+    let (code, err) = plain(dir.path(), &[], "first talk\n/save keep\n");
+    assert_eq!(code, 0, "{err}");
+    let keep = dir.path().join("keep.k3session");
+    let before = std::fs::read(&keep).unwrap();
+    let (_, err) = plain(dir.path(), &[], "second talk\n/save keep\n");
+    assert!(err.contains("NOT saved") && err.contains("/save! keep"), "{err}");
+    assert_eq!(std::fs::read(&keep).unwrap(), before, "keep untouched");
+    let (_, err) = plain(dir.path(), &["--session", "keep"], "third talk\n/save\n");
+    assert!(err.contains("exists already") && err.contains("NOT saved"), "{err}");
+    assert_eq!(std::fs::read(&keep).unwrap(), before, "keep untouched");
+    let (code, err) = plain(dir.path(), &[], "second talk\n/save! keep\n");
+    assert_eq!(code, 0, "{err}");
+    let has = |s: &str| {
+        let file = std::fs::read(&keep).unwrap();
+        file.windows(s.len()).any(|w| w == s.as_bytes())
+    };
+    assert!(has("second talk") && !has("first talk"), "replaced");
+    // The session's own file is saved over without asking.
+    let (code, err) = plain(dir.path(), &["--resume", "keep"], "more talk\n/save\n");
+    assert_eq!(code, 0, "{err}");
+    assert!(has("second talk") && has("more talk"), "{err}");
+    assert_eq!(saved_names(dir.path()).len(), 3);
+}

@@ -94,6 +94,27 @@ impl Worker {
         self.rx.try_recv().ok()
     }
 
+    /// Ask the worker to stop once the requests sent so far are answered, and wait for it;
+    /// returns every event it sent meanwhile, up to and including `Stopped`, whose exit status
+    /// is the one a non-interactive run should end with.
+    #[must_use]
+    pub fn finish(mut self) -> Vec<EngineEvent> {
+        let mut events = Vec::new();
+        if self.tx.send(Request::Shutdown).is_ok() {
+            while let Ok(ev) = self.rx.recv() {
+                let stopped = matches!(ev, EngineEvent::Stopped { .. });
+                events.push(ev);
+                if stopped {
+                    break;
+                }
+            }
+        }
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+        events
+    }
+
     /// Ask the worker to stop and wait for it.
     pub fn shutdown(mut self) {
         self.cancel.store(true, Ordering::Relaxed);
@@ -184,6 +205,37 @@ struct Ctx<'a> {
     current_turn: Arc<AtomicU64>,
     /// Seconds spent in forward passes (prefill and decode) since start.
     busy_seconds: f64,
+    /// Failures that decide a non-interactive run's exit status.
+    outcome: Outcome,
+}
+
+/// What went wrong during a session, for the exit status of a run whose stdin is not a
+/// terminal (RELIABILITY §3.0): the front end ends interactive runs with 0 after showing each
+/// failure, and scripts get the code.
+#[derive(Clone, Copy, Debug, Default)]
+struct Outcome {
+    /// The last save attempted failed (the session is not saved).
+    unsaved: bool,
+    /// A turn failed on non-finite logits.
+    unsound: bool,
+    /// A session file was refused as damaged (its state, or all of it).
+    damaged: bool,
+}
+
+impl Outcome {
+    /// 5 when the session is not saved, else 4 for unsound output, else 3 for a damaged
+    /// session file, else 0: the failure that most needs the user first.
+    fn exit_code(self) -> i32 {
+        if self.unsaved {
+            5
+        } else if self.unsound {
+            4
+        } else if self.damaged {
+            3
+        } else {
+            0
+        }
+    }
 }
 
 /// A session's lock, and a warning when it holds none.
@@ -292,6 +344,7 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         model_bytes: info.bytes_read,
         current_turn,
         busy_seconds: 0.0,
+        outcome: Outcome::default(),
     };
     ctx.session.system.clone_from(&cfg.system);
     let mut resumed = None;
@@ -350,7 +403,9 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
             break; // the front end is gone
         }
     }
-    let _ = tx.send(EngineEvent::Stopped { exit_code: 0 });
+    let _ = tx.send(EngineEvent::Stopped {
+        exit_code: ctx.outcome.exit_code(),
+    });
 }
 
 impl Ctx<'_> {
@@ -552,7 +607,12 @@ impl Ctx<'_> {
                         report: Box::new(report),
                     })
             }
-            Err(e) => alive && self.failed(turn, e.to_string()),
+            Err(e) => {
+                if matches!(e, crate::session::chat::TurnError::Sample(_)) {
+                    self.outcome.unsound = true;
+                }
+                alive && self.failed(turn, e.to_string())
+            }
         }
     }
 
@@ -678,6 +738,7 @@ impl Ctx<'_> {
                 reason,
                 transcript_json,
             }) => {
+                self.outcome.damaged |= reason.is_damage();
                 self.session.reset().map_err(|e| refused(e.to_string()))?;
                 self.apply_transcript(&transcript_json).map_err(refused)?;
                 self.name = Some(name.to_string());
@@ -921,9 +982,20 @@ impl Ctx<'_> {
                 .undo()
                 .map(|()| "last exchange removed".into())
                 .map_err(|e| e.to_string()),
-            Command::Save(name) => self.save(name, false),
-            Command::SaveOver(name) => self.save(name, true),
-            Command::Load(name) => self.load(&name).map_err(|(m, _)| m),
+            Command::Save(name) => {
+                let r = self.save(name, false);
+                self.outcome.unsaved = r.is_err();
+                r
+            }
+            Command::SaveOver(name) => {
+                let r = self.save(name, true);
+                self.outcome.unsaved = r.is_err();
+                r
+            }
+            Command::Load(name) => self.load(&name).map_err(|(m, code)| {
+                self.outcome.damaged |= code == 3;
+                m
+            }),
             Command::Sessions => self.sessions(),
             Command::Export(fmt, path) => self.export(fmt, &path),
             Command::Set(setting, v) => self.set(setting, v),

@@ -301,6 +301,15 @@ pub enum Refusal {
     },
 }
 
+impl Refusal {
+    /// Whether the file is damaged or unreadable by this build, as opposed to intact but
+    /// written for another model or model config.
+    #[must_use]
+    pub fn is_damage(&self) -> bool {
+        !matches!(self, Refusal::Identity { .. } | Refusal::Layout { .. })
+    }
+}
+
 fn magic_hint(found: &[u8]) -> &'static str {
     if found.starts_with(b"K3ST") {
         " (this is a raw engine state file, not a session)"

@@ -306,9 +306,21 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
         }
     }
     input.save_history(opts);
-    worker.shutdown();
+    let mut reported = 0;
+    for ev in worker.finish() {
+        match ev {
+            EngineEvent::Notice { text, .. } => {
+                let _ = writeln!(err, "k3: {}", safe(&text));
+            }
+            EngineEvent::Stopped { exit_code: c } => reported = c,
+            _ => {}
+        }
+    }
     if interrupted.load(Ordering::Relaxed) {
         exit_code = 130;
+    } else if exit_code == 0 && !std::io::stdin().is_terminal() {
+        // A script learns what went wrong: 5 not saved, 4 unsound output, 3 a damaged file.
+        exit_code = reported;
     }
     exit_code
 }

@@ -515,10 +515,20 @@ fn invalid_utf8_on_stdin_is_replaced_and_the_session_goes_on() {
 
 /// Run `k3 chat --plain` on the tiny model with `input` on stdin; (exit code, stderr).
 fn plain(dir: &std::path::Path, args: &[&str], input: &str) -> (i32, String) {
+    plain_on(&fixture("tiny"), dir, args, input)
+}
+
+/// [`plain`] on the model in `model`.
+fn plain_on(
+    model: &std::path::Path,
+    dir: &std::path::Path,
+    args: &[&str],
+    input: &str,
+) -> (i32, String) {
     use std::io::Write;
     let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
         .arg("chat")
-        .arg(fixture("tiny"))
+        .arg(model)
         .args(["--plain", "--greedy", "--no-think", "--max-tokens", "4"])
         .arg("--session-dir")
         .arg(dir)
@@ -629,7 +639,8 @@ fn a_session_open_in_one_process_is_refused_to_a_second() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("in use by") && err.contains(&holder), "{err}");
     // C, a new conversation, cannot save over it either.
-    let (_, err) = plain(dir.path(), &[], "from C\n/save shared\n");
+    let (code, err) = plain(dir.path(), &[], "from C\n/save shared\n");
+    assert_eq!(code, 5, "{err}");
     assert!(err.contains("NOT saved") && err.contains(&holder), "{err}");
     a.send("from A\n/save\n");
     a.wait_for("saved session \"shared\"");
@@ -693,11 +704,19 @@ fn default_names_are_readable_and_never_replace_another_session() {
     assert_eq!(code, 0, "{err}");
     let keep = dir.path().join("keep.k3session");
     let before = std::fs::read(&keep).unwrap();
-    let (_, err) = plain(dir.path(), &[], "second talk\n/save keep\n");
-    assert!(err.contains("NOT saved") && err.contains("/save! keep"), "{err}");
+    let (code, err) = plain(dir.path(), &[], "second talk\n/save keep\n");
+    assert_eq!(code, 5, "{err}");
+    assert!(
+        err.contains("NOT saved") && err.contains("/save! keep"),
+        "{err}"
+    );
     assert_eq!(std::fs::read(&keep).unwrap(), before, "keep untouched");
-    let (_, err) = plain(dir.path(), &["--session", "keep"], "third talk\n/save\n");
-    assert!(err.contains("exists already") && err.contains("NOT saved"), "{err}");
+    let (code, err) = plain(dir.path(), &["--session", "keep"], "third talk\n/save\n");
+    assert_eq!(code, 5, "{err}");
+    assert!(
+        err.contains("exists already") && err.contains("NOT saved"),
+        "{err}"
+    );
     assert_eq!(std::fs::read(&keep).unwrap(), before, "keep untouched");
     let (code, err) = plain(dir.path(), &[], "second talk\n/save! keep\n");
     assert_eq!(code, 0, "{err}");
@@ -711,4 +730,58 @@ fn default_names_are_readable_and_never_replace_another_session() {
     assert_eq!(code, 0, "{err}");
     assert!(has("second talk") && has("more talk"), "{err}");
     assert_eq!(saved_names(dir.path()).len(), 3);
+}
+
+#[test]
+fn failures_set_the_exit_status_when_stdin_is_not_a_terminal() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("sessions");
+    // 5: the answer was produced but the session was not saved. The session directory cannot
+    // be created (its parent is a file), which fails the save whoever runs the test.
+    let blocker = tmp.path().join("file");
+    std::fs::write(&blocker, b"not a directory").unwrap();
+    let (code, err) = plain(&blocker.join("sessions"), &[], "Hello K3\n/save x\n");
+    assert_eq!(code, 5, "{err}");
+    assert!(
+        err.contains("tokens/s") && err.contains("NOT saved"),
+        "{err}"
+    );
+    // A later save that succeeds clears it.
+    let (code, err) = plain(&dir, &[], "Hello K3\n/save ../x\n/save x\n");
+    assert_eq!(code, 0, "{err}");
+
+    // 3: a damaged session whose transcript verified is re-read, and the run reports it.
+    let path = dir.join("x.k3session");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = bytes.len() - 5; // the last byte of the last layer's state
+    bytes[at] ^= 0x01;
+    std::fs::write(&path, &bytes).unwrap();
+    let (code, err) = plain(&dir, &["--resume", "x"], "Why?\n");
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains("checksum") && err.contains("re-reads the history"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), bytes, "file untouched");
+
+    // 4: non-finite logits (the final norm's gains are NaN).
+    let (_model_tmp, model) = crate::bad_inputs::copy_tiny();
+    let key = "language_model.model.norm.weight";
+    let shard = (1..=3)
+        .map(|k| crate::bad_inputs::shard(&model, k))
+        .find(|p| crate::bad_inputs::split(p).0.contains_key(key))
+        .unwrap();
+    let (header, mut data) = crate::bad_inputs::split(&shard);
+    let span = &header[key]["data_offsets"];
+    let (b, e) = (
+        span[0].as_u64().unwrap() as usize,
+        span[1].as_u64().unwrap() as usize,
+    );
+    for pair in data[b..e].chunks_exact_mut(2) {
+        pair.copy_from_slice(&0x7fc0u16.to_le_bytes()); // BF16 NaN
+    }
+    crate::bad_inputs::join(&shard, &header, &data);
+    let (code, err) = plain_on(&model, &dir, &[], "Hello K3\n");
+    assert_eq!(code, 4, "{err}");
+    assert!(err.contains("finite"), "{err}");
 }

@@ -207,6 +207,10 @@ struct Ctx<'a> {
     busy_seconds: f64,
     /// Failures that decide a non-interactive run's exit status.
     outcome: Outcome,
+    /// The conversation changed since it was last saved or loaded.
+    changed: bool,
+    /// Turns run since it was last saved or loaded.
+    unsaved_turns: usize,
 }
 
 /// What went wrong during a session, for the exit status of a run whose stdin is not a
@@ -345,6 +349,8 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         current_turn,
         busy_seconds: 0.0,
         outcome: Outcome::default(),
+        changed: false,
+        unsaved_turns: 0,
     };
     ctx.session.system.clone_from(&cfg.system);
     let mut resumed = None;
@@ -402,6 +408,9 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         if !ok {
             break; // the front end is gone
         }
+    }
+    if let Some(text) = ctx.unsaved_notice() {
+        let _ = tx.send(EngineEvent::Notice { turn: 0, text });
     }
     let _ = tx.send(EngineEvent::Stopped {
         exit_code: ctx.outcome.exit_code(),
@@ -586,6 +595,10 @@ impl Ctx<'_> {
         let _ = tx.send(started);
         let result = f(&mut self.session, self.cancel, &mut emit);
         self.deferred.extend(deferred);
+        if result.is_ok() {
+            self.changed = true;
+            self.unsaved_turns += 1;
+        }
         if let Ok(r) = &result {
             self.busy_seconds += r.prefill_seconds + r.decode_seconds;
         }
@@ -926,6 +939,19 @@ impl Ctx<'_> {
     }
 
     fn command(&mut self, turn: TurnId, command: Command) -> bool {
+        let changes = matches!(
+            command,
+            Command::System(_)
+                | Command::Raw
+                | Command::Chat
+                | Command::Think(_)
+                | Command::Undo
+                | Command::Set(..)
+        );
+        let replaces = matches!(
+            command,
+            Command::New | Command::Save(_) | Command::SaveOver(_) | Command::Load(_)
+        );
         let answer: Result<String, String> = match command {
             Command::Regen => return self.turn_result(turn, |s, c, e| s.regen(c, e)),
             Command::Edit(text) => return self.turn_result(turn, |s, c, e| s.edit(&text, c, e)),
@@ -1012,9 +1038,38 @@ impl Ctx<'_> {
             Command::Help => Ok(HELP.to_string()),
             Command::Quit => Ok("bye".into()),
         };
+        if answer.is_ok() {
+            if replaces {
+                self.changed = false;
+                self.unsaved_turns = 0;
+            }
+            self.changed |= changes;
+        }
         match answer {
             Ok(text) => self.notice(turn, text),
             Err(msg) => self.failed(turn, msg),
         }
+    }
+
+    /// What is lost if the worker stops now: `None` when nothing changed since the last save
+    /// or load (or since a new conversation began).
+    fn unsaved_notice(&self) -> Option<String> {
+        if !self.changed {
+            return None;
+        }
+        let what = match self.unsaved_turns {
+            0 => "changes".to_string(),
+            1 => "1 turn".to_string(),
+            n => format!("{n} turns"),
+        };
+        Some(match (&self.name, &self.open) {
+            (Some(n), Some(open)) if open.name() == n => format!(
+                "session {n:?}: {what} since it was last saved or loaded were NOT saved (/save \
+                 before leaving keeps them)"
+            ),
+            _ => format!(
+                "this conversation ({what}) was NOT saved (/save [NAME] before leaving keeps it)"
+            ),
+        })
     }
 }

@@ -614,6 +614,34 @@ impl Live {
         }
     }
 
+    /// Send SIGINT and wait (at most a minute) for the exit with stdin still open; (exit code,
+    /// all of stderr).
+    fn interrupt(mut self) -> (i32, String) {
+        let pid = self.pid().to_string();
+        assert!(Command::new("kill")
+            .args(["-INT", &pid])
+            .status()
+            .unwrap()
+            .success());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("still running a minute after SIGINT: {}", self.seen);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        drop(self.stdin.take());
+        while let Ok(line) = self.lines.recv() {
+            self.seen.push_str(&line);
+            self.seen.push('\n');
+        }
+        (status.code().unwrap_or(-1), self.seen)
+    }
+
     /// Close stdin and wait for the exit; (exit code, all of stderr).
     fn finish(mut self) -> (i32, String) {
         drop(self.stdin.take());
@@ -784,4 +812,35 @@ fn failures_set_the_exit_status_when_stdin_is_not_a_terminal() {
     let (code, err) = plain_on(&model, &dir, &[], "Hello K3\n");
     assert_eq!(code, 4, "{err}");
     assert!(err.contains("finite"), "{err}");
+}
+
+#[test]
+fn leaving_with_unsaved_turns_says_so_and_a_last_save_still_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    // A /save right before the end of input runs, and then nothing is reported lost.
+    let (code, err) = plain(dir.path(), &[], "Hello K3\n/save x\n");
+    assert_eq!(code, 0, "{err}");
+    assert!(dir.path().join("x.k3session").is_file(), "{err}");
+    assert!(!err.contains("NOT saved"), "{err}");
+    // The end of input after an unsaved turn says so.
+    let (code, err) = plain(dir.path(), &[], "Hello K3\n");
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("this conversation (1 turn) was NOT saved"),
+        "{err}"
+    );
+    let (code, err) = plain(dir.path(), &["--resume", "x"], "Why?\nGo on.\n");
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("session \"x\": 2 turns since it was last saved or loaded were NOT saved"),
+        "{err}"
+    );
+    // Ctrl-C while waiting for input, after an unsaved turn: leaves with 130 and says so.
+    let mut live = Live::spawn(dir.path(), &[]);
+    live.wait_for("/help lists");
+    live.send("Hello K3\n");
+    live.wait_for("tokens/s");
+    let (code, err) = live.interrupt();
+    assert_eq!(code, 130, "{err}");
+    assert!(err.contains("(1 turn) was NOT saved"), "{err}");
 }

@@ -30,7 +30,8 @@ pub struct ChatArgs {
     /// Resume a saved session (no re-prefill).
     #[arg(long, value_name = "NAME")]
     pub resume: Option<String>,
-    /// Name to save the session under.
+    /// Name to save the session under [default: the first words of the conversation and the
+    /// date, with -2, -3, … when taken].
     #[arg(long, value_name = "NAME")]
     pub session: Option<String>,
     /// Directory for saved sessions (default: the user data directory).

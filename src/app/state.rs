@@ -146,6 +146,8 @@ pub enum Dialog {
     ConfirmQuit,
     /// Starting a new conversation with unsaved turns.
     ConfirmNew,
+    /// Saving over a different saved session of this name (`s` in the session dialog).
+    ConfirmReplace(String),
 }
 
 /// Where keys go.

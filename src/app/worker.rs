@@ -7,7 +7,10 @@ use crate::engine::weights::LoadInfo;
 use crate::engine::Model;
 use crate::session::chat::{Entry, Mode, Session, Settings};
 use crate::session::commands::{Command, ExportFormat, Setting, Think, HELP};
-use crate::session::store::{self, ModelIdentity, SessionRecord, SessionStore, Summary};
+use crate::session::naming;
+use crate::session::store::{
+    self, LockError, ModelIdentity, SessionLock, SessionRecord, SessionStore, Summary,
+};
 use crate::session::tokenizer::Tokenizer;
 use crate::stream::stats::{self, LayerResidency, Residency, StatsSnapshot};
 use serde::{Deserialize, Serialize};
@@ -29,7 +32,8 @@ pub struct ChatConfig {
     pub system: Option<String>,
     /// Session to resume.
     pub resume: Option<String>,
-    /// Name to save under (default: derived from the start time).
+    /// Name to save under (default: chosen at the first save from the conversation's first
+    /// words and the date).
     pub session_name: Option<String>,
     /// Session directory (default: the data directory).
     pub session_dir: Option<PathBuf>,
@@ -88,6 +92,27 @@ impl Worker {
     #[must_use]
     pub fn try_recv(&self) -> Option<EngineEvent> {
         self.rx.try_recv().ok()
+    }
+
+    /// Ask the worker to stop once the requests sent so far are answered, and wait for it;
+    /// returns every event it sent meanwhile, up to and including `Stopped`, whose exit status
+    /// is the one a non-interactive run should end with.
+    #[must_use]
+    pub fn finish(mut self) -> Vec<EngineEvent> {
+        let mut events = Vec::new();
+        if self.tx.send(Request::Shutdown).is_ok() {
+            while let Ok(ev) = self.rx.recv() {
+                let stopped = matches!(ev, EngineEvent::Stopped { .. });
+                events.push(ev);
+                if stopped {
+                    break;
+                }
+            }
+        }
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+        events
     }
 
     /// Ask the worker to stop and wait for it.
@@ -161,7 +186,12 @@ struct Ctx<'a> {
     session: Session<'a>,
     store: SessionStore,
     identity: ModelIdentity,
-    name: String,
+    /// The session's name; `None` until it is first saved without one given (it is then named
+    /// from its first words and the date).
+    name: Option<String>,
+    /// The session this process has open (resumed, loaded or saved to), locked against every
+    /// other process until another one is opened or the worker ends.
+    open: Option<SessionLock>,
     created: u64,
     tx: &'a Sender<EngineEvent>,
     /// Requests, read between tokens too (a budget change applies at the next token).
@@ -175,7 +205,45 @@ struct Ctx<'a> {
     current_turn: Arc<AtomicU64>,
     /// Seconds spent in forward passes (prefill and decode) since start.
     busy_seconds: f64,
+    /// Failures that decide a non-interactive run's exit status.
+    outcome: Outcome,
+    /// The conversation changed since it was last saved or loaded.
+    changed: bool,
+    /// Turns run since it was last saved or loaded.
+    unsaved_turns: usize,
 }
+
+/// What went wrong during a session, for the exit status of a run whose stdin is not a
+/// terminal (RELIABILITY §3.0): the front end ends interactive runs with 0 after showing each
+/// failure, and scripts get the code.
+#[derive(Clone, Copy, Debug, Default)]
+struct Outcome {
+    /// The last save attempted failed (the session is not saved).
+    unsaved: bool,
+    /// A turn failed on non-finite logits.
+    unsound: bool,
+    /// A session file was refused as damaged (its state, or all of it).
+    damaged: bool,
+}
+
+impl Outcome {
+    /// 5 when the session is not saved, else 4 for unsound output, else 3 for a damaged
+    /// session file, else 0: the failure that most needs the user first.
+    fn exit_code(self) -> i32 {
+        if self.unsaved {
+            5
+        } else if self.unsound {
+            4
+        } else if self.damaged {
+            3
+        } else {
+            0
+        }
+    }
+}
+
+/// A session's lock, and a warning when it holds none.
+type Claim = (SessionLock, Option<String>);
 
 /// Least time between two `Stats` events while a turn runs.
 const STATS_INTERVAL_S: f64 = 0.2;
@@ -270,10 +338,8 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         session,
         store,
         identity,
-        name: cfg
-            .session_name
-            .clone()
-            .unwrap_or_else(|| format!("session-{}", unix_now())),
+        name: cfg.session_name.clone(),
+        open: None,
         created: unix_now(),
         tx,
         rx,
@@ -282,6 +348,9 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         model_bytes: info.bytes_read,
         current_turn,
         busy_seconds: 0.0,
+        outcome: Outcome::default(),
+        changed: false,
+        unsaved_turns: 0,
     };
     ctx.session.system.clone_from(&cfg.system);
     let mut resumed = None;
@@ -291,17 +360,25 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
             Err((msg, code)) => return fail(msg, code),
         }
     }
+    let session_label = match &ctx.name {
+        Some(n) => format!("session {n:?}"),
+        None => "new session (named when first saved)".to_string(),
+    };
     let mut info_line = format!(
-        "k3: {} ({} layers, vocabulary {}), session {:?}, {} mode",
+        "k3: {} ({} layers, vocabulary {}), {session_label}, {} mode",
         cfg.model_dir.display(),
         model.cfg.num_hidden_layers,
         model.cfg.vocab_size,
-        ctx.name,
         ctx.session.mode.name()
     );
     if let Some(msg) = resumed {
         info_line.push('\n');
         info_line.push_str(&msg);
+    } else if let Some(n) = ctx.name.as_ref().filter(|n| ctx.store.exists(n)) {
+        info_line.push_str(&format!(
+            "\nsession {n:?} exists already and is not replaced by /save: --resume {n} \
+             continues it, /save! replaces it"
+        ));
     }
     if stale > 0 {
         info_line.push_str(&format!(
@@ -332,7 +409,12 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
             break; // the front end is gone
         }
     }
-    let _ = tx.send(EngineEvent::Stopped { exit_code: 0 });
+    if let Some(text) = ctx.unsaved_notice() {
+        let _ = tx.send(EngineEvent::Notice { turn: 0, text });
+    }
+    let _ = tx.send(EngineEvent::Stopped {
+        exit_code: ctx.outcome.exit_code(),
+    });
 }
 
 impl Ctx<'_> {
@@ -513,6 +595,10 @@ impl Ctx<'_> {
         let _ = tx.send(started);
         let result = f(&mut self.session, self.cancel, &mut emit);
         self.deferred.extend(deferred);
+        if result.is_ok() {
+            self.changed = true;
+            self.unsaved_turns += 1;
+        }
         if let Ok(r) = &result {
             self.busy_seconds += r.prefill_seconds + r.decode_seconds;
         }
@@ -534,7 +620,12 @@ impl Ctx<'_> {
                         report: Box::new(report),
                     })
             }
-            Err(e) => alive && self.failed(turn, e.to_string()),
+            Err(e) => {
+                if matches!(e, crate::session::chat::TurnError::Sample(_)) {
+                    self.outcome.unsound = true;
+                }
+                alive && self.failed(turn, e.to_string())
+            }
         }
     }
 
@@ -542,7 +633,7 @@ impl Ctx<'_> {
         self.turn_result(turn, |s, c, e| s.send(text, c, e))
     }
 
-    fn record(&self) -> Result<SessionRecord, String> {
+    fn record(&self, name: &str) -> Result<SessionRecord, String> {
         let s = &self.session;
         let transcript = SavedTranscript {
             system: s.system.clone(),
@@ -551,7 +642,7 @@ impl Ctx<'_> {
             pending: s.pending(),
         };
         Ok(SessionRecord {
-            name: self.name.clone(),
+            name: name.to_string(),
             created_unix: self.created,
             saved_unix: unix_now(),
             identity: self.identity,
@@ -577,10 +668,42 @@ impl Ctx<'_> {
         Ok(t.pending)
     }
 
-    /// Load `name`: full restore, or the transcript alone when the state is refused. The error
-    /// carries the exit status a non-interactive caller should use.
+    /// Load `name`: full restore, or the transcript alone when the state is refused. The
+    /// session is locked first, and stays locked while it is open here; one that another
+    /// process has open is refused with that process's pid. The error carries the exit status
+    /// a non-interactive caller should use.
     fn load(&mut self, name: &str) -> Result<String, (String, i32)> {
-        self.load_inner(name)
+        let claim = self.claim_to_open(name)?;
+        let mut msg = self.load_inner(name)?;
+        if let Some((lock, warning)) = claim {
+            if let Some(w) = warning {
+                msg.push('\n');
+                msg.push_str(&w);
+            }
+            self.open = Some(lock);
+        }
+        Ok(msg)
+    }
+
+    /// The lock to hold once `name` is opened: `None` when it is open here already or there is
+    /// no such session (the load then says so). Where no lock can be taken for another reason
+    /// (a read-only session directory) the session opens unguarded, with a warning.
+    fn claim_to_open(&self, name: &str) -> Result<Option<Claim>, (String, i32)> {
+        if self.open.as_ref().is_some_and(|l| l.name() == name) || !self.store.exists(name) {
+            return Ok(None);
+        }
+        match self.store.lock(name) {
+            Ok(lock) => Ok(Some((lock, None))),
+            Err(e @ LockError::Io { .. }) => {
+                let lock = SessionLock::unlocked(name).map_err(|n| (n.to_string(), 2))?;
+                let warning = format!(
+                    "warning: {e}; the session is open without a lock, so another process could \
+                     save over it"
+                );
+                Ok(Some((lock, Some(warning))))
+            }
+            Err(e) => Err((e.to_string(), e.exit_code())),
+        }
     }
 
     fn load_inner(&mut self, name: &str) -> Result<String, (String, i32)> {
@@ -616,7 +739,7 @@ impl Ctx<'_> {
                 self.session
                     .restore(rec.tokens, rec.state, pending, rec.rng_state)
                     .map_err(|e| refused(e.to_string()))?;
-                self.name = rec.name;
+                self.name = Some(rec.name);
                 self.created = rec.created_unix;
                 Ok(format!(
                     "loaded session {name:?}: {} turns, {} positions, no re-prefill needed",
@@ -628,9 +751,10 @@ impl Ctx<'_> {
                 reason,
                 transcript_json,
             }) => {
+                self.outcome.damaged |= reason.is_damage();
                 self.session.reset().map_err(|e| refused(e.to_string()))?;
                 self.apply_transcript(&transcript_json).map_err(refused)?;
-                self.name = name.to_string();
+                self.name = Some(name.to_string());
                 Ok(format!(
                     "session {name:?}: the saved state was refused ({reason}); its transcript \
                      is loaded and the next turn re-reads the history"
@@ -640,20 +764,75 @@ impl Ctx<'_> {
         }
     }
 
-    fn save(&mut self, name: Option<String>) -> Result<String, String> {
-        if let Some(n) = name {
-            self.name = n;
-        }
-        let rec = self.record()?;
+    /// Save under `name` (default: the session's name, or a new one from its first words and
+    /// the date). A session saved to for the first time is locked first (refused, unsaved, when
+    /// another process has it open) and stays locked; a different saved session of that name
+    /// is replaced only when `replace` is set (`/save!`).
+    fn save(&mut self, name: Option<String>, replace: bool) -> Result<String, String> {
+        let (target, claim) = match name.or_else(|| self.name.clone()) {
+            Some(target) => match &self.open {
+                Some(l) if l.name() == target => (target, None),
+                _ => {
+                    let lock = self
+                        .store
+                        .lock(&target)
+                        .map_err(|e| e.into_save_error().to_string())?;
+                    if !replace && self.store.exists(&target) {
+                        return Err(format!(
+                            "session {target:?} NOT saved: a different saved session has that \
+                             name; /save! {target} replaces it, /save OTHER-NAME keeps both"
+                        ));
+                    }
+                    (target, Some(lock))
+                }
+            },
+            None => {
+                let base = naming::default_name(&self.first_text(), unix_now());
+                let lock = self
+                    .store
+                    .claim_new(&base)
+                    .map_err(|e| e.into_save_error().to_string())?
+                    .ok_or_else(|| {
+                        format!(
+                            "session NOT saved: {base} and its numbered variants up to -{} are \
+                             all taken; /save NAME picks another name",
+                            naming::MAX_SUFFIX
+                        )
+                    })?;
+                (lock.name().to_string(), Some(lock))
+            }
+        };
+        let rec = self.record(&target)?;
         let t0 = std::time::Instant::now();
-        let bytes = self.store.save(&rec).map_err(|e| e.to_string())?;
-        Ok(format!(
-            "saved session {:?} ({} positions, {:.1} KB, {:.0} ms)",
-            self.name,
+        let saved = match claim.as_ref().or(self.open.as_ref()) {
+            Some(lock) => self.store.save_locked(&rec, lock),
+            None => self.store.save(&rec),
+        };
+        let bytes = saved.map_err(|e| e.to_string())?;
+        if let Some(lock) = claim {
+            self.open = Some(lock);
+        }
+        let answer = format!(
+            "saved session {target:?} ({} positions, {:.1} KB, {:.0} ms)",
             rec.tokens.len(),
             bytes as f64 / 1e3,
             t0.elapsed().as_secs_f64() * 1e3
-        ))
+        );
+        self.name = Some(target);
+        Ok(answer)
+    }
+
+    /// The first message (or raw text) of the conversation, for its default name.
+    fn first_text(&self) -> String {
+        self.session
+            .entries
+            .iter()
+            .find_map(|e| match e {
+                Entry::Message { role, content, .. } if role == "user" => Some(content.clone()),
+                Entry::Raw { prompt, .. } => Some(prompt.clone()),
+                _ => None,
+            })
+            .unwrap_or_default()
     }
 
     fn sessions(&self) -> Result<String, String> {
@@ -696,7 +875,7 @@ impl Ctx<'_> {
                 serde_json::to_string_pretty(&t).map_err(|e| e.to_string())?
             }
             ExportFormat::Markdown => {
-                let mut md = format!("# {}\n", self.name);
+                let mut md = format!("# {}\n", self.name.as_deref().unwrap_or("k3 conversation"));
                 if let Some(sys) = &s.system {
                     md.push_str(&format!("\n**system**\n\n{sys}\n"));
                 }
@@ -760,6 +939,19 @@ impl Ctx<'_> {
     }
 
     fn command(&mut self, turn: TurnId, command: Command) -> bool {
+        let changes = matches!(
+            command,
+            Command::System(_)
+                | Command::Raw
+                | Command::Chat
+                | Command::Think(_)
+                | Command::Undo
+                | Command::Set(..)
+        );
+        let replaces = matches!(
+            command,
+            Command::New | Command::Save(_) | Command::SaveOver(_) | Command::Load(_)
+        );
         let answer: Result<String, String> = match command {
             Command::Regen => return self.turn_result(turn, |s, c, e| s.regen(c, e)),
             Command::Edit(text) => return self.turn_result(turn, |s, c, e| s.edit(&text, c, e)),
@@ -816,8 +1008,20 @@ impl Ctx<'_> {
                 .undo()
                 .map(|()| "last exchange removed".into())
                 .map_err(|e| e.to_string()),
-            Command::Save(name) => self.save(name),
-            Command::Load(name) => self.load(&name).map_err(|(m, _)| m),
+            Command::Save(name) => {
+                let r = self.save(name, false);
+                self.outcome.unsaved = r.is_err();
+                r
+            }
+            Command::SaveOver(name) => {
+                let r = self.save(name, true);
+                self.outcome.unsaved = r.is_err();
+                r
+            }
+            Command::Load(name) => self.load(&name).map_err(|(m, code)| {
+                self.outcome.damaged |= code == 3;
+                m
+            }),
             Command::Sessions => self.sessions(),
             Command::Export(fmt, path) => self.export(fmt, &path),
             Command::Set(setting, v) => self.set(setting, v),
@@ -834,9 +1038,38 @@ impl Ctx<'_> {
             Command::Help => Ok(HELP.to_string()),
             Command::Quit => Ok("bye".into()),
         };
+        if answer.is_ok() {
+            if replaces {
+                self.changed = false;
+                self.unsaved_turns = 0;
+            }
+            self.changed |= changes;
+        }
         match answer {
             Ok(text) => self.notice(turn, text),
             Err(msg) => self.failed(turn, msg),
         }
+    }
+
+    /// What is lost if the worker stops now: `None` when nothing changed since the last save
+    /// or load (or since a new conversation began).
+    fn unsaved_notice(&self) -> Option<String> {
+        if !self.changed {
+            return None;
+        }
+        let what = match self.unsaved_turns {
+            0 => "changes".to_string(),
+            1 => "1 turn".to_string(),
+            n => format!("{n} turns"),
+        };
+        Some(match (&self.name, &self.open) {
+            (Some(n), Some(open)) if open.name() == n => format!(
+                "session {n:?}: {what} since it was last saved or loaded were NOT saved (/save \
+                 before leaving keeps them)"
+            ),
+            _ => format!(
+                "this conversation ({what}) was NOT saved (/save [NAME] before leaving keeps it)"
+            ),
+        })
     }
 }

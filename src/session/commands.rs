@@ -86,8 +86,11 @@ pub enum Command {
     Undo,
     /// Replace the last user message and regenerate.
     Edit(String),
-    /// Save the session (under its name, or a new one).
+    /// Save the session (under its name, or a new one); refused over a different saved
+    /// session of that name.
     Save(Option<String>),
+    /// `/save!`: save, replacing a different saved session of that name.
+    SaveOver(Option<String>),
     /// Load a saved session.
     Load(String),
     /// List saved sessions.
@@ -115,7 +118,7 @@ pub const HELP: &str = "\
 /regen                    regenerate the last reply
 /undo                     remove the last exchange
 /edit TEXT                replace your last message and regenerate
-/save [NAME]              save the session
+/save[!] [NAME]           save the session; /save! replaces another saved session
 /load NAME                load a saved session
 /sessions                 list saved sessions
 /export md|json PATH      write the transcript to a file
@@ -195,6 +198,9 @@ pub fn parse(line: &str) -> Option<Result<Command, String>> {
         "edit" if arg.is_empty() => Err("/edit needs the new text of your last message".into()),
         "edit" => Ok(Command::Edit(arg.to_string())),
         "save" => Ok(Command::Save((!arg.is_empty()).then(|| arg.to_string()))),
+        "save!" => Ok(Command::SaveOver(
+            (!arg.is_empty()).then(|| arg.to_string()),
+        )),
         "load" if arg.is_empty() => Err("/load needs a session name (see /sessions)".into()),
         "load" => Ok(Command::Load(arg.to_string())),
         "sessions" => no_arg(Command::Sessions),
@@ -260,6 +266,8 @@ mod tests {
             ("/edit hi there", Command::Edit("hi there".into())),
             ("/save", Command::Save(None)),
             ("/save s1", Command::Save(Some("s1".into()))),
+            ("/save! s1", Command::SaveOver(Some("s1".into()))),
+            ("/save!", Command::SaveOver(None)),
             ("/load s1", Command::Load("s1".into())),
             ("/sessions", Command::Sessions),
             (

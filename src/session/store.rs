@@ -301,6 +301,15 @@ pub enum Refusal {
     },
 }
 
+impl Refusal {
+    /// Whether the file is damaged or unreadable by this build, as opposed to intact but
+    /// written for another model or model config.
+    #[must_use]
+    pub fn is_damage(&self) -> bool {
+        !matches!(self, Refusal::Identity { .. } | Refusal::Layout { .. })
+    }
+}
+
 fn magic_hint(found: &[u8]) -> &'static str {
     if found.starts_with(b"K3ST") {
         " (this is a raw engine state file, not a session)"
@@ -550,11 +559,72 @@ pub enum SaveError {
     },
 }
 
+/// The lock on a session could not be taken.
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    /// The name is not a valid session name.
+    #[error(transparent)]
+    BadName(#[from] NameError),
+    /// Another process has the session open.
+    #[error(
+        "session {name:?} is in use by {holder}: another k3 has it open, and two processes on \
+         one session would overwrite each other's turns; leave it there first"
+    )]
+    InUse {
+        /// Session name.
+        name: String,
+        /// Who holds it, as recorded in the lock file.
+        holder: String,
+    },
+    /// Creating the directory or the lock file, or locking it, failed.
+    #[error("session {name:?}: {step} failed: {source}")]
+    Io {
+        /// Session name.
+        name: String,
+        /// [`SaveStep::CreateDir`] or [`SaveStep::Lock`].
+        step: SaveStep,
+        /// OS error.
+        source: io::Error,
+    },
+}
+
+impl LockError {
+    /// Exit status: 2 for a bad name or a session in use (refused before any work), 1 for I/O.
+    #[must_use]
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            LockError::BadName(_) | LockError::InUse { .. } => 2,
+            LockError::Io { .. } => 1,
+        }
+    }
+
+    /// The same failure as a save error (the session was not saved).
+    #[must_use]
+    pub fn into_save_error(self) -> SaveError {
+        match self {
+            LockError::BadName(e) => SaveError::BadName(e),
+            LockError::InUse { name, holder } => SaveError::InUse { name, holder },
+            LockError::Io { name, step, source } => SaveError::Io {
+                name,
+                step,
+                need: 0,
+                replaced: false,
+                source,
+            },
+        }
+    }
+}
+
 fn io_cause(e: &io::Error, need: u64) -> String {
+    let need = if need > 0 {
+        format!(" (need {need} bytes)")
+    } else {
+        String::new()
+    };
     match e.kind() {
-        io::ErrorKind::StorageFull => format!("disk full (need {need} bytes): {e}"),
-        io::ErrorKind::QuotaExceeded => format!("disk quota exceeded (need {need} bytes): {e}"),
-        io::ErrorKind::FileTooLarge => format!("file too large (need {need} bytes): {e}"),
+        io::ErrorKind::StorageFull => format!("disk full{need}: {e}"),
+        io::ErrorKind::QuotaExceeded => format!("disk quota exceeded{need}: {e}"),
+        io::ErrorKind::FileTooLarge => format!("file too large{need}: {e}"),
         _ => e.to_string(),
     }
 }
@@ -2091,6 +2161,43 @@ fn acquire_lock(path: &Path) -> io::Result<Lock> {
     }
 }
 
+/// A process's claim on one session name, held from the moment the process opens the session
+/// (resumes, loads or first saves it) until it lets go of it: an exclusive advisory lock
+/// (`flock`) on the hidden file `.NAME.lock` beside the session, which records the holder's pid
+/// and start time for the message a second process gets. The kernel drops the lock however the
+/// process ends (`kill -9` included), so a lock never goes stale; the small file stays, because
+/// removing a lock file races with a process that is opening it.
+#[derive(Debug)]
+pub struct SessionLock {
+    name: String,
+    /// `None` where the file system offers no locks (saves are then atomic but unguarded).
+    file: Option<File>,
+}
+
+impl SessionLock {
+    /// A claim on `name` that holds no lock, for a session that is open where no lock could be
+    /// taken (a read-only session directory): saves through it are still atomic.
+    pub fn unlocked(name: &str) -> Result<SessionLock, NameError> {
+        validate_name(name)?;
+        Ok(SessionLock {
+            name: name.to_string(),
+            file: None,
+        })
+    }
+
+    /// The session name.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether an advisory lock is held (false where none could be taken).
+    #[must_use]
+    pub fn is_held(&self) -> bool {
+        self.file.is_some()
+    }
+}
+
 /// The session name and writer pid of one of our temporary files.
 fn parse_temp_name(file_name: &str) -> Option<(&str, u32)> {
     let rest = file_name.strip_prefix('.')?;
@@ -2146,6 +2253,32 @@ impl SessionStore {
     /// file is removed and the previous session file is left as it was (unless the failure is
     /// the directory fsync after the rename, which the error reports).
     pub fn save_with<I: SaveIo>(&self, rec: &SessionRecord, io: &mut I) -> Result<u64, SaveError> {
+        self.save_inner(rec, None, io)
+    }
+
+    /// [`SessionStore::save`] for a process that holds the session's lock (see
+    /// [`SessionStore::lock`]): the save goes through that lock instead of taking its own.
+    /// A lock on another name is not used; the save then takes its own as `save` does.
+    pub fn save_locked(&self, rec: &SessionRecord, lock: &SessionLock) -> Result<u64, SaveError> {
+        self.save_inner(rec, Some(lock), &mut OsIo)
+    }
+
+    /// [`SessionStore::save_locked`] through the given file operations.
+    pub fn save_locked_with<I: SaveIo>(
+        &self,
+        rec: &SessionRecord,
+        lock: &SessionLock,
+        io: &mut I,
+    ) -> Result<u64, SaveError> {
+        self.save_inner(rec, Some(lock), io)
+    }
+
+    fn save_inner<I: SaveIo>(
+        &self,
+        rec: &SessionRecord,
+        held: Option<&SessionLock>,
+        io: &mut I,
+    ) -> Result<u64, SaveError> {
         let target = self.path_of(&rec.name)?;
         let name = rec.name.clone();
         let plan = plan_record(rec).map_err(|problem| SaveError::Record {
@@ -2169,16 +2302,20 @@ impl SessionStore {
         }
         db.create(&self.dir)
             .map_err(|e| fail(SaveStep::CreateDir, false, e))?;
-        let _lock = match acquire_lock(&self.lock_path(&rec.name)) {
-            Ok(Lock::Held(f)) => Some(f),
-            Ok(Lock::Unsupported) => None,
-            Ok(Lock::InUse(holder)) => {
-                return Err(SaveError::InUse {
-                    name: name.clone(),
-                    holder,
-                })
-            }
-            Err(e) => return Err(fail(SaveStep::Lock, false, e)),
+        let held = held.filter(|l| l.name == rec.name);
+        let _lock = match held {
+            Some(_) => None,
+            None => match acquire_lock(&self.lock_path(&rec.name)) {
+                Ok(Lock::Held(f)) => Some(f),
+                Ok(Lock::Unsupported) => None,
+                Ok(Lock::InUse(holder)) => {
+                    return Err(SaveError::InUse {
+                        name: name.clone(),
+                        holder,
+                    })
+                }
+                Err(e) => return Err(fail(SaveStep::Lock, false, e)),
+            },
         };
 
         let (tmp, mut file) = self
@@ -2206,6 +2343,68 @@ impl SessionStore {
         io.sync_dir(&self.dir)
             .map_err(|e| fail(SaveStep::SyncDir, true, e))?;
         Ok(need)
+    }
+
+    /// Takes the lock of session `name` for as long as the returned claim lives (see
+    /// [`SessionLock`]), creating the session directory if needed. Refused with the holder's pid
+    /// when another process has the session open; where the file system has no locks the claim
+    /// holds none.
+    pub fn lock(&self, name: &str) -> Result<SessionLock, LockError> {
+        validate_name(name)?;
+        let io_err = |step, source| LockError::Io {
+            name: name.to_string(),
+            step,
+            source,
+        };
+        let mut db = fs::DirBuilder::new();
+        db.recursive(true);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            db.mode(0o700);
+        }
+        db.create(&self.dir)
+            .map_err(|e| io_err(SaveStep::CreateDir, e))?;
+        let file = match acquire_lock(&self.lock_path(name)) {
+            Ok(Lock::Held(f)) => Some(f),
+            Ok(Lock::Unsupported) => None,
+            Ok(Lock::InUse(holder)) => {
+                return Err(LockError::InUse {
+                    name: name.to_string(),
+                    holder,
+                })
+            }
+            Err(e) => return Err(io_err(SaveStep::Lock, e)),
+        };
+        Ok(SessionLock {
+            name: name.to_string(),
+            file,
+        })
+    }
+
+    /// Claims the first free name of `base`, `base-2`, … `base-999` (see
+    /// [`crate::session::naming`]); `None` when all are taken. Free means that no session file
+    /// of that name exists and no other process has it locked. The lock is taken before the
+    /// name is checked, so two processes never pick the same one.
+    pub fn claim_new(&self, base: &str) -> Result<Option<SessionLock>, LockError> {
+        use crate::session::naming::{with_suffix, MAX_SUFFIX};
+        validate_name(&with_suffix(base, MAX_SUFFIX))?;
+        for k in 1..=MAX_SUFFIX {
+            let name = with_suffix(base, k);
+            match self.lock(&name) {
+                Ok(lock) if !self.exists(&name) => return Ok(Some(lock)),
+                Ok(_) | Err(LockError::InUse { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether something (a session file, or anything else) is at session `name`'s path.
+    #[must_use]
+    pub fn exists(&self, name: &str) -> bool {
+        self.path_of(name)
+            .is_ok_and(|p| fs::symlink_metadata(p).is_ok())
     }
 
     fn create_temp<I: SaveIo>(&self, name: &str, io: &mut I) -> io::Result<(PathBuf, I::File)> {
@@ -3369,6 +3568,57 @@ mod tests {
             &store.load("shared", &cfg, &identity()).unwrap(),
             &first
         ));
+    }
+
+    #[test]
+    fn a_held_session_lock_refuses_every_other_claim_until_dropped() {
+        let (_dir, store, cfg) = setup();
+        let first = record(&cfg, "held", 7, 1);
+        let lock = store.lock("held").unwrap();
+        assert_eq!(lock.name(), "held");
+        // Saves through the claim go through; everyone else is refused with the holder's pid.
+        store.save_locked(&first, &lock).unwrap();
+        let e = store.lock("held").unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, LockError::InUse { .. }), "{text}");
+        assert!(
+            text.contains(&format!("pid {}", std::process::id())),
+            "{text}"
+        );
+        assert_eq!(e.exit_code(), 2);
+        let e = store.save(&record(&cfg, "held", 8, 2)).unwrap_err();
+        assert!(matches!(e, SaveError::InUse { .. }), "{e}");
+        // A claim on another name does not cover this one.
+        let other = store.lock("other").unwrap();
+        let e = store
+            .save_locked(&record(&cfg, "held", 8, 2), &other)
+            .unwrap_err();
+        assert!(matches!(e, SaveError::InUse { .. }), "{e}");
+        assert!(same(
+            &store.load("held", &cfg, &identity()).unwrap(),
+            &first
+        ));
+        drop(lock);
+        let again = store.lock("held").unwrap();
+        assert!(again.is_held());
+        assert!(store.exists("held") && !store.exists("other"));
+        let bad = store.lock("../x").unwrap_err();
+        assert_eq!(bad.exit_code(), 2);
+    }
+
+    #[test]
+    fn new_names_skip_saved_and_locked_sessions() {
+        let (_dir, store, cfg) = setup();
+        store.save(&record(&cfg, "talk", 3, 1)).unwrap();
+        let held = store.lock("talk-2").unwrap();
+        let first = store.claim_new("talk").unwrap().unwrap();
+        assert_eq!(first.name(), "talk-3");
+        let second = store.claim_new("talk").unwrap().unwrap();
+        assert_eq!(second.name(), "talk-4");
+        drop((held, first));
+        let third = store.claim_new("talk").unwrap().unwrap();
+        assert_eq!(third.name(), "talk-2");
+        assert!(store.claim_new("../up").is_err());
     }
 
     #[test]

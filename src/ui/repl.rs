@@ -1,6 +1,8 @@
 //! The plain REPL: one line (or a `\`-continued block) per message, replies streamed as they
 //! are generated, Ctrl-C stops the reply and keeps the session, a second Ctrl-C while idle
-//! leaves. Used for `k3 chat --plain` and whenever stdin or stdout is not a terminal.
+//! leaves. Used for `k3 chat --plain` and whenever stdin or stdout is not a terminal. A request
+//! that has started (a `/save` included) is always answered before the REPL leaves, and
+//! leaving with unsaved changes, at the end of input or on Ctrl-C, says they were not saved.
 
 use crate::app::protocol::{EngineEvent, Request, TurnId};
 use crate::app::worker::Worker;
@@ -10,7 +12,12 @@ use crate::session::template::TolerantParser;
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
+use std::time::Duration;
+
+/// How often a REPL waiting for a stdin line checks for Ctrl-C.
+const SIGINT_POLL: Duration = Duration::from_millis(50);
 
 /// REPL options.
 #[derive(Clone, Debug, Default)]
@@ -24,7 +31,10 @@ pub struct ReplOptions {
 /// Where input lines come from.
 enum Input {
     Editor(Box<rustyline::DefaultEditor>),
-    /// Plain stdin and the number of lines read so far.
+    /// Lines of plain stdin read by a thread, so that a Ctrl-C while waiting for one is seen
+    /// here; and the number of lines received so far.
+    Lines(Receiver<(String, bool)>, usize),
+    /// Plain stdin read here (when no thread could be started), and the lines read so far.
     Stdin(std::io::StdinLock<'static>, usize),
 }
 
@@ -58,11 +68,32 @@ impl Input {
                 return Input::Editor(Box::new(ed));
             }
         }
-        Input::Stdin(std::io::stdin().lock(), 0)
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = std::thread::Builder::new()
+            .name("k3-stdin".into())
+            .spawn(move || {
+                let mut stdin = std::io::stdin().lock();
+                while let Some(line) = read_lossy_line(&mut stdin) {
+                    if tx.send(line).is_err() {
+                        break;
+                    }
+                }
+            });
+        match reader {
+            Ok(_) => Input::Lines(rx, 0),
+            Err(_) => Input::Stdin(std::io::stdin().lock(), 0),
+        }
     }
 
-    /// One logical input: lines ending in `\` continue. `None` at end of input.
-    fn read(&mut self, interrupted: &AtomicBool) -> Option<String> {
+    /// Whether a Ctrl-C while waiting for input is seen by [`Input::read`] (else it must end
+    /// the process from the signal handler).
+    fn sees_sigint(&self) -> bool {
+        matches!(self, Input::Lines(..))
+    }
+
+    /// One logical input: lines ending in `\` continue. `None` at end of input, or when
+    /// Ctrl-C was pressed (then `interrupted` is set); `sigint` is the flag the signal sets.
+    fn read(&mut self, interrupted: &AtomicBool, sigint: &AtomicBool) -> Option<String> {
         let mut text = String::new();
         let mut prompt = "> ";
         loop {
@@ -79,6 +110,23 @@ impl Input {
                         continue;
                     }
                     Err(_) => return None,
+                },
+                Input::Lines(rx, n) => match next_line(rx, sigint) {
+                    Err(()) => {
+                        interrupted.store(true, Ordering::Relaxed);
+                        return None;
+                    }
+                    Ok(Some((l, lossy))) => {
+                        *n += 1;
+                        if lossy {
+                            eprintln!(
+                                "k3: input line {n}: invalid UTF-8, the bad bytes were replaced \
+                                 with U+FFFD"
+                            );
+                        }
+                        l
+                    }
+                    Ok(None) => return (!text.is_empty()).then_some(text),
                 },
                 Input::Stdin(stdin, n) => match read_lossy_line(stdin) {
                     Some((l, lossy)) => {
@@ -114,6 +162,24 @@ impl Input {
                 let _ = std::fs::create_dir_all(dir);
             }
             let _ = ed.save_history(h);
+        }
+    }
+}
+
+/// The next line from the stdin thread; `Ok(None)` at the end of input, `Err` when Ctrl-C came
+/// first.
+fn next_line(
+    rx: &Receiver<(String, bool)>,
+    sigint: &AtomicBool,
+) -> Result<Option<(String, bool)>, ()> {
+    loop {
+        if sigint.load(Ordering::Relaxed) {
+            return Err(());
+        }
+        match rx.recv_timeout(SIGINT_POLL) {
+            Ok(line) => return Ok(Some(line)),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return Ok(None),
         }
     }
 }
@@ -188,14 +254,18 @@ fn summary(r: &TurnReport) -> String {
 #[must_use]
 pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
     let cancel = worker.cancel_flag();
-    let idle = Arc::new(AtomicBool::new(true));
-    // Ctrl-C while generating stops the reply; while idle it leaves (status 130).
+    // Ctrl-C while a request is served stops the reply. While the model loads it ends the
+    // process at once (status 130); while waiting for input the read loop sees it and leaves
+    // after saying what was not saved (the line editor reports it as a key instead).
+    let exit_now = Arc::new(AtomicBool::new(true));
+    let sigint = Arc::new(AtomicBool::new(false));
     let _ = signal_hook::flag::register_conditional_shutdown(
         signal_hook::consts::SIGINT,
         130,
-        Arc::clone(&idle),
+        Arc::clone(&exit_now),
     );
     let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&cancel));
+    let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&sigint));
     let mut out = std::io::stdout();
     let mut err = std::io::stderr();
     loop {
@@ -216,12 +286,13 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
         }
     }
     let mut input = Input::new(opts);
+    let exit_when_idle = !input.sees_sigint();
     let interrupted = AtomicBool::new(false);
     let mut turn: TurnId = 0;
     let mut exit_code = 0;
     loop {
-        idle.store(true, Ordering::Relaxed);
-        let Some(line) = input.read(&interrupted) else {
+        exit_now.store(exit_when_idle, Ordering::Relaxed);
+        let Some(line) = input.read(&interrupted, &sigint) else {
             break;
         };
         if line.trim().is_empty() {
@@ -248,7 +319,7 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
             }
         };
         cancel.store(false, Ordering::Relaxed);
-        idle.store(false, Ordering::Relaxed);
+        exit_now.store(false, Ordering::Relaxed);
         if !worker.send(request) {
             exit_code = 1;
             break;
@@ -279,6 +350,8 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
                     }
                 }
                 Some(EngineEvent::TurnDone { turn: t, report }) if t == turn => {
+                    // A Ctrl-C up to the answer stopped this request; only a later one leaves.
+                    sigint.store(false, Ordering::Relaxed);
                     if let Some((p, r_at, c_at)) = view.as_mut().filter(|_| !opts.jsonl) {
                         p.finish();
                         let _ = out.write_all(safe(&show_new(p, r_at, c_at)).as_bytes());
@@ -292,10 +365,12 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
                     break;
                 }
                 Some(EngineEvent::Notice { turn: t, text }) if t == turn => {
+                    sigint.store(false, Ordering::Relaxed);
                     let _ = writeln!(err, "{}", safe(&text));
                     break;
                 }
                 Some(EngineEvent::Failed { turn: t, message }) if t == turn => {
+                    sigint.store(false, Ordering::Relaxed);
                     let _ = writeln!(err, "error: {}", safe(&message));
                     break;
                 }
@@ -306,9 +381,21 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
         }
     }
     input.save_history(opts);
-    worker.shutdown();
+    let mut reported = 0;
+    for ev in worker.finish() {
+        match ev {
+            EngineEvent::Notice { text, .. } => {
+                let _ = writeln!(err, "k3: {}", safe(&text));
+            }
+            EngineEvent::Stopped { exit_code: c } => reported = c,
+            _ => {}
+        }
+    }
     if interrupted.load(Ordering::Relaxed) {
         exit_code = 130;
+    } else if exit_code == 0 && !std::io::stdin().is_terminal() {
+        // A script learns what went wrong: 5 not saved, 4 unsound output, 3 a damaged file.
+        exit_code = reported;
     }
     exit_code
 }

@@ -512,3 +512,335 @@ fn invalid_utf8_on_stdin_is_replaced_and_the_session_goes_on() {
     assert_eq!(turns.len(), 2, "{err}");
     assert!(dir.path().join("x.k3session").is_file(), "{err}");
 }
+
+/// Run `k3 chat --plain` on the tiny model with `input` on stdin; (exit code, stderr).
+fn plain(dir: &std::path::Path, args: &[&str], input: &str) -> (i32, String) {
+    plain_on(&fixture("tiny"), dir, args, input)
+}
+
+/// [`plain`] on the model in `model`.
+fn plain_on(
+    model: &std::path::Path,
+    dir: &std::path::Path,
+    args: &[&str],
+    input: &str,
+) -> (i32, String) {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .arg("chat")
+        .arg(model)
+        .args(["--plain", "--greedy", "--no-think", "--max-tokens", "4"])
+        .arg("--session-dir")
+        .arg(dir)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A run refused at start may be gone before its input is written.
+    let _ = child.stdin.take().unwrap().write_all(input.as_bytes());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!err.contains("panicked"), "{err}");
+    (out.status.code().unwrap_or(-1), err)
+}
+
+/// A `k3 chat --plain` process whose stdin stays open, with its stderr read as it comes.
+struct Live {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    lines: std::sync::mpsc::Receiver<String>,
+    seen: String,
+}
+
+impl Live {
+    fn spawn(dir: &std::path::Path, args: &[&str]) -> Live {
+        use std::io::BufRead;
+        let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
+            .arg("chat")
+            .arg(fixture("tiny"))
+            .args(["--plain", "--greedy", "--no-think", "--max-tokens", "4"])
+            .arg("--session-dir")
+            .arg(dir)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take();
+        let err = child.stderr.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(err).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Live {
+            child,
+            stdin,
+            lines,
+            seen: String::new(),
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn send(&mut self, text: &str) {
+        use std::io::Write;
+        let stdin = self.stdin.as_mut().unwrap();
+        stdin.write_all(text.as_bytes()).unwrap();
+        stdin.flush().unwrap();
+    }
+
+    /// Wait until stderr has shown `needle` (at most a minute).
+    fn wait_for(&mut self, needle: &str) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !self.seen.contains(needle) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.seen.push_str(&line);
+                    self.seen.push('\n');
+                }
+                Err(_) => panic!("no {needle:?} on stderr: {}", self.seen),
+            }
+        }
+    }
+
+    /// Send SIGINT and wait (at most a minute) for the exit with stdin still open; (exit code,
+    /// all of stderr).
+    fn interrupt(mut self) -> (i32, String) {
+        let pid = self.pid().to_string();
+        assert!(Command::new("kill")
+            .args(["-INT", &pid])
+            .status()
+            .unwrap()
+            .success());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("still running a minute after SIGINT: {}", self.seen);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        drop(self.stdin.take());
+        while let Ok(line) = self.lines.recv() {
+            self.seen.push_str(&line);
+            self.seen.push('\n');
+        }
+        (status.code().unwrap_or(-1), self.seen)
+    }
+
+    /// Close stdin and wait for the exit; (exit code, all of stderr).
+    fn finish(mut self) -> (i32, String) {
+        drop(self.stdin.take());
+        let status = self.child.wait().unwrap();
+        while let Ok(line) = self.lines.recv() {
+            self.seen.push_str(&line);
+            self.seen.push('\n');
+        }
+        (status.code().unwrap_or(-1), self.seen)
+    }
+}
+
+#[test]
+fn a_session_open_in_one_process_is_refused_to_a_second() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, err) = plain(dir.path(), &[], "Hello K3\n/save shared\n");
+    assert_eq!(code, 0, "{err}");
+    let mut a = Live::spawn(dir.path(), &["--resume", "shared"]);
+    a.wait_for("loaded session");
+    let holder = format!("pid {}", a.pid());
+    // B resumes the session A has open: refused before any work, naming A.
+    let (code, err) = plain(dir.path(), &["--resume", "shared"], "from B\n/save\n");
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("in use by") && err.contains(&holder), "{err}");
+    // C, a new conversation, cannot save over it either.
+    let (code, err) = plain(dir.path(), &[], "from C\n/save shared\n");
+    assert_eq!(code, 5, "{err}");
+    assert!(err.contains("NOT saved") && err.contains(&holder), "{err}");
+    a.send("from A\n/save\n");
+    a.wait_for("saved session \"shared\"");
+    let (code, err) = a.finish();
+    assert_eq!(code, 0, "{err}");
+    let file = std::fs::read(dir.path().join("shared.k3session")).unwrap();
+    let has = |s: &str| file.windows(s.len()).any(|w| w == s.as_bytes());
+    assert!(has("Hello K3") && has("from A"), "A's turns are kept");
+    assert!(!has("from B") && !has("from C"), "nobody else wrote");
+    // Once A has left, the session opens again.
+    let (code, err) = plain(dir.path(), &["--resume", "shared"], "/stats\n");
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("loaded session"), "{err}");
+}
+
+/// The session names saved in `dir`.
+fn saved_names(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().into_string().ok()?;
+            Some(name.strip_suffix(".k3session")?.to_string())
+        })
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn default_names_are_readable_and_never_replace_another_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_path_buf();
+    // Two runs at the same time, both saving under the default name.
+    let runs: Vec<_> = (0..2)
+        .map(|_| {
+            let path = path.clone();
+            std::thread::spawn(move || plain(&path, &[], "Hello K3, how are you?\n/save\n"))
+        })
+        .collect();
+    for r in runs {
+        let (code, err) = r.join().unwrap();
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            err.contains("saved session \"hello-k3-how-are-you-"),
+            "{err}"
+        );
+    }
+    let names = saved_names(dir.path());
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert!(
+        names
+            .iter()
+            .all(|n| n.starts_with("hello-k3-how-are-you-20")),
+        "{names:?}"
+    );
+    assert!(names.iter().any(|n| n.ends_with("-2")), "{names:?}");
+
+    // `/save keep` never replaces an unrelated `keep`; `/save! keep` does.
+    let (code, err) = plain(dir.path(), &[], "first talk\n/save keep\n");
+    assert_eq!(code, 0, "{err}");
+    let keep = dir.path().join("keep.k3session");
+    let before = std::fs::read(&keep).unwrap();
+    let (code, err) = plain(dir.path(), &[], "second talk\n/save keep\n");
+    assert_eq!(code, 5, "{err}");
+    assert!(
+        err.contains("NOT saved") && err.contains("/save! keep"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&keep).unwrap(), before, "keep untouched");
+    let (code, err) = plain(dir.path(), &["--session", "keep"], "third talk\n/save\n");
+    assert_eq!(code, 5, "{err}");
+    assert!(
+        err.contains("exists already") && err.contains("NOT saved"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&keep).unwrap(), before, "keep untouched");
+    let (code, err) = plain(dir.path(), &[], "second talk\n/save! keep\n");
+    assert_eq!(code, 0, "{err}");
+    let has = |s: &str| {
+        let file = std::fs::read(&keep).unwrap();
+        file.windows(s.len()).any(|w| w == s.as_bytes())
+    };
+    assert!(has("second talk") && !has("first talk"), "replaced");
+    // The session's own file is saved over without asking.
+    let (code, err) = plain(dir.path(), &["--resume", "keep"], "more talk\n/save\n");
+    assert_eq!(code, 0, "{err}");
+    assert!(has("second talk") && has("more talk"), "{err}");
+    assert_eq!(saved_names(dir.path()).len(), 3);
+}
+
+#[test]
+fn failures_set_the_exit_status_when_stdin_is_not_a_terminal() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("sessions");
+    // 5: the answer was produced but the session was not saved. The session directory cannot
+    // be created (its parent is a file), which fails the save whoever runs the test.
+    let blocker = tmp.path().join("file");
+    std::fs::write(&blocker, b"not a directory").unwrap();
+    let (code, err) = plain(&blocker.join("sessions"), &[], "Hello K3\n/save x\n");
+    assert_eq!(code, 5, "{err}");
+    assert!(
+        err.contains("tokens/s") && err.contains("NOT saved"),
+        "{err}"
+    );
+    // A later save that succeeds clears it.
+    let (code, err) = plain(&dir, &[], "Hello K3\n/save ../x\n/save x\n");
+    assert_eq!(code, 0, "{err}");
+
+    // 3: a damaged session whose transcript verified is re-read, and the run reports it.
+    let path = dir.join("x.k3session");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = bytes.len() - 5; // the last byte of the last layer's state
+    bytes[at] ^= 0x01;
+    std::fs::write(&path, &bytes).unwrap();
+    let (code, err) = plain(&dir, &["--resume", "x"], "Why?\n");
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains("checksum") && err.contains("re-reads the history"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), bytes, "file untouched");
+
+    // 4: non-finite logits (the final norm's gains are NaN).
+    let (_model_tmp, model) = crate::bad_inputs::copy_tiny();
+    let key = "language_model.model.norm.weight";
+    let shard = (1..=3)
+        .map(|k| crate::bad_inputs::shard(&model, k))
+        .find(|p| crate::bad_inputs::split(p).0.contains_key(key))
+        .unwrap();
+    let (header, mut data) = crate::bad_inputs::split(&shard);
+    let span = &header[key]["data_offsets"];
+    let (b, e) = (
+        span[0].as_u64().unwrap() as usize,
+        span[1].as_u64().unwrap() as usize,
+    );
+    for pair in data[b..e].chunks_exact_mut(2) {
+        pair.copy_from_slice(&0x7fc0u16.to_le_bytes()); // BF16 NaN
+    }
+    crate::bad_inputs::join(&shard, &header, &data);
+    let (code, err) = plain_on(&model, &dir, &[], "Hello K3\n");
+    assert_eq!(code, 4, "{err}");
+    assert!(err.contains("finite"), "{err}");
+}
+
+#[test]
+fn leaving_with_unsaved_turns_says_so_and_a_last_save_still_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    // A /save right before the end of input runs, and then nothing is reported lost.
+    let (code, err) = plain(dir.path(), &[], "Hello K3\n/save x\n");
+    assert_eq!(code, 0, "{err}");
+    assert!(dir.path().join("x.k3session").is_file(), "{err}");
+    assert!(!err.contains("NOT saved"), "{err}");
+    // The end of input after an unsaved turn says so.
+    let (code, err) = plain(dir.path(), &[], "Hello K3\n");
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("this conversation (1 turn) was NOT saved"),
+        "{err}"
+    );
+    let (code, err) = plain(dir.path(), &["--resume", "x"], "Why?\nGo on.\n");
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("session \"x\": 2 turns since it was last saved or loaded were NOT saved"),
+        "{err}"
+    );
+    // Ctrl-C while waiting for input, after an unsaved turn: leaves with 130 and says so.
+    let mut live = Live::spawn(dir.path(), &[]);
+    live.wait_for("/help lists");
+    live.send("Hello K3\n");
+    live.wait_for("tokens/s");
+    let (code, err) = live.interrupt();
+    assert_eq!(code, 130, "{err}");
+    assert!(err.contains("(1 turn) was NOT saved"), "{err}");
+}

@@ -339,10 +339,11 @@ impl App {
             Ok(t) => t,
         };
         match &cmd {
-            Command::Save(name) => {
+            Command::Save(name) | Command::SaveOver(name) => {
                 self.dirty = false;
-                if let Some(n) = name {
-                    self.session = Some(n.clone());
+                // A session saved under its default name learns it from the answer.
+                if let Some(n) = name.clone().or_else(|| session_in(&text)) {
+                    self.session = Some(n);
                 }
             }
             Command::Load(name) => {

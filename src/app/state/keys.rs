@@ -467,6 +467,15 @@ impl App {
                 _ if closes => {}
                 _ => self.dialog = Some(Dialog::ConfirmNew),
             },
+            Dialog::ConfirmReplace(name) => match ch {
+                Some('y') => {
+                    self.items.push(Item::Info(format!("› /save! {name}")));
+                    self.send_command(Command::SaveOver(Some(name)), fx);
+                }
+                Some('n') => {}
+                _ if closes => {}
+                _ => self.dialog = Some(Dialog::ConfirmReplace(name)),
+            },
             Dialog::Sessions(mut d) => {
                 if d.naming.is_some() {
                     self.naming_action(d, a, fx);
@@ -575,6 +584,12 @@ impl App {
                     d.message = Some(e.to_string());
                 } else if self.refuse_now() {
                     d.message = self.toast.as_ref().map(|t| t.0.clone());
+                } else if self.session.as_deref() != Some(text.as_str())
+                    && matches!(&d.rows, Some(Ok(rows)) if rows.iter().any(|r| r.name == text))
+                {
+                    // Another saved session has that name: ask before replacing it.
+                    self.dialog = Some(Dialog::ConfirmReplace(text));
+                    return;
                 } else {
                     self.items.push(Item::Info(format!("› /save {text}")));
                     self.send_command(Command::Save(Some(text)), fx);

@@ -639,6 +639,61 @@ fn the_session_dialog_loads_and_shows_the_history() {
 }
 
 #[test]
+fn saving_over_another_listed_session_asks_first() {
+    let mut app = ready_app();
+    act(&mut app, Action::Cmd(Cmd::Sessions));
+    app.update(Msg::SessionList(Ok(rows())));
+    act(&mut app, Action::Char('s'));
+    act(&mut app, Action::ClearInput);
+    for _ in 0..2 {
+        act(&mut app, Action::Backspace);
+    }
+    type_text(&mut app, "beta");
+    let fx = act(&mut app, Action::Submit);
+    assert!(fx.is_empty(), "{fx:?}");
+    assert_eq!(app.dialog, Some(Dialog::ConfirmReplace("beta".into())));
+    // No keeps it; yes replaces it with /save!.
+    assert!(act(&mut app, Action::Char('n')).is_empty());
+    assert_eq!(app.dialog, None);
+    app.dialog = Some(Dialog::ConfirmReplace("beta".into()));
+    let fx = act(&mut app, Action::Char('y'));
+    let (turn, cmd) = command(&fx);
+    assert_eq!(cmd, Command::SaveOver(Some("beta".into())));
+    ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn,
+            text: "saved session \"beta\" (3 positions)".into(),
+        },
+    );
+    assert_eq!(app.session.as_deref(), Some("beta"));
+    // The session's own name is saved over without asking.
+    act(&mut app, Action::Cmd(Cmd::Sessions));
+    app.update(Msg::SessionList(Ok(rows())));
+    act(&mut app, Action::Char('s'));
+    let fx = act(&mut app, Action::Submit);
+    assert_eq!(command(&fx).1, Command::Save(Some("beta".into())));
+}
+
+#[test]
+fn a_save_under_the_default_name_learns_it_from_the_answer() {
+    let mut app = ready_app_with(init());
+    app.session = None;
+    type_text(&mut app, "/save");
+    let fx = act(&mut app, Action::Submit);
+    let (turn, cmd) = command(&fx);
+    assert_eq!(cmd, Command::Save(None));
+    ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn,
+            text: "saved session \"hello-2026-12-01\" (9 positions, 1.0 KB, 2 ms)".into(),
+        },
+    );
+    assert_eq!(app.session.as_deref(), Some("hello-2026-12-01"));
+}
+
+#[test]
 fn the_session_dialog_saves_under_a_new_name() {
     let mut app = ready_app();
     act(&mut app, Action::Cmd(Cmd::Sessions));

@@ -274,6 +274,18 @@ pub fn confirm_new(theme: &Theme, area: Rect, buf: &mut Buffer) {
     popup("new conversation?", lines, 52, area, theme, buf);
 }
 
+/// "Replace a different saved session of this name?"
+pub fn confirm_replace(name: &str, theme: &Theme, area: Rect, buf: &mut Buffer) {
+    let lines = vec![
+        Line::styled(
+            format!("another saved session is named {}", one_line(name)),
+            theme.text,
+        ),
+        Line::styled("y replace it   n / Esc keep it", theme.text),
+    ];
+    popup("replace it?", lines, 56, area, theme, buf);
+}
+
 /// The engine stopped: why, and how to leave.
 pub fn failed(message: &str, code: i32, theme: &Theme, area: Rect, buf: &mut Buffer) {
     let width = area.width.saturating_sub(4).min(80);

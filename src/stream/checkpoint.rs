@@ -811,6 +811,20 @@ impl Checkpoint {
                 std::io::Error::new(std::io::ErrorKind::InvalidInput, "span too large"),
             )
         })?;
+        // Through the page cache, straight into the new allocation.
+        let buffered = || -> Result<Option<Bytes>, StreamError> {
+            let mut fill = alloc(ulen);
+            let got = read_pieces(
+                &self.reads,
+                &self.fault,
+                &self.files[shard],
+                fill.area(),
+                at,
+                ulen,
+            )
+            .map_err(|e| err(at, e))?;
+            Ok(fill.finish(got).slice(0, ulen))
+        };
         let direct = self.direct.get(shard).and_then(Option::as_ref);
         let out = match direct.filter(|_| self.reads_direct(shard, len)) {
             Some(file) => {
@@ -831,34 +845,12 @@ impl Checkpoint {
                     Err(e) if e.raw_os_error() == Some(22) => {
                         // EINVAL: this filesystem or device does not take these direct reads.
                         self.direct_off[shard].store(true, Ordering::Relaxed);
-                        let mut fill = alloc(ulen);
-                        let got = read_pieces(
-                            &self.reads,
-                            &self.fault,
-                            &self.files[shard],
-                            fill.area(),
-                            at,
-                            ulen,
-                        )
-                        .map_err(|e| err(at, e))?;
-                        fill.finish(got).slice(0, ulen)
+                        buffered()?
                     }
                     Err(e) => return Err(err(at, e)),
                 }
             }
-            None => {
-                let mut fill = alloc(ulen);
-                let got = read_pieces(
-                    &self.reads,
-                    &self.fault,
-                    &self.files[shard],
-                    fill.area(),
-                    at,
-                    ulen,
-                )
-                .map_err(|e| err(at, e))?;
-                fill.finish(got).slice(0, ulen)
-            }
+            None => buffered()?,
         };
         self.after_read(shard, at, len);
         Ok(out.unwrap_or_default())

@@ -83,6 +83,10 @@ pub struct ChatArgs {
     /// Compute threads (default: all cores). Output does not depend on it.
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Speculative decoding: `off`, `auto` (draft when it measurably pays) or a fixed draft
+    /// length 1..=8. Replies do not depend on it. `K3_NOSPEC=1` forces `off`.
+    #[arg(long, default_value = "auto", value_parser = crate::engine::spec::SpecMode::parse, value_name = "off|auto|N")]
+    pub spec: crate::engine::spec::SpecMode,
     /// Memory budget (default: 80% of the memory available). Tokens do not depend on it;
     /// `/budget GB` changes it while chatting.
     #[command(flatten)]
@@ -167,6 +171,7 @@ pub fn run(args: &ChatArgs) -> crate::Result<i32> {
         session_dir: args.session_dir.clone(),
         budget: args.budget.request(super::budget_args::auto_request())?,
         trunk: args.budget.trunk.clone(),
+        spec: args.spec,
     });
     if tui {
         let session_dir = args

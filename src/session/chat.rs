@@ -11,6 +11,7 @@ use super::template::{self, Markers, Message, RenderOptions, Role};
 use super::tokenizer::{Tokenizer, Utf8Stream};
 use crate::engine::model::Logits;
 use crate::engine::sampling::{Sampler, SamplerConfig};
+use crate::engine::spec::{SpecMode, SpecStats, Speculator};
 use crate::engine::{Model, SeqState};
 use crate::stream::StreamError;
 use serde::{Deserialize, Serialize};
@@ -238,6 +239,7 @@ pub struct Session<'a> {
     snapshots: Vec<Snapshot>,
     max_snapshots: usize,
     on_prefill: Option<Box<dyn FnMut(usize, usize) + 'a>>,
+    spec: Speculator,
 }
 
 /// Snapshots of the sequence state a session keeps (each one a full state: the engine's plan
@@ -279,7 +281,28 @@ impl<'a> Session<'a> {
             snapshots: Vec::new(),
             max_snapshots: SNAPSHOTS,
             on_prefill: None,
+            spec: Speculator::new(SpecMode::Auto.or_env_off()),
         })
+    }
+
+    /// Choose how replies are decoded: speculation never changes a token, only the time
+    /// (see `engine::spec`).
+    pub fn set_speculation(&mut self, mode: SpecMode) {
+        if mode != self.spec.mode() {
+            self.spec = Speculator::new(mode);
+        }
+    }
+
+    /// How replies are decoded.
+    #[must_use]
+    pub fn spec_mode(&self) -> SpecMode {
+        self.spec.mode()
+    }
+
+    /// What speculative decoding did in this session so far.
+    #[must_use]
+    pub fn spec_stats(&self) -> SpecStats {
+        self.spec.stats()
     }
 
     /// Call `f(done, total)` as prompt tokens are prefilled.
@@ -556,7 +579,13 @@ impl<'a> Session<'a> {
             if cancel.load(Ordering::Relaxed) {
                 break Stop::Cancelled;
             }
-            let next = self.sampler.sample(&logits, &history)?;
+            let next = match self.sampler.sample(&logits, &history) {
+                Ok(n) => n,
+                Err(e) => {
+                    self.spec.settle(self.model, &mut self.state);
+                    return Err(e.into());
+                }
+            };
             generated.push(next);
             history.push(next);
             let text = utf8.push(&self.tok.decode_bytes(&[next])?);
@@ -573,15 +602,22 @@ impl<'a> Session<'a> {
                 self.pending = Some(next);
                 break Stop::ContextFull;
             }
-            logits = match self.model.forward(&mut self.state, &[next], Logits::Last) {
+            // Positions a draft may add after `next` without passing the limit.
+            let room = limit.saturating_sub(self.tokens.len() + 2);
+            let step = self
+                .spec
+                .advance(self.model, &mut self.state, &history, next, room);
+            logits = match step {
                 Ok(l) => l,
                 Err(e) => {
+                    self.spec.abandon();
                     self.drop_live_state();
                     return Err(e.into());
                 }
             };
             self.tokens.push(next);
         };
+        self.spec.settle(self.model, &mut self.state);
         let tail = utf8.finish();
         if !tail.is_empty() {
             emit(u32::MAX, &tail);

@@ -96,7 +96,12 @@ pub fn median_per_token(steps: &[(u64, f64)]) -> f64 {
 /// Speculation figures for `--json`: passes, proposals, acceptance, tokens per pass, and
 /// bytes read per generated token.
 #[must_use]
-pub fn spec_json(mode: SpecMode, st: &SpecStats, bytes_read: u64, tokens: usize) -> serde_json::Value {
+pub fn spec_json(
+    mode: SpecMode,
+    st: &SpecStats,
+    bytes_read: u64,
+    tokens: usize,
+) -> serde_json::Value {
     serde_json::json!({
         "mode": mode.to_string(),
         "passes": st.passes,

@@ -156,13 +156,11 @@ fn conv_chunk(x: &[f32], w: &[f32], state: &mut [f32], kernel: usize, width: usi
 }
 
 /// What one KDA block consumed per position of a chunk, kept so that the state after any
-/// prefix of the chunk can be rebuilt from the state before it without the weights
+/// prefix of the chunk can be built from the state before it without the weights
 /// ([`KdaRecord::replay`]): the pre-convolution q/k/v rows (for the conv windows) and the
 /// inputs of the recurrence (normalised q and k, v, the decay α and the write strength β).
 #[derive(Clone, Debug)]
 pub struct KdaRecord {
-    /// The state before the chunk.
-    pre: KdaState,
     /// `[3][n_tok, P]` projected q, k, v before the convolution.
     raw: [Vec<f32>; 3],
     /// `[n_tok, P]` each: the recurrence's q (scaled), k, v and α.
@@ -195,14 +193,14 @@ impl KdaRecord {
         7 * p.heads * p.head_dim + p.heads
     }
 
-    /// The state after the first `keep` positions of the recorded chunk, rebuilt from the
-    /// state before it by running the same recurrence steps on the recorded inputs: bit for
-    /// bit the state a chunk of only those positions leaves.
+    /// Advance `state` (the state before the recorded chunk) over the chunk's first `keep`
+    /// positions by running the same recurrence steps on the recorded inputs: bit for bit the
+    /// state a forward pass over only those positions leaves.
     pub fn replay(&self, p: &KdaParams, keep: usize, state: &mut KdaState) {
+        assert!(keep <= self.len(), "cannot keep more than the chunk");
         let (heads, d) = (p.heads, p.head_dim);
         let width = heads * d;
         let hist = p.kernel - 1;
-        state.clone_from(&self.pre);
         for (win, raw) in state.conv.iter_mut().zip(&self.raw) {
             for ch in 0..width {
                 let st = &mut win[ch * hist..(ch + 1) * hist];
@@ -221,18 +219,22 @@ impl KdaRecord {
             }
             v
         };
-        state.s.par_chunks_mut(d * d).enumerate().for_each(|(h, s)| {
-            let b: Vec<f32> = (0..keep).map(|t| self.beta[t * heads + h]).collect();
-            let _ = recur_head(
-                &rows(&self.q, h),
-                &rows(&self.k, h),
-                &rows(&self.v, h),
-                &rows(&self.alpha, h),
-                &b,
-                s,
-                d,
-            );
-        });
+        state
+            .s
+            .par_chunks_mut(d * d)
+            .enumerate()
+            .for_each(|(h, s)| {
+                let b: Vec<f32> = (0..keep).map(|t| self.beta[t * heads + h]).collect();
+                let _ = recur_head(
+                    &rows(&self.q, h),
+                    &rows(&self.k, h),
+                    &rows(&self.v, h),
+                    &rows(&self.alpha, h),
+                    &b,
+                    s,
+                    d,
+                );
+            });
     }
 }
 
@@ -242,8 +244,9 @@ pub fn forward(w: &KdaWeights, p: &KdaParams, x: &[f32], state: &mut KdaState) -
     forward_recorded(w, p, x, state, None)
 }
 
-/// [`forward`] that also keeps, in `record`, what the chunk's positions consumed (see
-/// [`KdaRecord`]).
+/// [`forward`] that, given a `record`, leaves `state` as it was and keeps in the record what
+/// the chunk's positions consumed, so that any prefix of the chunk can be applied to the state
+/// afterwards ([`KdaRecord::replay`]); the chunk is computed on a scratch copy of the state.
 #[must_use]
 pub fn forward_recorded(
     w: &KdaWeights,
@@ -252,15 +255,17 @@ pub fn forward_recorded(
     state: &mut KdaState,
     record: Option<&mut Option<KdaRecord>>,
 ) -> Vec<f32> {
+    let mut scratch = record.is_some().then(|| state.clone());
+    let state = scratch.as_mut().unwrap_or(state);
     let (heads, d) = (p.heads, p.head_dim);
     let width = heads * d;
     let n_tok = x.len() / w.q_proj.cols;
-    let pre = record.is_some().then(|| state.clone());
+    let recording = record.is_some();
     let raw = [w.q_proj.apply(x), w.k_proj.apply(x), w.v_proj.apply(x)];
     let mut q = conv_chunk(&raw[0], &w.q_conv, &mut state.conv[0], p.kernel, width);
     let mut k = conv_chunk(&raw[1], &w.k_conv, &mut state.conv[1], p.kernel, width);
     let v = conv_chunk(&raw[2], &w.v_conv, &mut state.conv[2], p.kernel, width);
-    let raw = if pre.is_some() {
+    let raw = if recording {
         Some(raw)
     } else {
         drop(raw);
@@ -283,9 +288,8 @@ pub fn forward_recorded(
         }
         decay(&z[row.clone()], &w.a_log, &w.dt_bias, p, &mut alpha[row]);
     }
-    if let (Some(slot), Some(pre), Some(raw)) = (record, pre, raw) {
+    if let (Some(slot), Some(raw)) = (record, raw) {
         *slot = Some(KdaRecord {
-            pre,
             raw,
             q: q.clone(),
             k: k.clone(),

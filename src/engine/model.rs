@@ -266,9 +266,10 @@ impl Model {
     }
 
     /// Run a chunk that may be only partly kept (speculative verification): the logits of
-    /// every position, and a [`Rollback`] that can later cut `state` back to any prefix of
-    /// the chunk without reading a weight — bit for bit the state a forward pass over only
-    /// that prefix would have left.
+    /// every position, and a [`Rollback`] with which [`Model::roll_back`] then leaves `state`
+    /// after any prefix of the chunk without reading a weight — bit for bit the state a
+    /// forward pass over only that prefix would have left. Until then `state` is between the
+    /// two (MLA caches hold the whole chunk, KDA states none of it) and must not be used.
     pub fn forward_verify(
         &self,
         state: &mut SeqState,
@@ -338,18 +339,20 @@ impl Model {
         self.weights.head(rows, cfg.vocab_size, d)
     }
 
-    /// Cut `state`, advanced by [`Model::forward_verify`] over `rollback`'s chunk, back to the
-    /// chunk's first `keep` positions: MLA caches are truncated, KDA states rebuilt from the
+    /// Leave `state`, given to [`Model::forward_verify`] with `rollback`'s chunk, after the
+    /// chunk's first `keep` positions: MLA caches are truncated, KDA states advanced from the
     /// state before the chunk by replaying the recorded recurrence steps (no weight is read).
+    /// Call it exactly once per verified chunk, also to keep all of it.
     ///
     /// # Panics
     /// If `keep` exceeds the chunk or `state` was not advanced by exactly that chunk.
     pub fn roll_back(&self, state: &mut SeqState, rollback: &Rollback, keep: usize) {
         assert!(keep <= rollback.len, "cannot keep more than the chunk");
-        assert_eq!(state.n_pos, rollback.base + rollback.len, "state moved since");
-        if keep == rollback.len {
-            return;
-        }
+        assert_eq!(
+            state.n_pos,
+            rollback.base + rollback.len,
+            "state moved since"
+        );
         let kp = kda_params(&self.cfg);
         let cw = mla_params(&self.cfg).cache_width();
         for (ls, rec) in state.layers.iter_mut().zip(&rollback.records) {

@@ -6,8 +6,8 @@
 //! [`Drafter`] proposes the tokens it expects next, and the token plus the proposals run as one
 //! chunk ([`Model::forward_verify`]); the chunk's later rows are kept and handed out, one per
 //! call, for as long as the sampled tokens equal the proposals. At the first token that differs,
-//! the state is cut back to the accepted positions ([`Model::roll_back`]: MLA caches truncated,
-//! KDA states replayed from the recorded recurrence inputs, no weight read) and a new pass
+//! the state is set to the accepted positions ([`Model::roll_back`]: MLA caches truncated,
+//! KDA states advanced by replaying the recorded recurrence inputs, no weight read) and a new pass
 //! starts from that token.
 //!
 //! Exactness: a chunk's logits are bitwise those of decoding its tokens one at a time (the
@@ -136,8 +136,7 @@ impl Drafter for NgramDrafter {
             if history[end - 1] == last {
                 let mut len = 1;
                 while len < self.max_match
-                    && end > len
-                    && end - len - 1 >= lo
+                    && end > lo + len
                     && history[end - 1 - len] == history[n - 1 - len]
                 {
                     len += 1;

@@ -33,6 +33,8 @@ pub struct ModelSizes {
     pub kv_per_position: u64,
     /// What a speculative verification pass records per position to roll back (KDA layers).
     pub kda_record_per_position: u64,
+    /// Carried state of one KDA layer (the scratch copy a verification pass computes on).
+    pub kda_layer_state: u64,
     /// Hidden width.
     pub hidden: u64,
     /// Vocabulary.
@@ -224,13 +226,13 @@ fn fixed_overhead(s: &ModelSizes) -> u64 {
 /// well inside the activations of a prefill chunk).
 pub const SPEC_MAX_DRAFT: usize = 8;
 
-/// Memory of one speculative verification pass beyond a prefill chunk's: the KDA states before
-/// the pass, what each of its positions records for the rollback, and its logits (each row
-/// kept once more until it is used).
+/// Memory of one speculative verification pass beyond a prefill chunk's: the scratch copy of a
+/// KDA layer's state it computes on, what each of its positions records for the rollback, and
+/// its logits (each row kept once more until it is used).
 #[must_use]
 pub fn spec_reserve(s: &ModelSizes) -> u64 {
     let tokens = SPEC_MAX_DRAFT as u64 + 1;
-    s.state_bytes + tokens * (s.kda_record_per_position + 2 * s.vocab * 4)
+    s.kda_layer_state + tokens * (s.kda_record_per_position + 2 * s.vocab * 4)
 }
 
 /// Make a plan for `req`, with room for one sequence state of `context` positions. A memory
@@ -448,6 +450,7 @@ mod tests {
             state_bytes: 464_633_856,
             kv_per_position: 24 * 576 * 4,
             kda_record_per_position: 69 * (7 * 12_288 + 96) * 4,
+            kda_layer_state: 464_633_856 / 69,
             hidden: 7168,
             vocab: 163_840,
         }

@@ -340,7 +340,9 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
         let mut last_stats: Option<Box<StatsSnapshot>> = None;
         loop {
             match worker.recv() {
-                Some(EngineEvent::Stats { turn: t, stats }) if t == turn => last_stats = Some(stats),
+                Some(EngineEvent::Stats { turn: t, stats }) if t == turn => {
+                    last_stats = Some(stats)
+                }
                 Some(EngineEvent::TurnStarted {
                     turn: t,
                     raw,
@@ -369,7 +371,8 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
                         let _ = out.write_all(safe(&show_new(p, r_at, c_at)).as_bytes());
                     }
                     if opts.jsonl {
-                        let _ = writeln!(out, "{}", jsonl_line(turn, &report, last_stats.as_deref()));
+                        let _ =
+                            writeln!(out, "{}", jsonl_line(turn, &report, last_stats.as_deref()));
                     } else {
                         let _ = writeln!(out);
                         let _ = writeln!(err, "{}", summary(&report));

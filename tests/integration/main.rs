@@ -10,6 +10,7 @@ mod ops;
 mod oracle_tiny;
 mod reader;
 mod session;
+mod spec;
 mod streaming;
 mod synth;
 mod trunk;

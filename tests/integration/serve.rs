@@ -23,19 +23,25 @@ impl Drop for Server {
     }
 }
 
-fn demo_cache() -> PathBuf {
-    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().unwrap())
-        .path()
-        .to_path_buf()
+/// The demo model, written once for every server of this binary.
+fn demo() -> PathBuf {
+    static DIR: std::sync::OnceLock<(tempfile::TempDir, PathBuf)> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = k3::app::demo::materialise_in(tmp.path()).unwrap();
+        (tmp, dir)
+    })
+    .1
+    .clone()
 }
 
 fn start(args: &[&str], env: &[(&str, &str)]) -> Server {
     let tmp = tempfile::tempdir().unwrap();
     let mut cmd = crate::common::k3_command();
-    cmd.args(["serve", "--port", "0"])
+    cmd.arg("serve")
+        .arg(demo())
+        .args(["--port", "0"])
         .args(args)
-        .env("K3_CACHE_DIR", demo_cache())
         .env("XDG_CONFIG_HOME", tmp.path().join("no-config"))
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
@@ -207,7 +213,12 @@ fn chat_streaming_thinking_and_raw_completions_over_curl() {
     low["reasoning_effort"] = json!("low");
     let low = post(&s, "/v1/chat/completions", &low);
     let p_low = low["usage"]["prompt_tokens"].as_u64().unwrap();
-    assert!(p_low != p_max && p_low > p_off, "{p_low}");
+    let low_cached = low["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    // The effort message is there, and it differs from max's before the conversation starts.
+    assert!(p_low > p_off, "{p_low} vs {p_off}");
+    assert!(low_cached < p_low - 10, "{low}");
 
     // Raw completion: the same tokens as `k3 run`.
     let prompt = "The capital of Peru is Lima. The capital of Kenya is";
@@ -216,20 +227,15 @@ fn chat_streaming_thinking_and_raw_completions_over_curl() {
         "/v1/completions",
         &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0}),
     );
-    let run = crate::common::run_ok(
-        crate::common::k3_command()
-            .args([
-                "run",
-                "--prompt",
-                prompt,
-                "--gen",
-                "8",
-                "--temperature",
-                "0",
-                "--json",
-            ])
-            .env("K3_CACHE_DIR", demo_cache()),
-    );
+    let run = crate::common::run_ok(crate::common::k3_command().arg("run").arg(demo()).args([
+        "--prompt",
+        prompt,
+        "--gen",
+        "8",
+        "--temperature",
+        "0",
+        "--json",
+    ]));
     let run: Value = serde_json::from_slice(&run.stdout).unwrap();
     assert_eq!(raw["choices"][0]["text"], run["text"], "{raw}");
     assert_eq!(raw["choices"][0]["finish_reason"], "length");
@@ -372,8 +378,9 @@ fn bad_requests_get_openai_errors_and_the_key_is_checked() {
 
     // Beyond loopback without a key: refused at start.
     let out = crate::common::k3_command()
-        .args(["serve", "--host", "0.0.0.0", "--port", "0"])
-        .env("K3_CACHE_DIR", demo_cache())
+        .arg("serve")
+        .arg(demo())
+        .args(["--host", "0.0.0.0", "--port", "0"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));

@@ -10,6 +10,7 @@ pub mod pack;
 pub mod plan;
 pub mod progress;
 pub mod protocol;
+pub mod remote;
 pub mod run;
 pub mod serve;
 pub mod state;

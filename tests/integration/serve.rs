@@ -527,3 +527,196 @@ fn the_openai_python_client_talks_to_k3_serve() {
     );
     assert!(stdout.contains("all checks passed"), "{stdout}");
 }
+
+// ---- k3 chat --remote against a real k3 serve ----
+
+/// `k3 chat --plain --jsonl --greedy --no-think` with `args`, on `input`.
+fn chat_jsonl(args: &[String], input: &str) -> Vec<Value> {
+    let tmp = tempfile::tempdir().unwrap();
+    crate::common::jsonl_with_input(
+        crate::common::k3_command()
+            .args(["chat", "--plain", "--jsonl", "--greedy", "--no-think"])
+            .arg("--session-dir")
+            .arg(tmp.path().join("sessions"))
+            .args(args)
+            .env("XDG_CONFIG_HOME", tmp.path().join("no-config")),
+        input,
+    )
+}
+
+#[test]
+fn a_remote_conversation_equals_the_local_one() {
+    let s = start(&[], &[]);
+    let input = "My name is Ada.\nWhat is my name?\nWhat is the capital of France?\n";
+    let remote = chat_jsonl(&["--remote".into(), s.url.clone()], input);
+    let local = chat_jsonl(&[demo().display().to_string()], input);
+    assert_eq!(remote.len(), 3);
+    assert_eq!(local.len(), 3);
+    for (r, l) in remote.iter().zip(&local) {
+        assert_eq!(r["reply"], l["reply"], "{r}\n{l}");
+        // The server reused what the local session reused.
+        assert_eq!(r["reused_tokens"], l["reused_tokens"]);
+        assert_eq!(r["prefilled_tokens"], l["prefilled_tokens"]);
+    }
+    assert!(remote[2]["reply"].as_str().unwrap().contains("Paris"));
+}
+
+fn remote_worker(
+    url: &str,
+    model: Option<&str>,
+    key: Option<&str>,
+    dir: &Path,
+) -> k3::app::worker::Worker {
+    let settings = k3::session::chat::Settings {
+        temperature: 0.0,
+        ..k3::session::chat::Settings::default()
+    };
+    k3::app::worker::Worker::spawn_remote(k3::app::remote::RemoteConfig {
+        url: url.to_string(),
+        model: model.map(str::to_string),
+        api_key: key.map(str::to_string),
+        settings,
+        system: None,
+        resume: None,
+        session_name: None,
+        session_dir: dir.to_path_buf(),
+    })
+}
+
+use k3::app::protocol::{EngineEvent, Request};
+
+/// Events of `turn` up to its end (TurnDone or Failed).
+fn until_done(w: &k3::app::worker::Worker, turn: u64, mut on_token: impl FnMut()) -> EngineEvent {
+    loop {
+        match w.recv().expect("the worker is alive") {
+            EngineEvent::Token { turn: t, .. } if t == turn => on_token(),
+            e @ (EngineEvent::TurnDone { .. } | EngineEvent::Failed { .. }) => return e,
+            _ => {}
+        }
+    }
+}
+
+fn ready(w: &k3::app::worker::Worker) -> Result<String, String> {
+    loop {
+        match w.recv().expect("an event") {
+            EngineEvent::Ready { info } => return Ok(info),
+            EngineEvent::Failed { message, .. } => return Err(message),
+            _ => {}
+        }
+    }
+}
+
+fn send(w: &k3::app::worker::Worker, turn: u64, text: &str) {
+    assert!(w.send(Request::Send {
+        turn,
+        text: text.into()
+    }));
+}
+
+#[test]
+fn remote_stop_a_cut_stream_a_gone_server_and_a_wrong_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = start(&[], &[]);
+    let w = remote_worker(&s.url, None, None, tmp.path());
+    assert!(ready(&w).unwrap().contains("kimi-k3-local"));
+    // Stop at the first token: the turn ends as stopped and the next one is answered.
+    send(&w, 1, "What is the capital of France?");
+    let flag = w.cancel_flag();
+    match until_done(&w, 1, || {
+        flag.store(true, std::sync::atomic::Ordering::Relaxed)
+    }) {
+        EngineEvent::TurnDone { report, .. } => {
+            assert_eq!(report.stop, k3::session::chat::Stop::Cancelled);
+            assert!(!report.accepted);
+        }
+        other => panic!("{other:?}"),
+    }
+    send(&w, 2, "What is the capital of France?");
+    match until_done(&w, 2, || {}) {
+        EngineEvent::TurnDone { report, .. } => {
+            assert!(
+                report.accepted && report.reply.contains("Paris"),
+                "{report:?}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    // The server goes away: one clear line, the session is kept.
+    drop(s);
+    send(&w, 3, "Hello");
+    match until_done(&w, 3, || {}) {
+        EngineEvent::Failed { message, .. } => {
+            assert!(message.contains("cannot reach"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(w.send(Request::Command {
+        turn: 4,
+        command: k3::session::commands::Command::Save(Some("kept".into())),
+    }));
+    match w.recv().unwrap() {
+        EngineEvent::Notice { text, .. } => assert!(text.contains("saved session"), "{text}"),
+        other => panic!("{other:?}"),
+    }
+    let saved: Value =
+        serde_json::from_slice(&std::fs::read(tmp.path().join("kept.k3remote.json")).unwrap())
+            .unwrap();
+    let entries = saved["entries"].as_array().unwrap();
+    // The stopped turn's question, then the answered exchange; the failed one is not there.
+    assert_eq!(entries.len(), 3, "{saved}");
+    assert_eq!(entries[2]["role"], "assistant");
+    w.shutdown();
+
+    // A stream cut in the middle, from a server that closes the connection after two chunks.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        use std::io::Write;
+        if let Ok((mut c, _)) = listener.accept() {
+            let mut buf = [0u8; 65536];
+            let _ = std::io::Read::read(&mut c, &mut buf);
+            let chunk = |d: &str| {
+                format!(
+                    "data: {}\n\n",
+                    json!({"choices": [{"index": 0, "delta": {"content": d}, "finish_reason": null}]})
+                )
+            };
+            let body = format!("{}{}", chunk("Hel"), chunk("lo"));
+            let _ = write!(
+                c,
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len() + 100
+            );
+        }
+    });
+    let w = remote_worker(&format!("http://{addr}"), Some("m"), None, tmp.path());
+    ready(&w).unwrap();
+    send(&w, 1, "Hi");
+    match until_done(&w, 1, || {}) {
+        EngineEvent::Failed { message, .. } => {
+            assert!(message.contains("cut in the middle"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    w.shutdown();
+
+    // A wrong key: refused at start (the model list), or at the first turn.
+    let k = start(
+        &["--api-key-env", "K3_TEST_KEY"],
+        &[("K3_TEST_KEY", "sesame")],
+    );
+    let w = remote_worker(&k.url, None, Some("wrong"), tmp.path());
+    let e = ready(&w).unwrap_err();
+    assert!(e.contains("refused the API key (401)"), "{e}");
+    let w = remote_worker(&k.url, Some("kimi-k3-local"), Some("wrong"), tmp.path());
+    ready(&w).unwrap();
+    send(&w, 1, "Hi");
+    match until_done(&w, 1, || {}) {
+        EngineEvent::Failed { message, .. } => assert!(message.contains("401"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    w.shutdown();
+    let w = remote_worker(&k.url, None, Some("sesame"), tmp.path());
+    ready(&w).unwrap();
+    w.shutdown();
+}

@@ -44,7 +44,7 @@ pub struct ServeArgs {
 pub fn run(args: &ServeArgs) -> Result<i32> {
     let cfg = super::config::Config::load().map_err(|e| Error::Usage(e.to_string()))?;
     let context = args.context.unwrap_or(cfg.sampling.context);
-    if context > super::run::MAX_CONTEXT || context < 2 {
+    if !(2..=super::run::MAX_CONTEXT).contains(&context) {
         return Err(Error::Usage(format!(
             "--context {context} must be between 2 and {} positions",
             super::run::MAX_CONTEXT

@@ -2306,7 +2306,7 @@ mod tests {
             let prompt = encode_segments(
                 tok,
                 &m,
-                &render_api_segments(&[user.clone()], &opts, true).expect("prompt"),
+                &render_api_segments(std::slice::from_ref(&user), &opts, true).expect("prompt"),
             )
             .expect("ids");
             let all = encode_segments(

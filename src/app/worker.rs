@@ -73,6 +73,26 @@ impl Worker {
         }
     }
 
+    /// Start a worker that talks to an OpenAI-compatible server instead of a local engine; it
+    /// answers the same requests with the same events.
+    #[must_use]
+    pub fn spawn_remote(cfg: super::remote::RemoteConfig) -> Worker {
+        let (tx, rx_req) = channel::<Request>();
+        let (tx_ev, rx) = channel::<EngineEvent>();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&cancel);
+        let handle = std::thread::Builder::new()
+            .name("k3-remote".into())
+            .spawn(move || super::remote::run(cfg, &rx_req, &tx_ev, &flag))
+            .ok();
+        Worker {
+            tx,
+            rx,
+            cancel,
+            handle,
+        }
+    }
+
     /// The flag that stops the current reply at the next token.
     #[must_use]
     pub fn cancel_flag(&self) -> Arc<AtomicBool> {

@@ -181,6 +181,21 @@ pub struct TurnReport {
     pub context_warning: Option<String>,
 }
 
+/// What [`Session::complete_prompt`] did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Completion {
+    /// Generated ids (including a final end id).
+    pub generated: Vec<u32>,
+    /// Prompt tokens whose state was reused.
+    pub reused: usize,
+    /// Why generation stopped.
+    pub stop: Stop,
+    /// Prefill time.
+    pub prefill_seconds: f64,
+    /// Decode time.
+    pub decode_seconds: f64,
+}
+
 /// A failure that leaves the session usable.
 #[derive(Debug, thiserror::Error)]
 pub enum TurnError {
@@ -629,6 +644,41 @@ impl<'a> Session<'a> {
             prefill_s,
             t1.elapsed().as_secs_f64(),
         ))
+    }
+
+    /// Answer one prompt from outside the transcript (a request to the API server): `settings`
+    /// apply to this call only and the sampler restarts from their seed, so the reply is the
+    /// one a fresh session would give; the engine state is reused up to the longest common
+    /// prefix of what it has seen (live state or a snapshot) and `prompt`, and `history_end`
+    /// (the prompt's length before its generation prompt) is snapshotted for the next request.
+    /// The transcript is not touched.
+    pub fn complete_prompt(
+        &mut self,
+        prompt: &[u32],
+        history_end: Option<usize>,
+        stops: &[u32],
+        settings: &Settings,
+        cancel: &AtomicBool,
+        emit: &mut dyn FnMut(u32, &str),
+    ) -> Result<Completion, TurnError> {
+        self.sampler =
+            Sampler::new(settings.sampler()).map_err(|e| TurnError::Refused(e.to_string()))?;
+        self.settings = settings.clone();
+        let (generated, reused, stop, prefill_seconds, decode_seconds) =
+            self.generate(prompt, history_end, stops, cancel, emit)?;
+        Ok(Completion {
+            generated,
+            reused,
+            stop,
+            prefill_seconds,
+            decode_seconds,
+        })
+    }
+
+    /// The end-of-turn ids of this tokenizer's chat template.
+    #[must_use]
+    pub fn markers(&self) -> Markers {
+        self.markers
     }
 
     fn context_warning(&self) -> Option<String> {

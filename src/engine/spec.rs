@@ -245,20 +245,32 @@ impl Governor {
         (self.used + 1.0) / (self.tried + 2.0)
     }
 
-    /// Seconds per step of drafting `k`: measured, or (not measured yet) a pass costing a
-    /// quarter of a plain pass more per draft token over the steps the acceptance predicts.
-    fn per_step_of(&self, k: usize) -> Option<f64> {
-        if let Some(c) = self.per_step[k] {
-            return Some(c);
-        }
-        let plain = self.per_step[0]?;
+    /// Steps a pass drafting `k` is expected to yield at the acceptance so far.
+    fn steps_of(&self, k: usize) -> f64 {
         let a = self.acceptance();
         let (mut p, mut steps) = (1.0, 1.0);
         for _ in 0..k {
             p *= a;
             steps += p;
         }
-        Some(plain * (1.0 + 0.25 * k as f64) / steps)
+        steps
+    }
+
+    /// Seconds per step of drafting `k`: measured, or (not measured yet) extrapolated from the
+    /// marginal cost per draft token of the longest shorter length measured (a quarter of a
+    /// plain pass until one is) over the steps the acceptance predicts.
+    fn per_step_of(&self, k: usize) -> Option<f64> {
+        if let Some(c) = self.per_step[k] {
+            return Some(c);
+        }
+        let plain = self.per_step[0]?;
+        let marginal = (1..k)
+            .rev()
+            .find_map(|j| {
+                self.per_step[j].map(|c| ((c * self.steps_of(j) - plain) / j as f64).max(0.0))
+            })
+            .unwrap_or(0.25 * plain);
+        Some((plain + marginal * k as f64) / self.steps_of(k))
     }
 
     /// Draft length for the next pass, at most `cap`.

@@ -193,13 +193,16 @@ impl SpecStats {
     }
 }
 
-/// Chooses the draft length: the one that maximises expected tokens per second, from the
-/// measured per-proposal acceptance and the measured seconds of a pass of each length.
+/// Chooses the draft length. For each length it keeps the measured seconds per decoding step
+/// of passes that drafted that many tokens (the pass, its rollback, divided by the steps it
+/// yielded), and picks the length with the fewest; a length not measured yet is estimated from
+/// the plain pass and the acceptance so far, optimistically, so that it gets tried. Plain
+/// passes are timed every [`REMEASURE`] passes to keep the yardstick fresh.
 #[derive(Clone, Debug)]
 pub struct Governor {
     mode: SpecMode,
-    /// Seconds of a pass of 1 + k tokens, exponentially averaged, per k.
-    cost: [Option<f64>; MAX_DRAFT + 1],
+    /// Seconds per step of passes drafting k tokens, exponentially averaged, per k.
+    per_step: [Option<f64>; MAX_DRAFT + 1],
     /// Proposals evaluated (position reached) and used, decayed.
     tried: f64,
     used: f64,
@@ -210,10 +213,10 @@ pub struct Governor {
 
 /// Weight of the newest observation in the averages.
 const EWMA: f64 = 0.25;
-/// Passes after which an untimed plain pass is forced, and after which a draft is tried again
-/// while drafting is off.
-const REMEASURE: u32 = 32;
-const PROBE: u32 = 16;
+/// Draft passes after which a plain pass is timed again.
+pub const REMEASURE: u32 = 32;
+/// Plain passes after which a one-token draft is tried again while drafting does not pay.
+pub const PROBE: u32 = 16;
 
 impl Governor {
     /// A governor for `mode`.
@@ -221,7 +224,7 @@ impl Governor {
     pub fn new(mode: SpecMode) -> Governor {
         Governor {
             mode,
-            cost: [None; MAX_DRAFT + 1],
+            per_step: [None; MAX_DRAFT + 1],
             tried: 0.0,
             used: 0.0,
             since_plain: 0,
@@ -242,31 +245,32 @@ impl Governor {
         (self.used + 1.0) / (self.tried + 2.0)
     }
 
-    /// Seconds of a pass drafting `k`, measured or extrapolated from the measured lengths (a
-    /// draft token is assumed to cost a quarter of a plain pass until measured).
-    fn cost_of(&self, k: usize) -> Option<f64> {
-        if let Some(c) = self.cost[k] {
-            return Some(c);
-        }
-        let plain = self.cost[0]?;
-        // Marginal cost per draft token from the longest measured length, else the prior.
-        let per = (1..=MAX_DRAFT)
-            .rev()
-            .find_map(|j| self.cost[j].map(|c| ((c - plain) / j as f64).max(0.0)))
-            .unwrap_or(0.25 * plain);
-        Some(plain + per * k as f64)
-    }
-
-    /// Expected decoding steps a pass drafting `k` yields.
-    fn yield_of(&self, k: usize) -> f64 {
+    /// Steps a pass drafting `k` is expected to yield at the acceptance so far.
+    fn steps_of(&self, k: usize) -> f64 {
         let a = self.acceptance();
-        let mut p = 1.0;
-        let mut e = 1.0;
+        let (mut p, mut steps) = (1.0, 1.0);
         for _ in 0..k {
             p *= a;
-            e += p;
+            steps += p;
         }
-        e
+        steps
+    }
+
+    /// Seconds per step of drafting `k`: measured, or (not measured yet) extrapolated from the
+    /// marginal cost per draft token of the longest shorter length measured (a quarter of a
+    /// plain pass until one is) over the steps the acceptance predicts.
+    fn per_step_of(&self, k: usize) -> Option<f64> {
+        if let Some(c) = self.per_step[k] {
+            return Some(c);
+        }
+        let plain = self.per_step[0]?;
+        let marginal = (1..k)
+            .rev()
+            .find_map(|j| {
+                self.per_step[j].map(|c| ((c * self.steps_of(j) - plain) / j as f64).max(0.0))
+            })
+            .unwrap_or(0.25 * plain);
+        Some((plain + marginal * k as f64) / self.steps_of(k))
     }
 
     /// Draft length for the next pass, at most `cap`.
@@ -279,36 +283,34 @@ impl Governor {
         if let SpecMode::Fixed(n) = self.mode {
             return n.min(cap);
         }
-        // Keep the plain cost fresh: it is the yardstick.
-        if self.cost[0].is_none() || self.since_plain >= REMEASURE {
+        if self.per_step[0].is_none() || self.since_plain >= REMEASURE {
             return 0;
         }
-        let plain = self.cost[0].unwrap_or(f64::MAX);
-        let mut best = (1.0 / plain, 0);
+        let mut best = (self.per_step[0].unwrap_or(f64::MAX), 0);
         for k in 1..=cap {
-            if let Some(c) = self.cost_of(k) {
-                let rate = self.yield_of(k) / c;
-                // Prefer the shorter draft unless the longer is clearly better.
-                if rate > best.0 * 1.02 {
-                    best = (rate, k);
+            if let Some(c) = self.per_step_of(k) {
+                // A longer draft must be clearly better to be chosen.
+                if c * 1.02 < best.0 {
+                    best = (c, k);
                 }
             }
         }
         if best.1 == 0 && self.since_draft >= PROBE {
-            // Drafting is off: try a short draft now and then, so that text that starts to
-            // repeat turns it back on.
-            return 1.min(cap);
+            // Drafting does not pay: try a one-token draft now and then, so that text that
+            // starts to repeat turns it back on.
+            return 1;
         }
         best.1
     }
 
     /// Record a pass that drafted `k` tokens (of which `used` were used, after `tried` were
-    /// evaluated) and took `seconds`.
+    /// evaluated) and took `seconds`, rollback included.
     pub fn observe(&mut self, k: usize, tried: usize, used: usize, seconds: f64) {
-        let slot = &mut self.cost[k.min(MAX_DRAFT)];
+        let per = seconds / (1 + used) as f64;
+        let slot = &mut self.per_step[k.min(MAX_DRAFT)];
         *slot = Some(match *slot {
-            None => seconds,
-            Some(c) => c + EWMA * (seconds - c),
+            None => per,
+            Some(c) => c + EWMA * (per - c),
         });
         if k == 0 {
             self.since_plain = 0;
@@ -461,11 +463,13 @@ impl Speculator {
 
     fn close(&mut self, model: &Model, state: &mut SeqState) {
         if let Some(v) = self.open.take() {
+            let t = Instant::now();
             model.roll_back(state, &v.rollback, v.kept);
+            let seconds = v.seconds + t.elapsed().as_secs_f64();
             let used = v.kept - 1;
             // Proposals evaluated: the used ones and the one that failed (if any did).
             let tried = (used + 1).min(v.drafted);
-            self.governor.observe(v.drafted, tried, used, v.seconds);
+            self.governor.observe(v.drafted, tried, used, seconds);
         }
     }
 }
@@ -508,29 +512,40 @@ mod tests {
     #[test]
     fn the_governor_drafts_when_it_pays_and_stops_when_it_does_not() {
         let mut g = Governor::new(SpecMode::Auto);
-        assert_eq!(g.draft_len(8), 0, "measures a plain pass first");
+        assert_eq!(g.draft_len(8), 0, "times a plain pass first");
         g.observe(0, 0, 0, 1.0);
-        // Cheap drafts and an even prior: drafting pays.
+        // Not measured yet, with an even prior: drafting is tried.
         let k = g.draft_len(8);
         assert!(k > 0);
-        // Every proposal used and a pass of 1+k costing little more than a plain one.
+        // Every proposal used, a pass of 1+k costing little more than a plain one: it stays.
         for _ in 0..10 {
             g.observe(k, k, k, 1.1);
         }
-        assert!(g.draft_len(8) >= k);
-        // Now nothing is used: the governor stops drafting.
-        let mut g2 = g.clone();
-        for _ in 0..20 {
-            let k = g2.draft_len(8).max(1);
-            g2.observe(k, 1, 0, 1.3);
-        }
+        assert!(g.draft_len(8) >= 1);
+        // Passes that yield 2 steps but cost 3 plain ones: drafting stops, though most
+        // proposals are used.
+        let mut g2 = Governor::new(SpecMode::Auto);
         g2.observe(0, 0, 0, 1.0);
-        assert_eq!(g2.draft_len(8), 0);
-        // Expensive passes (compute bound): never pays even with full acceptance at 50%.
+        for _ in 0..40 {
+            let k = g2.draft_len(8);
+            if k == 0 {
+                g2.observe(0, 0, 0, 1.0);
+            } else {
+                g2.observe(k, 2, 1, 3.0);
+            }
+        }
+        let chosen: Vec<usize> = (0..10).map(|_| g2.draft_len(8)).collect();
+        assert!(chosen.iter().all(|&k| k == 0), "{chosen:?}");
+        // ... but a one-token draft is probed after enough plain passes.
+        for _ in 0..PROBE {
+            g2.observe(0, 0, 0, 1.0);
+        }
+        assert_eq!(g2.draft_len(8), 1);
+        // Plain passes are timed again after REMEASURE draft passes.
         let mut g3 = Governor::new(SpecMode::Auto);
         g3.observe(0, 0, 0, 1.0);
-        for k in 1..=8 {
-            g3.observe(k, 2, 1, 1.0 + k as f64);
+        for _ in 0..REMEASURE {
+            g3.observe(4, 4, 4, 1.2);
         }
         assert_eq!(g3.draft_len(8), 0);
         // The cap (context room) bounds the draft; Off never drafts; Fixed always does.

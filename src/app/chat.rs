@@ -1,15 +1,11 @@
-//! `k3 chat`: a conversation with carried state, in the terminal interface (when stdin and
-//! stdout are terminals and TERM is not `dumb`) or the plain REPL (otherwise, or `--plain`).
-//! Settings come from the flags, then the user config file, then the built-in defaults.
+//! `k3 chat` below the front ends: its arguments, the settings (the flags, then the user
+//! config file, then the built-in defaults), the checks made before anything starts, and the
+//! engine worker. [`crate::cli::chat`] then runs the terminal interface (when stdin and stdout
+//! are terminals and TERM is not `dumb`) or the plain REPL (otherwise, or `--plain`) on it.
 
-use super::config::Config;
-use super::state::{AppInit, KeyLabels};
+use super::config::{Cmd, Config, KeyChord, ThemeName};
 use super::worker::{ChatConfig, Worker};
 use crate::session::chat::Settings;
-use crate::session::store::SessionStore;
-use crate::ui::input::KeyMap;
-use crate::ui::repl::{self, ReplOptions};
-use crate::ui::tui::{self, TuiOptions};
 use clap::Args;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -126,8 +122,34 @@ fn settings(args: &ChatArgs, cfg: &Config) -> Settings {
     }
 }
 
-/// Run `k3 chat`; returns the exit status.
-pub fn run(args: &ChatArgs) -> crate::Result<i32> {
+/// A started `k3 chat`: the worker (loading the model) and what a front end needs.
+pub struct Started {
+    /// The engine worker.
+    pub worker: Worker,
+    /// Run the terminal interface (else the plain REPL).
+    pub tui: bool,
+    /// One JSON line per turn (plain REPL).
+    pub jsonl: bool,
+    /// Model name for the status bar: the checkpoint directory's name, or "demo model".
+    pub model: String,
+    /// The session given with `--session` or `--resume`.
+    pub session: Option<String>,
+    /// A session is resumed.
+    pub resume: bool,
+    /// The settings in force at start.
+    pub settings: Settings,
+    /// Budget the terminal interface asks for once the model is ready (config file).
+    pub budget_gb: Option<f64>,
+    /// Key bindings (checked: no two commands on one chord).
+    pub bindings: Vec<(Cmd, KeyChord)>,
+    /// Colour scheme.
+    pub theme: ThemeName,
+    /// The line history of the plain REPL.
+    pub history_file: Option<std::path::PathBuf>,
+}
+
+/// Check everything that can be checked before the model opens, then start the worker.
+pub fn start(args: &ChatArgs) -> crate::Result<Started> {
     let cfg = Config::load().map_err(|e| crate::Error::Usage(e.to_string()))?;
     // A session name is checked now, not at the first `/save`.
     for (flag, name) in [("--session", &args.session), ("--resume", &args.resume)] {
@@ -154,10 +176,10 @@ pub fn run(args: &ChatArgs) -> crate::Result<i32> {
     crate::engine::sampling::Sampler::new(settings.sampler())
         .map_err(|e| crate::Error::Usage(e.to_string()))?;
     let tui = !args.plain && !args.jsonl && terminal_usable();
-    let keys = match cfg.keys.bindings() {
-        Ok(b) => KeyMap::new(b),
-        Err((field, msg)) => return Err(crate::Error::Usage(format!("{field}: {msg}"))),
-    };
+    let bindings = cfg
+        .keys
+        .bindings()
+        .map_err(|(field, msg)| crate::Error::Usage(format!("{field}: {msg}")))?;
     let worker = Worker::spawn(ChatConfig {
         model_dir: model_dir.clone(),
         settings: settings.clone(),
@@ -168,49 +190,26 @@ pub fn run(args: &ChatArgs) -> crate::Result<i32> {
         budget: args.budget.request(super::budget_args::auto_request())?,
         trunk: args.budget.trunk.clone(),
     });
-    if tui {
-        let session_dir = args
-            .session_dir
-            .clone()
-            .unwrap_or_else(SessionStore::default_dir);
-        let model = if demo {
-            "demo model".to_string()
-        } else {
-            model_dir.file_name().map_or_else(
-                || model_dir.display().to_string(),
-                |n| n.to_string_lossy().into_owned(),
-            )
-        };
-        let labels: KeyLabels = keys.labels();
-        let init = AppInit {
-            model,
-            session: args.session.clone().or_else(|| args.resume.clone()),
-            resume: args.resume.is_some(),
-            thinking: settings.thinking,
-            context_limit: settings.context_limit as u64,
-            // The worker exports the transcript here for the pane to show a loaded session; it
-            // is read and removed at once. The session directory is private to the user.
-            history_path: session_dir.join(format!(".transcript-view-{}.json", std::process::id())),
-            budget_gb: cfg.memory.budget_gb,
-            keys: labels,
-            theme: cfg.theme,
-        };
-        return Ok(tui::run(
-            worker,
-            TuiOptions {
-                init,
-                keys,
-                session_dir,
-            },
-        ));
-    }
-    let history_file =
-        directories::ProjectDirs::from("", "", "k3").map(|d| d.data_dir().join("repl_history"));
-    Ok(repl::run(
+    let model = if demo {
+        "demo model".to_string()
+    } else {
+        model_dir.file_name().map_or_else(
+            || model_dir.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        )
+    };
+    Ok(Started {
         worker,
-        &ReplOptions {
-            jsonl: args.jsonl,
-            history_file,
-        },
-    ))
+        tui,
+        jsonl: args.jsonl,
+        model,
+        session: args.session.clone().or_else(|| args.resume.clone()),
+        resume: args.resume.is_some(),
+        settings,
+        budget_gb: cfg.memory.budget_gb,
+        bindings,
+        theme: cfg.theme,
+        history_file: directories::ProjectDirs::from("", "", "k3")
+            .map(|d| d.data_dir().join("repl_history")),
+    })
 }

@@ -1,9 +1,10 @@
 //! The terminal client's model: a pure state machine, `App::update(Msg) -> Vec<Effect>`.
 //!
 //! It never performs I/O, reads no clock, touches no terminal and starts no thread: the driver
-//! in `ui::tui` turns key presses, timer ticks and engine events into [`Msg`]s, runs the
-//! [`Effect`]s that come back (requests to the worker, the cancel flag, the clipboard, reading
-//! the session list) and feeds their results back as `Msg`s. Rendering reads `&App` only.
+//! in `ui::tui` turns key presses, timer ticks and engine events into [`Msg`]s and runs the
+//! [`Effect`]s that come back (requests to the worker, the cancel flag, the clipboard, quit).
+//! Everything the client shows of the session (its history, the saved sessions) arrives as
+//! engine events. Rendering reads `&App` only.
 //!
 //! Every request carries a fresh [`TurnId`]; events for a turn the user cancelled, or for a turn
 //! this model never asked for, are dropped.
@@ -15,6 +16,7 @@ mod keys;
 mod tests;
 
 use crate::app::config::{Cmd, ThemeName};
+pub use crate::app::protocol::SessionRow;
 use crate::app::protocol::{EngineEvent, Request, TurnId};
 use crate::session::chat::{Mode, Stop, TurnReport};
 use crate::session::commands::Command;
@@ -22,7 +24,6 @@ use crate::session::template::TolerantParser;
 use crate::stream::stats::StatsSnapshot;
 use editor::{Editor, History};
 use std::collections::VecDeque;
-use std::path::PathBuf;
 use std::time::Instant;
 
 /// What the conversation is doing.
@@ -105,21 +106,6 @@ pub enum Item {
     Reply(Reply),
     /// An error, shown in the error style.
     Error(String),
-}
-
-/// One saved session, as listed in the session dialog.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SessionRow {
-    /// Name.
-    pub name: String,
-    /// When it was saved (Unix seconds).
-    pub saved_unix: u64,
-    /// Completed turns.
-    pub turns: u32,
-    /// File size in bytes.
-    pub bytes: u64,
-    /// Why the file could not be read, if so.
-    pub problem: Option<String>,
 }
 
 /// The session dialog's state.
@@ -266,8 +252,10 @@ enum Purpose {
     Command(Command),
     /// The budget slider.
     Budget,
-    /// Exporting the transcript so the pane can show a loaded session.
+    /// The session's history, to show a resumed or loaded session.
     History,
+    /// The saved sessions, for the session dialog.
+    Sessions,
 }
 
 /// What produced a reply.
@@ -309,8 +297,6 @@ pub struct AppInit {
     pub thinking: bool,
     /// Context limit in positions.
     pub context_limit: u64,
-    /// Where the worker exports the transcript for display (a private temporary file).
-    pub history_path: PathBuf,
     /// Budget to ask for at start (from the config file).
     pub budget_gb: Option<f64>,
     /// Key labels.
@@ -380,10 +366,6 @@ pub enum Msg {
     Tick(Instant),
     /// The engine worker sent an event.
     Engine(EngineEvent),
-    /// The driver read the session directory (answer to [`Effect::ListSessions`]).
-    SessionList(Result<Vec<SessionRow>, String>),
-    /// The driver read the exported transcript (answer to [`Effect::ReadHistory`]).
-    HistoryRead(Result<Vec<u8>, String>),
     /// The view measured the conversation after drawing it.
     Viewport {
         /// Lines above the visible ones when scrolled to the bottom.
@@ -404,11 +386,6 @@ pub enum Effect {
     Cancel,
     /// Put text on the clipboard with OSC 52 (on the copy key).
     Copy(String),
-    /// List saved sessions, answering with [`Msg::SessionList`] (on opening the session dialog).
-    ListSessions,
-    /// Read and delete the exported transcript, answering with [`Msg::HistoryRead`] (after the
-    /// worker confirmed the export of a loaded or resumed session).
-    ReadHistory(PathBuf),
     /// Shut the worker down, restore the terminal and exit with `code` (on quit).
     Quit {
         /// Exit status.
@@ -478,7 +455,6 @@ pub struct App {
     pending: Vec<(TurnId, Purpose)>,
     cancelled: VecDeque<TurnId>,
     parser: Option<(TurnId, TolerantParser)>,
-    history_path: PathBuf,
     resume: bool,
     budget_gb: Option<f64>,
     quit_after_save: Option<TurnId>,
@@ -565,7 +541,6 @@ impl App {
             pending: Vec::new(),
             cancelled: VecDeque::new(),
             parser: None,
-            history_path: init.history_path,
             resume: init.resume,
             budget_gb: init.budget_gb,
             quit_after_save: None,
@@ -591,18 +566,6 @@ impl App {
             }
             Msg::Tick(_) => self.tick(),
             Msg::Engine(ev) => self.engine(ev, &mut fx),
-            Msg::SessionList(rows) => {
-                if let Some(Dialog::Sessions(d)) = &mut self.dialog {
-                    let n = rows.as_ref().map_or(0, Vec::len);
-                    d.selected = d.selected.min(n.saturating_sub(1));
-                    d.rows = Some(rows);
-                }
-                true
-            }
-            Msg::HistoryRead(bytes) => {
-                self.history_read(bytes);
-                true
-            }
             Msg::Viewport { max_scroll, page } => self.viewport(max_scroll, page),
             Msg::WorkerGone => {
                 self.worker_stopped(1);

@@ -2,7 +2,7 @@
 //! [`Request`]s with [`EngineEvent`]s. The front end never touches weights; the worker never
 //! draws. Cancelling is a flag the worker checks between tokens.
 
-use super::protocol::{EngineEvent, Request, TurnId};
+use super::protocol::{EngineEvent, HistoryView, Request, SessionRow, TurnId};
 use crate::engine::weights::LoadInfo;
 use crate::engine::Model;
 use crate::session::chat::{Entry, Mode, Session, Settings};
@@ -404,6 +404,11 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
                 ctx.current_turn.store(turn, Ordering::Relaxed);
                 ctx.command(turn, command)
             }
+            Request::History { turn } => ctx.event(EngineEvent::History {
+                turn,
+                history: Box::new(ctx.history()),
+            }),
+            Request::ListSessions { turn } => ctx.event(session_rows(&ctx.store, turn)),
         };
         if !ok {
             break; // the front end is gone
@@ -417,7 +422,40 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
     });
 }
 
+/// The answer to [`Request::ListSessions`]: the rows, or why the directory cannot be read.
+fn session_rows(store: &SessionStore, turn: TurnId) -> EngineEvent {
+    match store.list() {
+        Ok(list) => EngineEvent::Sessions {
+            turn,
+            rows: list
+                .into_iter()
+                .map(|s| SessionRow {
+                    name: s.name,
+                    saved_unix: s.saved_unix,
+                    turns: s.turns,
+                    bytes: s.bytes,
+                    problem: s.problem,
+                })
+                .collect(),
+        },
+        Err(e) => EngineEvent::Failed {
+            turn,
+            message: format!("{}: {e}", store.dir().display()),
+        },
+    }
+}
+
 impl Ctx<'_> {
+    fn history(&self) -> HistoryView {
+        let s = &self.session;
+        HistoryView {
+            name: self.name.clone(),
+            system: s.system.clone(),
+            mode: s.mode,
+            entries: s.entries.clone(),
+        }
+    }
+
     fn event(&self, e: EngineEvent) -> bool {
         self.tx.send(e).is_ok()
     }
@@ -511,6 +549,7 @@ impl Ctx<'_> {
         let mut last_read = base.disk_bytes_read;
         let mut last_stats_at = Instant::now();
         let rx = self.rx;
+        let store = &self.store;
         let cancel = self.cancel;
         let context = self.session.settings.context_limit as u64;
         let mut deferred = Vec::new();
@@ -533,6 +572,9 @@ impl Ctx<'_> {
                             Err(message) => EngineEvent::Failed { turn: t, message },
                         };
                         alive &= tx.send(ev).is_ok();
+                    }
+                    Request::ListSessions { turn: t } => {
+                        alive &= tx.send(session_rows(store, t)).is_ok();
                     }
                     Request::Shutdown => {
                         cancel.store(true, Ordering::Relaxed);

@@ -172,7 +172,7 @@ impl App {
             }
             Cmd::Sessions => {
                 self.dialog = Some(Dialog::Sessions(SessionDialog::default()));
-                fx.push(Effect::ListSessions);
+                self.fetch_sessions(fx);
             }
             Cmd::BudgetDown => self.budget_move(-1, fx),
             Cmd::BudgetUp => self.budget_move(1, fx),
@@ -553,7 +553,7 @@ impl App {
             }
             (_, Some('r')) => {
                 d.rows = None;
-                fx.push(Effect::ListSessions);
+                self.fetch_sessions(fx);
             }
             _ => {}
         }

@@ -3,7 +3,9 @@
 
 use super::*;
 use crate::app::config::Cmd;
-use crate::session::commands::{ExportFormat, Setting};
+use crate::app::protocol::HistoryView;
+use crate::session::chat::Entry;
+use crate::session::commands::Setting;
 use crate::stream::stats::{LayerResidency, Residency};
 
 const MODEL_BYTES: u64 = 4_000_000_000;
@@ -15,7 +17,6 @@ fn init() -> AppInit {
         resume: false,
         thinking: false,
         context_limit: 4096,
-        history_path: PathBuf::from("/tmp/k3-test-history.json"),
         budget_gb: None,
         keys: KeyLabels(vec![
             (Cmd::Help, "F1".into()),
@@ -32,6 +33,18 @@ fn ready_app_with(init: AppInit) -> App {
         info: "k3: tiny (13 layers, vocabulary 512), session \"s1\", chat mode".into(),
     }));
     app
+}
+
+/// Answer the session dialog's request for the saved sessions, as the worker would.
+fn list_sessions(app: &mut App, rows: Vec<SessionRow>) {
+    let turn = app
+        .pending
+        .iter()
+        .rev()
+        .find(|(_, p)| *p == Purpose::Sessions)
+        .map(|(t, _)| *t)
+        .expect("a pending session list");
+    app.update(Msg::Engine(EngineEvent::Sessions { turn, rows }));
 }
 
 fn ready_app() -> App {
@@ -590,12 +603,14 @@ fn rows() -> Vec<SessionRow> {
 fn the_session_dialog_loads_and_shows_the_history() {
     let mut app = ready_app();
     let fx = act(&mut app, Action::Cmd(Cmd::Sessions));
-    assert!(fx.iter().any(|e| matches!(e, Effect::ListSessions)));
+    assert!(fx
+        .iter()
+        .any(|e| matches!(e, Effect::Send(Request::ListSessions { .. }))));
     assert!(matches!(
         app.dialog,
         Some(Dialog::Sessions(SessionDialog { rows: None, .. }))
     ));
-    app.update(Msg::SessionList(Ok(rows())));
+    list_sessions(&mut app, rows());
     act(&mut app, Action::Down);
     act(&mut app, Action::Down);
     let fx = act(&mut app, Action::Submit);
@@ -610,22 +625,34 @@ fn the_session_dialog_loads_and_shows_the_history() {
         },
     );
     assert_eq!(app.session.as_deref(), Some("beta"));
-    let (export_turn, export) = command(&fx);
-    let path = "/tmp/k3-test-history.json".to_string();
-    assert_eq!(export, Command::Export(ExportFormat::Json, path.clone()));
-    let fx = ev(
+    let history_turn = match &fx[..] {
+        [Effect::Send(Request::History { turn })] => *turn,
+        other => panic!("{other:?}"),
+    };
+    let history = HistoryView {
+        name: Some("beta".into()),
+        system: None,
+        mode: Mode::Chat,
+        entries: vec![
+            Entry::Message {
+                role: "user".into(),
+                content: "old question".into(),
+                reasoning: None,
+            },
+            Entry::Message {
+                role: "assistant".into(),
+                content: "old answer".into(),
+                reasoning: Some("hm".into()),
+            },
+        ],
+    };
+    ev(
         &mut app,
-        EngineEvent::Notice {
-            turn: export_turn,
-            text: "transcript written".into(),
+        EngineEvent::History {
+            turn: history_turn,
+            history: Box::new(history),
         },
     );
-    assert!(matches!(&fx[..], [Effect::ReadHistory(p)] if p.to_string_lossy() == path));
-    let json = br#"{"system":null,"mode":"chat","entries":[
-        {"kind":"message","role":"user","content":"old question"},
-        {"kind":"message","role":"assistant","content":"old answer","reasoning":"hm"}],
-        "pending":null}"#;
-    app.update(Msg::HistoryRead(Ok(json.to_vec())));
     assert!(app
         .items
         .iter()
@@ -633,16 +660,24 @@ fn the_session_dialog_loads_and_shows_the_history() {
     assert_eq!(last_reply(&app).content, "old answer");
     assert_eq!(last_reply(&app).reasoning, "hm");
     assert!(!app.dirty);
-    // A broken transcript is an error line, not a crash.
-    app.update(Msg::HistoryRead(Ok(b"{not json".to_vec())));
-    assert!(has_error(&app, "cannot show the saved history"));
+    // A history the worker cannot send is an error line, not a crash.
+    app.fetch_history(&mut Vec::new());
+    let turn = app.pending.last().map(|p| p.0).unwrap_or_default();
+    ev(
+        &mut app,
+        EngineEvent::Failed {
+            turn,
+            message: "gone".into(),
+        },
+    );
+    assert!(has_error(&app, "cannot show the saved history: gone"));
 }
 
 #[test]
 fn saving_over_another_listed_session_asks_first() {
     let mut app = ready_app();
     act(&mut app, Action::Cmd(Cmd::Sessions));
-    app.update(Msg::SessionList(Ok(rows())));
+    list_sessions(&mut app, rows());
     act(&mut app, Action::Char('s'));
     act(&mut app, Action::ClearInput);
     for _ in 0..2 {
@@ -669,7 +704,7 @@ fn saving_over_another_listed_session_asks_first() {
     assert_eq!(app.session.as_deref(), Some("beta"));
     // The session's own name is saved over without asking.
     act(&mut app, Action::Cmd(Cmd::Sessions));
-    app.update(Msg::SessionList(Ok(rows())));
+    list_sessions(&mut app, rows());
     act(&mut app, Action::Char('s'));
     let fx = act(&mut app, Action::Submit);
     assert_eq!(command(&fx).1, Command::Save(Some("beta".into())));
@@ -697,7 +732,7 @@ fn a_save_under_the_default_name_learns_it_from_the_answer() {
 fn the_session_dialog_saves_under_a_new_name() {
     let mut app = ready_app();
     act(&mut app, Action::Cmd(Cmd::Sessions));
-    app.update(Msg::SessionList(Ok(Vec::new())));
+    list_sessions(&mut app, Vec::new());
     act(&mut app, Action::Char('s'));
     match &app.dialog {
         Some(Dialog::Sessions(d)) => assert_eq!(d.naming.as_ref().map(Editor::text), Some("s1")),
@@ -982,10 +1017,10 @@ fn resuming_fetches_the_history_once_ready() {
             info: "k3: tiny, session \"old\", raw mode\nloaded session \"old\"".into(),
         },
     );
-    assert!(matches!(
-        command(&fx).1,
-        Command::Export(ExportFormat::Json, _)
-    ));
+    assert!(
+        matches!(&fx[..], [Effect::Send(Request::History { .. })]),
+        "{fx:?}"
+    );
     assert_eq!(app.mode, Mode::Raw);
     assert_eq!(app.session.as_deref(), Some("old"));
 }

@@ -20,7 +20,6 @@ fn init() -> AppInit {
         resume: false,
         thinking: true,
         context_limit: 32_768,
-        history_path: "/tmp/unused.json".into(),
         budget_gb: None,
         keys: keys.labels(),
         theme: ThemeName::Dark,
@@ -222,30 +221,40 @@ fn help_popup() {
 fn session_dialog() {
     let mut app = mid_reply();
     app.update(Msg::Action(Action::Cmd(Cmd::Stop)));
-    app.update(Msg::Action(Action::Cmd(Cmd::Sessions)));
-    app.update(Msg::SessionList(Ok(vec![
-        SessionRow {
-            name: "demo".into(),
-            saved_unix: 1_795_946_400,
-            turns: 4,
-            bytes: 134_313,
-            problem: None,
-        },
-        SessionRow {
-            name: "notes".into(),
-            saved_unix: 1_795_000_000,
-            turns: 12,
-            bytes: 2_500_000,
-            problem: None,
-        },
-        SessionRow {
-            name: "broken".into(),
-            saved_unix: 0,
-            turns: 0,
-            bytes: 0,
-            problem: Some("bad magic".into()),
-        },
-    ])));
+    let fx = app.update(Msg::Action(Action::Cmd(Cmd::Sessions)));
+    let turn = fx
+        .iter()
+        .find_map(|e| match e {
+            Effect::Send(Request::ListSessions { turn }) => Some(*turn),
+            _ => None,
+        })
+        .expect("the session dialog asks for the list");
+    app.update(Msg::Engine(EngineEvent::Sessions {
+        turn,
+        rows: vec![
+            SessionRow {
+                name: "demo".into(),
+                saved_unix: 1_795_946_400,
+                turns: 4,
+                bytes: 134_313,
+                problem: None,
+            },
+            SessionRow {
+                name: "notes".into(),
+                saved_unix: 1_795_000_000,
+                turns: 12,
+                bytes: 2_500_000,
+                problem: None,
+            },
+            SessionRow {
+                name: "broken".into(),
+                saved_unix: 0,
+                turns: 0,
+                bytes: 0,
+                problem: Some("bad magic".into()),
+            },
+        ],
+    }));
     app.update(Msg::Action(Action::Down));
     snap!("sessions", app);
 }

@@ -26,6 +26,9 @@ pub struct ChatArgs {
     /// Resume a saved session (no re-prefill).
     #[arg(long, value_name = "NAME")]
     pub resume: Option<String>,
+    /// Resume the most recently saved session.
+    #[arg(short = 'c', long = "continue", conflicts_with = "resume")]
+    pub continue_last: bool,
     /// Name to save the session under [default: the first words of the conversation and the
     /// date, with -2, -3, … when taken].
     #[arg(long, value_name = "NAME")]
@@ -122,6 +125,53 @@ fn settings(args: &ChatArgs, cfg: &Config) -> Settings {
     }
 }
 
+/// Refuse a budget below the floor of `k3 chat`'s plan (its context and its snapshots) before
+/// any front end takes the terminal, with the floor and the context it assumes.
+fn check_floor(
+    model_dir: &std::path::Path,
+    req: crate::stream::budget::BudgetRequest,
+    context: u64,
+) -> crate::Result<()> {
+    use crate::stream::budget;
+    if matches!(req, budget::BudgetRequest::Resident) {
+        return Ok(());
+    }
+    let cfg = crate::engine::config::ModelConfig::load(&model_dir.join("config.json"))?;
+    let ck = crate::stream::Checkpoint::open(model_dir)?;
+    let sizes = crate::engine::weights::model_sizes(&cfg, &ck);
+    let states = 1 + crate::session::chat::SNAPSHOTS as u64;
+    budget::plan_states(&sizes, req, context, states, budget::cgroup_limit())
+        .map(|_| ())
+        .map_err(|e| {
+            crate::Error::Usage(format!(
+                "{e} (k3 chat plans for a context of {context} positions and {states} sequence                  states; --context N with a smaller N lowers the floor)"
+            ))
+        })
+}
+
+/// The most recently saved session that can be read, for `--continue`.
+fn most_recent(args: &ChatArgs) -> crate::Result<String> {
+    use crate::session::store::SessionStore;
+    let store = SessionStore::new(
+        args.session_dir
+            .clone()
+            .unwrap_or_else(SessionStore::default_dir),
+    );
+    let list = store
+        .list()
+        .map_err(|e| crate::Error::Usage(format!("--continue: {}: {e}", store.dir().display())))?;
+    // The list is newest first.
+    list.into_iter()
+        .find(|s| s.problem.is_none())
+        .map(|s| s.name)
+        .ok_or_else(|| {
+            crate::Error::Usage(format!(
+                "--continue: no saved session in {} to continue",
+                store.dir().display()
+            ))
+        })
+}
+
 /// A started `k3 chat`: the worker (loading the model) and what a front end needs.
 pub struct Started {
     /// The engine worker.
@@ -150,9 +200,14 @@ pub struct Started {
 
 /// Check everything that can be checked before the model opens, then start the worker.
 pub fn start(args: &ChatArgs) -> crate::Result<Started> {
+    let mut args_resume = args.resume.clone();
+    if args.continue_last {
+        args_resume = Some(most_recent(args)?);
+    }
+    let resume = &args_resume;
     let cfg = Config::load().map_err(|e| crate::Error::Usage(e.to_string()))?;
     // A session name is checked now, not at the first `/save`.
-    for (flag, name) in [("--session", &args.session), ("--resume", &args.resume)] {
+    for (flag, name) in [("--session", &args.session), ("--resume", resume)] {
         if let Some(name) = name {
             crate::session::store::validate_name(name)
                 .map_err(|e| crate::Error::Usage(format!("{flag}: {e}")))?;
@@ -180,14 +235,21 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
         .keys
         .bindings()
         .map_err(|(field, msg)| crate::Error::Usage(format!("{field}: {msg}")))?;
+    let budget = args.budget.request(super::budget_args::auto_request())?;
+    check_floor(&model_dir, budget, settings.context_limit as u64)?;
     let worker = Worker::spawn(ChatConfig {
         model_dir: model_dir.clone(),
+        model_label: if demo {
+            "the demo model".to_string()
+        } else {
+            model_dir.display().to_string()
+        },
         settings: settings.clone(),
         system: args.system.clone(),
-        resume: args.resume.clone(),
-        session_name: args.session.clone().or_else(|| args.resume.clone()),
+        resume: resume.clone(),
+        session_name: args.session.clone().or_else(|| resume.clone()),
         session_dir: args.session_dir.clone(),
-        budget: args.budget.request(super::budget_args::auto_request())?,
+        budget,
         trunk: args.budget.trunk.clone(),
     });
     let model = if demo {
@@ -203,8 +265,8 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
         tui,
         jsonl: args.jsonl,
         model,
-        session: args.session.clone().or_else(|| args.resume.clone()),
-        resume: args.resume.is_some(),
+        session: args.session.clone().or_else(|| resume.clone()),
+        resume: resume.is_some(),
         settings,
         budget_gb: cfg.memory.budget_gb,
         bindings,

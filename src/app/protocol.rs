@@ -62,6 +62,8 @@ pub struct SessionRow {
     pub name: String,
     /// When it was saved (Unix seconds).
     pub saved_unix: u64,
+    /// When it was saved, as a local date and time.
+    pub saved: String,
     /// Completed turns.
     pub turns: u32,
     /// File size in bytes.

@@ -117,6 +117,9 @@ pub struct SessionDialog {
     pub selected: usize,
     /// The name being typed for "save as", if the user pressed `s`.
     pub naming: Option<Editor>,
+    /// The name in `naming` is the prefilled one, untouched: the first character typed
+    /// replaces it (Backspace and the arrows edit it instead).
+    pub prefilled: bool,
     /// A refusal to show in the dialog (bad name, busy engine).
     pub message: Option<String>,
 }
@@ -134,6 +137,8 @@ pub enum Dialog {
     ConfirmNew,
     /// Saving over a different saved session of this name (`s` in the session dialog).
     ConfirmReplace(String),
+    /// Loading this session over unsaved turns (`/load`, or Enter in the session dialog).
+    ConfirmLoad(String),
 }
 
 /// Where keys go.
@@ -303,6 +308,8 @@ pub struct AppInit {
     pub keys: KeyLabels,
     /// Colour scheme.
     pub theme: ThemeName,
+    /// Longest reply in tokens (for the estimate of the time left).
+    pub max_tokens: u64,
 }
 
 /// A key or mouse gesture, mapped by the front end; `App` decides what it means in context.
@@ -386,12 +393,17 @@ pub enum Effect {
     Cancel,
     /// Put text on the clipboard with OSC 52 (on the copy key).
     Copy(String),
+    /// Tell the user a long reply finished: the terminal bell and an OSC 9 notification.
+    Notify(String),
     /// Shut the worker down, restore the terminal and exit with `code` (on quit).
     Quit {
         /// Exit status.
         code: i32,
     },
 }
+
+/// A reply that took at least this long (prefill and decode) rings the bell when it ends.
+pub const NOTIFY_AFTER_S: f64 = 10.0;
 
 /// Ticks a transient status message stays up.
 const TOAST_TICKS: u32 = 30;
@@ -443,6 +455,8 @@ pub struct App {
     pub ticks: u64,
     /// Context limit in positions.
     pub context_limit: u64,
+    /// Longest reply in tokens.
+    pub max_tokens: u64,
     /// Key labels.
     pub keys: KeyLabels,
     /// Colour scheme.
@@ -459,6 +473,8 @@ pub struct App {
     budget_gb: Option<f64>,
     quit_after_save: Option<TurnId>,
     last_error: Option<String>,
+    /// Disk bytes the engine had read when the live reply started (its figures at the time).
+    disk_at_start: Option<u64>,
     /// Weight bytes read / to read while the model opens (from `EngineEvent::Loading`).
     pub loading: Option<(u64, u64)>,
 }
@@ -481,18 +497,36 @@ fn stop_words(stop: &Stop) -> &'static str {
     }
 }
 
-/// One line of figures for a finished reply.
-fn summary(r: &TurnReport) -> String {
+/// Bytes in a short human form (`0 B`, `12.3 MB`, `4.56 GB`).
+fn short_bytes(b: u64) -> String {
+    let x = b as f64;
+    if b < 1_000 {
+        format!("{b} B")
+    } else if b < 1_000_000 {
+        format!("{:.1} KB", x / 1e3)
+    } else if b < 1_000_000_000 {
+        format!("{:.1} MB", x / 1e6)
+    } else {
+        format!("{:.2} GB", x / 1e9)
+    }
+}
+
+/// One line of figures for a finished reply: what the engine did (tokens generated, speed,
+/// prompt tokens reused and read, the turn's time, the weight bytes it read from disk) and
+/// why it stopped. `disk_read` is `None` when the engine's figures did not say.
+fn summary(r: &TurnReport, disk_read: Option<u64>) -> String {
     let n = r.generated_ids.len();
     let tps = if r.decode_seconds > 0.0 {
         n as f64 / r.decode_seconds
     } else {
         0.0
     };
+    let disk = disk_read.map_or(String::new(), |b| format!(" · {} read", short_bytes(b)));
     format!(
-        "{n} tokens · {tps:.1} tokens/s · prompt {} reused + {} read · {}",
+        "{n} tokens · {tps:.1} tokens/s · prompt {} reused + {} read · {:.1} s{disk} · {}",
         r.reused_tokens,
         r.prefilled_tokens,
+        r.prefill_seconds + r.decode_seconds,
         stop_words(&r.stop)
     )
 }
@@ -533,6 +567,7 @@ impl App {
             toast: None,
             ticks: 0,
             context_limit: init.context_limit,
+            max_tokens: init.max_tokens,
             keys: init.keys,
             theme: init.theme,
             size: (80, 24),
@@ -545,6 +580,7 @@ impl App {
             budget_gb: init.budget_gb,
             quit_after_save: None,
             last_error: None,
+            disk_at_start: None,
         }
     }
 
@@ -591,6 +627,21 @@ impl App {
             Phase::Prefill { turn, .. } | Phase::Streaming { turn, .. } => Some(turn),
             _ => None,
         }
+    }
+
+    /// While a reply streams: seconds per token (from the engine's last figure) and an upper
+    /// bound on the seconds left, at that pace, before the reply reaches its token limit.
+    #[must_use]
+    pub fn pace(&self) -> Option<(f64, f64)> {
+        let Phase::Streaming { tokens, .. } = self.phase else {
+            return None;
+        };
+        let tps = self.stats.last.as_ref()?.tokens_per_second;
+        if tokens < 2 || !tps.is_finite() || tps <= 0.0 {
+            return None;
+        }
+        let left = self.max_tokens.saturating_sub(tokens) as f64;
+        Some((1.0 / tps, left / tps))
     }
 
     /// The text of the newest reply.

@@ -18,6 +18,7 @@ pub fn run(args: &ChatArgs) -> crate::Result<i32> {
             resume: s.resume,
             thinking: s.settings.thinking,
             context_limit: s.settings.context_limit as u64,
+            max_tokens: s.settings.max_tokens as u64,
             budget_gb: s.budget_gb,
             keys: keys.labels(),
             theme: s.theme,

@@ -204,6 +204,14 @@ fn copy_osc52(text: &str) {
     let _ = out.flush();
 }
 
+/// The bell, and an OSC 9 desktop notification where the terminal shows them.
+fn notify(text: &str) {
+    let clean: String = text.chars().filter(|c| !c.is_control()).collect();
+    let mut out = std::io::stdout();
+    let _ = write!(out, "\x07\x1b]9;{clean}\x07");
+    let _ = out.flush();
+}
+
 /// The UI thread's side of the channels.
 struct Driver {
     app: App,
@@ -224,6 +232,7 @@ impl Driver {
                 }
                 Effect::Cancel => self.cancel.store(true, Ordering::Relaxed),
                 Effect::Copy(text) => copy_osc52(&text),
+                Effect::Notify(text) => notify(&text),
                 Effect::Quit { code } => self.quit = Some(code),
             }
         }

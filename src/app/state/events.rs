@@ -69,7 +69,16 @@ impl App {
                     return false;
                 }
                 match self.take_pending(turn) {
-                    Some(Purpose::Reply(kind)) => self.turn_done(turn, kind, &report),
+                    Some(Purpose::Reply(kind)) => {
+                        self.turn_done(turn, kind, &report);
+                        let secs = report.prefill_seconds + report.decode_seconds;
+                        if secs >= super::NOTIFY_AFTER_S {
+                            fx.push(Effect::Notify(format!(
+                                "k3: the reply is ready ({} tokens, {secs:.0} s)",
+                                report.generated_ids.len()
+                            )));
+                        }
+                    }
                     _ => return false,
                 }
             }
@@ -230,6 +239,10 @@ impl App {
 
     pub(super) fn turn_done(&mut self, turn: TurnId, kind: ReplyKind, report: &TurnReport) {
         self.finish_parser(turn);
+        let disk_read = match (self.disk_at_start.take(), &self.stats.last) {
+            (Some(a), Some(s)) => Some(s.disk_bytes_read.saturating_sub(a)),
+            _ => None,
+        };
         let live = self.live_turn() == Some(turn);
         if let Some(r) = self.reply_mut(turn) {
             if report.accepted || r.raw {
@@ -243,7 +256,7 @@ impl App {
             } else {
                 ReplyState::Done
             };
-            let mut line = summary(report);
+            let mut line = summary(report, disk_read);
             if let Some(w) = &report.context_warning {
                 line.push_str(" · ");
                 line.push_str(w);

@@ -17,6 +17,7 @@ fn init() -> AppInit {
         resume: false,
         thinking: false,
         context_limit: 4096,
+        max_tokens: 512,
         budget_gb: None,
         keys: KeyLabels(vec![
             (Cmd::Help, "F1".into()),
@@ -585,6 +586,7 @@ fn rows() -> Vec<SessionRow> {
         SessionRow {
             name: "alpha".into(),
             saved_unix: 1_800_000_000,
+            saved: "2027-01-15 08:00".into(),
             turns: 3,
             bytes: 12_345,
             problem: None,
@@ -592,6 +594,7 @@ fn rows() -> Vec<SessionRow> {
         SessionRow {
             name: "beta".into(),
             saved_unix: 1_700_000_000,
+            saved: "2023-11-14 22:13".into(),
             turns: 1,
             bytes: 999,
             problem: None,
@@ -1084,4 +1087,190 @@ fn no_message_sequence_panics() {
             app = ready_app();
         }
     }
+}
+
+/// A finished turn leaves the conversation with unsaved changes.
+fn unsaved_app() -> App {
+    let mut app = ready_app();
+    let turn = send_message(&mut app, "hi");
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn,
+            report: report("hello", Stop::End(1), true),
+        },
+    );
+    assert!(app.dirty);
+    app
+}
+
+#[test]
+fn loading_over_unsaved_turns_asks_first() {
+    // `/load`: nothing is sent until the user says yes.
+    let mut app = unsaved_app();
+    type_text(&mut app, "/load other");
+    let fx = act(&mut app, Action::Submit);
+    assert!(fx.is_empty(), "{fx:?}");
+    assert_eq!(app.dialog, Some(Dialog::ConfirmLoad("other".into())));
+    assert!(act(&mut app, Action::Char('n')).is_empty());
+    assert_eq!(app.dialog, None);
+    assert!(app.dirty);
+    type_text(&mut app, "/load other");
+    act(&mut app, Action::Submit);
+    let fx = act(&mut app, Action::Char('y'));
+    assert_eq!(command(&fx).1, Command::Load("other".into()));
+    // The session dialog's Enter on a row asks the same question.
+    let mut app = unsaved_app();
+    act(&mut app, Action::Cmd(Cmd::Sessions));
+    list_sessions(&mut app, rows());
+    let fx = act(&mut app, Action::Submit);
+    assert!(fx.is_empty(), "{fx:?}");
+    assert!(matches!(app.dialog, Some(Dialog::ConfirmLoad(_))));
+    let fx = act(&mut app, Action::Char('y'));
+    assert!(matches!(command(&fx).1, Command::Load(_)));
+    // With nothing unsaved, no question.
+    let mut app = ready_app();
+    type_text(&mut app, "/load other");
+    let fx = act(&mut app, Action::Submit);
+    assert_eq!(command(&fx).1, Command::Load("other".into()));
+}
+
+#[test]
+fn save_as_replaces_the_prefilled_name_and_the_status_follows() {
+    let mut app = ready_app();
+    act(&mut app, Action::Cmd(Cmd::Sessions));
+    list_sessions(&mut app, Vec::new());
+    act(&mut app, Action::Char('s'));
+    // Typing replaces the prefilled "s1" instead of appending to it.
+    type_text(&mut app, "fresh");
+    match &app.dialog {
+        Some(Dialog::Sessions(d)) => {
+            assert_eq!(d.naming.as_ref().map(Editor::text), Some("fresh"));
+        }
+        other => panic!("{other:?}"),
+    }
+    let fx = act(&mut app, Action::Submit);
+    let (turn, cmd) = command(&fx);
+    assert_eq!(cmd, Command::Save(Some("fresh".into())));
+    ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn,
+            text: "saved session \"fresh\" (3 positions)".into(),
+        },
+    );
+    assert_eq!(app.session.as_deref(), Some("fresh"));
+    // Editing keys keep the prefill: Backspace then a character extends it.
+    act(&mut app, Action::Cmd(Cmd::Sessions));
+    list_sessions(&mut app, Vec::new());
+    act(&mut app, Action::Char('s'));
+    act(&mut app, Action::Backspace);
+    type_text(&mut app, "2");
+    match &app.dialog {
+        Some(Dialog::Sessions(d)) => {
+            assert_eq!(d.naming.as_ref().map(Editor::text), Some("fres2"));
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_refused_command_line_is_shown_above_its_error() {
+    let mut app = ready_app();
+    for line in ["/export pdf", "/frobnicate"] {
+        type_text(&mut app, line);
+        act(&mut app, Action::Submit);
+        let n = app.items.len();
+        assert!(
+            matches!(&app.items[n - 2], Item::Info(t) if t == &format!("› {line}")),
+            "{:?}",
+            &app.items[n - 2..]
+        );
+        assert!(matches!(&app.items[n - 1], Item::Error(_)));
+    }
+}
+
+#[test]
+fn a_finished_reply_sums_up_what_the_engine_did() {
+    let mut app = ready_app();
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn: 0,
+            stats: Box::new(stats(0, 0.0)),
+        },
+    );
+    let turn = send_message(&mut app, "hi");
+    let mut after = stats(turn, 8.0);
+    after.disk_bytes_read = MODEL_BYTES + 12_300_000;
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn,
+            stats: Box::new(after),
+        },
+    );
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn,
+            report: report("hello", Stop::End(1), true),
+        },
+    );
+    assert_eq!(
+        last_reply(&app).summary.as_deref(),
+        Some(
+            "4 tokens · 8.0 tokens/s · prompt 1 reused + 2 read · 0.5 s · 12.3 MB read · \
+             end of message"
+        )
+    );
+}
+
+#[test]
+fn the_new_key_starts_a_new_conversation_and_asks_over_unsaved_turns() {
+    let mut app = ready_app();
+    let fx = act(&mut app, Action::Cmd(Cmd::New));
+    assert_eq!(command(&fx).1, Command::New);
+    let mut app = unsaved_app();
+    assert!(act(&mut app, Action::Cmd(Cmd::New)).is_empty());
+    assert_eq!(app.dialog, Some(Dialog::ConfirmNew));
+    let fx = act(&mut app, Action::Char('y'));
+    assert_eq!(command(&fx).1, Command::New);
+}
+
+#[test]
+fn a_long_reply_rings_when_it_ends_and_the_pace_is_shown_while_it_streams() {
+    let mut app = ready_app();
+    let turn = send_message(&mut app, "hi");
+    for _ in 0..3 {
+        token(&mut app, turn, "x");
+    }
+    // 0.25 tokens/s: 4 s a token, and (512 - 3) tokens at most left.
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn,
+            stats: Box::new(stats(turn, 0.25)),
+        },
+    );
+    assert_eq!(app.pace(), Some((4.0, 509.0 * 4.0)));
+    let mut long = report("hello", Stop::End(1), true);
+    long.decode_seconds = 12.0;
+    let fx = ev(&mut app, EngineEvent::TurnDone { turn, report: long });
+    assert!(
+        fx.iter()
+            .any(|e| matches!(e, Effect::Notify(t) if t.contains("ready"))),
+        "{fx:?}"
+    );
+    assert_eq!(app.pace(), None);
+    // A quick one does not.
+    let turn = send_message(&mut app, "again");
+    let fx = ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn,
+            report: report("ok", Stop::End(1), true),
+        },
+    );
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Notify(_))), "{fx:?}");
 }

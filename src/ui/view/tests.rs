@@ -20,6 +20,7 @@ fn init() -> AppInit {
         resume: false,
         thinking: true,
         context_limit: 32_768,
+        max_tokens: 512,
         budget_gb: None,
         keys: keys.labels(),
         theme: ThemeName::Dark,
@@ -235,6 +236,7 @@ fn session_dialog() {
             SessionRow {
                 name: "demo".into(),
                 saved_unix: 1_795_946_400,
+                saved: "2026-11-29 10:00".into(),
                 turns: 4,
                 bytes: 134_313,
                 problem: None,
@@ -242,6 +244,7 @@ fn session_dialog() {
             SessionRow {
                 name: "notes".into(),
                 saved_unix: 1_795_000_000,
+                saved: "2026-11-18 11:06".into(),
                 turns: 12,
                 bytes: 2_500_000,
                 problem: None,
@@ -249,6 +252,7 @@ fn session_dialog() {
             SessionRow {
                 name: "broken".into(),
                 saved_unix: 0,
+                saved: "1970-01-01 00:00".into(),
                 turns: 0,
                 bytes: 0,
                 problem: Some("bad magic".into()),

@@ -213,24 +213,34 @@ impl Budget {
         ((f * f64::from(BUDGET_STEPS)).round() as u32).min(BUDGET_STEPS)
     }
 
-    /// Take the engine's figures: the model's size and the budget in force.
-    pub fn observe(&mut self, model_bytes: u64, in_force: Option<u64>) {
+    /// Take the engine's figures: the model's size, the budget in force and the plan's floor
+    /// (0 when unknown or resident). The slider runs from the floor (a sixteenth of the model
+    /// when there is none) to 1.25 × the model, where everything is held: below the floor
+    /// nothing runs and above the top nothing more helps. A budget in force above the top
+    /// shows at the top.
+    pub fn observe(&mut self, model_bytes: u64, in_force: Option<u64>, floor: u64) {
         if model_bytes == 0 {
             return;
         }
         self.model_bytes = model_bytes;
         self.in_force = in_force;
-        if !self.ready() {
-            self.low_bytes = (model_bytes / 16).max(1);
-        }
-        let top = model_bytes
+        self.low_bytes = if floor > 0 {
+            floor
+        } else {
+            (model_bytes / 16).max(1)
+        };
+        self.high_bytes = model_bytes
             .saturating_add(model_bytes / 4)
-            .max(in_force.unwrap_or(0))
             .max(self.low_bytes.saturating_mul(2));
-        self.high_bytes = self.high_bytes.max(top);
         if !self.touched {
-            self.step = in_force.map_or(BUDGET_STEPS, |b| self.step_of(b));
+            self.step = self.in_force_step();
         }
+    }
+
+    /// The slider position of the budget in force (the top when the model is resident).
+    #[must_use]
+    pub fn in_force_step(&self) -> u32 {
+        self.in_force.map_or(BUDGET_STEPS, |b| self.step_of(b))
     }
 }
 

@@ -223,7 +223,8 @@ impl App {
         // picture's.
         let keep_layers = s.layers.is_empty() && s.prefill_total > 0;
         if !keep_layers {
-            self.budget.observe(s.model_bytes, s.budget_bytes);
+            self.budget
+                .observe(s.model_bytes, s.budget_bytes, s.floor_bytes);
         }
         let mut s = s;
         if keep_layers {
@@ -364,7 +365,13 @@ impl App {
     ) {
         let quitting = self.quit_after_save == Some(turn);
         if let Command::Budget(gb) = cmd {
-            self.budget.answer = Some(((gb * 1e9) as u64, answer.clone()));
+            let bytes = (gb * 1e9) as u64;
+            self.budget.answer = Some((bytes, answer.clone()));
+            // A typed `/budget` moves the slider to what is now in force.
+            if answer.is_ok() && self.budget.ready() {
+                self.budget.step = self.budget.step_of(bytes);
+                self.budget.touched = true;
+            }
         }
         let text = match answer {
             Err(e) => {

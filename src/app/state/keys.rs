@@ -427,8 +427,12 @@ impl App {
             _ => return,
         };
         self.budget.asked = None;
+        let refused = answer.is_err();
         self.budget.answer = Some((bytes, answer));
-        if self.budget.touched && self.budget.value_bytes() != bytes {
+        if refused {
+            // The slider does not stay on a value the engine refused: back to the one in force.
+            self.budget.step = self.budget.in_force_step();
+        } else if self.budget.touched && self.budget.value_bytes() != bytes {
             self.budget_send(fx);
         }
     }

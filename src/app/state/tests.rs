@@ -438,20 +438,47 @@ fn gb_at(app: &App, step: u32) -> f64 {
 fn the_budget_slider_scale_is_logarithmic_around_the_model() {
     let mut b = Budget::default();
     assert!(!b.ready());
-    b.observe(MODEL_BYTES, None);
+    b.observe(MODEL_BYTES, None, 0);
     assert_eq!(b.bytes_at(0), MODEL_BYTES / 16);
     assert_eq!(b.bytes_at(BUDGET_STEPS), MODEL_BYTES / 4 * 5);
     assert_eq!(b.step, BUDGET_STEPS, "no budget: the knob sits at the top");
     for step in 0..=BUDGET_STEPS {
         assert_eq!(b.step_of(b.bytes_at(step)), step);
     }
-    // A budget in force above the model widens the scale; an untouched knob follows it.
-    b.observe(MODEL_BYTES, Some(16_000_000_000));
-    assert_eq!(b.bytes_at(BUDGET_STEPS), 16_000_000_000);
+    // A budget in force above what helps sits at the top, which stays where everything is
+    // held; an untouched knob follows the budget in force.
+    b.observe(MODEL_BYTES, Some(16_000_000_000), 0);
+    assert_eq!(b.bytes_at(BUDGET_STEPS), MODEL_BYTES / 4 * 5);
     assert_eq!(b.step, BUDGET_STEPS);
-    b.observe(MODEL_BYTES, Some(MODEL_BYTES / 2));
+    b.observe(MODEL_BYTES, Some(MODEL_BYTES / 2), 0);
     assert_eq!(b.step, b.step_of(MODEL_BYTES / 2));
     assert!(b.step > 0 && b.step < BUDGET_STEPS);
+    // With the plan's floor known, the lowest position is the floor: nothing below it runs.
+    b.observe(MODEL_BYTES, Some(MODEL_BYTES / 2), MODEL_BYTES / 5);
+    assert_eq!(b.bytes_at(0), MODEL_BYTES / 5);
+    assert_eq!(b.step_of(MODEL_BYTES / 100), 0);
+    // A floor above what helps still leaves a range.
+    b.observe(MODEL_BYTES, None, MODEL_BYTES * 2);
+    assert_eq!(b.bytes_at(BUDGET_STEPS), MODEL_BYTES * 4);
+}
+
+#[test]
+fn a_typed_budget_moves_the_slider() {
+    let mut app = ready_app();
+    with_figures(&mut app);
+    type_text(&mut app, "/budget 2");
+    let fx = act(&mut app, Action::Submit);
+    let (turn, cmd) = command(&fx);
+    assert_eq!(cmd, Command::Budget(2.0));
+    ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn,
+            text: "budget 2.0 GB: 1 of 4 layers pinned".into(),
+        },
+    );
+    assert_eq!(app.budget.step, app.budget.step_of(2_000_000_000));
+    assert!(app.budget.step < BUDGET_STEPS);
 }
 
 #[test]
@@ -476,13 +503,26 @@ fn the_budget_slider_asks_the_engine_and_shows_its_answer() {
             message: "/budget: below the floor".into(),
         },
     );
-    let (turn2, cmd2) = command(&fx);
-    assert_eq!(cmd2, Command::Budget(gb_at(&app, BUDGET_STEPS - 2)));
+    // A refused value is not left on the slider: it goes back to the budget in force.
+    assert!(fx.is_empty(), "{fx:?}");
+    assert_eq!(app.budget.step, BUDGET_STEPS);
     assert!(
         matches!(&app.budget.answer, Some((b, Err(t))) if *b == app.budget.bytes_at(BUDGET_STEPS - 1) && t.contains("floor"))
     );
     // The answer is not a conversation error.
     assert!(!has_error(&app, "floor"));
+    act(&mut app, Action::CharOr('[', Cmd::BudgetDown));
+    let fx = act(&mut app, Action::CharOr('[', Cmd::BudgetDown));
+    assert!(fx.is_empty(), "one request at a time: {fx:?}");
+    let fx = ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn: turn + 1,
+            text: "budget 4.5 GB".into(),
+        },
+    );
+    let (turn2, cmd2) = command(&fx);
+    assert_eq!(cmd2, Command::Budget(gb_at(&app, BUDGET_STEPS - 2)));
     ev(
         &mut app,
         EngineEvent::Notice {

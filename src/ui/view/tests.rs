@@ -342,7 +342,7 @@ fn budget_pane_frame() {
         &[
             "┌ budget ──────────────────────────┐",
             "│━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━●─│",
-            "│slider 47.6 MB · model 3.8 MB     │",
+            "│slider 4.2 MB · model 3.8 MB      │",
             "│in force: 60.0 MB                 │",
             "│engine: budget 0.05 GB: 9 of 13   │",
             "│layers pinned, 96 expert slots,   │",

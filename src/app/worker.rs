@@ -677,7 +677,8 @@ impl Ctx<'_> {
             Err(_) => (0, start.elapsed().as_secs_f64()),
         };
         let tps = if secs > 0.0 { n_tok as f64 / secs } else { 0.0 };
-        let snap = self.stats_snapshot(n_tok, secs, tps);
+        let mut snap = self.stats_snapshot(n_tok, secs, tps);
+        snap.turn_disk_bytes = snap.disk_bytes_read.saturating_sub(base.disk_bytes_read);
         alive &= self.event(EngineEvent::Stats {
             turn,
             stats: Box::new(snap),
@@ -1022,6 +1023,7 @@ impl Ctx<'_> {
             command,
             Command::New | Command::Save(_) | Command::SaveOver(_) | Command::Load(_)
         );
+        let moves_positions = matches!(command, Command::New | Command::Load(_) | Command::Undo);
         let answer: Result<String, String> = match command {
             Command::Regen => return self.turn_result(turn, |s, c, e| s.regen(c, e)),
             Command::Edit(text) => return self.turn_result(turn, |s, c, e| s.edit(&text, c, e)),
@@ -1114,7 +1116,7 @@ impl Ctx<'_> {
                 self.unsaved_turns = 0;
             }
             self.changed |= changes;
-            if replaces || changes {
+            if moves_positions {
                 // Positions and state changed (a load, a new conversation, an undo): the
                 // front end's figures follow at once.
                 let snap = self.stats_snapshot(0, 0.0, 0.0);

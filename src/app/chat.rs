@@ -172,6 +172,14 @@ fn most_recent(args: &ChatArgs) -> crate::Result<String> {
         })
 }
 
+/// The user data directory (`$K3_DATA_DIR`, else the platform's).
+fn data_dir() -> Option<std::path::PathBuf> {
+    match std::env::var_os(crate::session::store::DATA_DIR_ENV) {
+        Some(d) if !d.is_empty() => Some(std::path::PathBuf::from(d)),
+        _ => directories::ProjectDirs::from("", "", "k3").map(|d| d.data_dir().to_path_buf()),
+    }
+}
+
 /// A started `k3 chat`: the worker (loading the model) and what a front end needs.
 pub struct Started {
     /// The engine worker.
@@ -196,6 +204,8 @@ pub struct Started {
     pub theme: ThemeName,
     /// The line history of the plain REPL.
     pub history_file: Option<std::path::PathBuf>,
+    /// The input history of the terminal client.
+    pub tui_history: Option<std::path::PathBuf>,
 }
 
 /// Check everything that can be checked before the model opens, then start the worker.
@@ -271,7 +281,7 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
         budget_gb: cfg.memory.budget_gb,
         bindings,
         theme: cfg.theme,
-        history_file: directories::ProjectDirs::from("", "", "k3")
-            .map(|d| d.data_dir().join("repl_history")),
+        history_file: data_dir().map(|d| d.join("repl_history")),
+        tui_history: data_dir().map(|d| d.join("input_history.json")),
     })
 }

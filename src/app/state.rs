@@ -320,6 +320,8 @@ pub struct AppInit {
     pub theme: ThemeName,
     /// Longest reply in tokens (for the estimate of the time left).
     pub max_tokens: u64,
+    /// Inputs sent in earlier runs, oldest first (Up recalls them).
+    pub history: Vec<String>,
 }
 
 /// A key or mouse gesture, mapped by the front end; `App` decides what it means in context.
@@ -562,7 +564,13 @@ impl App {
             loading: None,
             items: Vec::new(),
             input: Editor::default(),
-            history: History::default(),
+            history: {
+                let mut h = History::default();
+                for e in &init.history {
+                    h.push(e);
+                }
+                h
+            },
             scroll: 0,
             max_scroll: 0,
             page: 10,

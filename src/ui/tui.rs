@@ -251,17 +251,29 @@ impl Driver {
     }
 }
 
-/// Run the terminal client until the user leaves; returns the exit status. The terminal is
-/// restored before this returns, whatever happened.
+/// How the terminal client ended.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// Exit status.
+    pub code: i32,
+    /// The input history at the end, oldest first (for the caller to keep across runs).
+    pub history: Vec<String>,
+}
+
+/// Run the terminal client until the user leaves. The terminal is restored before this
+/// returns, whatever happened.
 #[must_use]
-pub fn run(worker: Worker, opts: TuiOptions) -> i32 {
+pub fn run(worker: Worker, opts: TuiOptions) -> Outcome {
     let mut guard = match TerminalGuard::enter() {
         Ok(g) => g,
         Err(e) => {
             ratatui::restore();
             eprintln!("k3: cannot start the terminal interface: {e} (try --plain)");
             worker.shutdown();
-            return 1;
+            return Outcome {
+                code: 1,
+                history: opts.init.history,
+            };
         }
     };
     let (inbox_tx, inbox) = channel::<Event>();
@@ -302,7 +314,10 @@ pub fn run(worker: Worker, opts: TuiOptions) -> i32 {
     if let Some(h) = bridge_handle {
         let _ = h.join();
     }
-    code
+    Outcome {
+        code,
+        history: d.app.history.entries().to_vec(),
+    }
 }
 
 fn event_loop(

@@ -551,3 +551,32 @@ fn an_input_burst_reaches_the_screen_without_waiting_for_another_key() {
     });
     // Dropping the tmux server ends the client (its prompt of 7,000 tokens is not waited for).
 }
+
+#[test]
+fn the_input_history_is_kept_across_runs() {
+    require_tmux();
+    let dir = tempfile::tempdir().unwrap();
+    let t = Tmux::start(
+        &dir.path().join("tmux-h1.sock"),
+        "k3h1",
+        &chat_command(dir.path(), ""),
+    );
+    t.wait_for("the ready status bar", 60, ready);
+    t.type_text("/stats");
+    t.keys(&["Enter"]);
+    t.wait_for("the stats answer", 30, |s| s.contains("positions 0 /"));
+    t.keys(&["C-q"]);
+    t.wait_for("the exit", 30, |s| s.contains("K3-EXIT=0"));
+    drop(t);
+    assert!(dir.path().join("input_history.json").exists());
+    let t = Tmux::start(
+        &dir.path().join("tmux-h2.sock"),
+        "k3h2",
+        &chat_command(dir.path(), ""),
+    );
+    t.wait_for("the ready status bar", 60, ready);
+    t.keys(&["Up"]);
+    t.wait_for("the recalled input", 10, |s| {
+        input_row(s).contains("/stats")
+    });
+}

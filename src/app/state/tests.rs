@@ -18,6 +18,7 @@ fn init() -> AppInit {
         thinking: false,
         context_limit: 4096,
         max_tokens: 512,
+        history: Vec::new(),
         budget_gb: None,
         keys: KeyLabels(vec![
             (Cmd::Help, "F1".into()),
@@ -1313,4 +1314,22 @@ fn a_long_reply_rings_when_it_ends_and_the_pace_is_shown_while_it_streams() {
         },
     );
     assert!(!fx.iter().any(|e| matches!(e, Effect::Notify(_))), "{fx:?}");
+}
+
+#[test]
+fn the_input_history_of_earlier_runs_is_recalled_and_handed_back() {
+    let mut app = ready_app_with(AppInit {
+        history: vec!["first run".into(), "second run".into()],
+        ..init()
+    });
+    act(&mut app, Action::Up);
+    assert_eq!(app.input.text(), "second run");
+    act(&mut app, Action::Up);
+    assert_eq!(app.input.text(), "first run");
+    act(&mut app, Action::ClearInput);
+    send_message(&mut app, "this run");
+    assert_eq!(
+        app.history.entries(),
+        ["first run", "second run", "this run"]
+    );
 }

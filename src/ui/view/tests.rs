@@ -21,6 +21,7 @@ fn init() -> AppInit {
         thinking: true,
         context_limit: 32_768,
         max_tokens: 512,
+        history: Vec::new(),
         budget_gb: None,
         keys: keys.labels(),
         theme: ThemeName::Dark,

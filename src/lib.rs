@@ -13,6 +13,7 @@ pub mod cli;
 pub mod engine;
 pub mod error;
 pub mod kernels;
+pub mod serve;
 pub mod session;
 pub mod stream;
 pub mod ui;

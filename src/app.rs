@@ -1,5 +1,6 @@
-//! Command line: argument parsing (clap) and the wiring of each subcommand. No terminal types;
-//! errors are values until [`main`] turns them into an exit status.
+//! Each subcommand's arguments (clap) and its work below the front ends: loading, planning,
+//! the engine worker and its protocol, the chat client's state machine. No terminal types;
+//! errors are values until [`crate::cli::main`] turns them into an exit status.
 
 pub mod bench;
 pub mod budget_args;
@@ -17,95 +18,3 @@ pub mod state;
 pub mod synth;
 pub mod verify;
 pub mod worker;
-
-use clap::{Parser, Subcommand};
-
-/// k3 — Kimi K3 inference engine.
-#[derive(Debug, Parser)]
-#[command(name = "k3", version, about, long_about = None)]
-pub struct Cli {
-    /// What to do.
-    #[command(subcommand)]
-    pub command: Command,
-}
-
-/// Subcommands.
-#[derive(Debug, Subcommand)]
-pub enum Command {
-    /// Generate a continuation of a prompt and print it (raw mode: no chat template).
-    ///
-    /// Text goes to stdout as it is generated; a summary (tokens, s/token, prefill tokens/s,
-    /// peak RSS) goes to stderr. Exit status: 0 ok, 1 runtime failure, 2 usage or config
-    /// refusal, 3 an input file failed validation, 4 the output is unsound (non-finite logits).
-    Run(run::RunArgs),
-    /// Chat with a model: the K3 template, state carried across turns, raw mode, saved sessions.
-    ///
-    /// Lines starting with `/` are commands (`/help`); end a line with `\` to continue it.
-    /// Ctrl-C stops a reply and keeps the session.
-    Chat(chat::ChatArgs),
-    /// Show or create the user configuration file (`path`, `show`, `init`).
-    Config(config::ConfigArgs),
-    /// Write a synthetic checkpoint in the released format (deterministic random weights).
-    ///
-    /// Shapes: tiny (the oracle's), small (~400 MB), bench (~6 GB), k3 (the released
-    /// dimensions as sparse files). Exit status: 0 ok, 1 write failure, 2 usage (including an
-    /// existing non-empty OUT_DIR).
-    Synth(synth::SynthArgs),
-    /// Pack a checkpoint's trunk (every layer's non-expert tensors) into one 4096-aligned
-    /// file for fast sequential streaming; use it with `--trunk DIR`.
-    ///
-    /// Writes TRUNK_DIR/trunk.bin and trunk.json (per-layer offsets, sizes, CRC-32, and the
-    /// source checkpoint's identity) atomically. Exit status: 0 ok, 1 write failure, 2 an
-    /// existing trunk without --force, 3 a checkpoint that fails validation.
-    Pack(pack::PackArgs),
-    /// Check a checkpoint's files: every shard read once, all-zero and non-finite tensors,
-    /// optional SHA-256 sums, the tokenizer's ranks, a packed trunk byte for byte.
-    ///
-    /// Every problem is listed (the first 20 in the report, all counted). Exit status: 0 all
-    /// checks pass, 3 a check failed (or the checkpoint is refused at open).
-    Verify(verify::VerifyArgs),
-    /// Print the memory plan for a checkpoint and a budget, before loading any weight.
-    ///
-    /// A budget below the floor is refused with the floor, the budget and the shortfall
-    /// (exit 2). `--json` prints `model_bytes`, `budget_bytes`, `floor_bytes`, `fits` and the
-    /// whole plan.
-    Plan(plan::PlanArgs),
-    /// Measure prefill and decode speed under a budget, next to this machine's floors.
-    ///
-    /// Floors: bytes read per token over the measured sequential read bandwidth, and bytes
-    /// touched per token over the measured memory bandwidth; each printed with the ratio of the
-    /// measured time to it.
-    Bench(bench::BenchArgs),
-    /// Serve the model over an OpenAI-compatible HTTP API (chat and raw completions, SSE
-    /// streaming, tool calls, prefix reuse across requests, /metrics).
-    ///
-    /// Listens on 127.0.0.1:8000 unless told otherwise; another address needs an API key
-    /// (--api-key-env VAR). Requests are served one at a time in arrival order; past the queue
-    /// they get 429. SIGTERM finishes the request in progress and exits 0.
-    Serve(serve::ServeArgs),
-}
-
-/// Parse the command line, run, and return the process exit status.
-#[must_use]
-pub fn main() -> i32 {
-    crate::stream::alloc::keep_rss_inside_the_plan();
-    let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Run(args) => run::run(&args).map(|()| 0),
-        Command::Plan(args) => plan::run(&args).map(|()| 0),
-        Command::Bench(args) => bench::run(&args).map(|()| 0),
-        Command::Chat(args) => chat::run(&args),
-        Command::Config(args) => config::run(&args),
-        Command::Synth(args) => synth::run(&args).map(|()| 0),
-        Command::Pack(args) => pack::run(&args).map(|()| 0),
-        Command::Verify(args) => verify::run(&args),
-        Command::Serve(args) => serve::run(&args),
-    };
-    match result {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("k3: error: {e}");
-            e.exit_code()
-        }
-    }
-}

@@ -1,5 +1,5 @@
 //! The `k3` binary: everything lives in the library; this only sets the exit status.
 
 fn main() {
-    std::process::exit(k3::app::main());
+    std::process::exit(k3::cli::main());
 }

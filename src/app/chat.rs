@@ -1,15 +1,11 @@
-//! `k3 chat`: a conversation with carried state, in the terminal interface (when stdin and
-//! stdout are terminals and TERM is not `dumb`) or the plain REPL (otherwise, or `--plain`).
-//! Settings come from the flags, then the user config file, then the built-in defaults.
+//! `k3 chat` below the front ends: its arguments, the settings (the flags, then the user
+//! config file, then the built-in defaults), the checks made before anything starts, and the
+//! engine worker. [`crate::cli::chat`] then runs the terminal interface (when stdin and stdout
+//! are terminals and TERM is not `dumb`) or the plain REPL (otherwise, or `--plain`) on it.
 
-use super::config::Config;
-use super::state::{AppInit, KeyLabels};
+use super::config::{Cmd, Config, KeyChord, ThemeName};
 use super::worker::{ChatConfig, Worker};
 use crate::session::chat::Settings;
-use crate::session::store::SessionStore;
-use crate::ui::input::KeyMap;
-use crate::ui::repl::{self, ReplOptions};
-use crate::ui::tui::{self, TuiOptions};
 use clap::Args;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -30,6 +26,9 @@ pub struct ChatArgs {
     /// Resume a saved session (no re-prefill).
     #[arg(long, value_name = "NAME")]
     pub resume: Option<String>,
+    /// Resume the most recently saved session.
+    #[arg(short = 'c', long = "continue", conflicts_with = "resume")]
+    pub continue_last: bool,
     /// Name to save the session under [default: the first words of the conversation and the
     /// date, with -2, -3, … when taken].
     #[arg(long, value_name = "NAME")]
@@ -140,11 +139,99 @@ fn settings(args: &ChatArgs, cfg: &Config) -> Settings {
     }
 }
 
-/// Run `k3 chat`; returns the exit status.
-pub fn run(args: &ChatArgs) -> crate::Result<i32> {
+/// Refuse a budget below the floor of `k3 chat`'s plan (its context and its snapshots) before
+/// any front end takes the terminal, with the floor and the context it assumes.
+fn check_floor(
+    model_dir: &std::path::Path,
+    req: crate::stream::budget::BudgetRequest,
+    context: u64,
+) -> crate::Result<()> {
+    use crate::stream::budget;
+    if matches!(req, budget::BudgetRequest::Resident) {
+        return Ok(());
+    }
+    let cfg = crate::engine::config::ModelConfig::load(&model_dir.join("config.json"))?;
+    let ck = crate::stream::Checkpoint::open(model_dir)?;
+    let sizes = crate::engine::weights::model_sizes(&cfg, &ck);
+    let states = 1 + crate::session::chat::SNAPSHOTS as u64;
+    budget::plan_states(&sizes, req, context, states, budget::cgroup_limit())
+        .map(|_| ())
+        .map_err(|e| {
+            crate::Error::Usage(format!(
+                "{e} (k3 chat plans for a context of {context} positions and {states} sequence                  states; --context N with a smaller N lowers the floor)"
+            ))
+        })
+}
+
+/// The most recently saved session that can be read, for `--continue`.
+fn most_recent(args: &ChatArgs) -> crate::Result<String> {
+    use crate::session::store::SessionStore;
+    let store = SessionStore::new(
+        args.session_dir
+            .clone()
+            .unwrap_or_else(SessionStore::default_dir),
+    );
+    let list = store
+        .list()
+        .map_err(|e| crate::Error::Usage(format!("--continue: {}: {e}", store.dir().display())))?;
+    // The list is newest first.
+    list.into_iter()
+        .find(|s| s.problem.is_none())
+        .map(|s| s.name)
+        .ok_or_else(|| {
+            crate::Error::Usage(format!(
+                "--continue: no saved session in {} to continue",
+                store.dir().display()
+            ))
+        })
+}
+
+/// The user data directory (`$K3_DATA_DIR`, else the platform's).
+fn data_dir() -> Option<std::path::PathBuf> {
+    match std::env::var_os(crate::session::store::DATA_DIR_ENV) {
+        Some(d) if !d.is_empty() => Some(std::path::PathBuf::from(d)),
+        _ => directories::ProjectDirs::from("", "", "k3").map(|d| d.data_dir().to_path_buf()),
+    }
+}
+
+/// A started `k3 chat`: the worker (loading the model) and what a front end needs.
+pub struct Started {
+    /// The engine worker.
+    pub worker: Worker,
+    /// Run the terminal interface (else the plain REPL).
+    pub tui: bool,
+    /// One JSON line per turn (plain REPL).
+    pub jsonl: bool,
+    /// Model name for the status bar: the checkpoint directory's name, or "demo model".
+    pub model: String,
+    /// The session given with `--session` or `--resume`.
+    pub session: Option<String>,
+    /// A session is resumed.
+    pub resume: bool,
+    /// The settings in force at start.
+    pub settings: Settings,
+    /// Budget the terminal interface asks for once the model is ready (config file).
+    pub budget_gb: Option<f64>,
+    /// Key bindings (checked: no two commands on one chord).
+    pub bindings: Vec<(Cmd, KeyChord)>,
+    /// Colour scheme.
+    pub theme: ThemeName,
+    /// The line history of the plain REPL.
+    pub history_file: Option<std::path::PathBuf>,
+    /// The input history of the terminal client.
+    pub tui_history: Option<std::path::PathBuf>,
+}
+
+/// Check everything that can be checked before the model opens, then start the worker.
+pub fn start(args: &ChatArgs) -> crate::Result<Started> {
+    let mut args_resume = args.resume.clone();
+    if args.continue_last {
+        args_resume = Some(most_recent(args)?);
+    }
+    let resume = &args_resume;
     let cfg = Config::load().map_err(|e| crate::Error::Usage(e.to_string()))?;
     // A session name is checked now, not at the first `/save`.
-    for (flag, name) in [("--session", &args.session), ("--resume", &args.resume)] {
+    for (flag, name) in [("--session", &args.session), ("--resume", resume)] {
         if let Some(name) = name {
             crate::session::store::validate_name(name)
                 .map_err(|e| crate::Error::Usage(format!("{flag}: {e}")))?;
@@ -176,10 +263,14 @@ pub fn run(args: &ChatArgs) -> crate::Result<i32> {
     crate::engine::sampling::Sampler::new(settings.sampler())
         .map_err(|e| crate::Error::Usage(e.to_string()))?;
     let tui = !args.plain && !args.jsonl && terminal_usable();
-    let keys = match cfg.keys.bindings() {
-        Ok(b) => KeyMap::new(b),
-        Err((field, msg)) => return Err(crate::Error::Usage(format!("{field}: {msg}"))),
-    };
+    let bindings = cfg
+        .keys
+        .bindings()
+        .map_err(|(field, msg)| crate::Error::Usage(format!("{field}: {msg}")))?;
+    let budget = args.budget.request(super::budget_args::auto_request())?;
+    if args.remote.is_none() {
+        check_floor(&model_dir, budget, settings.context_limit as u64)?;
+    }
     let worker = if let Some(url) = &args.remote {
         let api_key = match &args.api_key_env {
             Some(var) => Some(std::env::var(var).map_err(|_| {
@@ -193,69 +284,51 @@ pub fn run(args: &ChatArgs) -> crate::Result<i32> {
             api_key,
             settings: settings.clone(),
             system: args.system.clone(),
-            resume: args.resume.clone(),
-            session_name: args.session.clone().or_else(|| args.resume.clone()),
+            resume: resume.clone(),
+            session_name: args.session.clone().or_else(|| resume.clone()),
             session_dir: args
                 .session_dir
                 .clone()
-                .unwrap_or_else(SessionStore::default_dir),
+                .unwrap_or_else(crate::session::store::SessionStore::default_dir),
         })
     } else {
         Worker::spawn(ChatConfig {
             model_dir: model_dir.clone(),
+            model_label: if demo {
+                "the demo model".to_string()
+            } else {
+                model_dir.display().to_string()
+            },
             settings: settings.clone(),
             system: args.system.clone(),
-            resume: args.resume.clone(),
-            session_name: args.session.clone().or_else(|| args.resume.clone()),
+            resume: resume.clone(),
+            session_name: args.session.clone().or_else(|| resume.clone()),
             session_dir: args.session_dir.clone(),
-            budget: args.budget.request(super::budget_args::auto_request())?,
+            budget,
             trunk: args.budget.trunk.clone(),
             spec: args.spec,
         })
     };
-    if tui {
-        let session_dir = args
-            .session_dir
-            .clone()
-            .unwrap_or_else(SessionStore::default_dir);
-        let model = if demo {
-            "demo model".to_string()
-        } else {
-            model_dir.file_name().map_or_else(
-                || model_dir.display().to_string(),
-                |n| n.to_string_lossy().into_owned(),
-            )
-        };
-        let labels: KeyLabels = keys.labels();
-        let init = AppInit {
-            model,
-            session: args.session.clone().or_else(|| args.resume.clone()),
-            resume: args.resume.is_some(),
-            thinking: settings.thinking,
-            context_limit: settings.context_limit as u64,
-            // The worker exports the transcript here for the pane to show a loaded session; it
-            // is read and removed at once. The session directory is private to the user.
-            history_path: session_dir.join(format!(".transcript-view-{}.json", std::process::id())),
-            budget_gb: cfg.memory.budget_gb,
-            keys: labels,
-            theme: cfg.theme,
-        };
-        return Ok(tui::run(
-            worker,
-            TuiOptions {
-                init,
-                keys,
-                session_dir,
-            },
-        ));
-    }
-    let history_file =
-        directories::ProjectDirs::from("", "", "k3").map(|d| d.data_dir().join("repl_history"));
-    Ok(repl::run(
+    let model = if demo {
+        "demo model".to_string()
+    } else {
+        model_dir.file_name().map_or_else(
+            || model_dir.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        )
+    };
+    Ok(Started {
         worker,
-        &ReplOptions {
-            jsonl: args.jsonl,
-            history_file,
-        },
-    ))
+        tui,
+        jsonl: args.jsonl,
+        model,
+        session: args.session.clone().or_else(|| resume.clone()),
+        resume: resume.is_some(),
+        settings,
+        budget_gb: cfg.memory.budget_gb,
+        bindings,
+        theme: cfg.theme,
+        history_file: data_dir().map(|d| d.join("repl_history")),
+        tui_history: data_dir().map(|d| d.join("input_history.json")),
+    })
 }

@@ -373,11 +373,13 @@ pub enum Cmd {
     Follow,
     /// Move the keyboard focus between the input box and the budget slider.
     Focus,
+    /// Start a new conversation (asks first when the current one has unsaved turns).
+    New,
 }
 
 impl Cmd {
     /// Every command with its `[keys]` name, in help order.
-    pub const ALL: [(&'static str, Cmd); 12] = [
+    pub const ALL: [(&'static str, Cmd); 13] = [
         ("help", Cmd::Help),
         ("quit", Cmd::Quit),
         ("stop", Cmd::Stop),
@@ -390,6 +392,7 @@ impl Cmd {
         ("newline", Cmd::Newline),
         ("follow", Cmd::Follow),
         ("focus", Cmd::Focus),
+        ("new", Cmd::New),
     ];
 
     /// What the command does, for the help popup.
@@ -408,6 +411,7 @@ impl Cmd {
             Cmd::Newline => "new line in the input (Ctrl-J too)",
             Cmd::Follow => "jump to the newest text",
             Cmd::Focus => "focus the budget slider / the input",
+            Cmd::New => "new conversation (asks when unsaved)",
         }
     }
 }
@@ -440,6 +444,8 @@ pub struct KeysConfig {
     pub follow: String,
     /// Move focus between input and budget slider.
     pub focus: String,
+    /// New conversation.
+    pub new: String,
 }
 
 impl Default for KeysConfig {
@@ -457,6 +463,7 @@ impl Default for KeysConfig {
             newline: "alt-enter".into(),
             follow: "ctrl-l".into(),
             focus: "tab".into(),
+            new: "ctrl-n".into(),
         }
     }
 }
@@ -476,6 +483,7 @@ impl KeysConfig {
             Cmd::Newline => &self.newline,
             Cmd::Follow => &self.follow,
             Cmd::Focus => &self.focus,
+            Cmd::New => &self.new,
         }
     }
 
@@ -573,6 +581,7 @@ budget_up = "]"
 newline = "alt-enter"  # shift-enter also works where the terminal reports it
 follow = "ctrl-l"
 focus = "tab"
+new = "ctrl-n"
 "#;
 
 /// 1-based line and column (in characters) of byte `offset` in `text`.

@@ -98,9 +98,11 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         index_bytes as f64 / n_tensors.max(1) as f64
     );
     println!(
-        "budget       {budget_text}; floor {}; fits {}",
+        "budget       {budget_text}; floor {}; fits {} (for a context of {} positions, --context; \
+         k3 chat plans for its own, 32768 by default)",
         gb(plan.floor_bytes),
-        plan.fits
+        plan.fits,
+        args.context
     );
     println!(
         "layers       {} of {} pinned ({}), ring {} slot(s) ({})",

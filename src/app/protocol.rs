@@ -2,7 +2,7 @@
 //! engine worker: requests in, events out. Every event names the turn it belongs to, so a front
 //! end can drop events from a turn it has already cancelled.
 
-use crate::session::chat::TurnReport;
+use crate::session::chat::{Entry, Mode, TurnReport};
 use crate::session::commands::Command;
 use crate::stream::stats::StatsSnapshot;
 
@@ -26,8 +26,50 @@ pub enum Request {
         /// The parsed command.
         command: Command,
     },
+    /// Send the conversation as it stands ([`EngineEvent::History`]): a front end shows a
+    /// resumed or loaded session with it.
+    History {
+        /// Turn id of the answer.
+        turn: TurnId,
+    },
+    /// List the saved sessions ([`EngineEvent::Sessions`], or `Failed` when the session
+    /// directory cannot be read). Answered between tokens too.
+    ListSessions {
+        /// Turn id of the answer.
+        turn: TurnId,
+    },
     /// Stop the worker.
     Shutdown,
+}
+
+/// The conversation as the session holds it, for display.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HistoryView {
+    /// The session's name, once it has one.
+    pub name: Option<String>,
+    /// System message.
+    pub system: Option<String>,
+    /// Chat or raw.
+    pub mode: Mode,
+    /// The transcript, oldest first.
+    pub entries: Vec<Entry>,
+}
+
+/// One saved session, as listed by the worker.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionRow {
+    /// Name.
+    pub name: String,
+    /// When it was saved (Unix seconds).
+    pub saved_unix: u64,
+    /// When it was saved, as a local date and time.
+    pub saved: String,
+    /// Completed turns.
+    pub turns: u32,
+    /// File size in bytes.
+    pub bytes: u64,
+    /// Why the file could not be read, if so.
+    pub problem: Option<String>,
 }
 
 /// Worker → front end.
@@ -77,6 +119,20 @@ pub enum EngineEvent {
         turn: TurnId,
         /// The figures.
         stats: Box<StatsSnapshot>,
+    },
+    /// The conversation (answer to [`Request::History`]).
+    History {
+        /// Turn.
+        turn: TurnId,
+        /// What the session holds.
+        history: Box<HistoryView>,
+    },
+    /// The saved sessions, newest first (answer to [`Request::ListSessions`]).
+    Sessions {
+        /// Turn.
+        turn: TurnId,
+        /// One row per session file.
+        rows: Vec<SessionRow>,
     },
     /// A command's answer, as text.
     Notice {

@@ -154,6 +154,30 @@ pub fn run(
                 ctx.turn(turn)
             }
             Request::Command { turn, command } => ctx.command(turn, command),
+            Request::History { turn } => ctx.event(EngineEvent::History {
+                turn,
+                history: Box::new(super::protocol::HistoryView {
+                    name: ctx.name.clone(),
+                    system: ctx.system.clone(),
+                    mode: crate::session::chat::Mode::Chat,
+                    entries: ctx.entries.clone(),
+                }),
+            }),
+            Request::ListSessions { turn } => {
+                let rows = ctx
+                    .session_names()
+                    .into_iter()
+                    .map(|name| super::protocol::SessionRow {
+                        name,
+                        saved_unix: 0,
+                        saved: String::new(),
+                        turns: 0,
+                        bytes: 0,
+                        problem: None,
+                    })
+                    .collect();
+                ctx.event(EngineEvent::Sessions { turn, rows })
+            }
         };
         if !alive {
             break;
@@ -544,7 +568,7 @@ impl Ctx<'_> {
         Ok(format!("loaded session {name:?}: {turns} turns (transcript; the next turn is re-read by the server)"))
     }
 
-    fn sessions(&self) -> Result<String, String> {
+    fn session_names(&self) -> Vec<String> {
         let mut names: Vec<String> = std::fs::read_dir(&self.cfg.session_dir)
             .map(|d| {
                 d.filter_map(Result::ok)
@@ -559,6 +583,11 @@ impl Ctx<'_> {
             })
             .unwrap_or_default();
         names.sort();
+        names
+    }
+
+    fn sessions(&self) -> Result<String, String> {
+        let names = self.session_names();
         if names.is_empty() {
             return Ok(format!(
                 "no saved remote sessions in {}",

@@ -1,9 +1,10 @@
 //! The terminal client's model: a pure state machine, `App::update(Msg) -> Vec<Effect>`.
 //!
 //! It never performs I/O, reads no clock, touches no terminal and starts no thread: the driver
-//! in `ui::tui` turns key presses, timer ticks and engine events into [`Msg`]s, runs the
-//! [`Effect`]s that come back (requests to the worker, the cancel flag, the clipboard, reading
-//! the session list) and feeds their results back as `Msg`s. Rendering reads `&App` only.
+//! in `ui::tui` turns key presses, timer ticks and engine events into [`Msg`]s and runs the
+//! [`Effect`]s that come back (requests to the worker, the cancel flag, the clipboard, quit).
+//! Everything the client shows of the session (its history, the saved sessions) arrives as
+//! engine events. Rendering reads `&App` only.
 //!
 //! Every request carries a fresh [`TurnId`]; events for a turn the user cancelled, or for a turn
 //! this model never asked for, are dropped.
@@ -15,6 +16,7 @@ mod keys;
 mod tests;
 
 use crate::app::config::{Cmd, ThemeName};
+pub use crate::app::protocol::SessionRow;
 use crate::app::protocol::{EngineEvent, Request, TurnId};
 use crate::session::chat::{Mode, Stop, TurnReport};
 use crate::session::commands::Command;
@@ -22,7 +24,6 @@ use crate::session::template::TolerantParser;
 use crate::stream::stats::StatsSnapshot;
 use editor::{Editor, History};
 use std::collections::VecDeque;
-use std::path::PathBuf;
 use std::time::Instant;
 
 /// What the conversation is doing.
@@ -107,21 +108,6 @@ pub enum Item {
     Error(String),
 }
 
-/// One saved session, as listed in the session dialog.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SessionRow {
-    /// Name.
-    pub name: String,
-    /// When it was saved (Unix seconds).
-    pub saved_unix: u64,
-    /// Completed turns.
-    pub turns: u32,
-    /// File size in bytes.
-    pub bytes: u64,
-    /// Why the file could not be read, if so.
-    pub problem: Option<String>,
-}
-
 /// The session dialog's state.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SessionDialog {
@@ -131,6 +117,9 @@ pub struct SessionDialog {
     pub selected: usize,
     /// The name being typed for "save as", if the user pressed `s`.
     pub naming: Option<Editor>,
+    /// The name in `naming` is the prefilled one, untouched: the first character typed
+    /// replaces it (Backspace and the arrows edit it instead).
+    pub prefilled: bool,
     /// A refusal to show in the dialog (bad name, busy engine).
     pub message: Option<String>,
 }
@@ -148,6 +137,8 @@ pub enum Dialog {
     ConfirmNew,
     /// Saving over a different saved session of this name (`s` in the session dialog).
     ConfirmReplace(String),
+    /// Loading this session over unsaved turns (`/load`, or Enter in the session dialog).
+    ConfirmLoad(String),
 }
 
 /// Where keys go.
@@ -222,24 +213,34 @@ impl Budget {
         ((f * f64::from(BUDGET_STEPS)).round() as u32).min(BUDGET_STEPS)
     }
 
-    /// Take the engine's figures: the model's size and the budget in force.
-    pub fn observe(&mut self, model_bytes: u64, in_force: Option<u64>) {
+    /// Take the engine's figures: the model's size, the budget in force and the plan's floor
+    /// (0 when unknown or resident). The slider runs from the floor (a sixteenth of the model
+    /// when there is none) to 1.25 × the model, where everything is held: below the floor
+    /// nothing runs and above the top nothing more helps. A budget in force above the top
+    /// shows at the top.
+    pub fn observe(&mut self, model_bytes: u64, in_force: Option<u64>, floor: u64) {
         if model_bytes == 0 {
             return;
         }
         self.model_bytes = model_bytes;
         self.in_force = in_force;
-        if !self.ready() {
-            self.low_bytes = (model_bytes / 16).max(1);
-        }
-        let top = model_bytes
+        self.low_bytes = if floor > 0 {
+            floor
+        } else {
+            (model_bytes / 16).max(1)
+        };
+        self.high_bytes = model_bytes
             .saturating_add(model_bytes / 4)
-            .max(in_force.unwrap_or(0))
             .max(self.low_bytes.saturating_mul(2));
-        self.high_bytes = self.high_bytes.max(top);
         if !self.touched {
-            self.step = in_force.map_or(BUDGET_STEPS, |b| self.step_of(b));
+            self.step = self.in_force_step();
         }
+    }
+
+    /// The slider position of the budget in force (the top when the model is resident).
+    #[must_use]
+    pub fn in_force_step(&self) -> u32 {
+        self.in_force.map_or(BUDGET_STEPS, |b| self.step_of(b))
     }
 }
 
@@ -266,8 +267,10 @@ enum Purpose {
     Command(Command),
     /// The budget slider.
     Budget,
-    /// Exporting the transcript so the pane can show a loaded session.
+    /// The session's history, to show a resumed or loaded session.
     History,
+    /// The saved sessions, for the session dialog.
+    Sessions,
 }
 
 /// What produced a reply.
@@ -309,14 +312,16 @@ pub struct AppInit {
     pub thinking: bool,
     /// Context limit in positions.
     pub context_limit: u64,
-    /// Where the worker exports the transcript for display (a private temporary file).
-    pub history_path: PathBuf,
     /// Budget to ask for at start (from the config file).
     pub budget_gb: Option<f64>,
     /// Key labels.
     pub keys: KeyLabels,
     /// Colour scheme.
     pub theme: ThemeName,
+    /// Longest reply in tokens (for the estimate of the time left).
+    pub max_tokens: u64,
+    /// Inputs sent in earlier runs, oldest first (Up recalls them).
+    pub history: Vec<String>,
 }
 
 /// A key or mouse gesture, mapped by the front end; `App` decides what it means in context.
@@ -380,10 +385,6 @@ pub enum Msg {
     Tick(Instant),
     /// The engine worker sent an event.
     Engine(EngineEvent),
-    /// The driver read the session directory (answer to [`Effect::ListSessions`]).
-    SessionList(Result<Vec<SessionRow>, String>),
-    /// The driver read the exported transcript (answer to [`Effect::ReadHistory`]).
-    HistoryRead(Result<Vec<u8>, String>),
     /// The view measured the conversation after drawing it.
     Viewport {
         /// Lines above the visible ones when scrolled to the bottom.
@@ -404,17 +405,17 @@ pub enum Effect {
     Cancel,
     /// Put text on the clipboard with OSC 52 (on the copy key).
     Copy(String),
-    /// List saved sessions, answering with [`Msg::SessionList`] (on opening the session dialog).
-    ListSessions,
-    /// Read and delete the exported transcript, answering with [`Msg::HistoryRead`] (after the
-    /// worker confirmed the export of a loaded or resumed session).
-    ReadHistory(PathBuf),
+    /// Tell the user a long reply finished: the terminal bell and an OSC 9 notification.
+    Notify(String),
     /// Shut the worker down, restore the terminal and exit with `code` (on quit).
     Quit {
         /// Exit status.
         code: i32,
     },
 }
+
+/// A reply that took at least this long (prefill and decode) rings the bell when it ends.
+pub const NOTIFY_AFTER_S: f64 = 10.0;
 
 /// Ticks a transient status message stays up.
 const TOAST_TICKS: u32 = 30;
@@ -466,6 +467,8 @@ pub struct App {
     pub ticks: u64,
     /// Context limit in positions.
     pub context_limit: u64,
+    /// Longest reply in tokens.
+    pub max_tokens: u64,
     /// Key labels.
     pub keys: KeyLabels,
     /// Colour scheme.
@@ -478,11 +481,12 @@ pub struct App {
     pending: Vec<(TurnId, Purpose)>,
     cancelled: VecDeque<TurnId>,
     parser: Option<(TurnId, TolerantParser)>,
-    history_path: PathBuf,
     resume: bool,
     budget_gb: Option<f64>,
     quit_after_save: Option<TurnId>,
     last_error: Option<String>,
+    /// Disk bytes the engine had read when the live reply started (its figures at the time).
+    disk_at_start: Option<u64>,
     /// Weight bytes read / to read while the model opens (from `EngineEvent::Loading`).
     pub loading: Option<(u64, u64)>,
 }
@@ -505,18 +509,36 @@ fn stop_words(stop: &Stop) -> &'static str {
     }
 }
 
-/// One line of figures for a finished reply.
-fn summary(r: &TurnReport) -> String {
+/// Bytes in a short human form (`0 B`, `12.3 MB`, `4.56 GB`).
+fn short_bytes(b: u64) -> String {
+    let x = b as f64;
+    if b < 1_000 {
+        format!("{b} B")
+    } else if b < 1_000_000 {
+        format!("{:.1} KB", x / 1e3)
+    } else if b < 1_000_000_000 {
+        format!("{:.1} MB", x / 1e6)
+    } else {
+        format!("{:.2} GB", x / 1e9)
+    }
+}
+
+/// One line of figures for a finished reply: what the engine did (tokens generated, speed,
+/// prompt tokens reused and read, the turn's time, the weight bytes it read from disk) and
+/// why it stopped. `disk_read` is `None` when the engine's figures did not say.
+fn summary(r: &TurnReport, disk_read: Option<u64>) -> String {
     let n = r.generated_ids.len();
     let tps = if r.decode_seconds > 0.0 {
         n as f64 / r.decode_seconds
     } else {
         0.0
     };
+    let disk = disk_read.map_or(String::new(), |b| format!(" · {} read", short_bytes(b)));
     format!(
-        "{n} tokens · {tps:.1} tokens/s · prompt {} reused + {} read · {}",
+        "{n} tokens · {tps:.1} tokens/s · prompt {} reused + {} read · {:.1} s{disk} · {}",
         r.reused_tokens,
         r.prefilled_tokens,
+        r.prefill_seconds + r.decode_seconds,
         stop_words(&r.stop)
     )
 }
@@ -542,7 +564,13 @@ impl App {
             loading: None,
             items: Vec::new(),
             input: Editor::default(),
-            history: History::default(),
+            history: {
+                let mut h = History::default();
+                for e in &init.history {
+                    h.push(e);
+                }
+                h
+            },
             scroll: 0,
             max_scroll: 0,
             page: 10,
@@ -557,6 +585,7 @@ impl App {
             toast: None,
             ticks: 0,
             context_limit: init.context_limit,
+            max_tokens: init.max_tokens,
             keys: init.keys,
             theme: init.theme,
             size: (80, 24),
@@ -565,11 +594,11 @@ impl App {
             pending: Vec::new(),
             cancelled: VecDeque::new(),
             parser: None,
-            history_path: init.history_path,
             resume: init.resume,
             budget_gb: init.budget_gb,
             quit_after_save: None,
             last_error: None,
+            disk_at_start: None,
         }
     }
 
@@ -591,18 +620,6 @@ impl App {
             }
             Msg::Tick(_) => self.tick(),
             Msg::Engine(ev) => self.engine(ev, &mut fx),
-            Msg::SessionList(rows) => {
-                if let Some(Dialog::Sessions(d)) = &mut self.dialog {
-                    let n = rows.as_ref().map_or(0, Vec::len);
-                    d.selected = d.selected.min(n.saturating_sub(1));
-                    d.rows = Some(rows);
-                }
-                true
-            }
-            Msg::HistoryRead(bytes) => {
-                self.history_read(bytes);
-                true
-            }
             Msg::Viewport { max_scroll, page } => self.viewport(max_scroll, page),
             Msg::WorkerGone => {
                 self.worker_stopped(1);
@@ -628,6 +645,21 @@ impl App {
             Phase::Prefill { turn, .. } | Phase::Streaming { turn, .. } => Some(turn),
             _ => None,
         }
+    }
+
+    /// While a reply streams: seconds per token (from the engine's last figure) and an upper
+    /// bound on the seconds left, at that pace, before the reply reaches its token limit.
+    #[must_use]
+    pub fn pace(&self) -> Option<(f64, f64)> {
+        let Phase::Streaming { tokens, .. } = self.phase else {
+            return None;
+        };
+        let tps = self.stats.last.as_ref()?.tokens_per_second;
+        if tokens < 2 || !tps.is_finite() || tps <= 0.0 {
+            return None;
+        }
+        let left = self.max_tokens.saturating_sub(tokens) as f64;
+        Some((1.0 / tps, left / tps))
     }
 
     /// The text of the newest reply.

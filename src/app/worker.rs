@@ -2,7 +2,7 @@
 //! [`Request`]s with [`EngineEvent`]s. The front end never touches weights; the worker never
 //! draws. Cancelling is a flag the worker checks between tokens.
 
-use super::protocol::{EngineEvent, Request, TurnId};
+use super::protocol::{EngineEvent, HistoryView, Request, SessionRow, TurnId};
 use crate::engine::weights::LoadInfo;
 use crate::engine::Model;
 use crate::session::chat::{Entry, Mode, Session, Settings};
@@ -26,6 +26,9 @@ use std::time::Instant;
 pub struct ChatConfig {
     /// Checkpoint directory.
     pub model_dir: PathBuf,
+    /// How the start-up line names the model (the directory, or "the demo model" for the
+    /// built-in one rather than its cache path).
+    pub model_label: String,
     /// Initial settings.
     pub settings: Settings,
     /// Initial system message.
@@ -389,7 +392,7 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
     };
     let mut info_line = format!(
         "k3: {} ({} layers, vocabulary {}), {session_label}, {} mode",
-        cfg.model_dir.display(),
+        cfg.model_label,
         model.cfg.num_hidden_layers,
         model.cfg.vocab_size,
         ctx.session.mode.name()
@@ -427,6 +430,11 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
                 ctx.current_turn.store(turn, Ordering::Relaxed);
                 ctx.command(turn, command)
             }
+            Request::History { turn } => ctx.event(EngineEvent::History {
+                turn,
+                history: Box::new(ctx.history()),
+            }),
+            Request::ListSessions { turn } => ctx.event(session_rows(&ctx.store, turn)),
         };
         if !ok {
             break; // the front end is gone
@@ -440,7 +448,60 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
     });
 }
 
+/// Why `/export` could not write `path`, in words: a missing folder or a refused permission
+/// is named, with the path.
+fn export_error(path: &str, e: &std::io::Error) -> String {
+    let p = Path::new(path);
+    let dir = p
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let why = match e.kind() {
+        std::io::ErrorKind::NotFound => format!("the folder {} does not exist", dir.display()),
+        std::io::ErrorKind::PermissionDenied => {
+            format!("permission to write in {} was refused", dir.display())
+        }
+        std::io::ErrorKind::IsADirectory => format!("{path} is a folder"),
+        _ => e.to_string(),
+    };
+    format!("/export: the transcript was NOT written to {path}: {why}")
+}
+
+/// The answer to [`Request::ListSessions`]: the rows, or why the directory cannot be read.
+fn session_rows(store: &SessionStore, turn: TurnId) -> EngineEvent {
+    match store.list() {
+        Ok(list) => EngineEvent::Sessions {
+            turn,
+            rows: list
+                .into_iter()
+                .map(|s| SessionRow {
+                    name: s.name,
+                    saved_unix: s.saved_unix,
+                    saved: naming::local_time(s.saved_unix),
+                    turns: s.turns,
+                    bytes: s.bytes,
+                    problem: s.problem,
+                })
+                .collect(),
+        },
+        Err(e) => EngineEvent::Failed {
+            turn,
+            message: format!("{}: {e}", store.dir().display()),
+        },
+    }
+}
+
 impl Ctx<'_> {
+    fn history(&self) -> HistoryView {
+        let s = &self.session;
+        HistoryView {
+            name: self.name.clone(),
+            system: s.system.clone(),
+            mode: s.mode,
+            entries: s.entries.clone(),
+        }
+    }
+
     fn event(&self, e: EngineEvent) -> bool {
         self.tx.send(e).is_ok()
     }
@@ -539,6 +600,7 @@ impl Ctx<'_> {
         let mut last_read = base.disk_bytes_read;
         let mut last_stats_at = Instant::now();
         let rx = self.rx;
+        let store = &self.store;
         let cancel = self.cancel;
         let context = self.session.settings.context_limit as u64;
         let mut deferred = Vec::new();
@@ -561,6 +623,9 @@ impl Ctx<'_> {
                             Err(message) => EngineEvent::Failed { turn: t, message },
                         };
                         alive &= tx.send(ev).is_ok();
+                    }
+                    Request::ListSessions { turn: t } => {
+                        alive &= tx.send(session_rows(store, t)).is_ok();
                     }
                     Request::Shutdown => {
                         cancel.store(true, Ordering::Relaxed);
@@ -607,6 +672,11 @@ impl Ctx<'_> {
                     snap.layers = e.layers;
                     snap.io_wait_seconds = e.io_wait_seconds;
                 }
+                // The compute figure moves during the turn: the time of this turn so far,
+                // less what it waited for reads, on top of the figure at its start.
+                let waited = (snap.io_wait_seconds - base.io_wait_seconds).max(0.0);
+                snap.compute_seconds =
+                    base.compute_seconds + (start.elapsed().as_secs_f64() - waited).max(0.0);
                 alive &= tx
                     .send(EngineEvent::Stats {
                         turn,
@@ -635,7 +705,8 @@ impl Ctx<'_> {
             Err(_) => (0, start.elapsed().as_secs_f64()),
         };
         let tps = if secs > 0.0 { n_tok as f64 / secs } else { 0.0 };
-        let snap = self.stats_snapshot(n_tok, secs, tps);
+        let mut snap = self.stats_snapshot(n_tok, secs, tps);
+        snap.turn_disk_bytes = snap.disk_bytes_read.saturating_sub(base.disk_bytes_read);
         alive &= self.event(EngineEvent::Stats {
             turn,
             stats: Box::new(snap),
@@ -880,7 +951,7 @@ impl Ctx<'_> {
             out.push_str(&format!(
                 "\n  {:<24} saved {}  {} turns  {} positions  {:.1} KB  {:.0} B/position",
                 s.name,
-                s.saved_unix,
+                naming::local_time(s.saved_unix),
                 s.turns,
                 s.positions,
                 s.bytes as f64 / 1e3,
@@ -933,7 +1004,7 @@ impl Ctx<'_> {
                 md
             }
         };
-        std::fs::write(path, text).map_err(|e| format!("/export {path}: {e}"))?;
+        std::fs::write(path, text).map_err(|e| export_error(path, &e))?;
         Ok(format!("transcript written to {path}"))
     }
 
@@ -987,6 +1058,7 @@ impl Ctx<'_> {
             command,
             Command::New | Command::Save(_) | Command::SaveOver(_) | Command::Load(_)
         );
+        let moves_positions = matches!(command, Command::New | Command::Load(_) | Command::Undo);
         let answer: Result<String, String> = match command {
             Command::Regen => return self.turn_result(turn, |s, c, e| s.regen(c, e)),
             Command::Edit(text) => return self.turn_result(turn, |s, c, e| s.edit(&text, c, e)),
@@ -1079,6 +1151,15 @@ impl Ctx<'_> {
                 self.unsaved_turns = 0;
             }
             self.changed |= changes;
+            if moves_positions {
+                // Positions and state changed (a load, a new conversation, an undo): the
+                // front end's figures follow at once.
+                let snap = self.stats_snapshot(0, 0.0, 0.0);
+                let _ = self.event(EngineEvent::Stats {
+                    turn,
+                    stats: Box::new(snap),
+                });
+            }
         }
         match answer {
             Ok(text) => self.notice(turn, text),
@@ -1106,5 +1187,32 @@ impl Ctx<'_> {
                 "this conversation ({what}) was NOT saved (/save [NAME] before leaving keeps it)"
             ),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::export_error;
+
+    #[test]
+    fn an_export_that_cannot_be_written_says_why_in_words() {
+        let dir = tempfile::tempdir().expect("a temporary folder");
+        let missing = dir.path().join("nonexistent").join("x.md");
+        let path = missing.to_string_lossy().into_owned();
+        let e = std::fs::write(&missing, "x").expect_err("no such folder");
+        let msg = export_error(&path, &e);
+        assert!(msg.contains("NOT written"), "{msg}");
+        assert!(
+            msg.contains(&format!(
+                "the folder {} does not exist",
+                dir.path().join("nonexistent").display()
+            )),
+            "{msg}"
+        );
+        assert!(!msg.contains("os error"), "{msg}");
+        let folder = dir.path().to_string_lossy().into_owned();
+        let e = std::fs::write(dir.path(), "x").expect_err("a folder");
+        let msg = export_error(&folder, &e);
+        assert!(msg.contains("is a folder"), "{msg}");
     }
 }

@@ -983,6 +983,7 @@ impl Streamer {
             + c.embed_head_bytes.load(Ordering::Relaxed);
         StatsSnapshot {
             budget_bytes: r.plan.budget_bytes,
+            floor_bytes: r.plan.floor_bytes,
             model_bytes: r.plan.model_bytes,
             disk_bytes_read: read,
             expert_hits: c.hits.load(Ordering::Relaxed),

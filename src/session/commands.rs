@@ -126,7 +126,7 @@ pub const HELP: &str = "\
 /budget GB                change the memory budget
 /stats                    engine statistics
 /help                     this list
-/quit                     leave";
+/quit (/bye, /exit)       leave";
 
 fn number(word: &str, what: &str) -> Result<f64, String> {
     word.parse::<f64>()
@@ -240,7 +240,7 @@ pub fn parse(line: &str) -> Option<Result<Command, String>> {
         }),
         "stats" => no_arg(Command::Stats),
         "help" | "?" => no_arg(Command::Help),
-        "quit" | "exit" | "q" => no_arg(Command::Quit),
+        "quit" | "exit" | "bye" | "q" => no_arg(Command::Quit),
         other => Err(format!(
             "unknown command /{other}; /help lists the commands"
         )),
@@ -287,6 +287,7 @@ mod tests {
             ("/stats", Command::Stats),
             ("/help", Command::Help),
             ("  /quit  ", Command::Quit),
+            ("/bye", Command::Quit),
         ];
         for (line, want) in ok {
             assert_eq!(parse(line), Some(Ok(want.clone())), "{line}");

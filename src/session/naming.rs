@@ -46,6 +46,21 @@ pub fn slug(first_text: &str) -> String {
     out
 }
 
+/// A Unix time in seconds as a local date and time (`2026-12-01 14:05`), in the time zone of
+/// the `TZ` variable or the system's (`/etc/localtime`); UTC where neither is known.
+#[must_use]
+pub fn local_time(unix: u64) -> String {
+    let Some(t) = i64::try_from(unix)
+        .ok()
+        .and_then(|s| chrono::DateTime::from_timestamp(s, 0))
+    else {
+        return "?".to_string();
+    };
+    t.with_timezone(&chrono::Local)
+        .format("%Y-%m-%d %H:%M")
+        .to_string()
+}
+
 /// The civil date (year, month, day, UTC) of a Unix time in seconds.
 #[must_use]
 pub fn civil_date(unix: u64) -> (i64, u32, u32) {
@@ -92,6 +107,19 @@ const _: () = assert!(MAX_SLUG + "-2026-12-01".len() + "-999".len() <= MAX_NAME_
 mod tests {
     use super::*;
     use crate::session::store::validate_name;
+
+    #[test]
+    fn local_times_are_minutes_in_the_local_zone() {
+        let at = 1_796_083_200; // 2026-12-01 00:00 UTC
+        let local = local_time(at);
+        assert_eq!(local.len(), "2026-12-01 00:00".len(), "{local}");
+        // Every zone is within a day of UTC.
+        assert!(
+            local.starts_with("2026-11-30") || local.starts_with("2026-12-01"),
+            "{local}"
+        );
+        assert_eq!(local_time(u64::MAX), "?");
+    }
 
     #[test]
     fn dates_are_civil_dates_in_utc() {

@@ -74,6 +74,8 @@ pub struct StatsSnapshot {
     pub positions: u64,
     /// Most positions the session may hold.
     pub context_limit: u64,
+    /// The least budget the plan in force can run under (0 when the model is resident).
+    pub floor_bytes: u64,
     /// Speculative decoding since start: forward passes while decoding.
     pub spec_passes: u64,
     /// Tokens proposed by the drafter.

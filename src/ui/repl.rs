@@ -31,7 +31,11 @@ pub struct ReplOptions {
 
 /// Where input lines come from.
 enum Input {
-    Editor(Box<rustyline::DefaultEditor>),
+    /// The line editor, with the lines entered so far (and those loaded from the history
+    /// file). A fresh editor is made for each line: while it waits for a line it owns SIGINT
+    /// (an external `kill -INT` reads as Ctrl-C at the prompt), and once it is dropped the
+    /// REPL's own handler is back, so a Ctrl-C while a reply streams stops it.
+    Editor(Vec<String>),
     /// Lines of plain stdin read by a thread, so that a Ctrl-C while waiting for one is seen
     /// here; and the number of lines received so far.
     Lines(Receiver<(String, bool)>, usize),
@@ -66,7 +70,7 @@ impl Input {
                 if let Some(h) = &opts.history_file {
                     let _ = ed.load_history(h);
                 }
-                return Input::Editor(Box::new(ed));
+                return Input::Editor(ed.history().iter().cloned().collect());
             }
         }
         let (tx, rx) = std::sync::mpsc::channel();
@@ -89,7 +93,7 @@ impl Input {
     /// Whether a Ctrl-C while waiting for input is seen by [`Input::read`] (else it must end
     /// the process from the signal handler).
     fn sees_sigint(&self) -> bool {
-        matches!(self, Input::Lines(..))
+        matches!(self, Input::Lines(..) | Input::Editor(_))
     }
 
     /// One logical input: lines ending in `\` continue. `None` at end of input, or when
@@ -99,19 +103,21 @@ impl Input {
         let mut prompt = "> ";
         loop {
             let line = match self {
-                Input::Editor(ed) => match ed.readline(prompt) {
-                    Ok(l) => l,
-                    Err(rustyline::error::ReadlineError::Interrupted) => {
-                        if text.is_empty() {
-                            interrupted.store(true, Ordering::Relaxed);
-                            return None;
+                Input::Editor(lines) => {
+                    match editor(lines).and_then(|mut ed| ed.readline(prompt)) {
+                        Ok(l) => l,
+                        Err(rustyline::error::ReadlineError::Interrupted) => {
+                            if text.is_empty() {
+                                interrupted.store(true, Ordering::Relaxed);
+                                return None;
+                            }
+                            text.clear();
+                            prompt = "> ";
+                            continue;
                         }
-                        text.clear();
-                        prompt = "> ";
-                        continue;
+                        Err(_) => return None,
                     }
-                    Err(_) => return None,
-                },
+                }
                 Input::Lines(rx, n) => match next_line(rx, sigint) {
                     Err(()) => {
                         interrupted.store(true, Ordering::Relaxed);
@@ -150,21 +156,34 @@ impl Input {
                 continue;
             }
             text.push_str(&line);
-            if let Input::Editor(ed) = self {
-                let _ = ed.add_history_entry(text.as_str());
+            if let Input::Editor(lines) = self {
+                if lines.last() != Some(&text) {
+                    lines.push(text.clone());
+                }
             }
             return Some(text);
         }
     }
 
     fn save_history(&mut self, opts: &ReplOptions) {
-        if let (Input::Editor(ed), Some(h)) = (self, &opts.history_file) {
+        if let (Input::Editor(lines), Some(h)) = (self, &opts.history_file) {
             if let Some(dir) = h.parent() {
                 let _ = std::fs::create_dir_all(dir);
             }
-            let _ = ed.save_history(h);
+            if let Ok(mut ed) = editor(lines) {
+                let _ = ed.save_history(h);
+            }
         }
     }
+}
+
+/// A line editor holding `lines` as its history.
+fn editor(lines: &[String]) -> rustyline::Result<rustyline::DefaultEditor> {
+    let mut ed = rustyline::DefaultEditor::new()?;
+    for l in lines {
+        let _ = ed.add_history_entry(l.as_str());
+    }
+    Ok(ed)
 }
 
 /// The next line from the stdin thread; `Ok(None)` at the end of input, `Err` when Ctrl-C came
@@ -185,20 +204,28 @@ fn next_line(
     }
 }
 
-/// Control characters from model output are shown escaped, never sent to the terminal.
-/// The part of a parsed completion not shown yet: new reasoning, then (once the answer
-/// starts) a blank line after any reasoning, then new answer text.
+/// Printed before the first reasoning text of a reply.
+pub const THINKING_MARK: &str = "[thinking]\n";
+/// Printed between the reasoning and the answer.
+pub const ANSWER_MARK: &str = "\n[answer]\n";
+
+/// The part of a parsed completion not shown yet: [`THINKING_MARK`] and new reasoning, then
+/// (once the answer starts) [`ANSWER_MARK`] after any reasoning, then new answer text.
+/// Control characters from model output are escaped by the caller, never sent to the terminal.
 fn show_new(p: &TolerantParser, r_at: &mut usize, c_at: &mut usize) -> String {
     let mut s = String::new();
     let r = p.reasoning();
-    if let Some(new) = r.get(*r_at..) {
+    if let Some(new) = r.get(*r_at..).filter(|n| !n.is_empty()) {
+        if *r_at == 0 {
+            s.push_str(THINKING_MARK);
+        }
         s.push_str(new);
     }
     *r_at = r.len();
     let c = p.content();
     if let Some(new) = c.get(*c_at..).filter(|n| !n.is_empty()) {
         if *c_at == 0 && *r_at > 0 {
-            s.push_str("\n\n");
+            s.push_str(ANSWER_MARK);
         }
         s.push_str(new);
     }
@@ -417,7 +444,41 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
 
 #[cfg(test)]
 mod tests {
-    use super::read_lossy_line;
+    use super::{read_lossy_line, show_new, ANSWER_MARK, THINKING_MARK};
+    use crate::session::template::TolerantParser;
+
+    #[test]
+    fn the_thinking_channel_and_the_answer_are_marked() {
+        let mut p = TolerantParser::new(true);
+        let (mut r, mut c) = (0, 0);
+        let mut shown = String::new();
+        // Streamed piece by piece, as tokens arrive.
+        for piece in [
+            "let me ",
+            "see",
+            "<|close|>think<|sep|>",
+            "<|open|>response<|sep|>",
+            "Hi",
+            " there",
+        ] {
+            p.push(piece);
+            shown.push_str(&show_new(&p, &mut r, &mut c));
+        }
+        p.finish();
+        shown.push_str(&show_new(&p, &mut r, &mut c));
+        let reasoning = p.reasoning().to_string();
+        let content = p.content().to_string();
+        assert!(!reasoning.is_empty() && !content.is_empty(), "{shown:?}");
+        assert_eq!(
+            shown,
+            format!("{THINKING_MARK}{reasoning}{ANSWER_MARK}{content}")
+        );
+        // No thinking: the answer alone, no marks.
+        let mut p = TolerantParser::new(false);
+        let (mut r, mut c) = (0, 0);
+        p.push("Hello");
+        assert_eq!(show_new(&p, &mut r, &mut c), "Hello");
+    }
 
     #[test]
     fn lines_are_split_like_lines_and_bad_bytes_replaced() {

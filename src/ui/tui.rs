@@ -10,9 +10,8 @@
 //! 20 ms when idle.
 
 use crate::app::protocol::{EngineEvent, Request};
-use crate::app::state::{App, AppInit, Effect, Msg, SessionRow};
+use crate::app::state::{App, AppInit, Effect, Msg};
 use crate::app::worker::Worker;
-use crate::session::store::SessionStore;
 use crate::ui::input::{self, KeyMap};
 use crate::ui::view::{self, Measure};
 use crossterm::event::{
@@ -21,7 +20,6 @@ use crossterm::event::{
 };
 use crossterm::execute;
 use std::io::Write;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -62,8 +60,6 @@ pub struct TuiOptions {
     pub init: AppInit,
     /// Key bindings.
     pub keys: KeyMap,
-    /// Directory listed by the session dialog.
-    pub session_dir: PathBuf,
 }
 
 /// Terminal modes this client turned on, undone exactly once (drop, error or explicit).
@@ -208,34 +204,18 @@ fn copy_osc52(text: &str) {
     let _ = out.flush();
 }
 
-fn list_sessions(dir: &std::path::Path) -> Result<Vec<SessionRow>, String> {
-    let store = SessionStore::new(dir.to_path_buf());
-    let list = store
-        .list()
-        .map_err(|e| format!("{}: {e}", dir.display()))?;
-    Ok(list
-        .into_iter()
-        .map(|s| SessionRow {
-            name: s.name,
-            saved_unix: s.saved_unix,
-            turns: s.turns,
-            bytes: s.bytes,
-            problem: s.problem,
-        })
-        .collect())
-}
-
-fn read_history(path: &std::path::Path) -> Result<Vec<u8>, String> {
-    let r = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()));
-    let _ = std::fs::remove_file(path);
-    r
+/// The bell, and an OSC 9 desktop notification where the terminal shows them.
+fn notify(text: &str) {
+    let clean: String = text.chars().filter(|c| !c.is_control()).collect();
+    let mut out = std::io::stdout();
+    let _ = write!(out, "\x07\x1b]9;{clean}\x07");
+    let _ = out.flush();
 }
 
 /// The UI thread's side of the channels.
 struct Driver {
     app: App,
     keys: KeyMap,
-    session_dir: PathBuf,
     requests: Sender<Request>,
     cancel: Arc<AtomicBool>,
     measure: Measure,
@@ -243,23 +223,17 @@ struct Driver {
 }
 
 impl Driver {
-    /// Apply a message and everything its effects feed back.
+    /// Apply a message and run its effects.
     fn apply(&mut self, msg: Msg) {
-        let mut queue = vec![msg];
-        while let Some(msg) = queue.pop() {
-            for fx in self.app.update(msg) {
-                match fx {
-                    Effect::Send(r) => {
-                        let _ = self.requests.send(r);
-                    }
-                    Effect::Cancel => self.cancel.store(true, Ordering::Relaxed),
-                    Effect::Copy(text) => copy_osc52(&text),
-                    Effect::ListSessions => {
-                        queue.push(Msg::SessionList(list_sessions(&self.session_dir)));
-                    }
-                    Effect::ReadHistory(path) => queue.push(Msg::HistoryRead(read_history(&path))),
-                    Effect::Quit { code } => self.quit = Some(code),
+        for fx in self.app.update(msg) {
+            match fx {
+                Effect::Send(r) => {
+                    let _ = self.requests.send(r);
                 }
+                Effect::Cancel => self.cancel.store(true, Ordering::Relaxed),
+                Effect::Copy(text) => copy_osc52(&text),
+                Effect::Notify(text) => notify(&text),
+                Effect::Quit { code } => self.quit = Some(code),
             }
         }
     }
@@ -277,17 +251,29 @@ impl Driver {
     }
 }
 
-/// Run the terminal client until the user leaves; returns the exit status. The terminal is
-/// restored before this returns, whatever happened.
+/// How the terminal client ended.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// Exit status.
+    pub code: i32,
+    /// The input history at the end, oldest first (for the caller to keep across runs).
+    pub history: Vec<String>,
+}
+
+/// Run the terminal client until the user leaves. The terminal is restored before this
+/// returns, whatever happened.
 #[must_use]
-pub fn run(worker: Worker, opts: TuiOptions) -> i32 {
+pub fn run(worker: Worker, opts: TuiOptions) -> Outcome {
     let mut guard = match TerminalGuard::enter() {
         Ok(g) => g,
         Err(e) => {
             ratatui::restore();
             eprintln!("k3: cannot start the terminal interface: {e} (try --plain)");
             worker.shutdown();
-            return 1;
+            return Outcome {
+                code: 1,
+                history: opts.init.history,
+            };
         }
     };
     let (inbox_tx, inbox) = channel::<Event>();
@@ -312,7 +298,6 @@ pub fn run(worker: Worker, opts: TuiOptions) -> i32 {
     let mut d = Driver {
         app: App::new(opts.init),
         keys: opts.keys,
-        session_dir: opts.session_dir,
         requests: req_tx,
         cancel,
         measure: Measure::default(),
@@ -329,7 +314,10 @@ pub fn run(worker: Worker, opts: TuiOptions) -> i32 {
     if let Some(h) = bridge_handle {
         let _ = h.join();
     }
-    code
+    Outcome {
+        code,
+        history: d.app.history.entries().to_vec(),
+    }
 }
 
 fn event_loop(

@@ -150,6 +150,7 @@ fn popups(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         Some(Dialog::ConfirmQuit) => popups::confirm_quit(app, theme, area, buf),
         Some(Dialog::ConfirmNew) => popups::confirm_new(theme, area, buf),
         Some(Dialog::ConfirmReplace(name)) => popups::confirm_replace(name, theme, area, buf),
+        Some(Dialog::ConfirmLoad(name)) => popups::confirm_load(name, theme, area, buf),
     }
 }
 
@@ -314,6 +315,26 @@ fn input_box(
     Some(Position::new(inner.x + x, inner.y + y))
 }
 
+/// Two significant digits (`0.0012`, `0.5`, `12`, `340`).
+fn sig2(x: f64) -> String {
+    if !x.is_finite() || x <= 0.0 {
+        return "0".into();
+    }
+    let decimals = (1 - x.log10().floor() as i32).max(0) as usize;
+    format!("{x:.decimals$}")
+}
+
+/// Seconds as `45 s`, `12 min`, `3.5 h`.
+fn duration(s: f64) -> String {
+    if s < 90.0 {
+        format!("{:.0} s", s.max(0.0))
+    } else if s < 5400.0 {
+        format!("{:.0} min", s / 60.0)
+    } else {
+        format!("{:.1} h", s / 3600.0)
+    }
+}
+
 fn status_bar(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
     let w = usize::from(area.width);
     let session = app
@@ -367,6 +388,21 @@ fn status_bar(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
     };
     let left = fit(&left, w).to_string();
     let room = w.saturating_sub(str_width(&left));
+    // While a reply streams, its pace replaces the key hints: the longest form that fits.
+    let pace = app
+        .pace()
+        .filter(|_| app.toast.is_none())
+        .and_then(|(spt, left)| {
+            let (spt, left) = (sig2(spt), duration(left));
+            [
+                format!(" {spt} s/token · at most {left} left "),
+                format!(" {spt} s/token · ≤{left} "),
+                format!(" ≤{left} left "),
+            ]
+            .into_iter()
+            .find(|t| str_width(t) <= room)
+        });
+    let right = pace.unwrap_or(right);
     let right = if str_width(&right) <= room {
         right
     } else {

@@ -844,3 +844,45 @@ fn leaving_with_unsaved_turns_says_so_and_a_last_save_still_runs() {
     assert_eq!(code, 130, "{err}");
     assert!(err.contains("(1 turn) was NOT saved"), "{err}");
 }
+
+#[test]
+fn continue_opens_the_most_recently_saved_session() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let chat = |extra: &[&str], input: &[u8]| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
+            .arg("chat")
+            .arg(fixture("tiny"))
+            .args(["--plain", "--greedy", "--no-think", "--max-tokens", "3"])
+            .args(extra)
+            .arg("--session-dir")
+            .arg(dir.path())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(input).unwrap();
+        drop(stdin);
+        child.wait_with_output().unwrap()
+    };
+    // Nothing saved yet: a usage error that says so.
+    let out = chat(&["-c"], b"");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no saved session"));
+    // `alpha` is saved first, `zeta` a second later: `--continue` takes `zeta`, the newer
+    // one, although `alpha` sorts first by name.
+    let out = chat(&[], b"one\ntwo\n/save alpha\n");
+    assert!(out.status.success());
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let out = chat(&[], b"hello\n/save zeta\n");
+    assert!(out.status.success());
+    let out = chat(&["--continue"], b"/stats\n");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("loaded session \"zeta\""), "{err}");
+    // It conflicts with --resume.
+    let out = chat(&["-c", "--resume", "alpha"], b"");
+    assert_eq!(out.status.code(), Some(2));
+}

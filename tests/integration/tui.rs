@@ -441,6 +441,9 @@ fn chat_with_no_model_opens_the_demo_and_answers() {
     let t = Tmux::start(&dir.path().join("tmux-d.sock"), "k3d", &command);
     let screen = t.wait_for("the ready status bar", 60, ready);
     assert!(screen.contains("demo model"), "{screen}");
+    // The start-up line names the demo model, not the cache folder it was written to.
+    assert!(screen.contains("k3: the demo model ("), "{screen}");
+    assert!(!screen.contains("/cache/"), "{screen}");
     t.type_text("What is the capital of Japan?");
     t.keys(&["Enter"]);
     let screen = t.wait_for("the answer", 60, |s| {
@@ -452,4 +455,128 @@ fn chat_with_no_model_opens_the_demo_and_answers() {
         "a template marker on screen:\n{screen}"
     );
     t.quit_unsaved();
+}
+
+#[test]
+fn plain_mode_on_a_terminal_stops_a_reply_on_ctrl_c_and_takes_sigint_at_the_prompt() {
+    require_tmux();
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("k3.pid");
+    // `exec` keeps the shell's pid, so the test can signal k3 itself.
+    let command = format!(
+        "env K3_DATA_DIR={data} K3_CONFIG={data}/no-config.toml TERM=xterm-256color sh -c \
+         'echo $$ > {pid}; exec {bin} chat {model} --plain --session-dir {data}/sessions \
+         --greedy --no-think --max-tokens 20000'; echo K3-EXIT=$?; sleep 60",
+        data = dir.path().display(),
+        pid = pid_file.display(),
+        bin = env!("CARGO_BIN_EXE_k3"),
+        model = fixture("tiny").display(),
+    );
+    let t = Tmux::start(&dir.path().join("tmux-p.sock"), "k3p", &command);
+    t.wait_for("the REPL banner", 60, |s| {
+        s.contains("/help lists the commands")
+    });
+    // A raw continuation runs to the length limit unless stopped.
+    t.type_text("/raw");
+    t.keys(&["Enter"]);
+    t.wait_for("raw mode", 30, |s| s.contains("raw mode:"));
+    t.type_text("Once upon a time");
+    t.keys(&["Enter"]);
+    std::thread::sleep(Duration::from_millis(500));
+    t.keys(&["C-c"]);
+    let screen = t.wait_for("the stopped reply", 30, |s| s.contains("; stopped]"));
+    assert!(!screen.contains("K3-EXIT="), "{screen}");
+    let pid = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .to_string();
+    let kill = || {
+        let out = Command::new("kill").args(["-INT", &pid]).output().unwrap();
+        assert!(out.status.success(), "kill -INT {pid}");
+    };
+    // At the prompt, an external SIGINT is a Ctrl-C there: the client leaves, saying what
+    // was not saved (exit status 130).
+    t.wait_for("the prompt", 30, |s| s.trim_end().ends_with('>'));
+    t.type_text("half typed");
+    t.wait_for("the typed text", 10, |s| s.contains("> half typed"));
+    kill();
+    let screen = t.wait_for("the exit", 30, |s| s.contains("K3-EXIT="));
+    assert!(screen.contains("K3-EXIT=130"), "{screen}");
+    assert!(screen.contains("NOT saved"), "{screen}");
+}
+
+#[test]
+fn a_budget_below_the_floor_is_refused_before_the_terminal_is_taken() {
+    require_tmux();
+    let dir = tempfile::tempdir().unwrap();
+    let t = Tmux::start(
+        &dir.path().join("tmux-f.sock"),
+        "k3f",
+        &chat_command(dir.path(), "--mem 0.0001"),
+    );
+    let screen = t.wait_for("the exit", 60, |s| s.contains("K3-EXIT="));
+    assert!(screen.contains("K3-EXIT=2"), "{screen}");
+    assert!(screen.contains("floor"), "{screen}");
+    assert!(screen.contains("context of 32768 positions"), "{screen}");
+    assert!(!screen.contains("┌ tokens/s"), "{screen}");
+}
+
+#[test]
+fn an_input_burst_reaches_the_screen_without_waiting_for_another_key() {
+    require_tmux();
+    let dir = tempfile::tempdir().unwrap();
+    let t = Tmux::start(
+        &dir.path().join("tmux-i.sock"),
+        "k3i",
+        &chat_command(dir.path(), ""),
+    );
+    t.wait_for("the ready status bar", 60, ready);
+    // Far more bytes than one read of the terminal takes: the last one must show without
+    // another key.
+    let burst = format!("{}E", "x".repeat(2999));
+    t.type_text(&burst);
+    t.wait_for("the end of the burst in the input box", 20, |s| {
+        s.contains("xE ") || s.contains("xE│")
+    });
+    // A longer burst with Enter is sent at once.
+    t.keys(&["C-u"]);
+    t.wait_for("the cleared input", 10, |s| !s.contains("xxxxxxxxxx"));
+    let long = format!("{}Z", "y".repeat(7088));
+    t.type_text(&long);
+    t.keys(&["Enter"]);
+    // Sent: the engine reads it (its reply is not needed here) and the input box is empty.
+    t.wait_for("the long message sent", 30, |s| {
+        (s.contains("reading prompt") || s.contains("tokens/s · prompt"))
+            && !input_row(s).contains('y')
+    });
+    // Dropping the tmux server ends the client (its prompt of 7,000 tokens is not waited for).
+}
+
+#[test]
+fn the_input_history_is_kept_across_runs() {
+    require_tmux();
+    let dir = tempfile::tempdir().unwrap();
+    let t = Tmux::start(
+        &dir.path().join("tmux-h1.sock"),
+        "k3h1",
+        &chat_command(dir.path(), ""),
+    );
+    t.wait_for("the ready status bar", 60, ready);
+    t.type_text("/stats");
+    t.keys(&["Enter"]);
+    t.wait_for("the stats answer", 30, |s| s.contains("positions 0 /"));
+    t.keys(&["C-q"]);
+    t.wait_for("the exit", 30, |s| s.contains("K3-EXIT=0"));
+    drop(t);
+    assert!(dir.path().join("input_history.json").exists());
+    let t = Tmux::start(
+        &dir.path().join("tmux-h2.sock"),
+        "k3h2",
+        &chat_command(dir.path(), ""),
+    );
+    t.wait_for("the ready status bar", 60, ready);
+    t.keys(&["Up"]);
+    t.wait_for("the recalled input", 10, |s| {
+        input_row(s).contains("/stats")
+    });
 }

@@ -179,6 +179,12 @@ pub struct History {
 const HISTORY_MAX: usize = 500;
 
 impl History {
+    /// The inputs kept, oldest first (saved across runs by the front end's caller).
+    #[must_use]
+    pub fn entries(&self) -> &[String] {
+        &self.entries
+    }
+
     /// Remember a sent input (consecutive duplicates are kept once).
     pub fn push(&mut self, text: &str) {
         self.pos = None;

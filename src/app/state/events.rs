@@ -7,9 +7,9 @@ use super::{
     SPARK_POINTS,
 };
 use crate::app::config::Cmd;
-use crate::app::protocol::{EngineEvent, Request, TurnId};
+use crate::app::protocol::{EngineEvent, HistoryView, Request, SessionRow, TurnId};
 use crate::session::chat::{Entry, Mode, Stop, TurnReport};
-use crate::session::commands::{Command, ExportFormat, Think};
+use crate::session::commands::{Command, Think};
 use crate::stream::stats::StatsSnapshot;
 use std::collections::VecDeque;
 
@@ -69,9 +69,30 @@ impl App {
                     return false;
                 }
                 match self.take_pending(turn) {
-                    Some(Purpose::Reply(kind)) => self.turn_done(turn, kind, &report),
+                    Some(Purpose::Reply(kind)) => {
+                        self.turn_done(turn, kind, &report);
+                        let secs = report.prefill_seconds + report.decode_seconds;
+                        if secs >= super::NOTIFY_AFTER_S {
+                            fx.push(Effect::Notify(format!(
+                                "k3: the reply is ready ({} tokens, {secs:.0} s)",
+                                report.generated_ids.len()
+                            )));
+                        }
+                    }
                     _ => return false,
                 }
+            }
+            EngineEvent::History { turn, history } => {
+                if self.take_pending(turn) != Some(Purpose::History) {
+                    return false;
+                }
+                self.show_history(*history);
+            }
+            EngineEvent::Sessions { turn, rows } => {
+                if self.take_pending(turn) != Some(Purpose::Sessions) {
+                    return false;
+                }
+                self.session_rows(Ok(rows));
             }
             EngineEvent::Notice { turn, text } => {
                 if self.is_cancelled(turn) {
@@ -125,11 +146,22 @@ impl App {
 
     pub(super) fn fetch_history(&mut self, fx: &mut Vec<Effect>) {
         let turn = self.turn(Purpose::History);
-        let path = self.history_path.to_string_lossy().into_owned();
-        fx.push(Effect::Send(Request::Command {
-            turn,
-            command: Command::Export(ExportFormat::Json, path),
-        }));
+        fx.push(Effect::Send(Request::History { turn }));
+    }
+
+    /// Ask the worker for the saved sessions (the dialog shows them when they arrive).
+    pub(super) fn fetch_sessions(&mut self, fx: &mut Vec<Effect>) {
+        let turn = self.turn(Purpose::Sessions);
+        fx.push(Effect::Send(Request::ListSessions { turn }));
+    }
+
+    /// The session list (or why it cannot be read) for an open session dialog.
+    pub(super) fn session_rows(&mut self, rows: Result<Vec<SessionRow>, String>) {
+        if let Some(super::Dialog::Sessions(d)) = &mut self.dialog {
+            let n = rows.as_ref().map_or(0, Vec::len);
+            d.selected = d.selected.min(n.saturating_sub(1));
+            d.rows = Some(rows);
+        }
     }
 
     pub(super) fn token(&mut self, turn: TurnId, id: u32, text: &str) -> bool {
@@ -191,7 +223,8 @@ impl App {
         // picture's.
         let keep_layers = s.layers.is_empty() && s.prefill_total > 0;
         if !keep_layers {
-            self.budget.observe(s.model_bytes, s.budget_bytes);
+            self.budget
+                .observe(s.model_bytes, s.budget_bytes, s.floor_bytes);
         }
         let mut s = s;
         if keep_layers {
@@ -207,6 +240,10 @@ impl App {
 
     pub(super) fn turn_done(&mut self, turn: TurnId, kind: ReplyKind, report: &TurnReport) {
         self.finish_parser(turn);
+        let disk_read = match (self.disk_at_start.take(), &self.stats.last) {
+            (Some(a), Some(s)) => Some(s.disk_bytes_read.saturating_sub(a)),
+            _ => None,
+        };
         let live = self.live_turn() == Some(turn);
         if let Some(r) = self.reply_mut(turn) {
             if report.accepted || r.raw {
@@ -220,7 +257,7 @@ impl App {
             } else {
                 ReplyState::Done
             };
-            let mut line = summary(report);
+            let mut line = summary(report, disk_read);
             if let Some(w) = &report.context_warning {
                 line.push_str(" · ");
                 line.push_str(w);
@@ -282,12 +319,16 @@ impl App {
     ) {
         match purpose {
             Purpose::Budget => self.budget_answer(turn, answer, fx),
-            Purpose::History => match answer {
-                Ok(_) => fx.push(Effect::ReadHistory(self.history_path.clone())),
-                Err(e) => self
-                    .items
-                    .push(Item::Error(format!("cannot show the saved history: {e}"))),
-            },
+            Purpose::History => {
+                let e = match answer {
+                    Ok(t) | Err(t) => t,
+                };
+                self.items
+                    .push(Item::Error(format!("cannot show the saved history: {e}")));
+            }
+            Purpose::Sessions => self.session_rows(Err(match answer {
+                Ok(t) | Err(t) => t,
+            })),
             Purpose::Reply(_) => {
                 // A reply that failed before or while generating.
                 self.parser = None;
@@ -324,7 +365,13 @@ impl App {
     ) {
         let quitting = self.quit_after_save == Some(turn);
         if let Command::Budget(gb) = cmd {
-            self.budget.answer = Some(((gb * 1e9) as u64, answer.clone()));
+            let bytes = (gb * 1e9) as u64;
+            self.budget.answer = Some((bytes, answer.clone()));
+            // A typed `/budget` moves the slider to what is now in force.
+            if answer.is_ok() && self.budget.ready() {
+                self.budget.step = self.budget.step_of(bytes);
+                self.budget.touched = true;
+            }
         }
         let text = match answer {
             Err(e) => {
@@ -393,25 +440,7 @@ impl App {
         }
     }
 
-    pub(super) fn history_read(&mut self, bytes: Result<Vec<u8>, String>) {
-        #[derive(serde::Deserialize)]
-        struct Exported {
-            #[serde(default)]
-            system: Option<String>,
-            mode: Mode,
-            entries: Vec<Entry>,
-        }
-        let parsed = bytes.and_then(|b| {
-            serde_json::from_slice::<Exported>(&b).map_err(|e| format!("transcript: {e}"))
-        });
-        let t = match parsed {
-            Ok(t) => t,
-            Err(e) => {
-                self.items
-                    .push(Item::Error(format!("cannot show the saved history: {e}")));
-                return;
-            }
-        };
+    pub(super) fn show_history(&mut self, t: HistoryView) {
         // Keep what was shown before the history (start-up lines), then the history.
         let keep: Vec<Item> = self
             .items
@@ -419,6 +448,9 @@ impl App {
             .filter(|i| matches!(i, Item::Info(_) | Item::Error(_)))
             .collect();
         let n = t.entries.len();
+        if t.name.is_some() {
+            self.session = t.name;
+        }
         self.items = keep;
         self.items.push(Item::Info(format!(
             "── history of {}: {n} {} ──",

@@ -172,13 +172,14 @@ impl App {
             }
             Cmd::Sessions => {
                 self.dialog = Some(Dialog::Sessions(SessionDialog::default()));
-                fx.push(Effect::ListSessions);
+                self.fetch_sessions(fx);
             }
             Cmd::BudgetDown => self.budget_move(-1, fx),
             Cmd::BudgetUp => self.budget_move(1, fx),
             Cmd::Newline => self.type_char('\n'),
             Cmd::Follow => self.scroll = 0,
             Cmd::Focus => self.focus = Focus::Budget,
+            Cmd::New => self.new_conversation(fx),
         }
     }
 
@@ -240,8 +241,10 @@ impl App {
         }
         match commands::parse(&text) {
             Some(Err(msg)) => {
+                // The refused line is shown above its error, like any command line.
                 self.history.push(&text);
                 self.input.take();
+                self.items.push(Item::Info(format!("› {}", text.trim())));
                 self.items.push(Item::Error(msg));
             }
             Some(Ok(Command::Quit)) => {
@@ -251,6 +254,11 @@ impl App {
             Some(Ok(Command::Help)) => {
                 self.input.take();
                 self.open_help();
+            }
+            Some(Ok(Command::Load(name))) if self.dirty && !self.busy() => {
+                self.history.push(&text);
+                self.input.take();
+                self.dialog = Some(Dialog::ConfirmLoad(name));
             }
             Some(Ok(cmd)) => {
                 if self.refuse_now() {
@@ -300,6 +308,7 @@ impl App {
             note: None,
         }));
         self.parser = (!raw).then(|| (turn, TolerantParser::new(self.thinking)));
+        self.disk_at_start = self.stats.last.as_ref().map(|s| s.disk_bytes_read);
         self.phase = Phase::Prefill {
             turn,
             done: 0,
@@ -418,8 +427,12 @@ impl App {
             _ => return,
         };
         self.budget.asked = None;
+        let refused = answer.is_err();
         self.budget.answer = Some((bytes, answer));
-        if self.budget.touched && self.budget.value_bytes() != bytes {
+        if refused {
+            // The slider does not stay on a value the engine refused: back to the one in force.
+            self.budget.step = self.budget.in_force_step();
+        } else if self.budget.touched && self.budget.value_bytes() != bytes {
             self.budget_send(fx);
         }
     }
@@ -467,6 +480,12 @@ impl App {
                 _ if closes => {}
                 _ => self.dialog = Some(Dialog::ConfirmNew),
             },
+            Dialog::ConfirmLoad(name) => match ch {
+                Some('y') => self.load_now(name, fx),
+                Some('n') => {}
+                _ if closes => {}
+                _ => self.dialog = Some(Dialog::ConfirmLoad(name)),
+            },
             Dialog::ConfirmReplace(name) => match ch {
                 Some('y') => {
                     self.items.push(Item::Info(format!("› /save! {name}")));
@@ -503,6 +522,24 @@ impl App {
         }));
     }
 
+    /// A new conversation: asks first when this one has unsaved turns.
+    pub(super) fn new_conversation(&mut self, fx: &mut Vec<Effect>) {
+        if self.refuse_now() {
+            return;
+        }
+        if self.dirty {
+            self.dialog = Some(Dialog::ConfirmNew);
+        } else {
+            self.send_command(Command::New, fx);
+        }
+    }
+
+    /// Load `name` now (the user confirmed, or nothing is unsaved).
+    pub(super) fn load_now(&mut self, name: String, fx: &mut Vec<Effect>) {
+        self.items.push(Item::Info(format!("› /load {name}")));
+        self.send_command(Command::Load(name), fx);
+    }
+
     /// A key in the session list; returns whether the dialog stays open.
     pub(super) fn sessions_action(
         &mut self,
@@ -530,13 +567,17 @@ impl App {
                     d.message = self.toast.as_ref().map(|t| t.0.clone());
                     return true;
                 }
-                self.items.push(Item::Info(format!("› /load {name}")));
-                self.send_command(Command::Load(name), fx);
+                if self.dirty {
+                    self.dialog = Some(Dialog::ConfirmLoad(name));
+                } else {
+                    self.load_now(name, fx);
+                }
                 return false;
             }
             (_, Some('s')) => {
                 let mut e = Editor::default();
                 e.set(self.session.as_deref().unwrap_or(""));
+                d.prefilled = !e.is_empty();
                 d.naming = Some(e);
             }
             (_, Some('n')) => {
@@ -544,16 +585,12 @@ impl App {
                     d.message = self.toast.as_ref().map(|t| t.0.clone());
                     return true;
                 }
-                if self.dirty {
-                    self.dialog = Some(Dialog::ConfirmNew);
-                } else {
-                    self.send_command(Command::New, fx);
-                }
+                self.new_conversation(fx);
                 return false;
             }
             (_, Some('r')) => {
                 d.rows = None;
-                fx.push(Effect::ListSessions);
+                self.fetch_sessions(fx);
             }
             _ => {}
         }
@@ -564,8 +601,12 @@ impl App {
         let Some(mut name) = d.naming.take() else {
             return;
         };
+        let prefilled = std::mem::take(&mut d.prefilled);
         match a {
-            Action::Char(c) | Action::CharOr(c, _) if name.text().len() < 200 => {
+            Action::Char(c) | Action::CharOr(c, _) if name.text().len() < 200 || prefilled => {
+                if prefilled {
+                    name.take();
+                }
                 name.insert_char(c);
             }
             Action::Backspace => name.backspace(),

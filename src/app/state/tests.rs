@@ -3,7 +3,9 @@
 
 use super::*;
 use crate::app::config::Cmd;
-use crate::session::commands::{ExportFormat, Setting};
+use crate::app::protocol::HistoryView;
+use crate::session::chat::Entry;
+use crate::session::commands::Setting;
 use crate::stream::stats::{LayerResidency, Residency};
 
 const MODEL_BYTES: u64 = 4_000_000_000;
@@ -15,7 +17,8 @@ fn init() -> AppInit {
         resume: false,
         thinking: false,
         context_limit: 4096,
-        history_path: PathBuf::from("/tmp/k3-test-history.json"),
+        max_tokens: 512,
+        history: Vec::new(),
         budget_gb: None,
         keys: KeyLabels(vec![
             (Cmd::Help, "F1".into()),
@@ -32,6 +35,18 @@ fn ready_app_with(init: AppInit) -> App {
         info: "k3: tiny (13 layers, vocabulary 512), session \"s1\", chat mode".into(),
     }));
     app
+}
+
+/// Answer the session dialog's request for the saved sessions, as the worker would.
+fn list_sessions(app: &mut App, rows: Vec<SessionRow>) {
+    let turn = app
+        .pending
+        .iter()
+        .rev()
+        .find(|(_, p)| *p == Purpose::Sessions)
+        .map(|(t, _)| *t)
+        .expect("a pending session list");
+    app.update(Msg::Engine(EngineEvent::Sessions { turn, rows }));
 }
 
 fn ready_app() -> App {
@@ -424,20 +439,47 @@ fn gb_at(app: &App, step: u32) -> f64 {
 fn the_budget_slider_scale_is_logarithmic_around_the_model() {
     let mut b = Budget::default();
     assert!(!b.ready());
-    b.observe(MODEL_BYTES, None);
+    b.observe(MODEL_BYTES, None, 0);
     assert_eq!(b.bytes_at(0), MODEL_BYTES / 16);
     assert_eq!(b.bytes_at(BUDGET_STEPS), MODEL_BYTES / 4 * 5);
     assert_eq!(b.step, BUDGET_STEPS, "no budget: the knob sits at the top");
     for step in 0..=BUDGET_STEPS {
         assert_eq!(b.step_of(b.bytes_at(step)), step);
     }
-    // A budget in force above the model widens the scale; an untouched knob follows it.
-    b.observe(MODEL_BYTES, Some(16_000_000_000));
-    assert_eq!(b.bytes_at(BUDGET_STEPS), 16_000_000_000);
+    // A budget in force above what helps sits at the top, which stays where everything is
+    // held; an untouched knob follows the budget in force.
+    b.observe(MODEL_BYTES, Some(16_000_000_000), 0);
+    assert_eq!(b.bytes_at(BUDGET_STEPS), MODEL_BYTES / 4 * 5);
     assert_eq!(b.step, BUDGET_STEPS);
-    b.observe(MODEL_BYTES, Some(MODEL_BYTES / 2));
+    b.observe(MODEL_BYTES, Some(MODEL_BYTES / 2), 0);
     assert_eq!(b.step, b.step_of(MODEL_BYTES / 2));
     assert!(b.step > 0 && b.step < BUDGET_STEPS);
+    // With the plan's floor known, the lowest position is the floor: nothing below it runs.
+    b.observe(MODEL_BYTES, Some(MODEL_BYTES / 2), MODEL_BYTES / 5);
+    assert_eq!(b.bytes_at(0), MODEL_BYTES / 5);
+    assert_eq!(b.step_of(MODEL_BYTES / 100), 0);
+    // A floor above what helps still leaves a range.
+    b.observe(MODEL_BYTES, None, MODEL_BYTES * 2);
+    assert_eq!(b.bytes_at(BUDGET_STEPS), MODEL_BYTES * 4);
+}
+
+#[test]
+fn a_typed_budget_moves_the_slider() {
+    let mut app = ready_app();
+    with_figures(&mut app);
+    type_text(&mut app, "/budget 2");
+    let fx = act(&mut app, Action::Submit);
+    let (turn, cmd) = command(&fx);
+    assert_eq!(cmd, Command::Budget(2.0));
+    ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn,
+            text: "budget 2.0 GB: 1 of 4 layers pinned".into(),
+        },
+    );
+    assert_eq!(app.budget.step, app.budget.step_of(2_000_000_000));
+    assert!(app.budget.step < BUDGET_STEPS);
 }
 
 #[test]
@@ -462,13 +504,26 @@ fn the_budget_slider_asks_the_engine_and_shows_its_answer() {
             message: "/budget: below the floor".into(),
         },
     );
-    let (turn2, cmd2) = command(&fx);
-    assert_eq!(cmd2, Command::Budget(gb_at(&app, BUDGET_STEPS - 2)));
+    // A refused value is not left on the slider: it goes back to the budget in force.
+    assert!(fx.is_empty(), "{fx:?}");
+    assert_eq!(app.budget.step, BUDGET_STEPS);
     assert!(
         matches!(&app.budget.answer, Some((b, Err(t))) if *b == app.budget.bytes_at(BUDGET_STEPS - 1) && t.contains("floor"))
     );
     // The answer is not a conversation error.
     assert!(!has_error(&app, "floor"));
+    act(&mut app, Action::CharOr('[', Cmd::BudgetDown));
+    let fx = act(&mut app, Action::CharOr('[', Cmd::BudgetDown));
+    assert!(fx.is_empty(), "one request at a time: {fx:?}");
+    let fx = ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn: turn + 1,
+            text: "budget 4.5 GB".into(),
+        },
+    );
+    let (turn2, cmd2) = command(&fx);
+    assert_eq!(cmd2, Command::Budget(gb_at(&app, BUDGET_STEPS - 2)));
     ev(
         &mut app,
         EngineEvent::Notice {
@@ -572,6 +627,7 @@ fn rows() -> Vec<SessionRow> {
         SessionRow {
             name: "alpha".into(),
             saved_unix: 1_800_000_000,
+            saved: "2027-01-15 08:00".into(),
             turns: 3,
             bytes: 12_345,
             problem: None,
@@ -579,6 +635,7 @@ fn rows() -> Vec<SessionRow> {
         SessionRow {
             name: "beta".into(),
             saved_unix: 1_700_000_000,
+            saved: "2023-11-14 22:13".into(),
             turns: 1,
             bytes: 999,
             problem: None,
@@ -590,12 +647,14 @@ fn rows() -> Vec<SessionRow> {
 fn the_session_dialog_loads_and_shows_the_history() {
     let mut app = ready_app();
     let fx = act(&mut app, Action::Cmd(Cmd::Sessions));
-    assert!(fx.iter().any(|e| matches!(e, Effect::ListSessions)));
+    assert!(fx
+        .iter()
+        .any(|e| matches!(e, Effect::Send(Request::ListSessions { .. }))));
     assert!(matches!(
         app.dialog,
         Some(Dialog::Sessions(SessionDialog { rows: None, .. }))
     ));
-    app.update(Msg::SessionList(Ok(rows())));
+    list_sessions(&mut app, rows());
     act(&mut app, Action::Down);
     act(&mut app, Action::Down);
     let fx = act(&mut app, Action::Submit);
@@ -610,22 +669,34 @@ fn the_session_dialog_loads_and_shows_the_history() {
         },
     );
     assert_eq!(app.session.as_deref(), Some("beta"));
-    let (export_turn, export) = command(&fx);
-    let path = "/tmp/k3-test-history.json".to_string();
-    assert_eq!(export, Command::Export(ExportFormat::Json, path.clone()));
-    let fx = ev(
+    let history_turn = match &fx[..] {
+        [Effect::Send(Request::History { turn })] => *turn,
+        other => panic!("{other:?}"),
+    };
+    let history = HistoryView {
+        name: Some("beta".into()),
+        system: None,
+        mode: Mode::Chat,
+        entries: vec![
+            Entry::Message {
+                role: "user".into(),
+                content: "old question".into(),
+                reasoning: None,
+            },
+            Entry::Message {
+                role: "assistant".into(),
+                content: "old answer".into(),
+                reasoning: Some("hm".into()),
+            },
+        ],
+    };
+    ev(
         &mut app,
-        EngineEvent::Notice {
-            turn: export_turn,
-            text: "transcript written".into(),
+        EngineEvent::History {
+            turn: history_turn,
+            history: Box::new(history),
         },
     );
-    assert!(matches!(&fx[..], [Effect::ReadHistory(p)] if p.to_string_lossy() == path));
-    let json = br#"{"system":null,"mode":"chat","entries":[
-        {"kind":"message","role":"user","content":"old question"},
-        {"kind":"message","role":"assistant","content":"old answer","reasoning":"hm"}],
-        "pending":null}"#;
-    app.update(Msg::HistoryRead(Ok(json.to_vec())));
     assert!(app
         .items
         .iter()
@@ -633,16 +704,24 @@ fn the_session_dialog_loads_and_shows_the_history() {
     assert_eq!(last_reply(&app).content, "old answer");
     assert_eq!(last_reply(&app).reasoning, "hm");
     assert!(!app.dirty);
-    // A broken transcript is an error line, not a crash.
-    app.update(Msg::HistoryRead(Ok(b"{not json".to_vec())));
-    assert!(has_error(&app, "cannot show the saved history"));
+    // A history the worker cannot send is an error line, not a crash.
+    app.fetch_history(&mut Vec::new());
+    let turn = app.pending.last().map(|p| p.0).unwrap_or_default();
+    ev(
+        &mut app,
+        EngineEvent::Failed {
+            turn,
+            message: "gone".into(),
+        },
+    );
+    assert!(has_error(&app, "cannot show the saved history: gone"));
 }
 
 #[test]
 fn saving_over_another_listed_session_asks_first() {
     let mut app = ready_app();
     act(&mut app, Action::Cmd(Cmd::Sessions));
-    app.update(Msg::SessionList(Ok(rows())));
+    list_sessions(&mut app, rows());
     act(&mut app, Action::Char('s'));
     act(&mut app, Action::ClearInput);
     for _ in 0..2 {
@@ -669,7 +748,7 @@ fn saving_over_another_listed_session_asks_first() {
     assert_eq!(app.session.as_deref(), Some("beta"));
     // The session's own name is saved over without asking.
     act(&mut app, Action::Cmd(Cmd::Sessions));
-    app.update(Msg::SessionList(Ok(rows())));
+    list_sessions(&mut app, rows());
     act(&mut app, Action::Char('s'));
     let fx = act(&mut app, Action::Submit);
     assert_eq!(command(&fx).1, Command::Save(Some("beta".into())));
@@ -697,7 +776,7 @@ fn a_save_under_the_default_name_learns_it_from_the_answer() {
 fn the_session_dialog_saves_under_a_new_name() {
     let mut app = ready_app();
     act(&mut app, Action::Cmd(Cmd::Sessions));
-    app.update(Msg::SessionList(Ok(Vec::new())));
+    list_sessions(&mut app, Vec::new());
     act(&mut app, Action::Char('s'));
     match &app.dialog {
         Some(Dialog::Sessions(d)) => assert_eq!(d.naming.as_ref().map(Editor::text), Some("s1")),
@@ -982,10 +1061,10 @@ fn resuming_fetches_the_history_once_ready() {
             info: "k3: tiny, session \"old\", raw mode\nloaded session \"old\"".into(),
         },
     );
-    assert!(matches!(
-        command(&fx).1,
-        Command::Export(ExportFormat::Json, _)
-    ));
+    assert!(
+        matches!(&fx[..], [Effect::Send(Request::History { .. })]),
+        "{fx:?}"
+    );
     assert_eq!(app.mode, Mode::Raw);
     assert_eq!(app.session.as_deref(), Some("old"));
 }
@@ -1049,4 +1128,208 @@ fn no_message_sequence_panics() {
             app = ready_app();
         }
     }
+}
+
+/// A finished turn leaves the conversation with unsaved changes.
+fn unsaved_app() -> App {
+    let mut app = ready_app();
+    let turn = send_message(&mut app, "hi");
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn,
+            report: report("hello", Stop::End(1), true),
+        },
+    );
+    assert!(app.dirty);
+    app
+}
+
+#[test]
+fn loading_over_unsaved_turns_asks_first() {
+    // `/load`: nothing is sent until the user says yes.
+    let mut app = unsaved_app();
+    type_text(&mut app, "/load other");
+    let fx = act(&mut app, Action::Submit);
+    assert!(fx.is_empty(), "{fx:?}");
+    assert_eq!(app.dialog, Some(Dialog::ConfirmLoad("other".into())));
+    assert!(act(&mut app, Action::Char('n')).is_empty());
+    assert_eq!(app.dialog, None);
+    assert!(app.dirty);
+    type_text(&mut app, "/load other");
+    act(&mut app, Action::Submit);
+    let fx = act(&mut app, Action::Char('y'));
+    assert_eq!(command(&fx).1, Command::Load("other".into()));
+    // The session dialog's Enter on a row asks the same question.
+    let mut app = unsaved_app();
+    act(&mut app, Action::Cmd(Cmd::Sessions));
+    list_sessions(&mut app, rows());
+    let fx = act(&mut app, Action::Submit);
+    assert!(fx.is_empty(), "{fx:?}");
+    assert!(matches!(app.dialog, Some(Dialog::ConfirmLoad(_))));
+    let fx = act(&mut app, Action::Char('y'));
+    assert!(matches!(command(&fx).1, Command::Load(_)));
+    // With nothing unsaved, no question.
+    let mut app = ready_app();
+    type_text(&mut app, "/load other");
+    let fx = act(&mut app, Action::Submit);
+    assert_eq!(command(&fx).1, Command::Load("other".into()));
+}
+
+#[test]
+fn save_as_replaces_the_prefilled_name_and_the_status_follows() {
+    let mut app = ready_app();
+    act(&mut app, Action::Cmd(Cmd::Sessions));
+    list_sessions(&mut app, Vec::new());
+    act(&mut app, Action::Char('s'));
+    // Typing replaces the prefilled "s1" instead of appending to it.
+    type_text(&mut app, "fresh");
+    match &app.dialog {
+        Some(Dialog::Sessions(d)) => {
+            assert_eq!(d.naming.as_ref().map(Editor::text), Some("fresh"));
+        }
+        other => panic!("{other:?}"),
+    }
+    let fx = act(&mut app, Action::Submit);
+    let (turn, cmd) = command(&fx);
+    assert_eq!(cmd, Command::Save(Some("fresh".into())));
+    ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn,
+            text: "saved session \"fresh\" (3 positions)".into(),
+        },
+    );
+    assert_eq!(app.session.as_deref(), Some("fresh"));
+    // Editing keys keep the prefill: Backspace then a character extends it.
+    act(&mut app, Action::Cmd(Cmd::Sessions));
+    list_sessions(&mut app, Vec::new());
+    act(&mut app, Action::Char('s'));
+    act(&mut app, Action::Backspace);
+    type_text(&mut app, "2");
+    match &app.dialog {
+        Some(Dialog::Sessions(d)) => {
+            assert_eq!(d.naming.as_ref().map(Editor::text), Some("fres2"));
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_refused_command_line_is_shown_above_its_error() {
+    let mut app = ready_app();
+    for line in ["/export pdf", "/frobnicate"] {
+        type_text(&mut app, line);
+        act(&mut app, Action::Submit);
+        let n = app.items.len();
+        assert!(
+            matches!(&app.items[n - 2], Item::Info(t) if t == &format!("› {line}")),
+            "{:?}",
+            &app.items[n - 2..]
+        );
+        assert!(matches!(&app.items[n - 1], Item::Error(_)));
+    }
+}
+
+#[test]
+fn a_finished_reply_sums_up_what_the_engine_did() {
+    let mut app = ready_app();
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn: 0,
+            stats: Box::new(stats(0, 0.0)),
+        },
+    );
+    let turn = send_message(&mut app, "hi");
+    let mut after = stats(turn, 8.0);
+    after.disk_bytes_read = MODEL_BYTES + 12_300_000;
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn,
+            stats: Box::new(after),
+        },
+    );
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn,
+            report: report("hello", Stop::End(1), true),
+        },
+    );
+    assert_eq!(
+        last_reply(&app).summary.as_deref(),
+        Some(
+            "4 tokens · 8.0 tokens/s · prompt 1 reused + 2 read · 0.5 s · 12.3 MB read · \
+             end of message"
+        )
+    );
+}
+
+#[test]
+fn the_new_key_starts_a_new_conversation_and_asks_over_unsaved_turns() {
+    let mut app = ready_app();
+    let fx = act(&mut app, Action::Cmd(Cmd::New));
+    assert_eq!(command(&fx).1, Command::New);
+    let mut app = unsaved_app();
+    assert!(act(&mut app, Action::Cmd(Cmd::New)).is_empty());
+    assert_eq!(app.dialog, Some(Dialog::ConfirmNew));
+    let fx = act(&mut app, Action::Char('y'));
+    assert_eq!(command(&fx).1, Command::New);
+}
+
+#[test]
+fn a_long_reply_rings_when_it_ends_and_the_pace_is_shown_while_it_streams() {
+    let mut app = ready_app();
+    let turn = send_message(&mut app, "hi");
+    for _ in 0..3 {
+        token(&mut app, turn, "x");
+    }
+    // 0.25 tokens/s: 4 s a token, and (512 - 3) tokens at most left.
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn,
+            stats: Box::new(stats(turn, 0.25)),
+        },
+    );
+    assert_eq!(app.pace(), Some((4.0, 509.0 * 4.0)));
+    let mut long = report("hello", Stop::End(1), true);
+    long.decode_seconds = 12.0;
+    let fx = ev(&mut app, EngineEvent::TurnDone { turn, report: long });
+    assert!(
+        fx.iter()
+            .any(|e| matches!(e, Effect::Notify(t) if t.contains("ready"))),
+        "{fx:?}"
+    );
+    assert_eq!(app.pace(), None);
+    // A quick one does not.
+    let turn = send_message(&mut app, "again");
+    let fx = ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn,
+            report: report("ok", Stop::End(1), true),
+        },
+    );
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Notify(_))), "{fx:?}");
+}
+
+#[test]
+fn the_input_history_of_earlier_runs_is_recalled_and_handed_back() {
+    let mut app = ready_app_with(AppInit {
+        history: vec!["first run".into(), "second run".into()],
+        ..init()
+    });
+    act(&mut app, Action::Up);
+    assert_eq!(app.input.text(), "second run");
+    act(&mut app, Action::Up);
+    assert_eq!(app.input.text(), "first run");
+    act(&mut app, Action::ClearInput);
+    send_message(&mut app, "this run");
+    assert_eq!(
+        app.history.entries(),
+        ["first run", "second run", "this run"]
+    );
 }

@@ -79,6 +79,7 @@ pub fn help(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         (k(Cmd::Mode), Cmd::Mode.describe()),
         (k(Cmd::Copy), Cmd::Copy.describe()),
         (k(Cmd::Sessions), Cmd::Sessions.describe()),
+        (k(Cmd::New), Cmd::New.describe()),
         (
             format!("{} / {}", k(Cmd::BudgetDown), k(Cmd::BudgetUp)),
             "memory budget down / up (input empty)",
@@ -140,28 +141,6 @@ pub fn help(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
     );
 }
 
-/// Civil date and time (UTC) of a Unix time: `YYYY-MM-DD HH:MM`.
-#[must_use]
-pub fn date(unix: u64) -> String {
-    let days = (unix / 86_400) as i64;
-    let secs = unix % 86_400;
-    // Days since 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}",
-        secs / 3600,
-        secs % 3600 / 60
-    )
-}
-
 /// The session dialog: saved sessions (name, date, turns, size), save-as, new.
 pub fn sessions(app: &App, d: &SessionDialog, theme: &Theme, area: Rect, buf: &mut Buffer) {
     let width = area.width.saturating_sub(4).min(90);
@@ -183,7 +162,7 @@ pub fn sessions(app: &App, d: &SessionDialog, theme: &Theme, area: Rect, buf: &m
         fit(
             &format!(
                 "  {:<name_w$} {:<16} {:>5} {:>10}",
-                "name", "saved (UTC)", "turns", "size"
+                "name", "saved", "turns", "size"
             ),
             inner_w,
         )
@@ -208,7 +187,7 @@ pub fn sessions(app: &App, d: &SessionDialog, theme: &Theme, area: Rect, buf: &m
                     Some(p) => format!("  {name:<name_w$} {}", one_line(p)),
                     None => format!(
                         "  {name:<name_w$} {:<16} {:>5} {:>10}",
-                        date(r.saved_unix),
+                        one_line(&r.saved),
                         r.turns,
                         bytes(r.bytes)
                     ),
@@ -274,6 +253,21 @@ pub fn confirm_new(theme: &Theme, area: Rect, buf: &mut Buffer) {
     popup("new conversation?", lines, 52, area, theme, buf);
 }
 
+/// "Load another session over unsaved changes?"
+pub fn confirm_load(name: &str, theme: &Theme, area: Rect, buf: &mut Buffer) {
+    let lines = vec![
+        Line::styled("the current conversation has unsaved changes", theme.text),
+        Line::styled(
+            format!(
+                "y load {} and lose them   n / Esc keep this one",
+                one_line(name)
+            ),
+            theme.text,
+        ),
+    ];
+    popup("load another session?", lines, 64, area, theme, buf);
+}
+
 /// "Replace a different saved session of this name?"
 pub fn confirm_replace(name: &str, theme: &Theme, area: Rect, buf: &mut Buffer) {
     let lines = vec![
@@ -302,16 +296,4 @@ pub fn failed(message: &str, code: i32, theme: &Theme, area: Rect, buf: &mut Buf
         theme.dim,
     ));
     popup("the engine stopped", lines, width, area, theme, buf);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::date;
-
-    #[test]
-    fn dates_are_civil_utc() {
-        assert_eq!(date(0), "1970-01-01 00:00");
-        assert_eq!(date(951_782_400), "2000-02-29 00:00");
-        assert_eq!(date(1_798_761_599), "2026-12-31 23:59");
-    }
 }

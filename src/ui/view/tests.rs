@@ -20,7 +20,8 @@ fn init() -> AppInit {
         resume: false,
         thinking: true,
         context_limit: 32_768,
-        history_path: "/tmp/unused.json".into(),
+        max_tokens: 512,
+        history: Vec::new(),
         budget_gb: None,
         keys: keys.labels(),
         theme: ThemeName::Dark,
@@ -222,30 +223,43 @@ fn help_popup() {
 fn session_dialog() {
     let mut app = mid_reply();
     app.update(Msg::Action(Action::Cmd(Cmd::Stop)));
-    app.update(Msg::Action(Action::Cmd(Cmd::Sessions)));
-    app.update(Msg::SessionList(Ok(vec![
-        SessionRow {
-            name: "demo".into(),
-            saved_unix: 1_795_946_400,
-            turns: 4,
-            bytes: 134_313,
-            problem: None,
-        },
-        SessionRow {
-            name: "notes".into(),
-            saved_unix: 1_795_000_000,
-            turns: 12,
-            bytes: 2_500_000,
-            problem: None,
-        },
-        SessionRow {
-            name: "broken".into(),
-            saved_unix: 0,
-            turns: 0,
-            bytes: 0,
-            problem: Some("bad magic".into()),
-        },
-    ])));
+    let fx = app.update(Msg::Action(Action::Cmd(Cmd::Sessions)));
+    let turn = fx
+        .iter()
+        .find_map(|e| match e {
+            Effect::Send(Request::ListSessions { turn }) => Some(*turn),
+            _ => None,
+        })
+        .expect("the session dialog asks for the list");
+    app.update(Msg::Engine(EngineEvent::Sessions {
+        turn,
+        rows: vec![
+            SessionRow {
+                name: "demo".into(),
+                saved_unix: 1_795_946_400,
+                saved: "2026-11-29 10:00".into(),
+                turns: 4,
+                bytes: 134_313,
+                problem: None,
+            },
+            SessionRow {
+                name: "notes".into(),
+                saved_unix: 1_795_000_000,
+                saved: "2026-11-18 11:06".into(),
+                turns: 12,
+                bytes: 2_500_000,
+                problem: None,
+            },
+            SessionRow {
+                name: "broken".into(),
+                saved_unix: 0,
+                saved: "1970-01-01 00:00".into(),
+                turns: 0,
+                bytes: 0,
+                problem: Some("bad magic".into()),
+            },
+        ],
+    }));
     app.update(Msg::Action(Action::Down));
     snap!("sessions", app);
 }
@@ -329,7 +343,7 @@ fn budget_pane_frame() {
         &[
             "┌ budget ──────────────────────────┐",
             "│━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━●─│",
-            "│slider 47.6 MB · model 3.8 MB     │",
+            "│slider 4.2 MB · model 3.8 MB      │",
             "│in force: 60.0 MB                 │",
             "│engine: budget 0.05 GB: 9 of 13   │",
             "│layers pinned, 96 expert slots,   │",

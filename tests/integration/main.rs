@@ -9,6 +9,7 @@ mod demo;
 mod ops;
 mod oracle_tiny;
 mod reader;
+mod recovery;
 mod session;
 mod streaming;
 mod synth;

@@ -6,6 +6,7 @@ mod ceilings;
 mod common;
 mod config;
 mod demo;
+mod fuzz;
 mod header_memory;
 mod ops;
 mod oracle_tiny;

@@ -282,7 +282,7 @@ fn read_manifest(dir: &Path) -> Result<Manifest, String> {
 /// files are refused before any field is looked at. The layers are checked against the
 /// checkpoint when the trunk is opened.
 pub fn parse_manifest(bytes: &[u8], dir: &Path) -> Result<Manifest, String> {
-    let v: serde_json::Value = serde_json::from_slice(&bytes)
+    let v: serde_json::Value = serde_json::from_slice(bytes)
         .map_err(|e| format!("trunk.json is not a k3 trunk manifest: {e}"))?;
     if !v.is_object() {
         return Err("trunk.json is not a k3 trunk manifest: not a JSON object".into());

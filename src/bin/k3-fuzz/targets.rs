@@ -21,12 +21,12 @@ pub struct Target {
     pub run: fn(&[u8]) -> String,
     /// Make a mutant's checksums (and declared size) right again, so that it reaches the
     /// checks behind them; applied to most mutants.
-    pub fixup: Option<fn(&mut Vec<u8>)>,
+    pub fixup: Option<fn(&mut [u8])>,
 }
 
 /// Session files: the declared total size (sometimes), the header CRC and every section's CRC
 /// that lies inside the input, recomputed.
-fn fix_session(b: &mut Vec<u8>) {
+fn fix_session(b: &mut [u8]) {
     if b.len() < 76 {
         return;
     }
@@ -54,7 +54,7 @@ fn fix_session(b: &mut Vec<u8>) {
 }
 
 /// Journals: every complete record's CRC recomputed.
-fn fix_journal(b: &mut Vec<u8>) {
+fn fix_journal(b: &mut [u8]) {
     let mut at = 8usize;
     while at + 8 <= b.len() {
         let len = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]) as usize;

@@ -930,16 +930,11 @@ impl Ctx<'_> {
         (!notes.is_empty()).then(|| notes.join("\n"))
     }
 
-    /// Make the conversation what a journal record says (ids `tokens`).
+    /// Make the conversation what a journal record says (ids `tokens`). When the ids are more
+    /// than this process's context limit the transcript and settings are still taken, and the
+    /// engine state is left as loaded (the next turn re-reads what it needs).
     fn apply_record(&mut self, r: JournalRecord, tokens: &[u32]) -> Result<(), String> {
         let limit = self.session.settings.context_limit;
-        if tokens.len() > limit {
-            return Err(format!(
-                "the recovered conversation holds {} positions, more than the context limit \
-                 of {limit} (--context); its transcript is loaded and the next turn re-reads it",
-                tokens.len()
-            ));
-        }
         let mut settings = r.settings;
         settings.context_limit = limit;
         self.session
@@ -948,6 +943,13 @@ impl Ctx<'_> {
         self.session.system = r.transcript.system;
         self.session.entries = r.transcript.entries;
         self.session.mode = r.transcript.mode;
+        if tokens.len() > limit {
+            return Err(format!(
+                "the recovered conversation holds {} positions, more than the context limit \
+                 of {limit} (--context); its transcript is loaded and the next turn re-reads it",
+                tokens.len()
+            ));
+        }
         self.session
             .rebuild(tokens, r.pending, r.rng)
             .map(|_| ())

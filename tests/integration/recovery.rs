@@ -244,3 +244,23 @@ fn a_read_error_during_a_turn_exits_1_when_stdin_is_not_a_terminal() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("K3_FAULT"), "{err}");
 }
+
+#[test]
+fn new_lets_the_last_conversation_go_with_its_journal_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, lines, err) = chat(
+        dir.path(),
+        &["--greedy", "--session", "first"],
+        "Hello K3\n/new\nWhy?\n",
+    );
+    assert_eq!((code, lines.len()), (0, 2), "{err}");
+    assert!(
+        err.contains("first.k3journal: --resume first recovers them"),
+        "{err}"
+    );
+    // The new conversation has a name of its own, from its first words.
+    assert!(err.contains("`k3 chat --resume why-20"), "{err}");
+    let (code, _, err) = chat(dir.path(), &["--greedy", "--resume", "first"], "");
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("recovered 1 unsaved turn from"), "{err}");
+}

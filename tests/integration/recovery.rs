@@ -264,3 +264,45 @@ fn new_lets_the_last_conversation_go_with_its_journal_kept() {
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("recovered 1 unsaved turn from"), "{err}");
 }
+
+#[test]
+fn a_stopped_reply_is_journaled_with_its_partial_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = k3_command()
+        .arg("chat")
+        .arg(fixture("tiny"))
+        .args(["--plain", "--greedy", "--no-think", "--session", "cut"])
+        .args(["--max-tokens", "1000000", "--context", "1048576"])
+        .arg("--session-dir")
+        .arg(dir.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"/raw\nOnce upon a time\n").unwrap();
+    stdin.flush().unwrap();
+    // Wait for the reply to stream, then Ctrl-C (SIGINT) stops it.
+    let mut out = child.stdout.take().unwrap();
+    let mut first = [0u8; 1];
+    std::io::Read::read_exact(&mut out, &mut first).unwrap();
+    assert!(Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    drop(stdin);
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0));
+    let journal = std::fs::read(dir.path().join("cut.k3journal")).unwrap();
+    let text = String::from_utf8_lossy(&journal);
+    assert!(text.contains("\"kind\":\"stopped\""), "{text}");
+    assert!(text.contains("\"partial\":\""), "{text}");
+    let (code, _, err) = chat(dir.path(), &["--greedy", "--resume", "cut"], "");
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("recovered 1 unsaved turn from") && err.contains("stopped part-way"),
+        "{err}"
+    );
+}

@@ -10,7 +10,9 @@ pub mod pack;
 pub mod plan;
 pub mod progress;
 pub mod protocol;
+pub mod remote;
 pub mod run;
+pub mod serve;
 pub mod state;
 pub mod synth;
 pub mod verify;
@@ -74,6 +76,13 @@ pub enum Command {
     /// touched per token over the measured memory bandwidth; each printed with the ratio of the
     /// measured time to it.
     Bench(bench::BenchArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (chat and raw completions, SSE
+    /// streaming, tool calls, prefix reuse across requests, /metrics).
+    ///
+    /// Listens on 127.0.0.1:8000 unless told otherwise; another address needs an API key
+    /// (--api-key-env VAR). Requests are served one at a time in arrival order; past the queue
+    /// they get 429. SIGTERM finishes the request in progress and exits 0.
+    Serve(serve::ServeArgs),
 }
 
 /// Parse the command line, run, and return the process exit status.
@@ -90,6 +99,7 @@ pub fn main() -> i32 {
         Command::Synth(args) => synth::run(&args).map(|()| 0),
         Command::Pack(args) => pack::run(&args).map(|()| 0),
         Command::Verify(args) => verify::run(&args),
+        Command::Serve(args) => serve::run(&args),
     };
     match result {
         Ok(code) => code,

@@ -11,10 +11,11 @@ pub mod model;
 pub mod moe;
 pub mod residency;
 pub mod sampling;
+pub mod spec;
 pub mod state;
 pub mod tensor;
 pub mod weights;
 
 pub use config::ModelConfig;
-pub use model::{Logits, Model, Trace};
+pub use model::{Logits, Model, Rollback, Trace};
 pub use state::SeqState;

@@ -10,6 +10,7 @@ pub mod app;
 pub mod engine;
 pub mod error;
 pub mod kernels;
+pub mod serve;
 pub mod session;
 pub mod stream;
 pub mod ui;

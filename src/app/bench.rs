@@ -4,6 +4,7 @@
 
 use super::budget_args::BudgetArgs;
 use crate::engine::model::Logits;
+use crate::engine::spec::{SpecMode, Speculator};
 use crate::engine::{Model, SeqState};
 use crate::stream::budget::BudgetRequest;
 use crate::stream::stats::rss_bytes;
@@ -34,6 +35,15 @@ pub struct BenchArgs {
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+    /// Speculative decoding while decoding (`off`, `auto`, or a draft length 1..=8), as
+    /// `k3 run --spec`; `K3_NOSPEC=1` forces `off`.
+    #[arg(long, default_value = "auto", value_parser = SpecMode::parse, value_name = "off|auto|N")]
+    pub spec: SpecMode,
+    /// Prompt: the first `--prompt-len` tokens of this file's text (needs the tokenizer)
+    /// instead of a fixed id pattern; a prompt the model continues by repeating it measures
+    /// what speculation gains.
+    #[arg(long, value_name = "PATH")]
+    pub prompt_file: Option<PathBuf>,
 }
 
 /// Memory bandwidth of one streaming pass over 2 × 128 MiB on every thread (bytes/s).
@@ -151,9 +161,19 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     )?;
     let open_s = t_open.elapsed().as_secs_f64();
     let vocab = model.cfg.vocab_size as u32;
-    let prompt: Vec<u32> = (0..args.prompt_len as u32)
-        .map(|i| (i * 7 + 3) % vocab)
-        .collect();
+    let prompt: Vec<u32> = match &args.prompt_file {
+        None => (0..args.prompt_len as u32)
+            .map(|i| (i * 7 + 3) % vocab)
+            .collect(),
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| Error::Usage(format!("--prompt-file {}: {e}", path.display())))?;
+            let tok = crate::session::tokenizer::Tokenizer::load_expecting(&args.model_dir, vocab)?;
+            let mut ids = tok.encode(&text, true);
+            ids.truncate(args.prompt_len);
+            ids
+        }
+    };
     let read_now = || model.streamer().map_or(0, |s| s.stats().disk_bytes_read);
     let mut st = SeqState::new(&model.cfg);
     let t0 = Instant::now();
@@ -162,14 +182,20 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let read0 = read_now();
     let t1 = Instant::now();
     let mut steps = Vec::with_capacity(args.gen);
-    for _ in 0..args.gen {
+    let spec_mode = args.spec.or_env_off();
+    let mut spec = Speculator::new(spec_mode);
+    let mut history = prompt.clone();
+    for i in 0..args.gen {
         let ts = Instant::now();
         let next = crate::kernels::argmax(&logits);
-        logits = model.forward(&mut st, &[next], Logits::Last)?;
-        steps.push(ts.elapsed().as_secs_f64());
+        history.push(next);
+        let room = args.gen - i - 1;
+        logits = spec.advance(&model, &mut st, &history, next, room)?;
+        steps.push((spec.stats().passes, ts.elapsed().as_secs_f64()));
     }
+    spec.settle(&model, &mut st);
     let decode_s = t1.elapsed().as_secs_f64() / args.gen as f64;
-    let median_s = median(&mut steps);
+    let median_s = super::run::median_per_token(&steps);
     let read_per_tok = (read_now() - read0) as f64 / args.gen as f64;
     // Peak RSS before the bandwidth probe, whose 256 MiB of buffers are not the engine's.
     let peak = rss_bytes().1;
@@ -207,6 +233,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 "predicted_right": st.predicted_right,
             })
         }),
+        "generated_ids": &history[prompt.len()..],
+        "spec": super::run::spec_json(spec_mode, &spec.stats(), read_now() - read0, args.gen),
         "bytes_touched_per_token": touched,
         "memory_floor_seconds_per_token": mem_floor,
         "io_floor_seconds_per_token": io_floor,
@@ -246,6 +274,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         } else {
             0.0
         }
+    );
+    let ss = spec.stats();
+    println!(
+        "speculation          {spec_mode}: {:.2} tokens/pass, {} of {} proposals used",
+        ss.tokens_per_pass(),
+        ss.accepted,
+        ss.proposed
     );
     println!("peak RSS             {:.1} MB", peak as f64 / 1e6);
     println!(

@@ -83,6 +83,20 @@ pub struct ChatArgs {
     /// Compute threads (default: all cores). Output does not depend on it.
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Speculative decoding: `off`, `auto` (draft when it measurably pays) or a fixed draft
+    /// length 1..=8. Replies do not depend on it. `K3_NOSPEC=1` forces `off`.
+    #[arg(long, default_value = "auto", value_parser = crate::engine::spec::SpecMode::parse, value_name = "off|auto|N")]
+    pub spec: crate::engine::spec::SpecMode,
+    /// Chat with an OpenAI-compatible server (k3 serve, vLLM, SGLang, …) at this URL instead of
+    /// a local model; sessions keep the transcript and settings.
+    #[arg(long, value_name = "URL", conflicts_with = "model_dir")]
+    pub remote: Option<String>,
+    /// Model name to ask the remote server for [default: the first it lists].
+    #[arg(long, value_name = "NAME", requires = "remote")]
+    pub model: Option<String>,
+    /// Environment variable holding the remote server's API key.
+    #[arg(long, value_name = "VAR", requires = "remote")]
+    pub api_key_env: Option<String>,
     /// Memory budget (default: 80% of the memory available). Tokens do not depend on it;
     /// `/budget GB` changes it while chatting.
     #[command(flatten)]
@@ -142,11 +156,19 @@ pub fn run(args: &ChatArgs) -> crate::Result<i32> {
             super::run::MAX_CONTEXT
         )));
     }
+    if let Some(url) = &args.remote {
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            return Err(crate::Error::Usage(format!(
+                "--remote {url}: expected an http:// URL"
+            )));
+        }
+    }
     let given = args.model_dir.clone().or_else(|| cfg.model_dir.clone());
-    let demo = given.is_none();
-    let model_dir = match given {
-        Some(d) => d,
-        None => super::demo::materialise()?,
+    let demo = given.is_none() && args.remote.is_none();
+    let model_dir = match (given, &args.remote) {
+        (_, Some(url)) => PathBuf::from(url),
+        (Some(d), None) => d,
+        (None, None) => super::demo::materialise()?,
     };
     super::run::set_threads(args.threads)?;
     let settings = settings(args, &cfg);
@@ -158,16 +180,39 @@ pub fn run(args: &ChatArgs) -> crate::Result<i32> {
         Ok(b) => KeyMap::new(b),
         Err((field, msg)) => return Err(crate::Error::Usage(format!("{field}: {msg}"))),
     };
-    let worker = Worker::spawn(ChatConfig {
-        model_dir: model_dir.clone(),
-        settings: settings.clone(),
-        system: args.system.clone(),
-        resume: args.resume.clone(),
-        session_name: args.session.clone().or_else(|| args.resume.clone()),
-        session_dir: args.session_dir.clone(),
-        budget: args.budget.request(super::budget_args::auto_request())?,
-        trunk: args.budget.trunk.clone(),
-    });
+    let worker = if let Some(url) = &args.remote {
+        let api_key = match &args.api_key_env {
+            Some(var) => Some(std::env::var(var).map_err(|_| {
+                crate::Error::Usage(format!("--api-key-env {var}: {var} is not set"))
+            })?),
+            None => None,
+        };
+        Worker::spawn_remote(super::remote::RemoteConfig {
+            url: url.clone(),
+            model: args.model.clone(),
+            api_key,
+            settings: settings.clone(),
+            system: args.system.clone(),
+            resume: args.resume.clone(),
+            session_name: args.session.clone().or_else(|| args.resume.clone()),
+            session_dir: args
+                .session_dir
+                .clone()
+                .unwrap_or_else(SessionStore::default_dir),
+        })
+    } else {
+        Worker::spawn(ChatConfig {
+            model_dir: model_dir.clone(),
+            settings: settings.clone(),
+            system: args.system.clone(),
+            resume: args.resume.clone(),
+            session_name: args.session.clone().or_else(|| args.resume.clone()),
+            session_dir: args.session_dir.clone(),
+            budget: args.budget.request(super::budget_args::auto_request())?,
+            trunk: args.budget.trunk.clone(),
+            spec: args.spec,
+        })
+    };
     if tui {
         let session_dir = args
             .session_dir

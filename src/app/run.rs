@@ -2,6 +2,7 @@
 
 use crate::engine::model::Logits;
 use crate::engine::sampling::{Sampler, SamplerConfig};
+use crate::engine::spec::{SpecMode, SpecStats, Speculator};
 use crate::engine::{Model, SeqState};
 use crate::session::chat::PREFILL_CHUNK;
 use crate::session::tokenizer::{Tokenizer, Utf8Stream};
@@ -63,9 +64,54 @@ pub struct RunArgs {
     /// Write the float32 little-endian logits of every step (row 0 = after the prompt).
     #[arg(long, value_name = "PATH")]
     pub dump_logits: Option<PathBuf>,
+    /// Speculative decoding: `off`, `auto` (draft when it measurably pays) or a fixed draft
+    /// length 1..=8. Tokens do not depend on it. `K3_NOSPEC=1` forces `off`.
+    #[arg(long, default_value = "auto", value_parser = SpecMode::parse, value_name = "off|auto|N")]
+    pub spec: SpecMode,
     /// Memory budget (default: the whole model resident). Tokens do not depend on it.
     #[command(flatten)]
     pub budget: super::budget_args::BudgetArgs,
+}
+
+/// Median seconds per generated token, where a speculative pass's time is shared equally by
+/// the tokens it yielded: `steps` holds (pass number, seconds) per decoding step.
+#[must_use]
+pub fn median_per_token(steps: &[(u64, f64)]) -> f64 {
+    let mut per_token = Vec::with_capacity(steps.len());
+    let mut i = 0;
+    while i < steps.len() {
+        let pass = steps[i].0;
+        let j = steps[i..]
+            .iter()
+            .position(|&(p, _)| p != pass)
+            .map_or(steps.len(), |n| i + n);
+        let total: f64 = steps[i..j].iter().map(|&(_, s)| s).sum();
+        let n = (j - i) as f64;
+        per_token.extend(std::iter::repeat_n(total / n, j - i));
+        i = j;
+    }
+    super::bench::median(&mut per_token)
+}
+
+/// Speculation figures for `--json`: passes, proposals, acceptance, tokens per pass, and
+/// bytes read per generated token.
+#[must_use]
+pub fn spec_json(
+    mode: SpecMode,
+    st: &SpecStats,
+    bytes_read: u64,
+    tokens: usize,
+) -> serde_json::Value {
+    serde_json::json!({
+        "mode": mode.to_string(),
+        "passes": st.passes,
+        "draft_passes": st.draft_passes,
+        "proposed": st.proposed,
+        "accepted": st.accepted,
+        "acceptance": st.acceptance(),
+        "tokens_per_pass": st.tokens_per_pass(),
+        "bytes_read_per_token": if tokens == 0 { 0.0 } else { bytes_read as f64 / tokens as f64 },
+    })
 }
 
 /// Parse `--ids`.
@@ -339,6 +385,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let stdout = std::io::stdout();
     let t1 = Instant::now();
     let mut steps = Vec::with_capacity(args.gen);
+    let spec_mode = args.spec.or_env_off();
+    let mut spec = Speculator::new(spec_mode);
+    let read_before = model.streamer().map_or(0, |s| s.stats().disk_bytes_read);
     for step in 0..args.gen {
         if let Some(w) = dump.as_mut() {
             let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -366,9 +415,16 @@ pub fn run(args: &RunArgs) -> Result<()> {
             break;
         }
         let ts = Instant::now();
-        logits = model.forward(&mut state, &[next], Logits::Last)?;
-        steps.push(ts.elapsed().as_secs_f64());
+        // Drafts never reach past the last position this run needs.
+        let room = args.gen.saturating_sub(step + 2);
+        logits = spec.advance(&model, &mut state, &history, next, room)?;
+        steps.push((spec.stats().passes, ts.elapsed().as_secs_f64()));
     }
+    spec.settle(&model, &mut state);
+    let decode_read = model
+        .streamer()
+        .map_or(0, |s| s.stats().disk_bytes_read)
+        .saturating_sub(read_before);
     let tail = stream.finish();
     text.push_str(&tail);
     if let Some(mut w) = dump {
@@ -385,7 +441,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     } else {
         0.0
     };
-    let median_s = super::bench::median(&mut steps);
+    let median_s = median_per_token(&steps);
     let prefill_tps = prompt.len() as f64 / prefill_s.max(1e-9);
     let peak = peak_rss_bytes();
     if args.json {
@@ -399,6 +455,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "peak_rss_bytes": peak,
             "bytes_read": load_bytes + model.streamer().map_or(0, |s| s.stats().disk_bytes_read),
             "stats": run_stats(&model, &info),
+            "spec": spec_json(spec_mode, &spec.stats(), decode_read, generated.len().saturating_sub(1)),
         });
         println!("{j}");
     } else {
@@ -413,6 +470,15 @@ pub fn run(args: &RunArgs) -> Result<()> {
             median_s,
             peak as f64 / 1e6
         );
+        let ss = spec.stats();
+        if ss.proposed > 0 {
+            eprintln!(
+                "k3: speculation {spec_mode}: {:.2} tokens per pass, {} of {} proposals used",
+                ss.tokens_per_pass(),
+                ss.accepted,
+                ss.proposed
+            );
+        }
     }
     Ok(())
 }

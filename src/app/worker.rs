@@ -42,6 +42,8 @@ pub struct ChatConfig {
     pub budget: crate::stream::budget::BudgetRequest,
     /// A packed trunk to read layers from.
     pub trunk: Option<PathBuf>,
+    /// How replies are decoded (speculation never changes a token).
+    pub spec: crate::engine::spec::SpecMode,
 }
 
 /// Handle on a running worker.
@@ -63,6 +65,26 @@ impl Worker {
         let handle = std::thread::Builder::new()
             .name("k3-engine".into())
             .spawn(move || run(&cfg, &rx_req, &tx_ev, &flag))
+            .ok();
+        Worker {
+            tx,
+            rx,
+            cancel,
+            handle,
+        }
+    }
+
+    /// Start a worker that talks to an OpenAI-compatible server instead of a local engine; it
+    /// answers the same requests with the same events.
+    #[must_use]
+    pub fn spawn_remote(cfg: super::remote::RemoteConfig) -> Worker {
+        let (tx, rx_req) = channel::<Request>();
+        let (tx_ev, rx) = channel::<EngineEvent>();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&cancel);
+        let handle = std::thread::Builder::new()
+            .name("k3-remote".into())
+            .spawn(move || super::remote::run(cfg, &rx_req, &tx_ev, &flag))
             .ok();
         Worker {
             tx,
@@ -412,6 +434,7 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
     };
     let current_turn = Arc::new(AtomicU64::new(0));
     let mut session = session;
+    session.set_speculation(cfg.spec.or_env_off());
     {
         let tx = tx.clone();
         let turn = Arc::clone(&current_turn);
@@ -553,6 +576,7 @@ impl Ctx<'_> {
     /// expert lookup is a hit.
     fn stats_snapshot(&self, turn_tokens: u64, turn_seconds: f64, tps: f64) -> StatsSnapshot {
         let model = self.session.model();
+        let spec = self.session.spec_stats();
         let (rss, peak) = stats::rss_bytes();
         let base = match model.streamer() {
             Some(st) => st.stats(),
@@ -589,6 +613,10 @@ impl Ctx<'_> {
             compute_seconds: (self.busy_seconds - base.io_wait_seconds).max(0.0),
             positions: self.session.tokens().len() as u64,
             context_limit: self.session.settings.context_limit as u64,
+            spec_passes: spec.passes,
+            spec_proposed: spec.proposed,
+            spec_accepted: spec.accepted,
+            spec_steps: spec.steps,
             ..base
         }
     }
@@ -1347,15 +1375,22 @@ impl Ctx<'_> {
 
     fn stats(&self) -> String {
         let s = &self.session;
+        let spec = s.spec_stats();
         format!(
-            "positions {} / {}; carried state {:.2} MB; mode {}; thinking {} ({}); peak RSS {:.1} MB",
+            "positions {} / {}; carried state {:.2} MB; mode {}; thinking {} ({}); peak RSS {:.1} MB; \
+             speculation {}: {} passes, {:.2} tokens/pass, {} of {} proposals used",
             s.tokens().len(),
             s.settings.context_limit,
             s.state().bytes() as f64 / 1e6,
             s.mode.name(),
             if s.settings.thinking { "on" } else { "off" },
             s.settings.effort,
-            super::run::peak_rss_bytes() as f64 / 1e6
+            super::run::peak_rss_bytes() as f64 / 1e6,
+            s.spec_mode(),
+            spec.passes,
+            spec.tokens_per_pass(),
+            spec.accepted,
+            spec.proposed
         )
     }
 

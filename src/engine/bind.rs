@@ -630,6 +630,14 @@ pub fn model_sizes(cfg: &ModelConfig, ck: &Checkpoint) -> crate::stream::budget:
         row_bytes: bytes(names::EMBED) / cfg.vocab_size.max(1) as u64,
         state_bytes: kda_layer * (cfg.num_hidden_layers as u64 - n_mla),
         kv_per_position: n_mla * super::state::SeqState::mla_floats_per_position(cfg) as u64 * 4,
+        kda_layer_state: if n_mla < cfg.num_hidden_layers as u64 {
+            kda_layer
+        } else {
+            0
+        },
+        kda_record_per_position: (cfg.num_hidden_layers as u64 - n_mla)
+            * super::kda::KdaRecord::floats_per_position(&kp) as u64
+            * 4,
         hidden: cfg.hidden_size as u64,
         vocab: cfg.vocab_size as u64,
     }

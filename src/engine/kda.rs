@@ -155,33 +155,122 @@ fn conv_chunk(x: &[f32], w: &[f32], state: &mut [f32], kernel: usize, width: usi
     out
 }
 
+/// What one KDA block consumed per position of a chunk, kept so that the state after any
+/// prefix of the chunk can be built from the state before it without the weights
+/// ([`KdaRecord::replay`]): the pre-convolution q/k/v rows (for the conv windows) and the
+/// inputs of the recurrence (normalised q and k, v, the decay α and the write strength β).
+#[derive(Clone, Debug)]
+pub struct KdaRecord {
+    /// `[3][n_tok, P]` projected q, k, v before the convolution.
+    raw: [Vec<f32>; 3],
+    /// `[n_tok, P]` each: the recurrence's q (scaled), k, v and α.
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    alpha: Vec<f32>,
+    /// `[n_tok, heads]`.
+    beta: Vec<f32>,
+    /// Heads.
+    heads: usize,
+}
+
+impl KdaRecord {
+    /// Positions recorded.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.beta.len() / self.heads.max(1)
+    }
+
+    /// Whether nothing was recorded.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.beta.is_empty()
+    }
+
+    /// Floats a record holds per position (`7·P + heads`), for the memory plan.
+    #[must_use]
+    pub fn floats_per_position(p: &KdaParams) -> usize {
+        7 * p.heads * p.head_dim + p.heads
+    }
+
+    /// Advance `state` (the state before the recorded chunk) over the chunk's first `keep`
+    /// positions by running the same recurrence steps on the recorded inputs: bit for bit the
+    /// state a forward pass over only those positions leaves.
+    pub fn replay(&self, p: &KdaParams, keep: usize, state: &mut KdaState) {
+        assert!(keep <= self.len(), "cannot keep more than the chunk");
+        let (heads, d) = (p.heads, p.head_dim);
+        let width = heads * d;
+        let hist = p.kernel - 1;
+        for (win, raw) in state.conv.iter_mut().zip(&self.raw) {
+            for ch in 0..width {
+                let st = &mut win[ch * hist..(ch + 1) * hist];
+                for t in 0..keep {
+                    if hist > 0 {
+                        st.copy_within(1.., 0);
+                        st[hist - 1] = raw[t * width + ch];
+                    }
+                }
+            }
+        }
+        let rows = |x: &[f32], h: usize| -> Vec<f32> {
+            let mut v = Vec::with_capacity(keep * d);
+            for t in 0..keep {
+                v.extend_from_slice(&x[t * width + h * d..t * width + (h + 1) * d]);
+            }
+            v
+        };
+        state
+            .s
+            .par_chunks_mut(d * d)
+            .enumerate()
+            .for_each(|(h, s)| {
+                let b: Vec<f32> = (0..keep).map(|t| self.beta[t * heads + h]).collect();
+                let _ = recur_head(
+                    &rows(&self.q, h),
+                    &rows(&self.k, h),
+                    &rows(&self.v, h),
+                    &rows(&self.alpha, h),
+                    &b,
+                    s,
+                    d,
+                );
+            });
+    }
+}
+
 /// One KDA block over a chunk: `x` `[n_tok, hidden]` (normalised input) → `[n_tok, hidden]`.
 #[must_use]
 pub fn forward(w: &KdaWeights, p: &KdaParams, x: &[f32], state: &mut KdaState) -> Vec<f32> {
+    forward_recorded(w, p, x, state, None)
+}
+
+/// [`forward`] that, given a `record`, leaves `state` as it was and keeps in the record what
+/// the chunk's positions consumed, so that any prefix of the chunk can be applied to the state
+/// afterwards ([`KdaRecord::replay`]); the chunk is computed on a scratch copy of the state.
+#[must_use]
+pub fn forward_recorded(
+    w: &KdaWeights,
+    p: &KdaParams,
+    x: &[f32],
+    state: &mut KdaState,
+    record: Option<&mut Option<KdaRecord>>,
+) -> Vec<f32> {
+    let mut scratch = record.is_some().then(|| state.clone());
+    let state = scratch.as_mut().unwrap_or(state);
     let (heads, d) = (p.heads, p.head_dim);
     let width = heads * d;
     let n_tok = x.len() / w.q_proj.cols;
-    let mut q = conv_chunk(
-        &w.q_proj.apply(x),
-        &w.q_conv,
-        &mut state.conv[0],
-        p.kernel,
-        width,
-    );
-    let mut k = conv_chunk(
-        &w.k_proj.apply(x),
-        &w.k_conv,
-        &mut state.conv[1],
-        p.kernel,
-        width,
-    );
-    let v = conv_chunk(
-        &w.v_proj.apply(x),
-        &w.v_conv,
-        &mut state.conv[2],
-        p.kernel,
-        width,
-    );
+    let recording = record.is_some();
+    let raw = [w.q_proj.apply(x), w.k_proj.apply(x), w.v_proj.apply(x)];
+    let mut q = conv_chunk(&raw[0], &w.q_conv, &mut state.conv[0], p.kernel, width);
+    let mut k = conv_chunk(&raw[1], &w.k_conv, &mut state.conv[1], p.kernel, width);
+    let v = conv_chunk(&raw[2], &w.v_conv, &mut state.conv[2], p.kernel, width);
+    let raw = if recording {
+        Some(raw)
+    } else {
+        drop(raw);
+        None
+    };
     let beta: Vec<f32> = w.b_proj.apply(x).into_iter().map(ops::sigmoid).collect();
     let z = w.f_b.apply(&w.f_a.apply(x));
     let gate = w.g_proj.apply(x);
@@ -198,6 +287,17 @@ pub fn forward(w: &KdaWeights, p: &KdaParams, x: &[f32], state: &mut KdaState) -
             }
         }
         decay(&z[row.clone()], &w.a_log, &w.dt_bias, p, &mut alpha[row]);
+    }
+    if let (Some(slot), Some(raw)) = (record, raw) {
+        *slot = Some(KdaRecord {
+            raw,
+            q: q.clone(),
+            k: k.clone(),
+            v: v.clone(),
+            alpha: alpha.clone(),
+            beta: beta.clone(),
+            heads,
+        });
     }
     let (qh, kh, vh, ah) = (
         per_head(&q, n_tok, heads, d),

@@ -122,6 +122,31 @@ pub struct Trace {
     pub final_hidden: Vec<f32>,
 }
 
+/// What [`Model::forward_verify`] kept to cut its chunk back ([`Model::roll_back`]).
+#[derive(Debug)]
+pub struct Rollback {
+    /// Positions before the chunk.
+    base: usize,
+    /// Positions in the chunk.
+    len: usize,
+    /// Per layer: the KDA record (None for MLA layers).
+    records: Vec<Option<kda::KdaRecord>>,
+}
+
+impl Rollback {
+    /// Positions in the chunk.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the chunk was empty.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 /// Per-chunk AttnRes bookkeeping: block snapshots and the running partial sum.
 struct Residuals {
     blocks: Vec<Vec<f32>>,
@@ -161,6 +186,7 @@ impl Layer {
         res: &mut Residuals,
         state: &mut LayerState,
         weights: &Weights,
+        record: Option<&mut Option<kda::KdaRecord>>,
     ) -> Result<Option<Routing>, StreamError> {
         let d = cfg.hidden_size;
         let eps = cfg.rms_norm_eps;
@@ -186,7 +212,9 @@ impl Layer {
             ops::rmsnorm(row, &self.input_norm, eps);
         }
         let a = match (&self.attn, state) {
-            (Attention::Kda(w), LayerState::Kda(s)) => kda::forward(w, &kda_params(cfg), &h, s),
+            (Attention::Kda(w), LayerState::Kda(s)) => {
+                kda::forward_recorded(w, &kda_params(cfg), &h, s, record)
+            }
             (Attention::Mla(w), LayerState::Mla(c)) => mla::forward(w, &mla_params(cfg), &h, c),
             _ => unreachable!("layer state kind is built from the same layer map"),
         };
@@ -232,7 +260,41 @@ impl Model {
         state: &mut SeqState,
         tokens: &[u32],
         want: Logits,
+        trace: Option<&mut Trace>,
+    ) -> Result<Vec<f32>, StreamError> {
+        self.forward_impl(state, tokens, want, trace, None)
+    }
+
+    /// Run a chunk that may be only partly kept (speculative verification): the logits of
+    /// every position, and a [`Rollback`] with which [`Model::roll_back`] then leaves `state`
+    /// after any prefix of the chunk without reading a weight — bit for bit the state a
+    /// forward pass over only that prefix would have left. Until then `state` is between the
+    /// two (MLA caches hold the whole chunk, KDA states none of it) and must not be used.
+    pub fn forward_verify(
+        &self,
+        state: &mut SeqState,
+        tokens: &[u32],
+    ) -> Result<(Vec<f32>, Rollback), StreamError> {
+        let base = state.n_pos;
+        let mut records: Vec<Option<kda::KdaRecord>> = vec![None; state.layers.len()];
+        let logits = self.forward_impl(state, tokens, Logits::All, None, Some(&mut records))?;
+        Ok((
+            logits,
+            Rollback {
+                base,
+                len: tokens.len(),
+                records,
+            },
+        ))
+    }
+
+    fn forward_impl(
+        &self,
+        state: &mut SeqState,
+        tokens: &[u32],
+        want: Logits,
         mut trace: Option<&mut Trace>,
+        mut records: Option<&mut Vec<Option<kda::KdaRecord>>>,
     ) -> Result<Vec<f32>, StreamError> {
         let cfg = &self.cfg;
         let d = cfg.hidden_size;
@@ -253,7 +315,8 @@ impl Model {
         };
         for (il, ls) in state.layers.iter_mut().enumerate() {
             let layer = self.weights.layer(il)?;
-            let routing = layer.forward(il, cfg, &mut res, ls, &self.weights)?;
+            let record = records.as_deref_mut().map(|r| &mut r[il]);
+            let routing = layer.forward(il, cfg, &mut res, ls, &self.weights, record)?;
             drop(layer);
             if let Some(t) = trace.as_deref_mut() {
                 t.layer_out.push(res.partial.clone().unwrap_or_default());
@@ -274,6 +337,32 @@ impl Model {
             Logits::All => &h,
         };
         self.weights.head(rows, cfg.vocab_size, d)
+    }
+
+    /// Leave `state`, given to [`Model::forward_verify`] with `rollback`'s chunk, after the
+    /// chunk's first `keep` positions: MLA caches are truncated, KDA states advanced from the
+    /// state before the chunk by replaying the recorded recurrence steps (no weight is read).
+    /// Call it exactly once per verified chunk, also to keep all of it.
+    ///
+    /// # Panics
+    /// If `keep` exceeds the chunk or `state` was not advanced by exactly that chunk.
+    pub fn roll_back(&self, state: &mut SeqState, rollback: &Rollback, keep: usize) {
+        assert!(keep <= rollback.len, "cannot keep more than the chunk");
+        assert_eq!(
+            state.n_pos,
+            rollback.base + rollback.len,
+            "state moved since"
+        );
+        let kp = kda_params(&self.cfg);
+        let cw = mla_params(&self.cfg).cache_width();
+        for (ls, rec) in state.layers.iter_mut().zip(&rollback.records) {
+            match (ls, rec) {
+                (LayerState::Mla(cache), _) => cache.truncate((rollback.base + keep) * cw),
+                (LayerState::Kda(s), Some(r)) => r.replay(&kp, keep, s),
+                (LayerState::Kda(_), None) => unreachable!("every KDA layer records"),
+            }
+        }
+        state.n_pos = rollback.base + keep;
     }
 
     /// The streamer, when the model reads its weights under a memory plan.

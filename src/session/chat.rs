@@ -11,6 +11,7 @@ use super::template::{self, Markers, Message, RenderOptions, Role};
 use super::tokenizer::{Tokenizer, Utf8Stream};
 use crate::engine::model::Logits;
 use crate::engine::sampling::{Sampler, SamplerConfig};
+use crate::engine::spec::{SpecMode, SpecStats, Speculator};
 use crate::engine::{Model, SeqState};
 use crate::stream::StreamError;
 use serde::{Deserialize, Serialize};
@@ -180,6 +181,21 @@ pub struct TurnReport {
     pub context_warning: Option<String>,
 }
 
+/// What [`Session::complete_prompt`] did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Completion {
+    /// Generated ids (including a final end id).
+    pub generated: Vec<u32>,
+    /// Prompt tokens whose state was reused.
+    pub reused: usize,
+    /// Why generation stopped.
+    pub stop: Stop,
+    /// Prefill time.
+    pub prefill_seconds: f64,
+    /// Decode time.
+    pub decode_seconds: f64,
+}
+
 /// A failure that leaves the session usable.
 #[derive(Debug, thiserror::Error)]
 pub enum TurnError {
@@ -238,6 +254,7 @@ pub struct Session<'a> {
     snapshots: Vec<Snapshot>,
     max_snapshots: usize,
     on_prefill: Option<Box<dyn FnMut(usize, usize) + 'a>>,
+    spec: Speculator,
 }
 
 /// Snapshots of the sequence state a session keeps (each one a full state: the engine's plan
@@ -279,7 +296,28 @@ impl<'a> Session<'a> {
             snapshots: Vec::new(),
             max_snapshots: SNAPSHOTS,
             on_prefill: None,
+            spec: Speculator::new(SpecMode::Auto.or_env_off()),
         })
+    }
+
+    /// Choose how replies are decoded: speculation never changes a token, only the time
+    /// (see `engine::spec`).
+    pub fn set_speculation(&mut self, mode: SpecMode) {
+        if mode != self.spec.mode() {
+            self.spec = Speculator::new(mode);
+        }
+    }
+
+    /// How replies are decoded.
+    #[must_use]
+    pub fn spec_mode(&self) -> SpecMode {
+        self.spec.mode()
+    }
+
+    /// What speculative decoding did in this session so far.
+    #[must_use]
+    pub fn spec_stats(&self) -> SpecStats {
+        self.spec.stats()
     }
 
     /// Call `f(done, total)` as prompt tokens are prefilled.
@@ -556,7 +594,13 @@ impl<'a> Session<'a> {
             if cancel.load(Ordering::Relaxed) {
                 break Stop::Cancelled;
             }
-            let next = self.sampler.sample(&logits, &history)?;
+            let next = match self.sampler.sample(&logits, &history) {
+                Ok(n) => n,
+                Err(e) => {
+                    self.spec.settle(self.model, &mut self.state);
+                    return Err(e.into());
+                }
+            };
             generated.push(next);
             history.push(next);
             let text = utf8.push(&self.tok.decode_bytes(&[next])?);
@@ -573,15 +617,22 @@ impl<'a> Session<'a> {
                 self.pending = Some(next);
                 break Stop::ContextFull;
             }
-            logits = match self.model.forward(&mut self.state, &[next], Logits::Last) {
+            // Positions a draft may add after `next` without passing the limit.
+            let room = limit.saturating_sub(self.tokens.len() + 2);
+            let step = self
+                .spec
+                .advance(self.model, &mut self.state, &history, next, room);
+            logits = match step {
                 Ok(l) => l,
                 Err(e) => {
+                    self.spec.abandon();
                     self.drop_live_state();
                     return Err(e.into());
                 }
             };
             self.tokens.push(next);
         };
+        self.spec.settle(self.model, &mut self.state);
         let tail = utf8.finish();
         if !tail.is_empty() {
             emit(u32::MAX, &tail);
@@ -593,6 +644,41 @@ impl<'a> Session<'a> {
             prefill_s,
             t1.elapsed().as_secs_f64(),
         ))
+    }
+
+    /// Answer one prompt from outside the transcript (a request to the API server): `settings`
+    /// apply to this call only and the sampler restarts from their seed, so the reply is the
+    /// one a fresh session would give; the engine state is reused up to the longest common
+    /// prefix of what it has seen (live state or a snapshot) and `prompt`, and `history_end`
+    /// (the prompt's length before its generation prompt) is snapshotted for the next request.
+    /// The transcript is not touched.
+    pub fn complete_prompt(
+        &mut self,
+        prompt: &[u32],
+        history_end: Option<usize>,
+        stops: &[u32],
+        settings: &Settings,
+        cancel: &AtomicBool,
+        emit: &mut dyn FnMut(u32, &str),
+    ) -> Result<Completion, TurnError> {
+        self.sampler =
+            Sampler::new(settings.sampler()).map_err(|e| TurnError::Refused(e.to_string()))?;
+        self.settings = settings.clone();
+        let (generated, reused, stop, prefill_seconds, decode_seconds) =
+            self.generate(prompt, history_end, stops, cancel, emit)?;
+        Ok(Completion {
+            generated,
+            reused,
+            stop,
+            prefill_seconds,
+            decode_seconds,
+        })
+    }
+
+    /// The end-of-turn ids of this tokenizer's chat template.
+    #[must_use]
+    pub fn markers(&self) -> Markers {
+        self.markers
     }
 
     fn context_warning(&self) -> Option<String> {

@@ -21,6 +21,8 @@ use std::str::FromStr;
 
 use super::tokenizer::Tokenizer;
 
+pub mod tools;
+
 /// XTML opening bracket.
 pub const OPEN: &str = "<|open|>";
 /// XTML closing bracket.
@@ -132,6 +134,15 @@ pub enum TemplateError {
     UnknownRole {
         /// The rejected text (shortened).
         found: String,
+    },
+
+    /// A JSON part of a request (tools, a schema) that does not parse.
+    #[error("{what} is not valid JSON: {reason}")]
+    BadJson {
+        /// Which part.
+        what: String,
+        /// The parser's message.
+        reason: String,
     },
 
     /// Reasoning attached to a message that has no reasoning channel.
@@ -684,6 +695,15 @@ pub enum ParseError {
         partial: ParsedTurn,
     },
 
+    /// A `tools` block after the answer that does not follow the released layout.
+    #[error("malformed tool call: {reason}")]
+    BadToolCall {
+        /// What is wrong.
+        reason: String,
+        /// The reasoning and answer before the block.
+        partial: ParsedTurn,
+    },
+
     /// The tokenizer does not encode a channel word as the release does.
     #[error(
         "the tokenizer encodes the channel word {word:?} as {ids:?}, which cannot delimit a \
@@ -706,7 +726,8 @@ impl ParseError {
             | ParseError::MissingEndId { partial }
             | ParseError::WrongEndId { partial, .. }
             | ParseError::TrailingIds { partial, .. }
-            | ParseError::SpecialInPayload { partial, .. } => Some(partial),
+            | ParseError::SpecialInPayload { partial, .. }
+            | ParseError::BadToolCall { partial, .. } => Some(partial),
             ParseError::ChannelWord { .. } => None,
         }
     }
@@ -2137,5 +2158,246 @@ mod tests {
             p.finish();
             assert_eq!(p.held_back(), "");
         }
+    }
+
+    // ---- API requests: tools, tool choice, response format ----
+
+    use super::tools::{
+        parse_api_completion, render_api_segments, ApiMessage, ApiOptions, ApiRole, ResponseFormat,
+        ToolCall, ToolChoice,
+    };
+
+    fn api(msgs: &[Message]) -> Vec<ApiMessage> {
+        msgs.iter()
+            .map(|m| {
+                let role = match m.role {
+                    Role::System => ApiRole::System,
+                    Role::User => ApiRole::User,
+                    Role::Assistant => ApiRole::Assistant,
+                };
+                let mut a = ApiMessage::new(role, m.content.clone());
+                a.reasoning.clone_from(&m.reasoning);
+                a
+            })
+            .collect()
+    }
+
+    fn with(render: RenderOptions) -> ApiOptions {
+        ApiOptions {
+            render,
+            ..ApiOptions::default()
+        }
+    }
+
+    #[test]
+    fn an_api_request_without_tools_renders_as_the_chat_does() {
+        let tok = release();
+        let m = Markers::resolve(tok).expect("markers");
+        for opts in [RenderOptions::default(), off()] {
+            for gen in [true, false] {
+                let chat = render(tok, &worked_example(), &opts, gen).expect("chat");
+                let segs =
+                    render_api_segments(&api(&worked_example()), &with(opts), gen).expect("api");
+                assert_eq!(encode_segments(tok, &m, &segs).expect("ids"), chat);
+            }
+        }
+        // The golden of RUNTIME §2.9, thinking off, through the API renderer.
+        let segs = render_api_segments(&api(&worked_example()), &with(off()), true).expect("api");
+        assert_eq!(
+            encode_segments(tok, &m, &segs).expect("ids"),
+            THINKING_OFF_64
+        );
+    }
+
+    const WEATHER: &str = r#"[{"type":"function","function":{"name":"get_weather","description":"Weather — now","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}]"#;
+
+    #[test]
+    fn tools_choice_and_format_messages_follow_the_release() {
+        let opts = ApiOptions {
+            render: off(),
+            tools: Some(WEATHER.into()),
+            tool_choice: ToolChoice::Required,
+            response_format: ResponseFormat::JsonSchema(r#"{"type":"object","a":1}"#.into()),
+        };
+        let msgs = [ApiMessage::new(ApiRole::User, "Weather in Paris?")];
+        let segs = render_api_segments(&msgs, &opts, true).expect("segments");
+        let t = texts(&segs);
+        // The declaration first: role, type, then the body.
+        assert_eq!(
+            t[..11],
+            [
+                OPEN,
+                "message",
+                " role",
+                "=\"",
+                "system",
+                "\"",
+                " type",
+                "=\"",
+                "tool-declare",
+                "\"",
+                SEP
+            ]
+        );
+        assert_eq!(
+            t[11],
+            "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n\
+             [{\"function\":{\"description\":\"Weather — now\",\"name\":\"get_weather\",\
+             \"parameters\":{\"properties\":{\"city\":{\"type\":\"string\"}},\"type\":\"object\"}},\
+             \"type\":\"function\"}]\n```"
+        );
+        let bodies: Vec<&str> = segs
+            .iter()
+            .filter(|s| !s.allow_special && s.text.len() > 40)
+            .map(|s| s.text.as_str())
+            .collect();
+        assert_eq!(bodies.len(), 3, "{bodies:?}");
+        assert_eq!(
+            bodies[1],
+            "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next \
+             message."
+        );
+        assert!(bodies[2].starts_with("The system is invoked with `response_format=json_object`."));
+        assert!(bodies[2].ends_with(
+            "\nThe JSON data must match the following schema:\n```json\n{\"a\":1,\"type\":\"object\"}\n```"
+        ));
+        // Order: declaration, the user message, tool choice, format, generation prompt.
+        let user_at = t
+            .iter()
+            .position(|x| *x == "Weather in Paris?")
+            .expect("user");
+        let choice_at = t.iter().position(|x| *x == bodies[1]).expect("choice");
+        assert!(user_at < choice_at);
+        assert_eq!(t[t.len() - 3..], [OPEN, "response", SEP]);
+        // Bad JSON is refused with its part named.
+        let bad = ApiOptions {
+            tools: Some("[{".into()),
+            ..with(off())
+        };
+        let e = render_api_segments(&msgs, &bad, true).expect_err("bad tools");
+        assert!(e.to_string().starts_with("tools is not valid JSON"), "{e}");
+    }
+
+    #[test]
+    fn tool_calls_render_and_parse_back_on_the_released_layout() {
+        let tok = release();
+        let m = Markers::resolve(tok).expect("markers");
+        let calls = vec![
+            ToolCall {
+                id: "call_1".into(),
+                name: "get_weather".into(),
+                arguments: r#"{"city":"Paris","days":3,"opts":{"b":1,"a":[true,null]}}"#.into(),
+            },
+            ToolCall {
+                id: "call_2".into(),
+                name: "free_form".into(),
+                arguments: "not json at all".into(),
+            },
+        ];
+        for thinking in [true, false] {
+            let opts = with(RenderOptions {
+                thinking,
+                effort: Effort::Max,
+            });
+            let user = ApiMessage::new(ApiRole::User, "Weather?");
+            let mut reply = ApiMessage::new(ApiRole::Assistant, "Let me look.");
+            reply.reasoning = Some(REASONING.into());
+            reply.tool_calls.clone_from(&calls);
+            let prompt = encode_segments(
+                tok,
+                &m,
+                &render_api_segments(std::slice::from_ref(&user), &opts, true).expect("prompt"),
+            )
+            .expect("ids");
+            let all = encode_segments(
+                tok,
+                &m,
+                &render_api_segments(&[user, reply], &opts, false).expect("history"),
+            )
+            .expect("ids");
+            assert!(all.starts_with(&prompt));
+            let completion = &all[prompt.len()..];
+            // The released ids of the block's skeleton.
+            assert!(completion
+                .windows(4)
+                .any(|w| w == [163588, 12092, 163589, 163587]));
+            assert_eq!(completion.last(), Some(&RELEASED_END_OF_MSG_ID));
+            // The strict parser of a text-only turn refuses the tools block …
+            assert!(parse_strict(tok, &m, completion, thinking).is_err());
+            // … the API parser reads it.
+            let turn = parse_api_completion(tok, &m, completion, thinking).expect("tool turn");
+            assert_eq!(turn.turn.content, "Let me look.");
+            assert_eq!(
+                turn.turn.reasoning.as_deref(),
+                thinking.then_some(REASONING)
+            );
+            assert_eq!(turn.tool_calls, calls);
+            // Ended with [EOS] instead: accepted too.
+            let mut eos = completion.to_vec();
+            *eos.last_mut().expect("end id") = RELEASED_EOS_ID;
+            assert!(parse_api_completion(tok, &m, &eos, thinking).is_ok());
+            // Cut inside the block: refused, the answer kept for display.
+            let cut = &completion[..completion.len() - 8];
+            let e = parse_api_completion(tok, &m, cut, thinking).expect_err("cut");
+            assert_eq!(
+                e.partial().map(|p| p.content.as_str()),
+                Some("Let me look.")
+            );
+        }
+        // A plain turn still parses, with no calls.
+        let plain = completion(tok, Some("r"), "c", RELEASED_EOS_ID);
+        let turn = parse_api_completion(tok, &m, &plain, true).expect("plain");
+        assert!(turn.tool_calls.is_empty());
+        assert_eq!(turn.turn.content, "c");
+    }
+
+    #[test]
+    fn argument_values_are_typed_and_tool_results_follow_the_calls() {
+        let mut b = Builder::default();
+        super::tools::render_arguments(
+            &mut b,
+            r#"{"s":"é \"q\"","n":1.5,"o":{"z":1,"a":"é"},"l":[1,"x"],"t":true,"u":null}"#,
+        );
+        let t = texts(&b.segments);
+        let value = |key: &str| {
+            let at = t
+                .windows(3)
+                .position(|w| w[0] == " key" && w[2] == key)
+                .unwrap_or_else(|| panic!("{key} missing: {t:?}"));
+            (t[at + 6], t[at + 9])
+        };
+        assert_eq!(value("s"), ("string", "é \"q\""));
+        assert_eq!(value("n"), ("number", "1.5"));
+        assert_eq!(value("o"), ("object", "{\"z\": 1, \"a\": \"\\u00e9\"}"));
+        assert_eq!(value("l"), ("array", "[1, \"x\"]"));
+        assert_eq!(value("t"), ("boolean", "true"));
+        assert_eq!(value("u").0, "null");
+
+        let mut call = ApiMessage::new(ApiRole::Assistant, "");
+        for (id, name) in [("x", "first"), ("y", "second")] {
+            call.tool_calls.push(ToolCall {
+                id: id.into(),
+                name: name.into(),
+                arguments: "{}".into(),
+            });
+        }
+        let result = |id: &str, text: &str| {
+            let mut r = ApiMessage::new(ApiRole::Tool, text);
+            r.tool_call_id = Some(id.into());
+            r
+        };
+        let msgs = [call, result("y", "two"), result("x", "one")];
+        let t_segs = render_api_segments(&msgs, &with(off()), false).expect("segments");
+        let t = texts(&t_segs);
+        let one = t.iter().position(|x| *x == "one").expect("one");
+        let two = t.iter().position(|x| *x == "two").expect("two");
+        assert!(one < two, "results follow the order of the calls");
+        assert_eq!(
+            t[one - 13..one - 4],
+            [" role", "=\"", "tool", "\"", " tool", "=\"", "first", "\"", " index"]
+        );
+        assert_eq!(t[one - 3], "1");
+        assert_eq!(t[two - 3], "2");
+        assert!(ApiRole::parse("wizard").is_err());
     }
 }

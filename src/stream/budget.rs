@@ -31,6 +31,10 @@ pub struct ModelSizes {
     pub state_bytes: u64,
     /// Carried state per position (MLA latent cache).
     pub kv_per_position: u64,
+    /// What a speculative verification pass records per position to roll back (KDA layers).
+    pub kda_record_per_position: u64,
+    /// Carried state of one KDA layer (the scratch copy a verification pass computes on).
+    pub kda_layer_state: u64,
     /// Hidden width.
     pub hidden: u64,
     /// Vocabulary.
@@ -214,7 +218,21 @@ fn fixed_overhead(s: &ModelSizes) -> u64 {
     MIN_PREFILL_CHUNK * activation_bytes_per_token(s)
         + 2 * s.vocab * 4
         + 2 * s.top_k * s.expert_bytes
+        + spec_reserve(s)
         + (40 << 20)
+}
+
+/// Longest draft a speculative pass verifies (so a pass is at most `1 + SPEC_MAX_DRAFT` tokens,
+/// well inside the activations of a prefill chunk).
+pub const SPEC_MAX_DRAFT: usize = 8;
+
+/// Memory of one speculative verification pass beyond a prefill chunk's: the scratch copy of a
+/// KDA layer's state it computes on, what each of its positions records for the rollback, and
+/// its logits (each row kept once more until it is used).
+#[must_use]
+pub fn spec_reserve(s: &ModelSizes) -> u64 {
+    let tokens = SPEC_MAX_DRAFT as u64 + 1;
+    s.kda_layer_state + tokens * (s.kda_record_per_position + 2 * s.vocab * 4)
 }
 
 /// Make a plan for `req`, with room for one sequence state of `context` positions. A memory
@@ -431,6 +449,8 @@ mod tests {
             row_bytes: 14_336,
             state_bytes: 464_633_856,
             kv_per_position: 24 * 576 * 4,
+            kda_record_per_position: 69 * (7 * 12_288 + 96) * 4,
+            kda_layer_state: 464_633_856 / 69,
             hidden: 7168,
             vocab: 163_840,
         }

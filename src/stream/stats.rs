@@ -74,9 +74,27 @@ pub struct StatsSnapshot {
     pub positions: u64,
     /// Most positions the session may hold.
     pub context_limit: u64,
+    /// Speculative decoding since start: forward passes while decoding.
+    pub spec_passes: u64,
+    /// Tokens proposed by the drafter.
+    pub spec_proposed: u64,
+    /// Proposed tokens that were used.
+    pub spec_accepted: u64,
+    /// Decoding steps (tokens whose logits a pass produced).
+    pub spec_steps: u64,
 }
 
 impl StatsSnapshot {
+    /// Decoding steps per forward pass (1.0 without speculation; 0 before any).
+    #[must_use]
+    pub fn tokens_per_pass(&self) -> f64 {
+        if self.spec_passes == 0 {
+            0.0
+        } else {
+            self.spec_steps as f64 / self.spec_passes as f64
+        }
+    }
+
     /// Hits over lookups (1.0 when nothing was looked up).
     #[must_use]
     pub fn expert_hit_rate(&self) -> f64 {

@@ -9,6 +9,7 @@ use crate::app::worker::Worker;
 use crate::session::chat::{Stop, TurnReport};
 use crate::session::commands::{self, Command};
 use crate::session::template::TolerantParser;
+use crate::stream::stats::StatsSnapshot;
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -209,8 +210,17 @@ fn safe(text: &str) -> String {
     crate::app::run::terminal_safe(text)
 }
 
-fn jsonl_line(turn: TurnId, r: &TurnReport) -> String {
+fn jsonl_line(turn: TurnId, r: &TurnReport, stats: Option<&StatsSnapshot>) -> String {
+    let spec = stats.map(|s| {
+        serde_json::json!({
+            "passes": s.spec_passes,
+            "proposed": s.spec_proposed,
+            "accepted": s.spec_accepted,
+            "tokens_per_pass": s.tokens_per_pass(),
+        })
+    });
     serde_json::json!({
+        "spec": spec,
         "turn": turn,
         "mode": r.mode.name(),
         "prompt_ids": r.prompt_ids,
@@ -327,8 +337,12 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
         // Chat completions are shown through the tolerant parser: the reasoning, a blank line,
         // then the answer, never the channel markers. Raw continuations are shown as they come.
         let mut view: Option<(TolerantParser, usize, usize)> = None;
+        let mut last_stats: Option<Box<StatsSnapshot>> = None;
         loop {
             match worker.recv() {
+                Some(EngineEvent::Stats { turn: t, stats }) if t == turn => {
+                    last_stats = Some(stats)
+                }
                 Some(EngineEvent::TurnStarted {
                     turn: t,
                     raw,
@@ -357,7 +371,8 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
                         let _ = out.write_all(safe(&show_new(p, r_at, c_at)).as_bytes());
                     }
                     if opts.jsonl {
-                        let _ = writeln!(out, "{}", jsonl_line(turn, &report));
+                        let _ =
+                            writeln!(out, "{}", jsonl_line(turn, &report, last_stats.as_deref()));
                     } else {
                         let _ = writeln!(out);
                         let _ = writeln!(err, "{}", summary(&report));

@@ -136,7 +136,7 @@ fn a_budget_below_the_floor_is_refused_with_three_numbers() {
 }
 
 /// A `small` synthetic checkpoint (~390 MB), written once per test run.
-fn small() -> &'static std::path::Path {
+pub fn small() -> &'static std::path::Path {
     static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
     DIR.get_or_init(|| {
         let tmp = tempfile::tempdir().unwrap();

@@ -126,6 +126,17 @@ pub fn tokens(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
                     format!("{} tokens this turn", s.turn_tokens),
                     theme.dim,
                 ));
+                if s.spec_proposed > 0 {
+                    lines.push(Line::styled(
+                        format!(
+                            "spec {:.2} tok/pass, {}/{} used",
+                            s.tokens_per_pass(),
+                            s.spec_accepted,
+                            s.spec_proposed
+                        ),
+                        theme.dim,
+                    ));
+                }
             }
         }
     }

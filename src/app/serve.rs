@@ -1,0 +1,90 @@
+//! `k3 serve`: the command line of the API server; resolves the model directory, the budget,
+//! the address and the key into a [`crate::serve::ServeConfig`].
+
+use crate::{Error, Result};
+use clap::Args;
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+/// Arguments of `k3 serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Checkpoint directory; default: the config file's `model_dir`, else the demo model.
+    pub model_dir: Option<PathBuf>,
+    /// Address to listen on. Anything but a loopback address needs --api-key-env.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Port (0 picks a free one; the address is printed on stderr).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Environment variable holding the API key clients must send as a Bearer token.
+    #[arg(long, value_name = "VAR")]
+    pub api_key_env: Option<String>,
+    /// Model name listed by /v1/models and written in responses.
+    #[arg(long, default_value = "kimi-k3-local")]
+    pub model_name: String,
+    /// Requests that may wait behind the one being served; more are answered 429.
+    #[arg(long, default_value_t = 8)]
+    pub queue: usize,
+    /// Most tokens one reply may have (and the default max_tokens of a chat request).
+    #[arg(long, default_value_t = 4096)]
+    pub max_tokens: usize,
+    /// Most positions one request may use [default: 32768].
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Compute threads (default: all cores). Output does not depend on it.
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Memory budget (default: 80% of the memory available).
+    #[command(flatten)]
+    pub budget: super::budget_args::BudgetArgs,
+}
+
+/// Run `k3 serve`; returns the exit status.
+pub fn run(args: &ServeArgs) -> Result<i32> {
+    let cfg = super::config::Config::load().map_err(|e| Error::Usage(e.to_string()))?;
+    let context = args.context.unwrap_or(cfg.sampling.context);
+    if !(2..=super::run::MAX_CONTEXT).contains(&context) {
+        return Err(Error::Usage(format!(
+            "--context {context} must be between 2 and {} positions",
+            super::run::MAX_CONTEXT
+        )));
+    }
+    if args.max_tokens == 0 {
+        return Err(Error::Usage("--max-tokens must be at least 1".into()));
+    }
+    let api_key = match &args.api_key_env {
+        Some(var) => match std::env::var(var) {
+            Ok(k) if !k.trim().is_empty() => Some(k.trim().to_owned()),
+            _ => {
+                return Err(Error::Usage(format!(
+                    "--api-key-env {var}: the environment variable {var} is not set or empty"
+                )))
+            }
+        },
+        None => None,
+    };
+    if !args.host.is_loopback() && api_key.is_none() {
+        return Err(Error::Usage(format!(
+            "--host {}: listening beyond this machine needs an API key (--api-key-env VAR)",
+            args.host
+        )));
+    }
+    let model_dir = match args.model_dir.clone().or_else(|| cfg.model_dir.clone()) {
+        Some(d) => d,
+        None => super::demo::materialise()?,
+    };
+    super::run::set_threads(args.threads)?;
+    crate::serve::run(crate::serve::ServeConfig {
+        model_dir,
+        model_name: args.model_name.clone(),
+        host: args.host,
+        port: args.port,
+        api_key,
+        queue: args.queue,
+        max_tokens: args.max_tokens,
+        context,
+        budget: args.budget.request(super::budget_args::auto_request())?,
+        trunk: args.budget.trunk.clone(),
+    })
+}

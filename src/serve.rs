@@ -1,0 +1,59 @@
+//! `k3 serve`: the engine behind an OpenAI-compatible HTTP API (a front end beside `ui`).
+//!
+//! Threads: tokio's runtime runs the HTTP side (`http.rs`: axum handlers, SSE); one engine
+//! thread (`engine.rs`) owns the model, the tokenizer and one [`crate::session::chat::Session`]
+//! and serves [`engine::Job`]s one at a time in arrival order from a channel. A handler sends
+//! its job with a cancel flag and reads [`engine::Out`] events back; dropping the handler (the
+//! client went away) sets the flag, and the engine stops at the next token. The state the
+//! session carries (live state and snapshots, counted in the plan) is reused across requests by
+//! the longest common prefix. `wire.rs` holds the request and response JSON.
+//!
+//! Never imports `app` or `ui`: the command line resolves everything into [`ServeConfig`].
+
+pub mod engine;
+pub mod http;
+pub mod wire;
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+/// Largest request body accepted (bytes).
+pub const MAX_BODY_BYTES: usize = 8 << 20;
+/// Most messages in one chat request.
+pub const MAX_MESSAGES: usize = 4096;
+
+/// Everything `k3 serve` needs, resolved from the command line.
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    /// Checkpoint directory.
+    pub model_dir: PathBuf,
+    /// The model name `/v1/models` lists and responses carry.
+    pub model_name: String,
+    /// Address to listen on.
+    pub host: IpAddr,
+    /// Port (0: any free port; the chosen one is printed).
+    pub port: u16,
+    /// The key clients must send as `Authorization: Bearer KEY`, if any.
+    pub api_key: Option<String>,
+    /// Requests that may wait behind the one being served; more get 429.
+    pub queue: usize,
+    /// Most tokens one reply may have (also the default `max_tokens`).
+    pub max_tokens: usize,
+    /// Most positions one request may need (the plan reserves state for them).
+    pub context: usize,
+    /// Memory budget.
+    pub budget: crate::stream::budget::BudgetRequest,
+    /// A packed trunk.
+    pub trunk: Option<PathBuf>,
+}
+
+/// Run the server until SIGTERM or SIGINT; returns the exit status (0 after a clean drain).
+pub fn run(cfg: ServeConfig) -> crate::Result<i32> {
+    let engine = engine::Engine::start(&cfg)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| crate::Error::Usage(format!("cannot start the HTTP runtime: {e}")))?;
+    rt.block_on(http::serve(cfg, engine))
+}

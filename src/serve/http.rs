@@ -1,0 +1,650 @@
+//! The HTTP side of `k3 serve` (axum on tokio): routes, the API key, admission to the bounded
+//! queue, SSE streaming, `/metrics`, and the SIGTERM drain.
+
+use super::engine::{Engine, Finished, Job, Out};
+use super::wire::{self, ApiError, Limits, Parsed};
+use super::{ServeConfig, MAX_BODY_BYTES};
+use crate::session::template::TolerantParser;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+struct AppState {
+    engine: Engine,
+    cfg: ServeConfig,
+    started: u64,
+    counter: AtomicU64,
+}
+
+type Shared = Arc<AppState>;
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Serve until SIGTERM or SIGINT, then let the request being served finish (requests still
+/// queued are answered 503) and return 0.
+pub async fn serve(cfg: ServeConfig, engine: Engine) -> crate::Result<i32> {
+    let addr = (cfg.host, cfg.port);
+    let info = engine.info.clone();
+    let state = Arc::new(AppState {
+        engine,
+        cfg,
+        started: unix_now(),
+        counter: AtomicU64::new(0),
+    });
+    let app = Router::new()
+        .route("/health", get(health))
+        .route("/healthz", get(health))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(Arc::clone(&state));
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| crate::Error::Usage(format!("cannot listen on {}:{}: {e}", addr.0, addr.1)))?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| crate::Error::Usage(format!("listening socket: {e}")))?;
+    eprintln!("k3 serve: {info}");
+    eprintln!("k3 serve: listening on http://{local}");
+    let drain = Arc::clone(&state);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            shutdown_signal().await;
+            drain.engine.draining.store(true, Ordering::Relaxed);
+            eprintln!("k3 serve: stopping: finishing the request in progress");
+        })
+        .await
+        .map_err(|e| crate::Error::Usage(format!("server: {e}")))?;
+    eprintln!("k3 serve: stopped");
+    Ok(0)
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = term => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+fn error_response(e: &ApiError, retry_after: Option<u64>) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut r = (status, Json(e.body())).into_response();
+    if let Some(s) = retry_after {
+        if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
+            r.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+    }
+    if e.status == 401 {
+        r.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
+    r
+}
+
+/// The key check: `Authorization: Bearer KEY` when the server has a key.
+fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &state.cfg.api_key else {
+        return Ok(());
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    // Compare every byte, whatever the first difference.
+    let same = given.len() == key.len()
+        && given
+            .bytes()
+            .zip(key.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0;
+    if same {
+        Ok(())
+    } else {
+        Err(ApiError {
+            status: 401,
+            message: if given.is_empty() {
+                "this server needs an API key: send Authorization: Bearer KEY".into()
+            } else {
+                "the API key is not valid for this server".into()
+            },
+            param: None,
+        })
+    }
+}
+
+async fn not_found() -> Response {
+    error_response(
+        &ApiError {
+            status: 404,
+            message: "no such endpoint: the API serves /v1/models, /v1/chat/completions, \
+                      /v1/completions, /health and /metrics"
+                .into(),
+            param: None,
+        },
+        None,
+    )
+}
+
+async fn health(State(s): State<Shared>) -> Response {
+    let depth = s.engine.in_system.load(Ordering::Relaxed);
+    Json(json!({"status": "ok", "queue_depth": depth})).into_response()
+}
+
+async fn models(State(s): State<Shared>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return error_response(&e, None);
+    }
+    Json(json!({"object": "list", "data": [{
+        "id": s.cfg.model_name, "object": "model", "created": s.started, "owned_by": "k3",
+        "max_model_len": s.cfg.context,
+    }]}))
+    .into_response()
+}
+
+async fn metrics(State(s): State<Shared>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return error_response(&e, None);
+    }
+    let m = s
+        .engine
+        .metrics
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    let (rss, peak) = crate::stream::stats::rss_bytes();
+    let depth = s.engine.in_system.load(Ordering::Relaxed);
+    let mut out = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, value: String| {
+        out.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
+        ));
+    };
+    metric(
+        "k3_requests_total",
+        "counter",
+        "Requests answered.",
+        m.requests.to_string(),
+    );
+    metric(
+        "k3_requests_rejected_total",
+        "counter",
+        "Requests refused with 429.",
+        m.rejected.to_string(),
+    );
+    metric(
+        "k3_requests_cancelled_total",
+        "counter",
+        "Requests stopped because the client went away.",
+        m.cancelled.to_string(),
+    );
+    metric(
+        "k3_prompt_tokens_total",
+        "counter",
+        "Prompt tokens of all requests.",
+        m.prompt_tokens.to_string(),
+    );
+    metric(
+        "k3_reused_prompt_tokens_total",
+        "counter",
+        "Prompt tokens whose state was reused.",
+        m.reused_tokens.to_string(),
+    );
+    metric(
+        "k3_generated_tokens_total",
+        "counter",
+        "Tokens generated.",
+        m.generated_tokens.to_string(),
+    );
+    metric(
+        "k3_decode_tokens_per_second",
+        "gauge",
+        "Decode tokens per second of the last request.",
+        format!("{:.3}", m.last_decode_tps),
+    );
+    metric(
+        "k3_prefill_tokens_per_second",
+        "gauge",
+        "Prefill tokens per second of the last request.",
+        format!("{:.3}", m.last_prefill_tps),
+    );
+    metric(
+        "k3_rss_bytes",
+        "gauge",
+        "Resident set size.",
+        rss.to_string(),
+    );
+    metric(
+        "k3_peak_rss_bytes",
+        "gauge",
+        "Peak resident set size.",
+        peak.to_string(),
+    );
+    metric(
+        "k3_bytes_read_total",
+        "counter",
+        "Bytes read from the checkpoint.",
+        m.bytes_read.to_string(),
+    );
+    metric(
+        "k3_expert_cache_hit_rate",
+        "gauge",
+        "Routed-expert cache hit rate.",
+        format!("{:.4}", m.expert_hit_rate),
+    );
+    metric(
+        "k3_queue_depth",
+        "gauge",
+        "Requests being served or waiting.",
+        depth.to_string(),
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+/// Sets the job's cancel flag when dropped (the handler or the stream went away).
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A job admitted to the queue, with its first event read.
+struct Admitted {
+    rx: UnboundedReceiver<Out>,
+    guard: CancelOnDrop,
+    prompt_tokens: usize,
+}
+
+/// Admit a request (429 past the queue), hand it to the engine and wait until it starts.
+async fn submit(s: &AppState, parsed: &Parsed) -> Result<Admitted, Response> {
+    let cap = 1 + s.cfg.queue;
+    let counter = &s.engine.in_system;
+    let mut n = counter.load(Ordering::Relaxed);
+    loop {
+        if n >= cap {
+            let mean = {
+                let mut m = s
+                    .engine
+                    .metrics
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                m.rejected += 1;
+                m.mean_request_seconds
+            };
+            let wait = ((mean * n as f64).ceil() as u64).max(1);
+            return Err(error_response(
+                &ApiError {
+                    status: 429,
+                    message: format!(
+                        "the server is busy: {n} requests are being served or waiting (at most \
+                         {cap}); retry after about {wait} s"
+                    ),
+                    param: None,
+                },
+                Some(wait),
+            ));
+        }
+        match counter.compare_exchange(n, n + 1, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => break,
+            Err(now) => n = now,
+        }
+    }
+    let cancel = Arc::new(AtomicBool::new(false));
+    let (tx, mut rx) = unbounded_channel();
+    let job = Job {
+        task: parsed.task.clone(),
+        settings: parsed.settings.clone(),
+        cancel: Arc::clone(&cancel),
+        out: tx,
+    };
+    let guard = CancelOnDrop(cancel);
+    if !s.engine.submit(job) {
+        counter.fetch_sub(1, Ordering::Relaxed);
+        return Err(error_response(
+            &ApiError {
+                status: 500,
+                message: "the engine thread has stopped".into(),
+                param: None,
+            },
+            None,
+        ));
+    }
+    match rx.recv().await {
+        Some(Out::Started { prompt_tokens }) => Ok(Admitted {
+            rx,
+            guard,
+            prompt_tokens,
+        }),
+        Some(Out::Error { status, message }) => Err(error_response(
+            &ApiError {
+                status,
+                message,
+                param: None,
+            },
+            None,
+        )),
+        _ => Err(error_response(
+            &ApiError {
+                status: 500,
+                message: "the engine stopped before answering".into(),
+                param: None,
+            },
+            None,
+        )),
+    }
+}
+
+/// Wait for the end of a job.
+async fn finish(a: &mut Admitted) -> Result<Box<Finished>, ApiError> {
+    loop {
+        match a.rx.recv().await {
+            Some(Out::Done(f)) => return Ok(f),
+            Some(Out::Error { status, message }) => {
+                return Err(ApiError {
+                    status,
+                    message,
+                    param: None,
+                })
+            }
+            Some(_) => {}
+            None => {
+                return Err(ApiError {
+                    status: 500,
+                    message: "the engine stopped before the reply was complete".into(),
+                    param: None,
+                })
+            }
+        }
+    }
+}
+
+fn body_error(r: &BytesRejection) -> Response {
+    error_response(
+        &ApiError {
+            status: r.status().as_u16(),
+            message: format!(
+                "{} (requests may be at most {} MiB)",
+                r.body_text(),
+                MAX_BODY_BYTES >> 20
+            ),
+            param: None,
+        },
+        None,
+    )
+}
+
+fn limits(s: &AppState) -> Limits {
+    Limits {
+        max_tokens: s.cfg.max_tokens,
+        context: s.cfg.context,
+    }
+}
+
+async fn chat(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return error_response(&e, None);
+    }
+    let body = match body {
+        Ok(b) => b,
+        Err(r) => return body_error(&r),
+    };
+    let parsed = match wire::parse_chat(&body, limits(&s)) {
+        Ok(p) => p,
+        Err(e) => return error_response(&e, None),
+    };
+    let mut admitted = match submit(&s, &parsed).await {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let id = format!(
+        "chatcmpl-{}-{}",
+        s.started,
+        s.counter.fetch_add(1, Ordering::Relaxed)
+    );
+    let created = unix_now();
+    let model = s.cfg.model_name.clone();
+    if !parsed.stream {
+        return match finish(&mut admitted).await {
+            Ok(f) => Json(wire::chat_response(&id, created, &model, &f)).into_response(),
+            Err(e) => error_response(&e, None),
+        };
+    }
+    let _ = admitted.prompt_tokens;
+    let st = ChatStream {
+        a: admitted,
+        parser: TolerantParser::new(parsed.thinking),
+        reasoning_sent: 0,
+        content_sent: 0,
+        started: false,
+        done: false,
+        id,
+        created,
+        model,
+        include_usage: parsed.include_usage,
+    };
+    let events = futures_util::stream::unfold(st, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        let events = st.step().await;
+        Some((events, st))
+    })
+    .flat_map(|v| futures_util::stream::iter(v.into_iter().map(Ok::<Event, Infallible>)));
+    Sse::new(events).into_response()
+}
+
+/// The state of one streamed chat reply.
+struct ChatStream {
+    a: Admitted,
+    parser: TolerantParser,
+    reasoning_sent: usize,
+    content_sent: usize,
+    started: bool,
+    done: bool,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+}
+
+fn data(v: &Value) -> Event {
+    Event::default().data(v.to_string())
+}
+
+impl ChatStream {
+    fn chunk(&self, delta: Value, finish: Option<&str>) -> Event {
+        data(&wire::chunk(
+            &self.id,
+            self.created,
+            &self.model,
+            delta,
+            finish,
+        ))
+    }
+
+    /// Deltas for the text the parser has released since the last call.
+    fn deltas(&mut self) -> Vec<Event> {
+        let mut out = Vec::new();
+        let r = self.parser.reasoning().len();
+        if r > self.reasoning_sent {
+            let d = self.parser.reasoning()[self.reasoning_sent..].to_owned();
+            self.reasoning_sent = r;
+            out.push(self.chunk(json!({"reasoning_content": d}), None));
+        }
+        let c = self.parser.content().len();
+        if c > self.content_sent {
+            let d = self.parser.content()[self.content_sent..].to_owned();
+            self.content_sent = c;
+            out.push(self.chunk(json!({"content": d}), None));
+        }
+        out
+    }
+
+    async fn step(&mut self) -> Vec<Event> {
+        if !self.started {
+            self.started = true;
+            return vec![self.chunk(json!({"role": "assistant"}), None)];
+        }
+        match self.a.rx.recv().await {
+            Some(Out::Token { text }) => {
+                self.parser.push(&text);
+                self.deltas()
+            }
+            Some(Out::Started { .. }) => Vec::new(),
+            Some(Out::Done(f)) => {
+                self.parser.finish();
+                let mut out = self.deltas();
+                if !f.tool_calls.is_empty() {
+                    out.push(self.chunk(
+                        json!({"tool_calls": wire::tool_calls(&f.tool_calls, true)}),
+                        None,
+                    ));
+                }
+                out.push(self.chunk(json!({}), Some(f.finish_reason)));
+                if self.include_usage {
+                    out.push(data(&json!({
+                        "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                        "model": self.model, "choices": [], "usage": wire::usage(&f),
+                    })));
+                }
+                out.push(Event::default().data("[DONE]"));
+                self.done = true;
+                let _ = &self.a.guard;
+                out
+            }
+            Some(Out::Error { status, message }) => {
+                self.done = true;
+                let e = ApiError {
+                    status,
+                    message,
+                    param: None,
+                };
+                vec![data(&e.body()), Event::default().data("[DONE]")]
+            }
+            None => {
+                self.done = true;
+                let e = ApiError {
+                    status: 500,
+                    message: "the engine stopped before the reply was complete".into(),
+                    param: None,
+                };
+                vec![data(&e.body()), Event::default().data("[DONE]")]
+            }
+        }
+    }
+}
+
+async fn completions(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return error_response(&e, None);
+    }
+    let body = match body {
+        Ok(b) => b,
+        Err(r) => return body_error(&r),
+    };
+    let parsed = match wire::parse_completion(&body, limits(&s)) {
+        Ok(p) => p,
+        Err(e) => return error_response(&e, None),
+    };
+    let mut admitted = match submit(&s, &parsed).await {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let id = format!(
+        "cmpl-{}-{}",
+        s.started,
+        s.counter.fetch_add(1, Ordering::Relaxed)
+    );
+    let created = unix_now();
+    let model = s.cfg.model_name.clone();
+    if !parsed.stream {
+        return match finish(&mut admitted).await {
+            Ok(f) => Json(wire::text_completion(
+                &id,
+                created,
+                &model,
+                &f.content,
+                Some(f.finish_reason),
+                Some(wire::usage(&f)),
+            ))
+            .into_response(),
+            Err(e) => error_response(&e, None),
+        };
+    }
+    let include_usage = parsed.include_usage;
+    let events = futures_util::stream::unfold((admitted, false), move |(mut a, done)| {
+        let (id, model) = (id.clone(), model.clone());
+        async move {
+            if done {
+                return None;
+            }
+            let piece = |text: &str, finish: Option<&str>, usage: Option<Value>| {
+                data(&wire::text_completion(
+                    &id, created, &model, text, finish, usage,
+                ))
+            };
+            let (events, done) = match a.rx.recv().await {
+                Some(Out::Token { text }) => (vec![piece(&text, None, None)], false),
+                Some(Out::Started { .. }) => (Vec::new(), false),
+                Some(Out::Done(f)) => {
+                    let mut v = vec![piece("", Some(f.finish_reason), None)];
+                    if include_usage {
+                        v.push(data(&json!({"id": id, "object": "text_completion",
+                                "created": created, "model": model, "choices": [],
+                                "usage": wire::usage(&f)})));
+                    }
+                    v.push(Event::default().data("[DONE]"));
+                    (v, true)
+                }
+                Some(Out::Error { status, message }) => {
+                    let e = ApiError {
+                        status,
+                        message,
+                        param: None,
+                    };
+                    (vec![data(&e.body()), Event::default().data("[DONE]")], true)
+                }
+                None => (vec![Event::default().data("[DONE]")], true),
+            };
+            Some((events, (a, done)))
+        }
+    })
+    .flat_map(|v| futures_util::stream::iter(v.into_iter().map(Ok::<Event, Infallible>)));
+    Sse::new(events).into_response()
+}

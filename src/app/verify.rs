@@ -397,6 +397,7 @@ fn print_json(args: &VerifyArgs, r: &Report, p: &Problems, secs: f64) {
             "bad_checksums": tt.bad_checksums,
         })),
         "seconds": secs,
+        "peak_rss_bytes": crate::stream::stats::rss_bytes().1,
         "problem_count": p.total(),
         "problems": p.kept(),
         "warnings": r.warnings,

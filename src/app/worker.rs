@@ -5,8 +5,9 @@
 use super::protocol::{EngineEvent, HistoryView, Request, SessionRow, TurnId};
 use crate::engine::weights::LoadInfo;
 use crate::engine::Model;
-use crate::session::chat::{Entry, Mode, Session, Settings};
+use crate::session::chat::{Entry, Mode, Session, Settings, Stop};
 use crate::session::commands::{Command, ExportFormat, Setting, Think, HELP};
+use crate::session::journal::{self, Journal};
 use crate::session::naming;
 use crate::session::store::{
     self, LockError, ModelIdentity, SessionLock, SessionRecord, SessionStore, Summary,
@@ -151,13 +152,91 @@ impl Worker {
 }
 
 /// The transcript section of a saved session (JSON, readable on its own).
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 struct SavedTranscript {
     system: Option<String>,
     mode: Mode,
     entries: Vec<Entry>,
     /// A sampled id the engine has not been fed yet.
     pending: Option<u32>,
+}
+
+/// What identifies the saved version of a session a journal continues: its transcript text
+/// (which every saved turn changes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Base {
+    transcript_len: u64,
+    transcript_crc: u32,
+}
+
+impl Base {
+    fn of(transcript_json: &[u8]) -> Base {
+        Base {
+            transcript_len: transcript_json.len() as u64,
+            transcript_crc: crc32fast::hash(transcript_json),
+        }
+    }
+}
+
+/// The format a journal's first record names.
+const JOURNAL_FORMAT: &str = "k3-journal/1";
+
+/// A journal's first record: whose changes it holds, on top of which saved version.
+#[derive(Debug, Serialize, Deserialize)]
+struct JournalHead {
+    format: String,
+    name: String,
+    /// The saved version the changes apply to; `None`: an empty conversation.
+    base: Option<Base>,
+    created_unix: u64,
+}
+
+/// Why a journal record was written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum RecordKind {
+    /// A turn finished.
+    Turn,
+    /// A turn was stopped part-way (its partial reply is in the record).
+    Stopped,
+    /// A command changed the conversation, or a turn failed.
+    Change,
+}
+
+/// One journal record: the conversation as it stands after a change. The ids are a delta on
+/// the previous record's (`keep` of them stay, `add` follow; the first record keeps none).
+#[derive(Debug, Serialize, Deserialize)]
+struct JournalRecord {
+    kind: RecordKind,
+    keep: usize,
+    add: Vec<u32>,
+    pending: Option<u32>,
+    rng: u64,
+    transcript: SavedTranscript,
+    settings: Settings,
+    /// The reply as far as it got, for a stopped turn.
+    #[serde(default)]
+    partial: Option<String>,
+}
+
+/// The journal this process writes.
+struct Journaled {
+    name: String,
+    file: Journal,
+    /// The name's lock, when it is not the open session's (a conversation whose `--session`
+    /// name belongs to another saved session is journaled under a name of its own).
+    own_lock: Option<SessionLock>,
+    /// The ids as of the last record.
+    tokens: Vec<u32>,
+}
+
+/// Rename a journal that cannot be applied out of the way, keeping it; the name it now has.
+fn set_aside(path: &Path) -> String {
+    let kept = PathBuf::from(format!("{}.kept-{}", path.display(), unix_now()));
+    match std::fs::rename(path, &kept) {
+        Ok(()) => kept.display().to_string(),
+        Err(e) => format!("{} (it could not be renamed: {e})", path.display()),
+    }
 }
 
 fn unix_now() -> u64 {
@@ -236,6 +315,12 @@ struct Ctx<'a> {
     changed: bool,
     /// Turns run since it was last saved or loaded.
     unsaved_turns: usize,
+    /// The journal of changes since the last save or load, from the first such change on.
+    journal: Option<Journaled>,
+    /// The saved version the conversation continues (`None`: it started empty).
+    base: Option<Base>,
+    /// Why the journal is not being written, if it is not (said when the worker ends).
+    journal_problem: Option<String>,
 }
 
 /// What went wrong during a session, for the exit status of a run whose stdin is not a
@@ -249,14 +334,19 @@ struct Outcome {
     unsound: bool,
     /// A session file was refused as damaged (its state, or all of it).
     damaged: bool,
+    /// A turn was abandoned on a read error (the weights could not be read).
+    aborted: bool,
 }
 
 impl Outcome {
-    /// 5 when the session is not saved, else 4 for unsound output, else 3 for a damaged
-    /// session file, else 0: the failure that most needs the user first.
+    /// 5 when the session is not saved, else 1 for a turn abandoned on a read error, else 4
+    /// for unsound output, else 3 for a damaged session file, else 0: the failure that most
+    /// needs the user first.
     fn exit_code(self) -> i32 {
         if self.unsaved {
             5
+        } else if self.aborted {
+            1
         } else if self.unsound {
             4
         } else if self.damaged {
@@ -311,6 +401,22 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
             return fail(e.to_string(), e.exit_code());
         }
     };
+    if let Some(spec) = std::env::var_os(crate::stream::checkpoint::FAULT_ENV) {
+        let spec = spec.to_string_lossy();
+        let Some((fault, n)) = crate::stream::checkpoint::Fault::parse_spec(&spec) else {
+            return fail(
+                format!(
+                    "{}={spec:?}: expected KIND@N, KIND one of eintr, short, eio, eio-once",
+                    crate::stream::checkpoint::FAULT_ENV
+                ),
+                2,
+            );
+        };
+        if let Some(st) = model.streamer() {
+            let ck = st.checkpoint();
+            ck.inject_fault(ck.reads_issued() + n, fault);
+        }
+    }
     let vocab = u32::try_from(model.cfg.vocab_size).unwrap_or(u32::MAX);
     let tok = match Tokenizer::load_expecting(&cfg.model_dir, vocab) {
         Ok(t) => t,
@@ -377,6 +483,9 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         outcome: Outcome::default(),
         changed: false,
         unsaved_turns: 0,
+        journal: None,
+        base: None,
+        journal_problem: None,
     };
     ctx.session.system.clone_from(&cfg.system);
     let mut resumed = None;
@@ -388,7 +497,7 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
     }
     let session_label = match &ctx.name {
         Some(n) => format!("session {n:?}"),
-        None => "new session (named when first saved)".to_string(),
+        None => "new session (named at its first turn, and journaled until saved)".to_string(),
     };
     let mut info_line = format!(
         "k3: {} ({} layers, vocabulary {}), {session_label}, {} mode",
@@ -404,6 +513,10 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         info_line.push_str(&format!(
             "\nsession {n:?} exists already and is not replaced by /save: --resume {n} \
              continues it, /save! replaces it"
+        ));
+    } else if let Some(n) = ctx.name.as_ref().filter(|n| ctx.store.has_journal(n)) {
+        info_line.push_str(&format!(
+            "\nsession {n:?} has unsaved turns in its journal: --resume {n} recovers them"
         ));
     }
     if stale > 0 {
@@ -697,6 +810,14 @@ impl Ctx<'_> {
             self.changed = true;
             self.unsaved_turns += 1;
         }
+        // Durable before the front end hears of it.
+        match &result {
+            Ok(r) if r.stop == Stop::Cancelled => {
+                self.journal(RecordKind::Stopped, Some(r.reply.clone()));
+            }
+            Ok(_) => self.journal(RecordKind::Turn, None),
+            Err(_) => self.journal(RecordKind::Change, None),
+        }
         if let Ok(r) = &result {
             self.busy_seconds += r.prefill_seconds + r.decode_seconds;
         }
@@ -720,8 +841,10 @@ impl Ctx<'_> {
                     })
             }
             Err(e) => {
-                if matches!(e, crate::session::chat::TurnError::Sample(_)) {
-                    self.outcome.unsound = true;
+                match e {
+                    crate::session::chat::TurnError::Sample(_) => self.outcome.unsound = true,
+                    crate::session::chat::TurnError::Stream(_) => self.outcome.aborted = true,
+                    _ => {}
                 }
                 alive && self.failed(turn, e.to_string())
             }
@@ -773,7 +896,15 @@ impl Ctx<'_> {
     /// a non-interactive caller should use.
     fn load(&mut self, name: &str) -> Result<String, (String, i32)> {
         let claim = self.claim_to_open(name)?;
-        let mut msg = self.load_inner(name)?;
+        let mut msg = if !self.store.exists(name) && self.store.has_journal(name) {
+            self.start_from_journal(name)?
+        } else {
+            self.load_inner(name)?
+        };
+        // The journal of what was open before stays on disk: its turns are recovered when
+        // that session is resumed.
+        self.journal = None;
+        self.journal_problem = None;
         if let Some((lock, warning)) = claim {
             if let Some(w) = warning {
                 msg.push('\n');
@@ -781,14 +912,286 @@ impl Ctx<'_> {
             }
             self.open = Some(lock);
         }
+        if let Some(recovered) = self.recover(name) {
+            msg.push('\n');
+            msg.push_str(&recovered);
+        }
         Ok(msg)
+    }
+
+    /// Open a session that was never saved but has a journal: an empty conversation, which
+    /// the journal's turns then fill.
+    fn start_from_journal(&mut self, name: &str) -> Result<String, (String, i32)> {
+        self.session.reset().map_err(|e| (e.to_string(), 2))?;
+        self.name = Some(name.to_string());
+        self.base = None;
+        self.created = unix_now();
+        Ok(format!("session {name:?} was never saved"))
+    }
+
+    /// Apply the journal of `name` (changes made after its last save by a process that ended
+    /// without saving) on top of the session just loaded, and keep writing to it; what
+    /// happened, to tell the user. A journal that does not continue the loaded version, or
+    /// cannot be read, is renamed aside (never deleted) and not applied.
+    fn recover(&mut self, name: &str) -> Option<String> {
+        let path = self.store.journal_path(name).ok()?;
+        let shown = path.display().to_string();
+        let read = match journal::read(&path) {
+            Ok(None) => return None,
+            Ok(Some(r)) => r,
+            Err(e) => {
+                let kept = set_aside(&path);
+                return Some(format!("{e}; not applied (kept as {kept})"));
+            }
+        };
+        let head = read
+            .records
+            .first()
+            .and_then(|h| serde_json::from_slice::<JournalHead>(h).ok())
+            .filter(|h| h.format == JOURNAL_FORMAT);
+        let Some(head) = head else {
+            let kept = set_aside(&path);
+            return Some(format!(
+                "journal {shown}: its header is not readable; not applied (kept as {kept})"
+            ));
+        };
+        if head.base != self.base {
+            let kept = set_aside(&path);
+            return Some(format!(
+                "journal {shown} continues another version of session {name:?} than the one \
+                 saved; not applied (kept as {kept})"
+            ));
+        }
+        let mut notes = Vec::new();
+        if let Some(t) = &read.torn {
+            notes.push(format!(
+                "ignored a torn last record in {shown} ({} bytes at byte {}: {}; a write cut \
+                 short)",
+                t.bytes, t.at, t.why
+            ));
+        }
+        let mut tokens: Vec<u32> = Vec::new();
+        let mut last: Option<JournalRecord> = None;
+        let mut turns = 0usize;
+        let mut good_len = journal::MAGIC.len() as u64 + 8 + read.records[0].len() as u64;
+        for (i, raw) in read.records.iter().enumerate().skip(1) {
+            match serde_json::from_slice::<JournalRecord>(raw) {
+                Ok(r) if r.keep <= tokens.len() => {
+                    tokens.truncate(r.keep);
+                    tokens.extend_from_slice(&r.add);
+                    turns += usize::from(matches!(r.kind, RecordKind::Turn | RecordKind::Stopped));
+                    last = Some(r);
+                    good_len += 8 + raw.len() as u64;
+                }
+                _ => {
+                    notes.push(format!(
+                        "record {i} of {shown} does not follow the ones before it; it and \
+                         the {} after it are ignored",
+                        read.records.len() - 1 - i
+                    ));
+                    break;
+                }
+            }
+        }
+        if let Some(r) = last {
+            let stopped = if r.kind == RecordKind::Stopped {
+                ", the last one stopped part-way"
+            } else {
+                ""
+            };
+            if let Err(e) = self.apply_record(r, &tokens) {
+                notes.push(format!("journal {shown}: {e}"));
+            }
+            notes.insert(
+                0,
+                format!(
+                    "recovered {turns} unsaved turn{} from {shown}{stopped} (the saved session \
+                     is unchanged until /save)",
+                    if turns == 1 { "" } else { "s" }
+                ),
+            );
+            self.changed = true;
+            self.unsaved_turns = turns;
+        }
+        match Journal::reopen(&path, good_len) {
+            Ok(file) => {
+                self.journal = Some(Journaled {
+                    name: name.to_string(),
+                    file,
+                    own_lock: None,
+                    tokens,
+                });
+            }
+            Err(e) => {
+                self.journal_problem = Some(format!("journal {shown}: {e}"));
+            }
+        }
+        (!notes.is_empty()).then(|| notes.join("\n"))
+    }
+
+    /// Make the conversation what a journal record says (ids `tokens`). When the ids are more
+    /// than this process's context limit the transcript and settings are still taken, and the
+    /// engine state is left as loaded (the next turn re-reads what it needs).
+    fn apply_record(&mut self, r: JournalRecord, tokens: &[u32]) -> Result<(), String> {
+        let limit = self.session.settings.context_limit;
+        let mut settings = r.settings;
+        settings.context_limit = limit;
+        self.session
+            .set_settings(settings)
+            .map_err(|e| e.to_string())?;
+        self.session.system = r.transcript.system;
+        self.session.entries = r.transcript.entries;
+        self.session.mode = r.transcript.mode;
+        if tokens.len() > limit {
+            return Err(format!(
+                "the recovered conversation holds {} positions, more than the context limit \
+                 of {limit} (--context); its transcript is loaded and the next turn re-reads it",
+                tokens.len()
+            ));
+        }
+        self.session
+            .rebuild(tokens, r.pending, r.rng)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+
+    /// Append the conversation as it stands to the journal (creating it, and naming a
+    /// conversation that has no name yet, at the first change). A failure is kept to be
+    /// reported and stops the journal; the conversation goes on.
+    fn journal(&mut self, kind: RecordKind, partial: Option<String>) {
+        if self.journal_problem.is_some() {
+            return;
+        }
+        // A setting changed before the first turn of a new conversation waits for that turn's
+        // record (each record holds the whole conversation); the turn names the conversation.
+        if self.journal.is_none() && kind == RecordKind::Change && self.open.is_none() {
+            return;
+        }
+        if self.journal.is_none() {
+            match self.open_journal() {
+                Ok(j) => self.journal = Some(j),
+                Err(e) => {
+                    self.journal_problem = Some(e);
+                    return;
+                }
+            }
+        }
+        let Some(j) = self.journal.as_mut() else {
+            return;
+        };
+        let s = &self.session;
+        let ids = s.tokens();
+        let keep = j.tokens.iter().zip(ids).take_while(|(a, b)| a == b).count();
+        let rec = JournalRecord {
+            kind,
+            keep,
+            add: ids[keep..].to_vec(),
+            pending: s.pending(),
+            rng: s.rng_state(),
+            transcript: SavedTranscript {
+                system: s.system.clone(),
+                mode: s.mode,
+                entries: s.entries.clone(),
+                pending: s.pending(),
+            },
+            settings: s.settings.clone(),
+            partial,
+        };
+        let written = serde_json::to_vec(&rec)
+            .map_err(std::io::Error::other)
+            .and_then(|bytes| j.file.append(&bytes));
+        match written {
+            Ok(()) => j.tokens = ids.to_vec(),
+            Err(e) => {
+                self.journal_problem = Some(format!(
+                    "journal {}: {e}; later changes were not journaled",
+                    j.file.path().display()
+                ));
+            }
+        }
+    }
+
+    /// Create the journal for the conversation as it stands (its first record comes next).
+    fn open_journal(&mut self) -> Result<Journaled, String> {
+        let (name, own_lock) = self.journal_home()?;
+        let path = self.store.journal_path(&name).map_err(|e| e.to_string())?;
+        // Never write over a journal this process has not read.
+        if std::fs::symlink_metadata(&path).is_ok() {
+            set_aside(&path);
+        }
+        let base = if own_lock.is_none() { self.base } else { None };
+        let head = JournalHead {
+            format: JOURNAL_FORMAT.into(),
+            name: name.clone(),
+            base,
+            created_unix: unix_now(),
+        };
+        let bytes = serde_json::to_vec(&head).map_err(|e| e.to_string())?;
+        let file = Journal::create(&path, &bytes)
+            .map_err(|e| format!("journal {}: {e}", path.display()))?;
+        Ok(Journaled {
+            name,
+            file,
+            own_lock,
+            tokens: Vec::new(),
+        })
+    }
+
+    /// The name the journal is kept under, and its lock when that is not the open session's:
+    /// the open session; else the session's name when it is free (it is locked and becomes
+    /// the open session); else a new name from the conversation's first words and the date.
+    fn journal_home(&mut self) -> Result<(String, Option<SessionLock>), String> {
+        if let Some(l) = &self.open {
+            return Ok((l.name().to_string(), None));
+        }
+        let free = |st: &SessionStore, n: &str| !st.exists(n) && !st.has_journal(n);
+        if let Some(n) = self.name.clone().filter(|n| free(&self.store, n)) {
+            if let Ok(lock) = self.store.lock(&n) {
+                if free(&self.store, &n) {
+                    self.open = Some(lock);
+                    return Ok((n, None));
+                }
+            }
+        }
+        let base = naming::default_name(&self.first_text(), unix_now());
+        let lock = self
+            .store
+            .claim_new(&base)
+            .map_err(|e| format!("journal: {e}"))?
+            .ok_or_else(|| {
+                format!(
+                    "journal: {base} and its numbered variants up to -{} are all taken",
+                    naming::MAX_SUFFIX
+                )
+            })?;
+        let name = lock.name().to_string();
+        if self.name.is_none() {
+            self.name = Some(name.clone());
+            self.open = Some(lock);
+            Ok((name, None))
+        } else {
+            Ok((name, Some(lock)))
+        }
+    }
+
+    /// The changes are saved: the journal goes (and a new one starts at the next change).
+    fn drop_journal(&mut self) -> Option<String> {
+        self.journal_problem = None;
+        let j = self.journal.take()?;
+        let path = j.file.path().display().to_string();
+        let removed = j.file.remove();
+        drop(j.own_lock);
+        removed
+            .err()
+            .map(|e| format!("the journal {path} could not be removed: {e}"))
     }
 
     /// The lock to hold once `name` is opened: `None` when it is open here already or there is
     /// no such session (the load then says so). Where no lock can be taken for another reason
     /// (a read-only session directory) the session opens unguarded, with a warning.
     fn claim_to_open(&self, name: &str) -> Result<Option<Claim>, (String, i32)> {
-        if self.open.as_ref().is_some_and(|l| l.name() == name) || !self.store.exists(name) {
+        let absent = !self.store.exists(name) && !self.store.has_journal(name);
+        if self.open.as_ref().is_some_and(|l| l.name() == name) || absent {
             return Ok(None);
         }
         match self.store.lock(name) {
@@ -838,6 +1241,7 @@ impl Ctx<'_> {
                 self.session
                     .restore(rec.tokens, rec.state, pending, rec.rng_state)
                     .map_err(|e| refused(e.to_string()))?;
+                self.base = Some(Base::of(&rec.transcript_json));
                 self.name = Some(rec.name);
                 self.created = rec.created_unix;
                 Ok(format!(
@@ -853,6 +1257,7 @@ impl Ctx<'_> {
                 self.outcome.damaged |= reason.is_damage();
                 self.session.reset().map_err(|e| refused(e.to_string()))?;
                 self.apply_transcript(&transcript_json).map_err(refused)?;
+                self.base = Some(Base::of(&transcript_json));
                 self.name = Some(name.to_string());
                 Ok(format!(
                     "session {name:?}: the saved state was refused ({reason}); its transcript \
@@ -871,6 +1276,15 @@ impl Ctx<'_> {
         let (target, claim) = match name.or_else(|| self.name.clone()) {
             Some(target) => match &self.open {
                 Some(l) if l.name() == target => (target, None),
+                // The journal's own name: a fresh conversation journaled there.
+                _ if self
+                    .journal
+                    .as_ref()
+                    .is_some_and(|j| j.name == target && j.own_lock.is_some()) =>
+                {
+                    let lock = self.journal.as_mut().and_then(|j| j.own_lock.take());
+                    (target, lock)
+                }
                 _ => {
                     let lock = self
                         .store
@@ -908,15 +1322,22 @@ impl Ctx<'_> {
             None => self.store.save(&rec),
         };
         let bytes = saved.map_err(|e| e.to_string())?;
+        // Everything journaled is in the saved file now (removed before a lock it is under
+        // is let go).
+        let journal_note = self.drop_journal();
+        self.base = Some(Base::of(&rec.transcript_json));
         if let Some(lock) = claim {
             self.open = Some(lock);
         }
-        let answer = format!(
+        let mut answer = format!(
             "saved session {target:?} ({} positions, {:.1} KB, {:.0} ms)",
             rec.tokens.len(),
             bytes as f64 / 1e3,
             t0.elapsed().as_secs_f64() * 1e3
         );
+        if let Some(note) = journal_note {
+            answer.push_str(&format!("; {note}"));
+        }
         self.name = Some(target);
         Ok(answer)
     }
@@ -1062,11 +1483,7 @@ impl Ctx<'_> {
         let answer: Result<String, String> = match command {
             Command::Regen => return self.turn_result(turn, |s, c, e| s.regen(c, e)),
             Command::Edit(text) => return self.turn_result(turn, |s, c, e| s.edit(&text, c, e)),
-            Command::New => self
-                .session
-                .reset()
-                .map(|()| "new conversation".into())
-                .map_err(|e| e.to_string()),
+            Command::New => self.new_conversation(),
             Command::System(text) => {
                 let cleared = text.is_empty();
                 self.session.system = (!cleared).then_some(text);
@@ -1151,6 +1568,9 @@ impl Ctx<'_> {
                 self.unsaved_turns = 0;
             }
             self.changed |= changes;
+            if changes {
+                self.journal(RecordKind::Change, None);
+            }
             if moves_positions {
                 // Positions and state changed (a load, a new conversation, an undo): the
                 // front end's figures follow at once.
@@ -1167,26 +1587,63 @@ impl Ctx<'_> {
         }
     }
 
+    /// `/new`: a new conversation, unnamed until its first turn. The one before is let go;
+    /// its journal stays on disk (its name's `--resume` recovers its unsaved turns).
+    fn new_conversation(&mut self) -> Result<String, String> {
+        self.session.reset().map_err(|e| e.to_string())?;
+        let kept = self
+            .journal
+            .take()
+            .filter(|_| self.changed)
+            .map(|j| (j.name, j.file.path().display().to_string()));
+        self.journal_problem = None;
+        self.name = None;
+        self.open = None;
+        self.base = None;
+        self.created = unix_now();
+        Ok(match kept {
+            Some((name, path)) => format!(
+                "new conversation; the unsaved turns of the last one are kept in {path}: \
+                 --resume {name} recovers them"
+            ),
+            None => "new conversation".into(),
+        })
+    }
+
     /// What is lost if the worker stops now: `None` when nothing changed since the last save
     /// or load (or since a new conversation began).
     fn unsaved_notice(&self) -> Option<String> {
         if !self.changed {
             return None;
         }
+        let mut text = self.unsaved_text();
+        match (&self.journal, &self.journal_problem) {
+            (_, Some(problem)) => text.push_str(&format!("; {problem}")),
+            (Some(j), None) => text.push_str(&format!(
+                "; they are kept in the journal {}: `k3 chat --resume {}` recovers them",
+                j.file.path().display(),
+                j.name
+            )),
+            (None, None) => {}
+        }
+        Some(text)
+    }
+
+    fn unsaved_text(&self) -> String {
         let what = match self.unsaved_turns {
             0 => "changes".to_string(),
             1 => "1 turn".to_string(),
             n => format!("{n} turns"),
         };
-        Some(match (&self.name, &self.open) {
-            (Some(n), Some(open)) if open.name() == n => format!(
+        match (&self.name, &self.open) {
+            (Some(n), Some(open)) if open.name() == n && self.store.exists(n) => format!(
                 "session {n:?}: {what} since it was last saved or loaded were NOT saved (/save \
                  before leaving keeps them)"
             ),
             _ => format!(
                 "this conversation ({what}) was NOT saved (/save [NAME] before leaving keeps it)"
             ),
-        })
+        }
     }
 }
 

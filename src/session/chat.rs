@@ -846,4 +846,34 @@ impl<'a> Session<'a> {
         self.mode = Mode::Chat;
         self.chat_turn(cancel, emit)
     }
+
+    /// Bring the engine state to cover exactly `tokens` (the ids of turns recovered from a
+    /// journal), reusing the current state where its ids are a prefix of them and prefilling
+    /// the rest; then set the pending id and the sampler's stream as they were. Prefill and
+    /// decode give the same bits, so the state equals the one the turns left. Returns the ids
+    /// prefilled. On a read error the live state is dropped (the next turn starts over).
+    pub fn rebuild(
+        &mut self,
+        tokens: &[u32],
+        pending: Option<u32>,
+        rng_state: u64,
+    ) -> Result<usize, TurnError> {
+        let sampler = Sampler::with_rng_state(self.settings.sampler(), rng_state)
+            .map_err(|e| TurnError::Refused(e.to_string()))?;
+        if !tokens.starts_with(&self.tokens) {
+            self.tokens.clear();
+            self.state = SeqState::new(&self.model.cfg);
+        }
+        self.snapshots.clear();
+        let from = self.tokens.len();
+        if from < tokens.len() {
+            if let Err(e) = self.feed(&tokens[from..], 0, tokens.len() - from) {
+                self.drop_live_state();
+                return Err(e.into());
+            }
+        }
+        self.pending = pending;
+        self.sampler = sampler;
+        Ok(tokens.len() - from)
+    }
 }

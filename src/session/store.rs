@@ -2239,6 +2239,22 @@ impl SessionStore {
         Ok(self.dir.join(format!("{name}.{EXTENSION}")))
     }
 
+    /// The journal of session `name` (see [`crate::session::journal`]): unsaved changes, kept
+    /// beside the session file.
+    pub fn journal_path(&self, name: &str) -> Result<PathBuf, NameError> {
+        validate_name(name)?;
+        Ok(self
+            .dir
+            .join(format!("{name}.{}", crate::session::journal::EXTENSION)))
+    }
+
+    /// Whether session `name` has a journal (unsaved changes of a process that ended).
+    #[must_use]
+    pub fn has_journal(&self, name: &str) -> bool {
+        self.journal_path(name)
+            .is_ok_and(|p| fs::symlink_metadata(p).is_ok())
+    }
+
     fn lock_path(&self, name: &str) -> PathBuf {
         self.dir.join(format!(".{name}.lock"))
     }
@@ -2384,15 +2400,17 @@ impl SessionStore {
 
     /// Claims the first free name of `base`, `base-2`, … `base-999` (see
     /// [`crate::session::naming`]); `None` when all are taken. Free means that no session file
-    /// of that name exists and no other process has it locked. The lock is taken before the
-    /// name is checked, so two processes never pick the same one.
+    /// or journal of that name exists and no other process has it locked. The lock is taken
+    /// before the name is checked, so two processes never pick the same one.
     pub fn claim_new(&self, base: &str) -> Result<Option<SessionLock>, LockError> {
         use crate::session::naming::{with_suffix, MAX_SUFFIX};
         validate_name(&with_suffix(base, MAX_SUFFIX))?;
         for k in 1..=MAX_SUFFIX {
             let name = with_suffix(base, k);
             match self.lock(&name) {
-                Ok(lock) if !self.exists(&name) => return Ok(Some(lock)),
+                Ok(lock) if !self.exists(&name) && !self.has_journal(&name) => {
+                    return Ok(Some(lock))
+                }
                 Ok(_) | Err(LockError::InUse { .. }) => {}
                 Err(e) => return Err(e),
             }

@@ -1209,7 +1209,17 @@ fn escape_token(bytes: &[u8]) -> String {
 /// Parses and validates a rank file.
 fn parse_rank_file(path: &Path) -> Result<RankTable, TokenizerError> {
     let data = read_limited(path, MAX_RANK_FILE_BYTES)?;
-    sniff_wrong_content(path, &data, RANK_FILE_EXPECTED)?;
+    parse_rank_bytes(path, &data)
+}
+
+/// Parses and validates the bytes of a rank file (`path` is named in messages); the number of
+/// ranks it holds.
+pub fn parse_ranks(path: &Path, data: &[u8]) -> Result<usize, TokenizerError> {
+    parse_rank_bytes(path, data).map(|t| t.by_rank.len())
+}
+
+fn parse_rank_bytes(path: &Path, data: &[u8]) -> Result<RankTable, TokenizerError> {
+    sniff_wrong_content(path, data, RANK_FILE_EXPECTED)?;
 
     let mut entries: Vec<RankEntry> = Vec::new();
     let mut rank_lines: FxHashMap<u32, usize> = FxHashMap::default();

@@ -167,6 +167,29 @@ pub enum Fault {
     TransientIo,
 }
 
+/// Environment variable that arms one read fault in `k3 chat`, for tests of the failure
+/// paths through the real binary: `KIND@N` with KIND one of `eintr`, `short`, `eio` (fails, and
+/// so does its retry) or `eio-once`, and N the positioned read it hits, counted from the moment
+/// the model is open (so `eio@0` fails the first weight read of the first turn when the model
+/// is streamed).
+pub const FAULT_ENV: &str = "K3_FAULT";
+
+impl Fault {
+    /// Parse a [`FAULT_ENV`] value: the fault and the read it hits.
+    #[must_use]
+    pub fn parse_spec(spec: &str) -> Option<(Fault, u64)> {
+        let (kind, n) = spec.split_once('@')?;
+        let fault = match kind {
+            "eintr" => Fault::Interrupted,
+            "short" => Fault::Short,
+            "eio" => Fault::Io,
+            "eio-once" => Fault::TransientIo,
+            _ => return None,
+        };
+        Some((fault, n.parse().ok()?))
+    }
+}
+
 /// A fault armed for the n-th positioned read: two atomics, so the read path takes no lock.
 #[derive(Debug)]
 pub(crate) struct FaultSlot {
@@ -241,29 +264,36 @@ fn index_err(path: &Path, name: &str, e: IndexError) -> StreamError {
 
 /// Shard files named by `model.safetensors.index.json`, each with the tensors it should hold.
 fn read_weight_map(path: &Path) -> Result<BTreeMap<String, Vec<String>>, StreamError> {
-    let bad = |reason: String| StreamError::Index {
-        path: path.to_path_buf(),
-        reason,
-    };
-    let text = std::fs::read_to_string(path).map_err(|e| StreamError::Open {
+    let bytes = std::fs::read(path).map_err(|e| StreamError::Open {
         path: path.to_path_buf(),
         source: e,
     })?;
+    parse_weight_map(&bytes).map_err(|reason| StreamError::Index {
+        path: path.to_path_buf(),
+        reason,
+    })
+}
+
+/// Parse the text of a `model.safetensors.index.json`: the shard files its `weight_map`
+/// names, each with the tensors it should hold; the reason when it is refused.
+pub fn parse_weight_map(bytes: &[u8]) -> Result<BTreeMap<String, Vec<String>>, String> {
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| format!("not UTF-8 (at byte {})", e.valid_up_to()))?;
     let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+        serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
     let map = v
         .get("weight_map")
         .and_then(|m| m.as_object())
-        .ok_or_else(|| bad("no `weight_map` object".into()))?;
+        .ok_or_else(|| "no `weight_map` object".to_string())?;
     let mut by_file: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for (tensor, file) in map {
         let file = file
             .as_str()
-            .ok_or_else(|| bad(format!("weight_map[{tensor:?}] is not a string")))?;
+            .ok_or_else(|| format!("weight_map[{tensor:?}] is not a string"))?;
         if file.contains('/') || file.contains('\\') || file == ".." || file.is_empty() {
-            return Err(bad(format!(
+            return Err(format!(
                 "weight_map[{tensor:?}] names {file:?}, not a plain file name"
-            )));
+            ));
         }
         by_file
             .entry(file.to_string())
@@ -375,7 +405,7 @@ impl Checkpoint {
         let entries = parse_header(&json, file_len - data_start).map_err(header_err)?;
         if let Some(want) = expected {
             let have: std::collections::HashSet<&str> =
-                entries.iter().map(|e| e.name.as_str()).collect();
+                entries.iter().map(|e| e.name.as_ref()).collect();
             let absent: Vec<&String> = want.iter().filter(|t| !have.contains(t.as_str())).collect();
             if !absent.is_empty() {
                 return Err(StreamError::Index {
@@ -388,7 +418,7 @@ impl Checkpoint {
                 });
             }
             let want: std::collections::HashSet<&str> = want.iter().map(String::as_str).collect();
-            if let Some(extra) = entries.iter().find(|e| !want.contains(e.name.as_str())) {
+            if let Some(extra) = entries.iter().find(|e| !want.contains(e.name.as_ref())) {
                 return Err(StreamError::Index {
                     path: index_path.to_path_buf(),
                     reason: format!("tensor {:?} in {name} is not in the weight_map", extra.name),
@@ -401,7 +431,7 @@ impl Checkpoint {
             .map_err(|e| index_err(&path, "", e))?;
         for e in &entries {
             self.index
-                .push(shard, &e.name, e.dtype, &e.shape, data_start + e.begin)
+                .push(shard, &e.name, e.dtype, e.shape(), data_start + e.begin)
                 .map_err(|err| index_err(&path, &e.name, err))?;
         }
         self.files.push(file);

@@ -150,7 +150,7 @@ impl TensorIndex {
     /// Sort for lookup and refuse duplicate names.
     pub fn finish(&mut self) -> Result<(), IndexError> {
         let mut entries = std::mem::take(&mut self.entries);
-        entries.sort_by(|a, b| self.key(a).cmp(&self.key(b)));
+        entries.sort_unstable_by(|a, b| self.key(a).cmp(&self.key(b)));
         for w in entries.windows(2) {
             if self.key(&w[0]) == self.key(&w[1]) {
                 return Err(IndexError::Duplicate {

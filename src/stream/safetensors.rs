@@ -6,7 +6,11 @@
 //! dtype = span (checked arithmetic), and that the tensors cover the data region exactly, with no
 //! overlap, hole or trailing byte.
 
-use serde::de::{Deserializer, MapAccess, Visitor};
+use serde::de::{
+    self, Deserialize, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Unexpected,
+    Visitor,
+};
+use std::borrow::Cow;
 use std::fmt;
 
 /// Largest header accepted (the `safetensors` crate's cap).
@@ -62,19 +66,29 @@ impl Dtype {
     }
 }
 
-/// One validated header entry.
+/// One validated header entry; the name borrows the header bytes where it has no escapes.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HeaderEntry {
+pub struct HeaderEntry<'a> {
     /// Tensor name exactly as decoded from the JSON.
-    pub name: String,
+    pub name: Cow<'a, str>,
     /// Element type.
     pub dtype: Dtype,
-    /// Dimensions (empty for a scalar).
-    pub shape: Vec<u64>,
+    /// Dimensions: the first `rank` of them.
+    pub dims: [u64; MAX_RANK],
+    /// Number of dimensions (0 for a scalar).
+    pub rank: u8,
     /// Start of the data, relative to the data region.
     pub begin: u64,
     /// End (exclusive), relative to the data region.
     pub end: u64,
+}
+
+impl HeaderEntry<'_> {
+    /// Dimensions (empty for a scalar).
+    #[must_use]
+    pub fn shape(&self) -> &[u64] {
+        &self.dims[..usize::from(self.rank)]
+    }
 }
 
 /// Why a shard header was refused. Each carries enough to fix the file.
@@ -197,88 +211,402 @@ pub fn header_len(prefix: &[u8], file_len: u64) -> Result<u64, HeaderError> {
     Ok(n)
 }
 
-/// Top-level JSON object kept as an ordered list so duplicate keys are seen.
-struct RawHeader(Vec<(String, serde_json::Value)>);
+/// A JSON value described for a message (the parse does not keep values).
+fn describe_number<E>(what: Unexpected<'_>) -> Result<NumberOrNot, E> {
+    Ok(NumberOrNot::Not(match what {
+        Unexpected::Signed(i) => i.to_string(),
+        Unexpected::Float(f) => format!("{f:?}"),
+        Unexpected::Str(s) => format!("{s:?}"),
+        Unexpected::Bool(b) => b.to_string(),
+        Unexpected::Unit => "null".into(),
+        Unexpected::Seq => "an array".into(),
+        Unexpected::Map => "an object".into(),
+        other => other.to_string(),
+    }))
+}
 
-impl<'de> serde::Deserialize<'de> for RawHeader {
+/// A u64, or what stood in its place.
+enum NumberOrNot {
+    U64(u64),
+    Not(String),
+}
+
+impl<'de> Deserialize<'de> for NumberOrNot {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;
         impl<'de> Visitor<'de> for V {
-            type Value = RawHeader;
+            type Value = NumberOrNot;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a JSON object mapping tensor names to entries")
+                f.write_str("an unsigned integer")
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<RawHeader, A::Error> {
-                let mut out = Vec::with_capacity(m.size_hint().unwrap_or(0));
-                while let Some((k, v)) = m.next_entry::<String, serde_json::Value>()? {
-                    out.push((k, v));
-                }
-                Ok(RawHeader(out))
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<NumberOrNot, E> {
+                Ok(NumberOrNot::U64(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<NumberOrNot, E> {
+                describe_number(Unexpected::Signed(v))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<NumberOrNot, E> {
+                describe_number(Unexpected::Float(v))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<NumberOrNot, E> {
+                describe_number(Unexpected::Str(v))
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<NumberOrNot, E> {
+                describe_number(Unexpected::Bool(v))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<NumberOrNot, E> {
+                describe_number(Unexpected::Unit)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<NumberOrNot, A::Error> {
+                while a.next_element::<IgnoredAny>()?.is_some() {}
+                describe_number(Unexpected::Seq)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<NumberOrNot, A::Error> {
+                while a.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                describe_number(Unexpected::Map)
             }
         }
-        d.deserialize_map(V)
+        d.deserialize_any(V)
     }
 }
 
-fn as_u64(v: &serde_json::Value) -> Option<u64> {
-    match v {
-        serde_json::Value::Number(n) => n.as_u64(),
-        _ => None,
+/// Up to `MAX_RANK + 1` numbers of an array (one more than allowed is enough to refuse it),
+/// and the array's length.
+struct Numbers {
+    vals: [Option<Result<u64, String>>; MAX_RANK + 1],
+    len: usize,
+    is_array: bool,
+}
+
+impl<'de> Deserialize<'de> for Numbers {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Numbers;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an array of unsigned integers")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<Numbers, A::Error> {
+                let mut out = Numbers {
+                    vals: Default::default(),
+                    len: 0,
+                    is_array: true,
+                };
+                while let Some(n) = a.next_element::<NumberOrNot>()? {
+                    if let Some(slot) = out.vals.get_mut(out.len) {
+                        *slot = Some(match n {
+                            NumberOrNot::U64(v) => Ok(v),
+                            NumberOrNot::Not(s) => Err(s),
+                        });
+                    }
+                    out.len += 1;
+                }
+                Ok(out)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<Numbers, A::Error> {
+                while a.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Numbers::not_array())
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Numbers, E> {
+                Ok(Numbers::not_array())
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Numbers, E> {
+                Ok(Numbers::not_array())
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Numbers, E> {
+                Ok(Numbers::not_array())
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<Numbers, E> {
+                Ok(Numbers::not_array())
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Numbers, E> {
+                Ok(Numbers::not_array())
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Numbers, E> {
+                Ok(Numbers::not_array())
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 
-fn parse_entry(name: &str, v: &serde_json::Value) -> Result<HeaderEntry, HeaderError> {
+impl Numbers {
+    fn not_array() -> Numbers {
+        Numbers {
+            vals: Default::default(),
+            len: 0,
+            is_array: false,
+        }
+    }
+}
+
+/// A string, or `None` for any other JSON value.
+struct MaybeStr<'a>(Option<Cow<'a, str>>);
+
+impl<'de> Deserialize<'de> for MaybeStr<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = MaybeStr<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(MaybeStr(Some(Cow::Borrowed(v))))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(MaybeStr(Some(Cow::Owned(v.to_string()))))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(MaybeStr(Some(Cow::Owned(v))))
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(MaybeStr(None))
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(MaybeStr(None))
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(MaybeStr(None))
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(MaybeStr(None))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(MaybeStr(None))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<Self::Value, A::Error> {
+                while a.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(MaybeStr(None))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<Self::Value, A::Error> {
+                while a.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(MaybeStr(None))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// The fields of one tensor entry as they were found (checked afterwards, in a fixed order).
+#[derive(Default)]
+struct RawEntry<'a> {
+    is_object: bool,
+    unknown: Option<String>,
+    dtype: Option<MaybeStr<'a>>,
+    shape: Option<Numbers>,
+    offsets: Option<Numbers>,
+}
+
+impl<'de> Deserialize<'de> for RawEntry<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = RawEntry<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a tensor entry object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<RawEntry<'de>, A::Error> {
+                let mut e = RawEntry {
+                    is_object: true,
+                    ..RawEntry::default()
+                };
+                while let Some(MaybeStr(key)) = m.next_key::<MaybeStr<'de>>()? {
+                    let key = key.unwrap_or_default();
+                    match key.as_ref() {
+                        "dtype" => e.dtype = Some(m.next_value()?),
+                        "shape" => e.shape = Some(m.next_value()?),
+                        "data_offsets" => e.offsets = Some(m.next_value()?),
+                        other => {
+                            if e.unknown.is_none() {
+                                e.unknown = Some(other.to_string());
+                            }
+                            m.next_value::<IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(e)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<RawEntry<'de>, A::Error> {
+                while a.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(RawEntry::default())
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<RawEntry<'de>, E> {
+                Ok(RawEntry::default())
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<RawEntry<'de>, E> {
+                Ok(RawEntry::default())
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<RawEntry<'de>, E> {
+                Ok(RawEntry::default())
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<RawEntry<'de>, E> {
+                Ok(RawEntry::default())
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<RawEntry<'de>, E> {
+                Ok(RawEntry::default())
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<RawEntry<'de>, E> {
+                Ok(RawEntry::default())
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// `__metadata__`: whether it is an object whose values are all strings.
+struct Metadata(bool);
+
+impl<'de> Deserialize<'de> for Metadata {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Metadata;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an object of strings")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Metadata, A::Error> {
+                let mut ok = true;
+                while let Some((_, MaybeStr(v))) = m.next_entry::<IgnoredAny, MaybeStr<'de>>()? {
+                    ok &= v.is_some();
+                }
+                Ok(Metadata(ok))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<Metadata, A::Error> {
+                while a.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Metadata(false))
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Metadata, E> {
+                Ok(Metadata(false))
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Metadata, E> {
+                Ok(Metadata(false))
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Metadata, E> {
+                Ok(Metadata(false))
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<Metadata, E> {
+                Ok(Metadata(false))
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Metadata, E> {
+                Ok(Metadata(false))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Metadata, E> {
+                Ok(Metadata(false))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// The top-level object, parsed entry by entry straight into checked entries (no JSON value
+/// tree): the first refusal is kept in `failed` and stops the parse.
+struct Header<'a, 'f> {
+    entries: Vec<HeaderEntry<'a>>,
+    failed: &'f mut Option<HeaderError>,
+}
+
+impl<'de> DeserializeSeed<'de> for Header<'de, '_> {
+    type Value = Vec<HeaderEntry<'de>>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Header<'de, '_> {
+    type Value = Vec<HeaderEntry<'de>>;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON object mapping tensor names to entries")
+    }
+    fn visit_map<A: MapAccess<'de>>(mut self, mut m: A) -> Result<Self::Value, A::Error> {
+        let mut metadata_seen = false;
+        while let Some(MaybeStr(name)) = m.next_key::<MaybeStr<'de>>()? {
+            let name = name.unwrap_or_default();
+            if name == "__metadata__" {
+                if std::mem::replace(&mut metadata_seen, true) {
+                    *self.failed = Some(HeaderError::Duplicate(name.into_owned()));
+                    return Err(de::Error::custom("refused"));
+                }
+                if !m.next_value::<Metadata>()?.0 {
+                    *self.failed = Some(HeaderError::Json(
+                        "`__metadata__` must be an object of strings".into(),
+                    ));
+                    return Err(de::Error::custom("refused"));
+                }
+                continue;
+            }
+            let raw: RawEntry<'de> = m.next_value()?;
+            match check_entry(name, raw) {
+                Ok(e) => self.entries.push(e),
+                Err(e) => {
+                    *self.failed = Some(e);
+                    return Err(de::Error::custom("refused"));
+                }
+            }
+        }
+        Ok(self.entries)
+    }
+}
+
+fn check_entry<'a>(name: Cow<'a, str>, raw: RawEntry<'a>) -> Result<HeaderEntry<'a>, HeaderError> {
     let bad = |reason: String| HeaderError::Entry {
         name: name.to_string(),
         reason,
     };
-    let obj = v
-        .as_object()
-        .ok_or_else(|| bad("entry is not an object".into()))?;
-    for key in obj.keys() {
-        if !matches!(key.as_str(), "dtype" | "shape" | "data_offsets") {
-            return Err(bad(format!("unknown field {key:?}")));
-        }
+    if !raw.is_object {
+        return Err(bad("entry is not an object".into()));
     }
-    let dtype_s = obj
-        .get("dtype")
-        .and_then(|d| d.as_str())
+    if let Some(key) = &raw.unknown {
+        return Err(bad(format!("unknown field {key:?}")));
+    }
+    let dtype_s = raw
+        .dtype
+        .and_then(|d| d.0)
         .ok_or_else(|| bad("missing or non-string `dtype`".into()))?;
     let dtype =
-        Dtype::parse(dtype_s).ok_or_else(|| bad(format!("unsupported dtype {dtype_s:?}")))?;
-    let shape_v = obj
-        .get("shape")
-        .and_then(|s| s.as_array())
+        Dtype::parse(&dtype_s).ok_or_else(|| bad(format!("unsupported dtype {dtype_s:?}")))?;
+    let shape_v = raw
+        .shape
+        .filter(|s| s.is_array)
         .ok_or_else(|| bad("missing or non-array `shape`".into()))?;
-    if shape_v.len() > MAX_RANK {
+    if shape_v.len > MAX_RANK {
         return Err(bad(format!(
             "rank {} above the maximum {MAX_RANK}",
-            shape_v.len()
+            shape_v.len
         )));
     }
-    let shape = shape_v
-        .iter()
-        .map(|d| as_u64(d).ok_or_else(|| bad(format!("shape entry {d} is not a u64"))))
-        .collect::<Result<Vec<u64>, _>>()?;
-    let offs = obj
-        .get("data_offsets")
-        .and_then(|s| s.as_array())
+    let mut dims = [0u64; MAX_RANK];
+    for (d, v) in dims.iter_mut().zip(&shape_v.vals[..shape_v.len]) {
+        match v {
+            Some(Ok(x)) => *d = *x,
+            Some(Err(s)) => return Err(bad(format!("shape entry {s} is not a u64"))),
+            None => return Err(bad("shape entry missing".into())),
+        }
+    }
+    let offs = raw
+        .offsets
+        .filter(|s| s.is_array)
         .ok_or_else(|| bad("missing or non-array `data_offsets`".into()))?;
-    if offs.len() != 2 {
+    if offs.len != 2 {
         return Err(bad(format!(
             "`data_offsets` has {} values, expected 2",
-            offs.len()
+            offs.len
         )));
     }
-    let begin =
-        as_u64(&offs[0]).ok_or_else(|| bad(format!("begin offset {} is not a u64", offs[0])))?;
-    let end =
-        as_u64(&offs[1]).ok_or_else(|| bad(format!("end offset {} is not a u64", offs[1])))?;
+    let offset = |i: usize, which: &str| match &offs.vals[i] {
+        Some(Ok(v)) => Ok(*v),
+        Some(Err(s)) => Err(bad(format!("{which} offset {s} is not a u64"))),
+        None => Err(bad(format!("{which} offset missing"))),
+    };
+    let begin = offset(0, "begin")?;
+    let end = offset(1, "end")?;
     if end < begin {
         return Err(bad(format!(
             "end offset {end} is before begin offset {begin}"
         )));
     }
+    let rank = shape_v.len;
+    let shape = &dims[..rank];
     let numel = shape
         .iter()
         .try_fold(1u64, |a, &d| a.checked_mul(d))
@@ -288,17 +616,18 @@ fn parse_entry(name: &str, v: &serde_json::Value) -> Result<HeaderEntry, HeaderE
         .ok_or_else(|| bad(format!("shape {shape:?} overflows")))?;
     if want != end - begin {
         return Err(HeaderError::SpanMismatch {
-            name: name.to_string(),
-            shape,
+            name: name.into_owned(),
+            shape: shape.to_vec(),
             dtype: dtype.name(),
             want,
             got: end - begin,
         });
     }
     Ok(HeaderEntry {
-        name: name.to_string(),
+        name,
         dtype,
-        shape,
+        dims,
+        rank: rank as u8,
         begin,
         end,
     })
@@ -306,8 +635,11 @@ fn parse_entry(name: &str, v: &serde_json::Value) -> Result<HeaderEntry, HeaderE
 
 /// Parse and validate a header's JSON bytes for a data region of `data_len` bytes.
 ///
-/// Entries come back in data order. `__metadata__` is skipped (it must be a string map).
-pub fn parse_header(json: &[u8], data_len: u64) -> Result<Vec<HeaderEntry>, HeaderError> {
+/// Entries come back in data order, names borrowed from `json` where they have no escapes.
+/// `__metadata__` is skipped (it must be a string map). The JSON is read entry by entry into
+/// the compact entries (no value tree of the whole header is built), so a header costs about
+/// its own size again in entries.
+pub fn parse_header(json: &[u8], data_len: u64) -> Result<Vec<HeaderEntry<'_>>, HeaderError> {
     let text = std::str::from_utf8(json).map_err(|e| {
         HeaderError::Json(format!(
             "not UTF-8 at byte {} of the header",
@@ -317,45 +649,51 @@ pub fn parse_header(json: &[u8], data_len: u64) -> Result<Vec<HeaderEntry>, Head
     if !text.starts_with('{') {
         return Err(HeaderError::Json("the header must start with `{`".into()));
     }
-    let raw: RawHeader = serde_json::from_str(text.trim_end_matches(' '))
-        .map_err(|e| HeaderError::Json(format!("{e}")))?;
-    let mut seen = std::collections::HashSet::with_capacity(raw.0.len());
-    let mut entries = Vec::with_capacity(raw.0.len());
-    for (name, v) in &raw.0 {
-        if !seen.insert(name.as_str()) {
-            return Err(HeaderError::Duplicate(name.clone()));
-        }
-        if name == "__metadata__" {
-            let ok = v
-                .as_object()
-                .is_some_and(|m| m.values().all(serde_json::Value::is_string));
-            if !ok {
-                return Err(HeaderError::Json(
-                    "`__metadata__` must be an object of strings".into(),
-                ));
-            }
-            continue;
-        }
-        entries.push(parse_entry(name, v)?);
+    let mut failed = None;
+    let mut de = serde_json::Deserializer::from_str(text.trim_end_matches(' '));
+    let parsed = Header {
+        entries: Vec::new(),
+        failed: &mut failed,
     }
+    .deserialize(&mut de)
+    .and_then(|entries| de.end().map(|()| entries));
+    let mut entries = match (parsed, failed) {
+        (_, Some(refusal)) => return Err(refusal),
+        (Err(e), None) => return Err(HeaderError::Json(format!("{e}"))),
+        (Ok(entries), None) => entries,
+    };
+    check_duplicates(&entries)?;
     check_coverage(&mut entries, data_len)?;
     Ok(entries)
 }
 
+/// Refuse a name that appears twice (sorting indices, not copying names).
+fn check_duplicates(entries: &[HeaderEntry<'_>]) -> Result<(), HeaderError> {
+    let mut order: Vec<u32> = (0..entries.len() as u32).collect();
+    order.sort_unstable_by(|&a, &b| entries[a as usize].name.cmp(&entries[b as usize].name));
+    for w in order.windows(2) {
+        let (a, b) = (&entries[w[0] as usize], &entries[w[1] as usize]);
+        if a.name == b.name {
+            return Err(HeaderError::Duplicate(a.name.to_string()));
+        }
+    }
+    Ok(())
+}
+
 /// Sort by offset and require exact, non-overlapping coverage of `[0, data_len)`.
-fn check_coverage(entries: &mut [HeaderEntry], data_len: u64) -> Result<(), HeaderError> {
-    entries.sort_by_key(|a| (a.begin, a.end));
+fn check_coverage(entries: &mut [HeaderEntry<'_>], data_len: u64) -> Result<(), HeaderError> {
+    entries.sort_unstable_by_key(|a| (a.begin, a.end));
     let mut covered = 0u64;
-    let mut last: Option<&HeaderEntry> = None;
+    let mut last: Option<&HeaderEntry<'_>> = None;
     for e in entries.iter() {
         if e.begin == e.end {
             continue; // empty tensors occupy no bytes
         }
         if e.begin < covered {
-            let a = last.map_or_else(String::new, |l| l.name.clone());
+            let a = last.map_or_else(String::new, |l| l.name.to_string());
             return Err(HeaderError::Overlap {
                 a,
-                b: e.name.clone(),
+                b: e.name.to_string(),
                 start: e.begin,
                 end: covered.min(e.end),
             });
@@ -394,7 +732,7 @@ fn check_coverage(entries: &mut [HeaderEntry], data_len: u64) -> Result<(), Head
 mod tests {
     use super::*;
 
-    fn parse(json: &str, data_len: u64) -> Result<Vec<HeaderEntry>, HeaderError> {
+    fn parse(json: &str, data_len: u64) -> Result<Vec<HeaderEntry<'_>>, HeaderError> {
         parse_header(json.as_bytes(), data_len)
     }
 
@@ -439,7 +777,7 @@ mod tests {
     fn valid_header_with_metadata_padding_and_empty_tensor() {
         let j = r#"{"__metadata__":{"format":"pt"},"b":{"dtype":"BF16","shape":[2],"data_offsets":[4,8]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"e":{"dtype":"U8","shape":[0,3],"data_offsets":[8,8]}}   "#;
         let e = parse(j, 8).unwrap();
-        let names: Vec<&str> = e.iter().map(|x| x.name.as_str()).collect();
+        let names: Vec<&str> = e.iter().map(|x| x.name.as_ref()).collect();
         assert_eq!(names, ["a", "b", "e"]);
         assert_eq!(e.len(), 3);
     }
@@ -542,7 +880,7 @@ mod tests {
     fn escaped_names_stay_distinct() {
         let j = r#"{"a\u0000":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a\u00e9":{"dtype":"U8","shape":[1],"data_offsets":[1,2]},"a\u00e8":{"dtype":"U8","shape":[1],"data_offsets":[2,3]}}"#;
         let e = parse(j, 3).unwrap();
-        let mut names: Vec<String> = e.into_iter().map(|x| x.name).collect();
+        let mut names: Vec<String> = e.into_iter().map(|x| x.name.into_owned()).collect();
         names.sort();
         names.dedup();
         assert_eq!(names.len(), 3);

@@ -275,7 +275,14 @@ fn read_manifest(dir: &Path) -> Result<Manifest, String> {
     let json = dir.join("trunk.json");
     let bytes = super::read_capped(&json, MAX_MANIFEST_BYTES)
         .map_err(|e| format!("cannot read trunk.json: {e} (run `k3 pack` first)"))?;
-    let v: serde_json::Value = serde_json::from_slice(&bytes)
+    parse_manifest(&bytes, dir)
+}
+
+/// Parse the bytes of a `trunk.json` (`dir` is named in messages): older formats and foreign
+/// files are refused before any field is looked at. The layers are checked against the
+/// checkpoint when the trunk is opened.
+pub fn parse_manifest(bytes: &[u8], dir: &Path) -> Result<Manifest, String> {
+    let v: serde_json::Value = serde_json::from_slice(bytes)
         .map_err(|e| format!("trunk.json is not a k3 trunk manifest: {e}"))?;
     if !v.is_object() {
         return Err("trunk.json is not a k3 trunk manifest: not a JSON object".into());

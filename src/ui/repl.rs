@@ -436,7 +436,8 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
     if interrupted.load(Ordering::Relaxed) {
         exit_code = 130;
     } else if exit_code == 0 && !std::io::stdin().is_terminal() {
-        // A script learns what went wrong: 5 not saved, 4 unsound output, 3 a damaged file.
+        // A script learns what went wrong: 5 not saved, 1 a turn abandoned on a read error,
+        // 4 unsound output, 3 a damaged file.
         exit_code = reported;
     }
     exit_code

@@ -20,7 +20,7 @@ use crossterm::event::{
 };
 use crossterm::execute;
 use std::io::Write;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -134,7 +134,15 @@ fn bridge(worker: Worker, requests: &Receiver<Request>, inbox: &Sender<Event>) {
     let mut stopped = false;
     loop {
         match requests.recv_timeout(wait) {
-            Ok(Request::Shutdown) | Err(RecvTimeoutError::Disconnected) => break,
+            // The UI is leaving: the worker finishes (a stopped turn is journaled) and what it
+            // says last (what was not saved, how to resume it) goes to the inbox.
+            Ok(Request::Shutdown) => {
+                for ev in worker.finish() {
+                    let _ = inbox.send(Event::Engine(ev));
+                }
+                return;
+            }
+            Err(RecvTimeoutError::Disconnected) => break,
             Ok(r) => {
                 let _ = worker.send(r);
                 wait = Duration::from_millis(1);
@@ -295,6 +303,7 @@ pub fn run(worker: Worker, opts: TuiOptions) -> Outcome {
             .spawn(move || input_thread(&tx, &stop));
     }
     drop(inbox_tx);
+    let signals = Signals::register();
     let mut d = Driver {
         app: App::new(opts.init),
         keys: opts.keys,
@@ -304,15 +313,24 @@ pub fn run(worker: Worker, opts: TuiOptions) -> Outcome {
         quit: None,
     };
     let code = match guard.terminal.as_mut() {
-        Some(t) => event_loop(&mut d, t, &inbox),
+        Some(t) => event_loop(&mut d, t, &inbox, &signals),
         None => 1,
     };
     stop_input.store(true, Ordering::Relaxed);
     d.cancel.store(true, Ordering::Relaxed);
     let _ = d.requests.send(Request::Shutdown);
     guard.restore();
+    if let Some(name) = signals.received() {
+        eprintln!("k3: stopped by {name}");
+    }
     if let Some(h) = bridge_handle {
         let _ = h.join();
+    }
+    // On the restored terminal: what was not saved and how to resume it.
+    for ev in inbox.try_iter() {
+        if let Event::Engine(EngineEvent::Notice { turn: 0, text }) = ev {
+            eprintln!("k3: {}", crate::app::run::terminal_safe(&text));
+        }
     }
     Outcome {
         code,
@@ -320,10 +338,60 @@ pub fn run(worker: Worker, opts: TuiOptions) -> Outcome {
     }
 }
 
+/// SIGTERM, SIGHUP and SIGINT sent to the client: the first ends the loop (the terminal is
+/// restored, the worker finishes and journals, exit 128 + the signal); a second one while
+/// leaving exits at once.
+struct Signals {
+    got: Arc<AtomicUsize>,
+    leaving: Arc<AtomicBool>,
+}
+
+impl Signals {
+    const ALL: [(i32, &'static str); 3] = [
+        (signal_hook::consts::SIGTERM, "SIGTERM"),
+        (signal_hook::consts::SIGHUP, "SIGHUP"),
+        (signal_hook::consts::SIGINT, "SIGINT"),
+    ];
+
+    fn register() -> Signals {
+        let s = Signals {
+            got: Arc::new(AtomicUsize::new(0)),
+            leaving: Arc::new(AtomicBool::new(false)),
+        };
+        for (sig, _) in Self::ALL {
+            let _ = signal_hook::flag::register_conditional_shutdown(
+                sig,
+                128 + sig,
+                Arc::clone(&s.leaving),
+            );
+            let _ = signal_hook::flag::register_usize(sig, Arc::clone(&s.got), sig as usize);
+        }
+        s
+    }
+
+    /// The exit status for a signal received, if one was (and arm the second-signal exit).
+    fn exit_code(&self) -> Option<i32> {
+        let sig = self.got.load(Ordering::SeqCst);
+        (sig != 0).then(|| {
+            self.leaving.store(true, Ordering::SeqCst);
+            128 + sig as i32
+        })
+    }
+
+    fn received(&self) -> Option<&'static str> {
+        let sig = self.got.load(Ordering::SeqCst);
+        Self::ALL
+            .iter()
+            .find(|(s, _)| *s as usize == sig)
+            .map(|(_, n)| *n)
+    }
+}
+
 fn event_loop(
     d: &mut Driver,
     terminal: &mut ratatui::DefaultTerminal,
     inbox: &Receiver<Event>,
+    signals: &Signals,
 ) -> i32 {
     if let Ok(size) = terminal.size() {
         d.apply(Msg::Resize {
@@ -352,6 +420,9 @@ fn event_loop(
         };
         if PANICKED.load(Ordering::SeqCst) {
             return PANIC_EXIT;
+        }
+        if let Some(code) = signals.exit_code() {
+            return code;
         }
         if let Some(ev) = ev {
             d.event(ev);

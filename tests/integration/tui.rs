@@ -580,3 +580,84 @@ fn the_input_history_is_kept_across_runs() {
         input_row(s).contains("/stats")
     });
 }
+
+/// The pid of the `k3` the pane's shell started (the shell's only child).
+fn k3_pid(t: &Tmux) -> String {
+    let out = t.run(&["display-message", "-p", "-t", &t.session, "#{pane_pid}"]);
+    let shell = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let children =
+        std::fs::read_to_string(format!("/proc/{shell}/task/{shell}/children")).unwrap_or_default();
+    let pid = children
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    assert!(!pid.is_empty(), "no child of the pane's shell {shell}");
+    pid
+}
+
+#[test]
+fn a_signal_to_the_terminal_client_restores_the_terminal_and_keeps_the_conversation() {
+    require_tmux();
+    for (signal, code) in [("TERM", 143), ("HUP", 129), ("INT", 130)] {
+        let dir = tempfile::tempdir().unwrap();
+        let name = format!("sig-{}", signal.to_lowercase());
+        let t = Tmux::start(
+            &dir.path().join("tmux-s.sock"),
+            "k3s",
+            &chat_command(dir.path(), &format!("--session {name}")),
+        );
+        t.wait_for("the ready status bar", 60, ready);
+        t.type_text("hello there");
+        t.keys(&["Enter"]);
+        t.wait_for("the finished reply", 60, |s| {
+            s.contains("tokens/s · prompt") && ready(s)
+        });
+        let pid = k3_pid(&t);
+        assert!(Command::new("kill")
+            .args([&format!("-{signal}"), &pid])
+            .status()
+            .unwrap()
+            .success());
+        let screen = t.wait_for("the exit and stty", 30, |s| {
+            s.contains("K3-EXIT=") && s.contains("icanon")
+        });
+        assert!(
+            screen.contains(&format!("K3-EXIT={code}")),
+            "SIG{signal}:\n{screen}"
+        );
+        let flags = stty_flags(&screen);
+        for flag in ["echo", "icanon", "isig"] {
+            assert!(
+                flags.iter().any(|f| f == flag) && !flags.iter().any(|f| *f == format!("-{flag}")),
+                "SIG{signal}: {flag} not restored:\n{screen}"
+            );
+        }
+        assert!(
+            !screen.contains("┌ tokens/s"),
+            "SIG{signal}: the alternate screen was not left:\n{screen}"
+        );
+        assert!(
+            screen.contains(&format!("stopped by SIG{signal}"))
+                && screen.contains(&format!("k3 chat --resume {name}")),
+            "SIG{signal}: no line saying how to resume:\n{screen}"
+        );
+        // The conversation is kept: resuming recovers the turn.
+        let out = crate::common::k3_command()
+            .arg("chat")
+            .arg(fixture("tiny"))
+            .args(["--plain", "--greedy", "--no-think", "--resume", &name])
+            .arg("--session-dir")
+            .arg(dir.path().join("sessions"))
+            .env("K3_CONFIG", dir.path().join("no-config.toml"))
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "SIG{signal}: {err}");
+        assert!(
+            err.contains("recovered 1 unsaved turn"),
+            "SIG{signal}: {err}"
+        );
+    }
+}

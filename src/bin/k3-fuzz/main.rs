@@ -1,0 +1,310 @@
+//! `k3-fuzz`: a fuzz harness for every parser of untrusted bytes, on the stable toolchain.
+//!
+//! A seeded, structure-aware mutation loop (`mutate.rs`) over a committed seed corpus
+//! (`tests/fuzz/corpus/TARGET/`): each input is run under `catch_unwind` (a panic is a crash,
+//! and the input is written out), and every allocation is counted by a capping global
+//! allocator (the `cap` crate), so that an input whose parse holds more than the bound at
+//! once, beyond the harness's own memory, is a crash too. Inputs that reach a new outcome (a new kind
+//! of refusal, or acceptance) join the corpus. No coverage instrumentation: the toolchain's
+//! sanitizer and coverage hooks need nightly or an AFL/libFuzzer build, which cannot be
+//! fetched here.
+//!
+//! `k3-fuzz TARGET|all [--execs N] [--seed S] [--max-alloc-mb M] [--corpus DIR]
+//! [--crashes DIR] [--outcomes]`, `k3-fuzz TARGET --replay FILE…`, `k3-fuzz list`.
+
+mod mutate;
+mod targets;
+
+use cap::Cap;
+use std::alloc::System;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Instant;
+
+#[global_allocator]
+static ALLOC: Cap<System> = Cap::new(System, usize::MAX);
+
+/// Largest input the mutator makes: this, or twice the largest seed.
+const MAX_INPUT: usize = 64 << 10;
+/// Most inputs kept per target.
+const MAX_CORPUS: usize = 2048;
+
+struct Options {
+    target: String,
+    execs: u64,
+    seed: u64,
+    max_alloc: usize,
+    corpus: PathBuf,
+    crashes: PathBuf,
+    replay: Vec<PathBuf>,
+    show_outcomes: bool,
+}
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: k3-fuzz TARGET|all [--execs N] [--seed S] [--max-alloc-mb M] [--corpus DIR] \
+         [--crashes DIR] [--outcomes]\n       k3-fuzz TARGET --replay FILE...\n       k3-fuzz list"
+    );
+    std::process::exit(2);
+}
+
+fn parse_args() -> Options {
+    let mut args = std::env::args().skip(1);
+    let target = args.next().unwrap_or_else(|| usage());
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut o = Options {
+        target,
+        execs: 100_000,
+        seed: 1,
+        max_alloc: 64 << 20,
+        corpus: root.join("tests/fuzz/corpus"),
+        crashes: PathBuf::from("fuzz-crashes"),
+        replay: Vec::new(),
+        show_outcomes: false,
+    };
+    while let Some(a) = args.next() {
+        let mut value = |what: &str| {
+            args.next().unwrap_or_else(|| {
+                eprintln!("k3-fuzz: {a} needs {what}");
+                usage()
+            })
+        };
+        let num = |s: String| {
+            s.replace('_', "").parse::<u64>().unwrap_or_else(|_| {
+                eprintln!("k3-fuzz: {s:?} is not a number");
+                usage()
+            })
+        };
+        match a.as_str() {
+            "--execs" => o.execs = num(value("a count")),
+            "--seed" => o.seed = num(value("a number")),
+            "--max-alloc-mb" => o.max_alloc = (num(value("MB")) as usize) << 20,
+            "--corpus" => o.corpus = PathBuf::from(value("a folder")),
+            "--crashes" => o.crashes = PathBuf::from(value("a folder")),
+            "--outcomes" => o.show_outcomes = true,
+            "--replay" => {
+                o.replay.push(PathBuf::from(value("a file")));
+                o.replay.extend(args.by_ref().map(PathBuf::from));
+            }
+            _ => usage(),
+        }
+    }
+    o
+}
+
+/// The last panic's message (the hook stores it instead of printing).
+static PANIC: Mutex<String> = Mutex::new(String::new());
+
+/// Why an input failed.
+enum Crash {
+    Panic(String),
+    Alloc(usize),
+}
+
+struct Stats {
+    execs: u64,
+    kept: usize,
+    outcomes: usize,
+    peak_alloc: usize,
+}
+
+/// Run one input: its outcome, or the crash. `bound` is the allocation allowed beyond what
+/// the harness holds before the input; `peak` keeps the largest seen.
+///
+/// The allocator's high-water mark only rises, so before the input a ballast block (never
+/// written, so it costs address space, not memory) lifts what is allocated up to the mark:
+/// then the mark rises by exactly the input's own peak.
+fn exec(
+    t: &targets::Target,
+    input: &[u8],
+    bound: usize,
+    peak: &mut usize,
+) -> Result<String, Crash> {
+    let lift = ALLOC.max_allocated().saturating_sub(ALLOC.allocated());
+    let ballast: Vec<u8> = Vec::with_capacity(lift);
+    let base = ALLOC.allocated();
+    let r = std::panic::catch_unwind(|| (t.run)(input));
+    let used = ALLOC.max_allocated().saturating_sub(base);
+    drop(ballast);
+    *peak = (*peak).max(used);
+    if used > bound {
+        return Err(Crash::Alloc(used));
+    }
+    r.map_err(|_| {
+        Crash::Panic(
+            PANIC
+                .lock()
+                .map(|m| m.clone())
+                .unwrap_or_else(|e| e.into_inner().clone()),
+        )
+    })
+}
+
+fn report_crash(o: &Options, t: &targets::Target, input: &[u8], crash: &Crash) -> ! {
+    let _ = std::fs::create_dir_all(&o.crashes);
+    let digest = crc32fast::hash(input);
+    let path = o.crashes.join(format!("{}-{digest:08x}.bin", t.name));
+    let _ = std::fs::write(&path, input);
+    let what = match crash {
+        Crash::Panic(m) => format!("panic: {m}"),
+        Crash::Alloc(n) => format!(
+            "allocated {n} bytes for one input, above the bound of {} bytes",
+            o.max_alloc
+        ),
+    };
+    let preview: String = input
+        .iter()
+        .take(200)
+        .map(|&b| b.escape_ascii().to_string())
+        .collect();
+    eprintln!(
+        "k3-fuzz {}: CRASH — {what}\n  input ({} bytes) written to {}\n  starts: {preview}",
+        t.name,
+        input.len(),
+        path.display()
+    );
+    std::process::exit(1);
+}
+
+fn load_seeds(dir: &Path) -> Vec<Vec<u8>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    files.sort();
+    files
+        .iter()
+        .filter(|p| p.is_file())
+        .filter_map(|p| std::fs::read(p).ok())
+        .collect()
+}
+
+fn fuzz(o: &Options, t: &targets::Target) -> Stats {
+    let seeds = load_seeds(&o.corpus.join(t.name));
+    if seeds.is_empty() {
+        eprintln!(
+            "k3-fuzz {}: no seed files in {}",
+            t.name,
+            o.corpus.join(t.name).display()
+        );
+        std::process::exit(2);
+    }
+    if t.name == "session_decode" {
+        targets::learn_identity(&seeds[0]);
+    }
+    let max_len = seeds
+        .iter()
+        .map(Vec::len)
+        .max()
+        .unwrap_or(0)
+        .saturating_mul(2)
+        .max(MAX_INPUT);
+    let mut corpus = seeds;
+    corpus.reserve(MAX_CORPUS);
+    let mut seen: HashSet<String> = HashSet::new();
+    let mut peak = 0usize;
+    let mut input = Vec::new();
+    for s in &corpus {
+        match exec(t, s, o.max_alloc, &mut peak) {
+            Ok(sig) => {
+                seen.insert(sig);
+            }
+            Err(c) => report_crash(o, t, s, &c),
+        }
+    }
+    let mut rng = mutate::Rng::new(o.seed ^ crc32fast::hash(t.name.as_bytes()) as u64);
+    let mut execs = corpus.len() as u64;
+    while execs < o.execs {
+        let parent = rng.below(corpus.len());
+        let other = rng.below(corpus.len());
+        input.clear();
+        input.extend(mutate::mutate(
+            &corpus[parent],
+            &corpus[other],
+            t.dict,
+            max_len,
+            &mut rng,
+        ));
+        if let Some(fix) = t.fixup.filter(|_| rng.below(4) != 0) {
+            fix(&mut input);
+        }
+        execs += 1;
+        match exec(t, &input, o.max_alloc, &mut peak) {
+            Ok(sig) => {
+                if corpus.len() < MAX_CORPUS && seen.insert(sig) {
+                    corpus.push(input.clone());
+                }
+            }
+            Err(c) => report_crash(o, t, &input, &c),
+        }
+    }
+    if o.show_outcomes {
+        let mut all: Vec<&String> = seen.iter().collect();
+        all.sort();
+        for s in all {
+            println!("  {s}");
+        }
+    }
+    Stats {
+        execs,
+        kept: corpus.len(),
+        outcomes: seen.len(),
+        peak_alloc: peak,
+    }
+}
+
+fn main() {
+    let o = parse_args();
+    if o.target == "list" {
+        for t in targets::TARGETS {
+            println!("{:<16} {}", t.name, t.about);
+        }
+        return;
+    }
+    let chosen: Vec<&targets::Target> = targets::TARGETS
+        .iter()
+        .filter(|t| o.target == "all" || t.name == o.target)
+        .collect();
+    if chosen.is_empty() {
+        eprintln!("k3-fuzz: no target {:?} (k3-fuzz list)", o.target);
+        std::process::exit(2);
+    }
+    std::panic::set_hook(Box::new(|info| {
+        if let Ok(mut m) = PANIC.lock() {
+            *m = info.to_string();
+        }
+    }));
+    for t in chosen {
+        if !o.replay.is_empty() {
+            if t.name == "session_decode" {
+                targets::learn_identity(&load_seeds(&o.corpus.join(t.name))[0]);
+            }
+            let mut peak = 0;
+            for f in &o.replay {
+                let input = std::fs::read(f).unwrap_or_else(|e| {
+                    eprintln!("k3-fuzz: {}: {e}", f.display());
+                    std::process::exit(2);
+                });
+                match exec(t, &input, o.max_alloc, &mut peak) {
+                    Ok(sig) => println!("{}: {sig}", f.display()),
+                    Err(c) => report_crash(&o, t, &input, &c),
+                }
+            }
+            continue;
+        }
+        let start = Instant::now();
+        let s = fuzz(&o, t);
+        let secs = start.elapsed().as_secs_f64();
+        println!(
+            "k3-fuzz {}: {} execs in {secs:.1} s ({:.0}/s), 0 crashes; {} outcomes, corpus {}, \
+             largest allocation by one input {:.1} KiB (bound {} MiB)",
+            t.name,
+            s.execs,
+            s.execs as f64 / secs.max(1e-9),
+            s.outcomes,
+            s.kept,
+            s.peak_alloc as f64 / 1024.0,
+            o.max_alloc >> 20
+        );
+    }
+}

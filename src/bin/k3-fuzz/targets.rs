@@ -1,0 +1,448 @@
+//! The fuzz targets: every parser of bytes k3 does not control. Each returns a short outcome
+//! signature (used to keep inputs that reach new outcomes) and asserts the invariants that
+//! hold whenever the parser accepts.
+
+use k3::engine::config::ModelConfig;
+use k3::session::store::{self, ModelIdentity};
+use k3::stream::index::TensorIndex;
+use k3::stream::safetensors;
+use std::path::Path;
+use std::sync::OnceLock;
+
+/// One fuzz target.
+pub struct Target {
+    /// Name (also the corpus folder's).
+    pub name: &'static str,
+    /// What it parses.
+    pub about: &'static str,
+    /// Tokens the mutator splices in.
+    pub dict: &'static [&'static [u8]],
+    /// Run one input.
+    pub run: fn(&[u8]) -> String,
+    /// Make a mutant's checksums (and declared size) right again, so that it reaches the
+    /// checks behind them; applied to most mutants.
+    pub fixup: Option<fn(&mut [u8])>,
+}
+
+/// Session files: the declared total size (sometimes), the header CRC and every section's CRC
+/// that lies inside the input, recomputed.
+fn fix_session(b: &mut [u8]) {
+    if b.len() < 76 {
+        return;
+    }
+    if b[0] & 1 == 0 {
+        let len = (b.len() as u64).to_le_bytes();
+        b[16..24].copy_from_slice(&len);
+    }
+    let crc = crc32fast::hash(&b[..72]);
+    b[72..76].copy_from_slice(&crc.to_le_bytes());
+    let mut at = 76usize;
+    while at + 16 <= b.len() {
+        let mut len = [0u8; 8];
+        len.copy_from_slice(&b[at + 8..at + 16]);
+        let Some(end) = usize::try_from(u64::from_le_bytes(len))
+            .ok()
+            .and_then(|l| (at + 16).checked_add(l))
+            .filter(|&e| e + 4 <= b.len())
+        else {
+            return;
+        };
+        let crc = crc32fast::hash(&b[at..end]);
+        b[end..end + 4].copy_from_slice(&crc.to_le_bytes());
+        at = end + 4;
+    }
+}
+
+/// Journals: every complete record's CRC recomputed.
+fn fix_journal(b: &mut [u8]) {
+    let mut at = 8usize;
+    while at + 8 <= b.len() {
+        let len = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]) as usize;
+        let Some(end) = (at + 8).checked_add(len).filter(|&e| e <= b.len()) else {
+            return;
+        };
+        let mut h = crc32fast::Hasher::new();
+        h.update(&b[at..at + 4]);
+        h.update(&b[at + 8..end]);
+        b[at + 4..at + 8].copy_from_slice(&h.finalize().to_le_bytes());
+        at = end;
+    }
+}
+
+/// An outcome's signature: the message with its numbers and quoted parts taken out, so that
+/// one kind of refusal is one signature whatever the input's values.
+fn sig(kind: &str, msg: &str) -> String {
+    let mut out = String::from(kind);
+    let mut quoted = false;
+    let mut kept = String::new();
+    for c in msg.chars().take(160) {
+        match c {
+            '"' | '`' => quoted = !quoted,
+            _ if quoted => {}
+            _ => kept.push(c),
+        }
+    }
+    for word in kept.split_whitespace() {
+        if !word.chars().any(|c| c.is_ascii_digit()) {
+            out.push(' ');
+            out.push_str(word);
+        }
+    }
+    out
+}
+
+const JSON_DICT: &[&[u8]] = &[
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b"\"",
+    b",",
+    b":",
+    b"null",
+    b"true",
+    b"false",
+    b"\"\"",
+    b"{}",
+    b"[]",
+    b"\\u0000",
+    b"\\ud800",
+    b"\\u00e9",
+    b"\\\"",
+    b"\x1b]0;x\x07",
+    b"[[[[[[[[[[[[[[[[",
+];
+
+const ST_DICT: &[&[u8]] = &[
+    b"\"dtype\"",
+    b"\"shape\"",
+    b"\"data_offsets\"",
+    b"\"F32\"",
+    b"\"BF16\"",
+    b"\"F16\"",
+    b"\"U8\"",
+    b"\"I64\"",
+    b"\"__metadata__\"",
+    b"{\"format\":\"pt\"}",
+    b"[0,0]",
+    b"[1,1,1,1,1]",
+    b"[4,9223372036854775807]",
+    b"\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}",
+    b"version https://git-lfs",
+    b"<!DOCTYPE html>",
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b",",
+    b":",
+    b"\\u0000",
+    b"\\u00e9",
+];
+
+fn st_header(data: &[u8]) -> String {
+    let file_len = data.len() as u64;
+    let n = match safetensors::header_len(data, file_len) {
+        Ok(n) => n,
+        Err(e) => return sig("len", &e.to_string()),
+    };
+    let json = &data[8..8 + n as usize];
+    let data_len = file_len - 8 - n;
+    let entries = match safetensors::parse_header(json, data_len) {
+        Ok(e) => e,
+        Err(e) => return sig("header", &e.to_string()),
+    };
+    // Accepted: sorted, inside the data region, exactly covering it, spans match the shapes.
+    let mut covered = 0u64;
+    for e in &entries {
+        assert!(
+            e.begin <= e.end && e.end <= data_len,
+            "{e:?} outside {data_len}"
+        );
+        let numel = e.shape().iter().product::<u64>();
+        assert_eq!(numel * e.dtype.size(), e.end - e.begin, "{e:?}");
+        if e.begin < e.end {
+            assert_eq!(e.begin, covered, "{e:?} after {covered}");
+            covered = e.end;
+        }
+    }
+    assert_eq!(covered, data_len);
+    let mut idx = TensorIndex::default();
+    let Ok(shard) = idx.add_shard("model.safetensors") else {
+        return "index:shard".into();
+    };
+    for e in &entries {
+        if let Err(err) = idx.push(shard, &e.name, e.dtype, e.shape(), 8 + n + e.begin) {
+            return sig("index", &err.to_string());
+        }
+    }
+    if let Err(err) = idx.finish() {
+        return sig("index", &err.to_string());
+    }
+    for e in &entries {
+        let info = idx
+            .get(&e.name)
+            .expect("every accepted tensor is in the index");
+        assert_eq!(info.offset, 8 + n + e.begin);
+        assert_eq!(
+            info.shape.iter().map(|&d| d as u64).collect::<Vec<_>>(),
+            e.shape()
+        );
+    }
+    assert_eq!(idx.len(), entries.len());
+    format!("ok:{}", entries.len().min(4))
+}
+
+fn st_index_json(data: &[u8]) -> String {
+    match k3::stream::checkpoint::parse_weight_map(data) {
+        Ok(map) => {
+            for (file, tensors) in &map {
+                assert!(!file.is_empty() && !file.contains('/') && file != "..");
+                assert!(!tensors.is_empty());
+            }
+            format!("ok:{}", map.len().min(4))
+        }
+        Err(e) => sig("index", &e),
+    }
+}
+
+fn config_json(data: &[u8]) -> String {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return "utf8".into();
+    };
+    match ModelConfig::parse(text, Path::new("config.json")) {
+        Ok(c) => {
+            assert!(
+                c.num_hidden_layers >= 1 && c.num_hidden_layers <= k3::engine::config::MAX_LAYERS
+            );
+            "ok".into()
+        }
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(
+                msg.len() < 64 << 10,
+                "a config message of {} bytes",
+                msg.len()
+            );
+            sig("config", &msg)
+        }
+    }
+}
+
+fn trunk_manifest(data: &[u8]) -> String {
+    match k3::stream::trunk::parse_manifest(data, Path::new("trunk")) {
+        Ok(m) => format!("ok:{}", m.layers.len().min(4)),
+        Err(e) => sig("manifest", &e),
+    }
+}
+
+/// The tiny model's config, and the identity its sessions carry (read from the first seed).
+fn tiny() -> &'static (ModelConfig, OnceLock<ModelIdentity>) {
+    static TINY: OnceLock<(ModelConfig, OnceLock<ModelIdentity>)> = OnceLock::new();
+    TINY.get_or_init(|| {
+        let text = include_str!("../../../tests/fixtures/tiny/config.json");
+        let cfg = ModelConfig::parse(text, Path::new("tiny/config.json"))
+            .expect("the tiny fixture's config parses");
+        (cfg, OnceLock::new())
+    })
+}
+
+/// Where the model identity sits in a session file (after the header and the IDEN section's
+/// 16-byte head).
+const IDENTITY_AT: usize = 92;
+
+/// Take the identity the session seeds were saved with.
+pub fn learn_identity(seed: &[u8]) {
+    if let Some(id) = seed.get(IDENTITY_AT..IDENTITY_AT + 32) {
+        let mut hash = [0u8; 32];
+        hash.copy_from_slice(id);
+        let _ = tiny().1.set(ModelIdentity { hash });
+    }
+}
+
+fn session_decode(data: &[u8]) -> String {
+    let (cfg, id) = tiny();
+    let identity = id.get().copied().unwrap_or(ModelIdentity { hash: [0; 32] });
+    let mut r = data;
+    match store::decode(&mut r, data.len() as u64, cfg, &identity) {
+        Ok(rec) => {
+            assert_eq!(rec.tokens.len() as u64, rec.state.n_pos as u64);
+            assert!(rec.rng_state != 0);
+            // What decodes encodes back to the same bytes (timestamps and all).
+            let again = store::encode(&rec).expect("a decoded record encodes");
+            assert_eq!(again, data, "decode/encode round trip");
+            "ok".into()
+        }
+        Err(e) => sig("session", &e.to_string()),
+    }
+}
+
+fn tiktoken_ranks(data: &[u8]) -> String {
+    match k3::session::tokenizer::parse_ranks(Path::new("tiktoken.model"), data) {
+        Ok(n) => {
+            assert!(n >= 256, "{n} ranks accepted without all 256 bytes");
+            "ok".into()
+        }
+        Err(e) => sig("ranks", &e.to_string()),
+    }
+}
+
+fn user_toml(data: &[u8]) -> String {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return "utf8".into();
+    };
+    match k3::app::config::Config::parse(text, Path::new("config.toml")) {
+        Ok(c) => {
+            // What is accepted writes back out as a file that is accepted again.
+            let again = c.to_toml();
+            assert!(
+                k3::app::config::Config::parse(&again, Path::new("config.toml")).is_ok(),
+                "to_toml of an accepted config is refused:\n{again}"
+            );
+            "ok".into()
+        }
+        Err(e) => {
+            let msg = e.to_string();
+            sig("toml", &msg)
+        }
+    }
+}
+
+fn journal(data: &[u8]) -> String {
+    match k3::session::journal::decode(data) {
+        Ok(r) => {
+            let sum: u64 = r.records.iter().map(|x| 8 + x.len() as u64).sum();
+            assert_eq!(8 + sum, r.good_len);
+            assert_eq!(r.torn.is_some(), r.good_len < data.len() as u64);
+            format!("ok:{}:{}", r.records.len().min(3), r.torn.is_some())
+        }
+        Err(_) => "magic".into(),
+    }
+}
+
+const TOML_DICT: &[&[u8]] = &[
+    b"[sampling]",
+    b"[memory]",
+    b"[thinking]",
+    b"[keys]",
+    b"[theme]",
+    b"model_dir = ",
+    b"temperature = ",
+    b"top_k = ",
+    b"top_p = ",
+    b"context = ",
+    b"budget_gb = ",
+    b"quit = ",
+    b"\"ctrl-q\"",
+    b"\"ctrl-ctrl-q\"",
+    b"\"alt-\"",
+    b"= 1e400",
+    b"= -1",
+    b"= nan",
+    b"= inf",
+    b"\"\"\"",
+    b"'''",
+    b"[[x]]",
+    b"= {a = 1}",
+    b"= [1, 2]",
+    b"\n",
+    b"#",
+];
+
+const SESSION_DICT: &[&[u8]] = &[
+    b"\x89K3SESS\n",
+    b"IDEN",
+    b"SUMM",
+    b"TRAN",
+    b"SETT",
+    b"TOKS",
+    b"SAMP",
+    b"STAT",
+    b"LAYR",
+    b"\xff\xff\xff\xff\xff\xff\xff\xff",
+    b"\0\0\0\0\0\0\0\0",
+    b"\0\0\0\x80",
+];
+
+const RANKS_DICT: &[&[u8]] = &[
+    b"\n",
+    b"\r\n",
+    b" ",
+    b"AA== ",
+    b"AA== 0\n",
+    b"=",
+    b"-1",
+    b" 999999",
+    b"QUJD",
+    b"version https://git-lfs.github.com/spec/v1\n",
+    b"\xef\xbb\xbf",
+    b"  ",
+    b"\t",
+];
+
+const JOURNAL_DICT: &[&[u8]] = &[
+    b"\x89K3JRNL\n",
+    b"\0\0\0\0",
+    b"\xff\xff\xff\xff",
+    b"{\"kind\":\"turn\"}",
+];
+
+/// Every target, in the order `all` runs them.
+pub const TARGETS: &[Target] = &[
+    Target {
+        name: "st_header",
+        about: "a safetensors file: header length, header JSON, the tensor index built from it",
+        dict: ST_DICT,
+        run: st_header,
+        fixup: None,
+    },
+    Target {
+        name: "st_index_json",
+        about: "model.safetensors.index.json (weight_map)",
+        dict: JSON_DICT,
+        run: st_index_json,
+        fixup: None,
+    },
+    Target {
+        name: "config_json",
+        about: "the model's config.json",
+        dict: JSON_DICT,
+        run: config_json,
+        fixup: None,
+    },
+    Target {
+        name: "trunk_manifest",
+        about: "a packed trunk's trunk.json",
+        dict: JSON_DICT,
+        run: trunk_manifest,
+        fixup: None,
+    },
+    Target {
+        name: "session_decode",
+        about: "a session file, decoded against the tiny model",
+        dict: SESSION_DICT,
+        run: session_decode,
+        fixup: Some(fix_session),
+    },
+    Target {
+        name: "tiktoken_ranks",
+        about: "the tokenizer's rank file (tiktoken.model)",
+        dict: RANKS_DICT,
+        run: tiktoken_ranks,
+        fixup: None,
+    },
+    Target {
+        name: "user_toml",
+        about: "the user's config.toml",
+        dict: TOML_DICT,
+        run: user_toml,
+        fixup: None,
+    },
+    Target {
+        name: "journal",
+        about: "a session journal's records",
+        dict: JOURNAL_DICT,
+        run: journal,
+        fixup: Some(fix_journal),
+    },
+];

@@ -408,17 +408,33 @@ fn limits(s: &AppState) -> Limits {
     }
 }
 
+/// The body of an authorized request, or the error response (401, 413, 400).
+fn checked_body(
+    s: &Shared,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Bytes, Box<Response>> {
+    authorize(s, headers).map_err(|e| Box::new(error_response(&e, None)))?;
+    body.map_err(|r| Box::new(body_error(&r)))
+}
+
+/// A response id unique to this server: `PREFIX-<start time>-<counter>`.
+fn request_id(s: &Shared, prefix: &str) -> String {
+    format!(
+        "{prefix}-{}-{}",
+        s.started,
+        s.counter.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
 async fn chat(
     State(s): State<Shared>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    if let Err(e) = authorize(&s, &headers) {
-        return error_response(&e, None);
-    }
-    let body = match body {
+    let body = match checked_body(&s, &headers, body) {
         Ok(b) => b,
-        Err(r) => return body_error(&r),
+        Err(r) => return *r,
     };
     let parsed = match wire::parse_chat(&body, limits(&s)) {
         Ok(p) => p,
@@ -428,11 +444,7 @@ async fn chat(
         Ok(a) => a,
         Err(r) => return r,
     };
-    let id = format!(
-        "chatcmpl-{}-{}",
-        s.started,
-        s.counter.fetch_add(1, Ordering::Relaxed)
-    );
+    let id = request_id(&s, "chatcmpl");
     let created = unix_now();
     let model = s.cfg.model_name.clone();
     if !parsed.stream {
@@ -571,12 +583,9 @@ async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    if let Err(e) = authorize(&s, &headers) {
-        return error_response(&e, None);
-    }
-    let body = match body {
+    let body = match checked_body(&s, &headers, body) {
         Ok(b) => b,
-        Err(r) => return body_error(&r),
+        Err(r) => return *r,
     };
     let parsed = match wire::parse_completion(&body, limits(&s)) {
         Ok(p) => p,
@@ -586,11 +595,7 @@ async fn completions(
         Ok(a) => a,
         Err(r) => return r,
     };
-    let id = format!(
-        "cmpl-{}-{}",
-        s.started,
-        s.counter.fetch_add(1, Ordering::Relaxed)
-    );
+    let id = request_id(&s, "cmpl");
     let created = unix_now();
     let model = s.cfg.model_name.clone();
     if !parsed.stream {

@@ -18,4 +18,4 @@ pub mod weights;
 
 pub use config::ModelConfig;
 pub use model::{Logits, Model, Rollback, Trace};
-pub use state::SeqState;
+pub use state::{SeqState, Snapshot};

@@ -217,6 +217,17 @@ struct JournalRecord {
     /// The reply as far as it got, for a stopped turn.
     #[serde(default)]
     partial: Option<String>,
+    /// The ids of each snapshot the session held, oldest first, each as a prefix of this
+    /// record's ids and the ids after it (recovery rebuilds them; older journals have none).
+    #[serde(default)]
+    snapshots: Vec<SnapshotIds>,
+}
+
+/// A snapshot's ids: the first `keep` of the record's ids, then `add`.
+#[derive(Debug, Serialize, Deserialize)]
+struct SnapshotIds {
+    keep: usize,
+    add: Vec<u32>,
 }
 
 /// The journal this process writes.
@@ -855,7 +866,9 @@ impl Ctx<'_> {
         self.turn_result(turn, |s, c, e| s.send(text, c, e))
     }
 
-    fn record(&self, name: &str) -> Result<SessionRecord, String> {
+    /// The record to save: the session's state and snapshots are moved into it (no copy);
+    /// [`Worker::return_state`] gives them back.
+    fn record(&mut self, name: &str) -> Result<SessionRecord, String> {
         let s = &self.session;
         let transcript = SavedTranscript {
             system: s.system.clone(),
@@ -863,22 +876,45 @@ impl Ctx<'_> {
             entries: s.entries.clone(),
             pending: s.pending(),
         };
+        let transcript_json = serde_json::to_vec(&transcript).map_err(|e| e.to_string())?;
+        let settings_json = serde_json::to_vec(&s.settings).map_err(|e| e.to_string())?;
+        let (turns, mode, sampler, rng_state) = (
+            s.turns() as u32,
+            s.mode.name().to_string(),
+            s.settings.sampler(),
+            s.rng_state(),
+        );
+        let (tokens, state, snapshots) = self.session.lend_state();
         Ok(SessionRecord {
             name: name.to_string(),
             created_unix: self.created,
             saved_unix: unix_now(),
             identity: self.identity,
-            summary: Summary {
-                turns: s.turns() as u32,
-                mode: s.mode.name().to_string(),
-            },
-            transcript_json: serde_json::to_vec(&transcript).map_err(|e| e.to_string())?,
-            settings_json: serde_json::to_vec(&s.settings).map_err(|e| e.to_string())?,
-            tokens: s.tokens().to_vec(),
-            state: s.state().clone(),
-            sampler: s.settings.sampler(),
-            rng_state: s.rng_state(),
+            summary: Summary { turns, mode },
+            transcript_json,
+            settings_json,
+            tokens,
+            state,
+            snapshots,
+            sampler,
+            rng_state,
         })
+    }
+
+    /// Give the session back the state [`Worker::record`] moved into `rec`.
+    fn return_state(&mut self, rec: &mut SessionRecord) {
+        let state = std::mem::replace(
+            &mut rec.state,
+            crate::engine::SeqState {
+                n_pos: 0,
+                layers: Vec::new(),
+            },
+        );
+        self.session.put_back(
+            std::mem::take(&mut rec.tokens),
+            state,
+            std::mem::take(&mut rec.snapshots),
+        );
     }
 
     fn apply_transcript(&mut self, json: &[u8]) -> Result<Option<u32>, String> {
@@ -1049,8 +1085,17 @@ impl Ctx<'_> {
                 tokens.len()
             ));
         }
+        let mut snapshots = Vec::with_capacity(r.snapshots.len());
+        for s in &r.snapshots {
+            let Some(head) = tokens.get(..s.keep) else {
+                continue;
+            };
+            let mut ids = head.to_vec();
+            ids.extend_from_slice(&s.add);
+            snapshots.push(ids);
+        }
         self.session
-            .rebuild(tokens, r.pending, r.rng)
+            .rebuild(tokens, r.pending, r.rng, &snapshots)
             .map(|_| ())
             .map_err(|e| e.to_string())
     }
@@ -1096,6 +1141,22 @@ impl Ctx<'_> {
             },
             settings: s.settings.clone(),
             partial,
+            snapshots: s
+                .snapshots()
+                .iter()
+                .map(|sn| {
+                    let keep = sn
+                        .tokens
+                        .iter()
+                        .zip(ids)
+                        .take_while(|(a, b)| a == b)
+                        .count();
+                    SnapshotIds {
+                        keep,
+                        add: sn.tokens[keep..].to_vec(),
+                    }
+                })
+                .collect(),
         };
         let written = serde_json::to_vec(&rec)
             .map_err(std::io::Error::other)
@@ -1210,6 +1271,9 @@ impl Ctx<'_> {
 
     fn load_inner(&mut self, name: &str) -> Result<String, (String, i32)> {
         let refused = |m: String| (m, 3);
+        // The state held now goes before the saved one is read, so that no more states are
+        // held than the plan reserves (the transcript stays until the load succeeds).
+        self.session.release_state();
         match self
             .store
             .load(name, &self.session.model().cfg, &self.identity)
@@ -1239,7 +1303,7 @@ impl Ctx<'_> {
                     .apply_transcript(&rec.transcript_json)
                     .map_err(refused)?;
                 self.session
-                    .restore(rec.tokens, rec.state, pending, rec.rng_state)
+                    .restore(rec.tokens, rec.state, pending, rec.rng_state, rec.snapshots)
                     .map_err(|e| refused(e.to_string()))?;
                 self.base = Some(Base::of(&rec.transcript_json));
                 self.name = Some(rec.name);
@@ -1315,12 +1379,15 @@ impl Ctx<'_> {
                 (lock.name().to_string(), Some(lock))
             }
         };
-        let rec = self.record(&target)?;
+        let mut rec = self.record(&target)?;
         let t0 = std::time::Instant::now();
         let saved = match claim.as_ref().or(self.open.as_ref()) {
             Some(lock) => self.store.save_locked(&rec, lock),
             None => self.store.save(&rec),
         };
+        let positions = rec.tokens.len();
+        let snapshots = rec.snapshots.len();
+        self.return_state(&mut rec);
         let bytes = saved.map_err(|e| e.to_string())?;
         // Everything journaled is in the saved file now (removed before a lock it is under
         // is let go).
@@ -1330,8 +1397,9 @@ impl Ctx<'_> {
             self.open = Some(lock);
         }
         let mut answer = format!(
-            "saved session {target:?} ({} positions, {:.1} KB, {:.0} ms)",
-            rec.tokens.len(),
+            "saved session {target:?} ({positions} positions and {snapshots} snapshot{}, {:.1} \
+             KB, {:.0} ms)",
+            if snapshots == 1 { "" } else { "s" },
             bytes as f64 / 1e3,
             t0.elapsed().as_secs_f64() * 1e3
         );

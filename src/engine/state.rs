@@ -61,3 +61,15 @@ impl SeqState {
             .sum()
     }
 }
+
+/// The state after a prefix of ids, with the logits that follow it: what a chat keeps to
+/// restart from when a later prompt shares that prefix (KDA state cannot be rolled back).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Snapshot {
+    /// The ids the state covers (`state.n_pos` of them).
+    pub tokens: Vec<u32>,
+    /// The state after them.
+    pub state: SeqState,
+    /// The logits after the last of them.
+    pub logits: Vec<f32>,
+}

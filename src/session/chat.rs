@@ -12,7 +12,7 @@ use super::tokenizer::{Tokenizer, Utf8Stream};
 use crate::engine::model::Logits;
 use crate::engine::sampling::{Sampler, SamplerConfig};
 use crate::engine::spec::{SpecMode, SpecStats, Speculator};
-use crate::engine::{Model, SeqState};
+use crate::engine::{Model, SeqState, Snapshot};
 use crate::stream::StreamError;
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -224,14 +224,6 @@ pub enum TurnError {
     Stream(#[from] StreamError),
 }
 
-/// State at the end of a prompt, with the logits that follow it.
-#[derive(Clone, Debug)]
-struct Snapshot {
-    tokens: Vec<u32>,
-    state: SeqState,
-    logits: Vec<f32>,
-}
-
 /// A conversation bound to a model and tokenizer.
 pub struct Session<'a> {
     model: &'a Model,
@@ -381,13 +373,22 @@ impl<'a> Session<'a> {
         self.sampler.rng_state()
     }
 
-    /// Restore engine-side state (tokens covered, state, pending id, sampler stream).
+    /// The snapshots held, oldest first.
+    #[must_use]
+    pub fn snapshots(&self) -> &[Snapshot] {
+        &self.snapshots
+    }
+
+    /// Restore engine-side state (tokens covered, state, pending id, sampler stream) and the
+    /// snapshots that were held with it (oldest first; the newest [`SNAPSHOTS`] within the
+    /// context limit are kept).
     pub fn restore(
         &mut self,
         tokens: Vec<u32>,
         state: SeqState,
         pending: Option<u32>,
         rng_state: u64,
+        snapshots: Vec<Snapshot>,
     ) -> Result<(), TurnError> {
         self.sampler = Sampler::with_rng_state(self.settings.sampler(), rng_state)
             .map_err(|e| TurnError::Refused(e.to_string()))?;
@@ -395,7 +396,45 @@ impl<'a> Session<'a> {
         self.state = state;
         self.pending = pending;
         self.snapshots.clear();
+        let limit = self.settings.context_limit;
+        for s in snapshots {
+            let fits = !s.tokens.is_empty() && s.tokens.len() <= limit;
+            if fits && !self.snapshots.iter().any(|k| k.tokens == s.tokens) {
+                self.snapshots.push(s);
+            }
+        }
+        let extra = self.snapshots.len().saturating_sub(self.max_snapshots);
+        self.snapshots.drain(..extra);
         Ok(())
+    }
+
+    /// Move the engine-side state out (the ids it covers, the state, the snapshots) so that it
+    /// can be written without a copy; [`Session::put_back`] must return it before the next
+    /// turn. Until then the session holds no state.
+    pub fn lend_state(&mut self) -> (Vec<u32>, SeqState, Vec<Snapshot>) {
+        let placeholder = SeqState {
+            n_pos: 0,
+            layers: Vec::new(),
+        };
+        (
+            std::mem::take(&mut self.tokens),
+            std::mem::replace(&mut self.state, placeholder),
+            std::mem::take(&mut self.snapshots),
+        )
+    }
+
+    /// Return what [`Session::lend_state`] moved out.
+    pub fn put_back(&mut self, tokens: Vec<u32>, state: SeqState, snapshots: Vec<Snapshot>) {
+        self.tokens = tokens;
+        self.state = state;
+        self.snapshots = snapshots;
+    }
+
+    /// Let go of the engine state and the snapshots (the transcript stays; its next turn
+    /// prefills it again), so that loading another session's state does not hold two.
+    pub fn release_state(&mut self) {
+        self.snapshots.clear();
+        self.drop_live_state();
     }
 
     /// Chat messages in render order (system first).
@@ -848,32 +887,202 @@ impl<'a> Session<'a> {
     }
 
     /// Bring the engine state to cover exactly `tokens` (the ids of turns recovered from a
-    /// journal), reusing the current state where its ids are a prefix of them and prefilling
-    /// the rest; then set the pending id and the sampler's stream as they were. Prefill and
-    /// decode give the same bits, so the state equals the one the turns left. Returns the ids
-    /// prefilled. On a read error the live state is dropped (the next turn starts over).
+    /// journal), and hold a snapshot for each of `snapshots` (the ids each snapshot the
+    /// journaled session held covered, oldest first), as an uninterrupted session would have
+    /// them; then set the pending id and the sampler's stream as they were. The current state
+    /// and the snapshots held are reused where their ids are a prefix of what is needed, the
+    /// rest is prefilled: prefill and decode give the same bits, in any chunking, so every
+    /// state equals the one the turns left. Returns the ids prefilled. On a read error the
+    /// live state and the snapshots are dropped (the next turn starts over).
     pub fn rebuild(
         &mut self,
         tokens: &[u32],
         pending: Option<u32>,
         rng_state: u64,
+        snapshots: &[Vec<u32>],
     ) -> Result<usize, TurnError> {
         let sampler = Sampler::with_rng_state(self.settings.sampler(), rng_state)
             .map_err(|e| TurnError::Refused(e.to_string()))?;
+        let vocab = self.model.cfg.vocab_size;
+        let all = tokens
+            .iter()
+            .chain(snapshots.iter().flatten())
+            .chain(&pending);
+        if let Some(id) = all.into_iter().find(|&&id| id as usize >= vocab) {
+            return Err(TurnError::Refused(format!(
+                "token id {id} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let limit = self.settings.context_limit;
+        let mut targets: Vec<&[u32]> = Vec::new();
+        for t in snapshots {
+            if !t.is_empty() && t.len() <= limit && !targets.contains(&t.as_slice()) {
+                targets.push(t);
+            }
+        }
+        let extra = targets.len().saturating_sub(self.max_snapshots);
+        targets.drain(..extra);
+        // Held snapshots that are wanted are kept as they are; the others go first, so that
+        // no more states are held than the live one and the snapshots.
+        let mut built: Vec<Option<Snapshot>> = vec![None; targets.len()];
+        for s in std::mem::take(&mut self.snapshots) {
+            if let Some(i) = targets.iter().position(|t| *t == s.tokens.as_slice()) {
+                built[i] = Some(s);
+            }
+        }
         if !tokens.starts_with(&self.tokens) {
             self.tokens.clear();
             self.state = SeqState::new(&self.model.cfg);
         }
-        self.snapshots.clear();
-        let from = self.tokens.len();
-        if from < tokens.len() {
-            if let Err(e) = self.feed(&tokens[from..], 0, tokens.len() - from) {
+        match self.rebuild_states(tokens, &targets, &mut built) {
+            Ok(n) => {
+                self.snapshots = built.into_iter().flatten().collect();
+                self.pending = pending;
+                self.sampler = sampler;
+                Ok(n)
+            }
+            Err(e) => {
                 self.drop_live_state();
-                return Err(e.into());
+                Err(e.into())
             }
         }
-        self.pending = pending;
-        self.sampler = sampler;
-        Ok(tokens.len() - from)
+    }
+
+    /// Feed `ids` to `state` in prefill chunks; the logits after the last id.
+    fn feed_into(
+        &mut self,
+        state: &mut SeqState,
+        ids: &[u32],
+        progress: &mut (usize, usize),
+    ) -> Result<Vec<f32>, StreamError> {
+        let mut logits = Vec::new();
+        for chunk in ids.chunks(PREFILL_CHUNK) {
+            logits = self.model.forward(state, chunk, Logits::Last)?;
+            progress.0 += chunk.len();
+            progress.1 = progress.1.max(progress.0);
+            if let Some(f) = self.on_prefill.as_mut() {
+                f(progress.0, progress.1);
+            }
+        }
+        Ok(logits)
+    }
+
+    /// Advance the live state along `tokens` to `to` ids; the logits there (from the last feed,
+    /// or kept from before).
+    fn advance_live(
+        &mut self,
+        tokens: &[u32],
+        to: usize,
+        logits: &mut Option<Vec<f32>>,
+        progress: &mut (usize, usize),
+    ) -> Result<(), StreamError> {
+        let from = self.tokens.len();
+        if from < to {
+            let mut state = std::mem::replace(
+                &mut self.state,
+                SeqState {
+                    n_pos: 0,
+                    layers: Vec::new(),
+                },
+            );
+            let fed = self.feed_into(&mut state, &tokens[from..to], progress);
+            self.state = state;
+            *logits = Some(fed?);
+            self.tokens.extend_from_slice(&tokens[from..to]);
+        }
+        Ok(())
+    }
+
+    /// The states [`Session::rebuild`] needs: one pass along `tokens` with the live state, a
+    /// copy of it taken where a snapshot leaves `tokens` (or of a longer snapshot that is a
+    /// prefix of it), so that no id before a branch point is fed twice.
+    fn rebuild_states(
+        &mut self,
+        tokens: &[u32],
+        targets: &[&[u32]],
+        built: &mut [Option<Snapshot>],
+    ) -> Result<usize, StreamError> {
+        let mut order: Vec<usize> = (0..targets.len()).filter(|&i| built[i].is_none()).collect();
+        order.sort_by_key(|&i| (lcp(targets[i], tokens), targets[i].len()));
+        let planned = tokens.len().saturating_sub(self.tokens.len())
+            + order
+                .iter()
+                .map(|&i| targets[i].len() - lcp(targets[i], tokens))
+                .sum::<usize>();
+        let mut progress = (0, planned);
+        let mut live_logits: Option<Vec<f32>> = None;
+        for i in order {
+            let t = targets[i];
+            let branch = lcp(t, tokens);
+            // The longest snapshot already built that is a proper prefix of this one.
+            let from_snap = built
+                .iter()
+                .enumerate()
+                .filter_map(|(j, s)| s.as_ref().map(|s| (j, s.tokens.len())))
+                .filter(|&(j, n)| {
+                    n < t.len() && built[j].as_ref().is_some_and(|s| t.starts_with(&s.tokens))
+                })
+                .max_by_key(|&(_, n)| n);
+            let live = self.tokens.len();
+            let live_ok = live <= branch && (live < t.len() || live_logits.is_some());
+            let snap = match from_snap {
+                Some((j, n)) if !live_ok || n > live => Some(j),
+                _ => None,
+            };
+            let done = match snap {
+                Some(j) => {
+                    let base = built[j].as_ref().map(|s| (s.state.clone(), s.tokens.len()));
+                    let (mut state, n) =
+                        base.unwrap_or_else(|| (SeqState::new(&self.model.cfg), 0));
+                    let logits = self.feed_into(&mut state, &t[n..], &mut progress)?;
+                    Snapshot {
+                        tokens: t.to_vec(),
+                        state,
+                        logits,
+                    }
+                }
+                None if !live_ok => {
+                    let mut state = SeqState::new(&self.model.cfg);
+                    let logits = self.feed_into(&mut state, t, &mut progress)?;
+                    Snapshot {
+                        tokens: t.to_vec(),
+                        state,
+                        logits,
+                    }
+                }
+                None => {
+                    self.advance_live(tokens, branch, &mut live_logits, &mut progress)?;
+                    if branch == t.len() {
+                        Snapshot {
+                            tokens: t.to_vec(),
+                            state: self.state.clone(),
+                            logits: live_logits.clone().unwrap_or_default(),
+                        }
+                    } else {
+                        let mut state = self.state.clone();
+                        let logits = self.feed_into(&mut state, &t[branch..], &mut progress)?;
+                        Snapshot {
+                            tokens: t.to_vec(),
+                            state,
+                            logits,
+                        }
+                    }
+                }
+            };
+            built[i] = Some(done);
+        }
+        // The live state: from a snapshot when one covers more of `tokens` than it does.
+        let longest = built
+            .iter()
+            .flatten()
+            .filter(|s| s.tokens.len() > self.tokens.len() && tokens.starts_with(&s.tokens))
+            .max_by_key(|s| s.tokens.len())
+            .map(|s| (s.state.clone(), s.tokens.clone()));
+        if let Some((state, ids)) = longest {
+            self.state = state;
+            self.tokens = ids;
+        }
+        self.advance_live(tokens, tokens.len(), &mut live_logits, &mut progress)?;
+        Ok(progress.0)
     }
 }

@@ -3,17 +3,17 @@
 //! directory store that writes those files atomically under an advisory lock (RELIABILITY §3.5,
 //! RUNTIME §4.6).
 //!
-//! # File format, version 1
+//! # File format, version 2
 //!
 //! Integers and floats are little-endian; there is no padding.
 //!
 //! | offset | size | field |
 //! |---:|---:|---|
 //! | 0 | 8 | magic `89 4B 33 53 45 53 53 0A` (`\x89K3SESS\n`) |
-//! | 8 | 4 | format version (1) |
+//! | 8 | 4 | format version (2; 1 is still read) |
 //! | 12 | 4 | flags (0) |
 //! | 16 | 8 | total file size in bytes |
-//! | 24 | 8 | section count (7 + layers) |
+//! | 24 | 8 | section count (8 + layers + snapshots; v1: 7 + layers) |
 //! | 32 | 8 | `n_pos`, positions the state covers |
 //! | 40 | 8 | layers |
 //! | 48 | 8 | bytes each further position adds (0 when `n_pos` is 0) |
@@ -34,6 +34,17 @@
 //! | `SAMP` | 0 | temperature f32, top_k u64, top_p f32, min_p f32, repeat_penalty f32, seed u64, rng state u64 |
 //! | `STAT` | 0 | per layer 40 bytes: kind u32 (0 KDA, 1 MLA latent), 0 u32, four u64 float counts (KDA: S, conv q, conv k, conv v; MLA: rows, floats, 0, 0) |
 //! | `LAYR` | layer | KDA: S then the three conv windows; MLA: the `n_pos` occupied latent rows; f32 each |
+//! | `SNAP` | 0 | snapshot count u32, 0 u32, then per snapshot: positions u64, shared u64, logits u64 |
+//! | `SNPS` | snapshot | the ids after the shared ones u32 each, the logits f32 each, then per layer: KDA: S and the three conv windows; MLA: the latent rows after the shared ones; f32 each |
+//!
+//! The live state (`TOKS`, `LAYR`) is what the conversation's next turn continues; the snapshots
+//! (at most [`MAX_SNAPSHOTS`], oldest first) are the states a chat keeps at the end of its recent
+//! prompts and histories, so that a regenerate, an undo, an edit or a reply cut off costs after
+//! a resume what it costs without one. A snapshot's first `shared` ids are the live state's, and
+//! so are its first `shared` latent rows in every MLA layer (bit for bit; the writer checks), so
+//! they are not stored twice: a snapshot costs its KDA state, its logits and its rows past the
+//! shared prefix. Version 1 files are version 2 without the `SNAP` and `SNPS` sections (no
+//! snapshots).
 //!
 //! Every length is a u64 and is checked, with checked arithmetic, against the size the *current*
 //! config implies before anything is allocated; the header's total must equal the file's size and
@@ -53,12 +64,17 @@ use crate::engine::config::{ModelConfig, MAX_LAYERS};
 use crate::engine::kda::KdaState;
 use crate::engine::layer::{kda_params, mla_params};
 use crate::engine::sampling::{self, SamplerConfig};
-use crate::engine::state::{LayerState, SeqState};
+use crate::engine::state::{LayerState, SeqState, Snapshot};
 
 /// First eight bytes of every session file.
 pub const MAGIC: [u8; 8] = *b"\x89K3SESS\n";
 /// The format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest format version this build reads (version 1: no snapshots).
+pub const OLDEST_VERSION: u32 = 1;
+/// Most snapshots a file may hold: those a chat keeps, which the engine's plan reserves room
+/// for.
+pub const MAX_SNAPSHOTS: usize = super::chat::SNAPSHOTS;
 /// Size of the fixed file header.
 pub const HEADER_LEN: u64 = 76;
 /// File-name extension of session files inside the store.
@@ -78,6 +94,8 @@ const LAYER_DESC_LEN: u64 = 40;
 const SUMMARY_MIN: u64 = 12;
 const SUMMARY_MAX: u64 = SUMMARY_MIN + MAX_NAME_LEN as u64 + MAX_MODE_LEN as u64;
 const FIXED_SECTIONS: u64 = 7;
+const SNAP_DIR_HEAD: u64 = 8;
+const SNAP_DESC_LEN: u64 = 24;
 const IO_CHUNK: usize = 64 * 1024;
 const KIND_KDA: u32 = 0;
 const KIND_MLA: u32 = 1;
@@ -174,6 +192,8 @@ pub struct SessionRecord {
     pub tokens: Vec<u32>,
     /// Carried engine state.
     pub state: SeqState,
+    /// The snapshots held beside the live state, oldest first (at most [`MAX_SNAPSHOTS`]).
+    pub snapshots: Vec<Snapshot>,
     /// Sampler settings.
     pub sampler: SamplerConfig,
     /// Generator word to resume the sampled stream (non-zero).
@@ -251,7 +271,7 @@ pub enum Refusal {
         actual: u64,
     },
     /// Written by another format version.
-    #[error("written by format v{found}, this build reads v{FORMAT_VERSION}")]
+    #[error("written by format v{found}, this build reads v{OLDEST_VERSION} to v{FORMAT_VERSION}")]
     Version {
         /// The version in the file.
         found: u32,
@@ -468,6 +488,20 @@ pub enum RecordError {
         floats: usize,
         /// Positions in the state.
         n_pos: usize,
+    },
+    /// More snapshots than a file may hold.
+    #[error("{n} snapshots; at most {MAX_SNAPSHOTS} are allowed")]
+    TooManySnapshots {
+        /// Snapshot count.
+        n: usize,
+    },
+    /// A snapshot that does not fit the live state's layout.
+    #[error("snapshot {index}: {what}")]
+    Snapshot {
+        /// Its index, oldest first.
+        index: usize,
+        /// What does not fit.
+        what: String,
     },
     /// The file size would overflow a u64.
     #[error("the record is too large to encode")]
@@ -700,6 +734,8 @@ enum Sect {
     Sampler,
     State,
     Layer,
+    SnapDir,
+    Snap,
 }
 
 impl Sect {
@@ -713,6 +749,8 @@ impl Sect {
             Sect::Sampler => *b"SAMP",
             Sect::State => *b"STAT",
             Sect::Layer => *b"LAYR",
+            Sect::SnapDir => *b"SNAP",
+            Sect::Snap => *b"SNPS",
         }
     }
 
@@ -726,6 +764,8 @@ impl Sect {
             Sect::Sampler => "sampler",
             Sect::State => "state layout",
             Sect::Layer => "layer",
+            Sect::SnapDir => "snapshot directory",
+            Sect::Snap => "snapshot",
         }
     }
 }
@@ -805,7 +845,114 @@ struct Plan {
     layers: Vec<LayerDesc>,
     bpp: u64,
     summary_len: u64,
+    snaps: Vec<SnapPlan>,
     total: u64,
+}
+
+/// One snapshot as it is written: its positions, those it shares with the live state, its
+/// logits, the MLA width of each layer (0 for KDA) and its section's length.
+struct SnapPlan {
+    positions: u64,
+    shared: u64,
+    logits: u64,
+    widths: Vec<usize>,
+    len: u64,
+}
+
+/// Leading positions of `snap` whose ids and MLA rows equal the live state's, bit for bit.
+fn shared_prefix(rec: &SessionRecord, snap: &Snapshot, widths: &[usize]) -> usize {
+    let mut n = snap
+        .tokens
+        .iter()
+        .zip(&rec.tokens)
+        .take_while(|(a, b)| a == b)
+        .count();
+    for ((a, b), &w) in snap.state.layers.iter().zip(&rec.state.layers).zip(widths) {
+        if let (LayerState::Mla(a), LayerState::Mla(b)) = (a, b) {
+            if w == 0 {
+                continue;
+            }
+            let same = a
+                .iter()
+                .zip(b)
+                .take(n * w)
+                .take_while(|(x, y)| x.to_bits() == y.to_bits())
+                .count();
+            n = n.min(same / w);
+        }
+    }
+    n
+}
+
+fn plan_snapshot(
+    rec: &SessionRecord,
+    index: usize,
+    snap: &Snapshot,
+) -> Result<SnapPlan, RecordError> {
+    let bad = |what: String| RecordError::Snapshot { index, what };
+    let positions = snap.state.n_pos;
+    if positions == 0 || snap.tokens.len() != positions {
+        return Err(bad(format!(
+            "{} token ids for a state of {positions} positions (at least 1)",
+            snap.tokens.len()
+        )));
+    }
+    if snap.state.layers.len() != rec.state.layers.len() {
+        return Err(bad(format!(
+            "{} layers, the live state has {}",
+            snap.state.layers.len(),
+            rec.state.layers.len()
+        )));
+    }
+    let mut widths = Vec::with_capacity(snap.state.layers.len());
+    let mut floats: u64 = 0;
+    let mut row_floats: u64 = 0;
+    for (layer, (a, b)) in snap.state.layers.iter().zip(&rec.state.layers).enumerate() {
+        match (a, b) {
+            (LayerState::Kda(k), LayerState::Kda(l)) => {
+                if k.s.len() != l.s.len() || (0..3).any(|j| k.conv[j].len() != l.conv[j].len()) {
+                    return Err(bad(format!(
+                        "layer {layer}: KDA sizes differ from the live state's"
+                    )));
+                }
+                widths.push(0);
+                let n = k.s.len() + k.conv.iter().map(Vec::len).sum::<usize>();
+                floats = floats.checked_add(n as u64).ok_or(RecordError::TooLarge)?;
+            }
+            (LayerState::Mla(c), LayerState::Mla(l)) => {
+                let w = c.len() / positions;
+                let live_w = l.len().checked_div(rec.state.n_pos).unwrap_or(w);
+                if c.len() % positions != 0 || w != live_w {
+                    return Err(bad(format!(
+                        "layer {layer}: MLA cache of {} floats is not {positions} rows of {live_w}",
+                        c.len()
+                    )));
+                }
+                widths.push(w);
+                row_floats = row_floats
+                    .checked_add(w as u64)
+                    .ok_or(RecordError::TooLarge)?;
+            }
+            _ => return Err(bad(format!("layer {layer}: a different layer kind"))),
+        }
+    }
+    let shared = shared_prefix(rec, snap, &widths) as u64;
+    let tail = positions as u64 - shared;
+    let logits = snap.logits.len() as u64;
+    let len = row_floats
+        .checked_add(1)
+        .and_then(|f| f.checked_mul(tail))
+        .and_then(|f| f.checked_add(floats))
+        .and_then(|f| f.checked_add(logits))
+        .and_then(|f| f.checked_mul(4))
+        .ok_or(RecordError::TooLarge)?;
+    Ok(SnapPlan {
+        positions: positions as u64,
+        shared,
+        logits,
+        widths,
+        len,
+    })
 }
 
 fn section_size(len: u64) -> Option<u64> {
@@ -908,6 +1055,19 @@ fn plan_record(rec: &SessionRecord) -> Result<Plan, RecordError> {
     for d in &layers {
         lens.push(d.bytes().ok_or(RecordError::TooLarge)?);
     }
+    if rec.snapshots.len() > MAX_SNAPSHOTS {
+        return Err(RecordError::TooManySnapshots {
+            n: rec.snapshots.len(),
+        });
+    }
+    let snaps = rec
+        .snapshots
+        .iter()
+        .enumerate()
+        .map(|(i, sn)| plan_snapshot(rec, i, sn))
+        .collect::<Result<Vec<_>, _>>()?;
+    lens.push(SNAP_DIR_HEAD + SNAP_DESC_LEN * snaps.len() as u64);
+    lens.extend(snaps.iter().map(|p| p.len));
     let total = lens.iter().try_fold(HEADER_LEN, |acc, &l| {
         section_size(l).and_then(|s| acc.checked_add(s))
     });
@@ -916,6 +1076,7 @@ fn plan_record(rec: &SessionRecord) -> Result<Plan, RecordError> {
         layers,
         bpp,
         summary_len,
+        snaps,
         total: total.ok_or(RecordError::TooLarge)?,
     })
 }
@@ -923,6 +1084,7 @@ fn plan_record(rec: &SessionRecord) -> Result<Plan, RecordError> {
 /// The fixed header fields.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Header {
+    version: u32,
     total: u64,
     sections: u64,
     n_pos: u64,
@@ -935,7 +1097,7 @@ struct Header {
 fn header_bytes(h: &Header) -> [u8; HEADER_LEN as usize] {
     let mut b = [0u8; HEADER_LEN as usize];
     b[0..8].copy_from_slice(&MAGIC);
-    b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    b[8..12].copy_from_slice(&h.version.to_le_bytes());
     // 12..16: flags, zero.
     let fields = [
         h.total, h.sections, h.n_pos, h.n_layers, h.bpp, h.created, h.saved,
@@ -1096,8 +1258,9 @@ fn write_planned<W: Write + ?Sized>(
 ) -> io::Result<u64> {
     let mut out = Out::new(w);
     out.raw(&header_bytes(&Header {
+        version: FORMAT_VERSION,
         total: plan.total,
-        sections: FIXED_SECTIONS + plan.layers.len() as u64,
+        sections: FIXED_SECTIONS + 1 + plan.layers.len() as u64 + plan.snaps.len() as u64,
         n_pos: plan.n_pos,
         n_layers: plan.layers.len() as u64,
         bpp: plan.bpp,
@@ -1159,6 +1322,39 @@ fn write_planned<W: Write + ?Sized>(
                 }
             }
             LayerState::Mla(c) => out.put_words(c, f32_le)?,
+        }
+        out.end()?;
+    }
+
+    out.begin(
+        Sect::SnapDir,
+        0,
+        SNAP_DIR_HEAD + SNAP_DESC_LEN * plan.snaps.len() as u64,
+    )?;
+    out.put(&(plan.snaps.len() as u32).to_le_bytes())?;
+    out.put(&0u32.to_le_bytes())?;
+    for p in &plan.snaps {
+        for x in [p.positions, p.shared, p.logits] {
+            out.put(&x.to_le_bytes())?;
+        }
+    }
+    out.end()?;
+    for (i, (snap, p)) in rec.snapshots.iter().zip(&plan.snaps).enumerate() {
+        let index = u32::try_from(i).map_err(|_| internal("snapshot index"))?;
+        let shared = usize::try_from(p.shared).map_err(|_| internal("snapshot size"))?;
+        out.begin(Sect::Snap, index, p.len)?;
+        out.put_words(&snap.tokens[shared..], u32::to_le_bytes)?;
+        out.put_words(&snap.logits, f32_le)?;
+        for (layer, &w) in snap.state.layers.iter().zip(&p.widths) {
+            match layer {
+                LayerState::Kda(k) => {
+                    out.put_words(&k.s, f32_le)?;
+                    for c in &k.conv {
+                        out.put_words(c, f32_le)?;
+                    }
+                }
+                LayerState::Mla(c) => out.put_words(&c[shared * w..], f32_le)?,
+            }
         }
         out.end()?;
     }
@@ -1350,6 +1546,18 @@ impl<'r, R: Read + ?Sized> Decoder<'r, R> {
         let mut v = Vec::new();
         v.try_reserve_exact(count)
             .map_err(|_| Fail::NoMemory(bytes))?;
+        self.words_into(&mut v, n, conv)?;
+        Ok(v)
+    }
+
+    /// Appends `n` 4-byte words to `v` (reserved by the caller at its checked size).
+    fn words_into<T>(
+        &mut self,
+        v: &mut Vec<T>,
+        n: u64,
+        conv: impl Fn([u8; 4]) -> T,
+    ) -> Result<(), Fail> {
+        let count = usize::try_from(n).map_err(|_| Fail::NoMemory(n.saturating_mul(4)))?;
         let mut buf = std::mem::take(&mut self.scratch);
         buf.resize(IO_CHUNK, 0);
         let mut left = count;
@@ -1370,7 +1578,7 @@ impl<'r, R: Read + ?Sized> Decoder<'r, R> {
             left -= k;
         };
         self.scratch = buf;
-        res.map(|()| v)
+        res
     }
 
     fn f32s(&mut self, n: u64) -> Result<Vec<f32>, Fail> {
@@ -1432,17 +1640,20 @@ impl<'r, R: Read + ?Sized> Decoder<'r, R> {
         let fields: [u64; 7] = std::array::from_fn(|_| c.u64().unwrap_or_default());
         let stored_crc = c.u32().unwrap_or_default();
         let computed_crc = crc32fast::hash(&b[..72]);
-        if version != FORMAT_VERSION {
-            // A damaged version field in a v1 header: the checksum matches once it is restored.
-            let mut fixed = b;
-            fixed[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
-            if got == HEADER_LEN as usize && crc32fast::hash(&fixed[..72]) == stored_crc {
-                return Err(Refusal::Checksum {
-                    section: "header".into(),
-                    stored: stored_crc,
-                    computed: computed_crc,
+        if !(OLDEST_VERSION..=FORMAT_VERSION).contains(&version) {
+            // A damaged version field: the checksum matches once a version read here is
+            // restored.
+            for v in OLDEST_VERSION..=FORMAT_VERSION {
+                let mut fixed = b;
+                fixed[8..12].copy_from_slice(&v.to_le_bytes());
+                if got == HEADER_LEN as usize && crc32fast::hash(&fixed[..72]) == stored_crc {
+                    return Err(Refusal::Checksum {
+                        section: "header".into(),
+                        stored: stored_crc,
+                        computed: computed_crc,
+                    }
+                    .into());
                 }
-                .into());
             }
             return Err(Refusal::Version { found: version }.into());
         }
@@ -1488,11 +1699,23 @@ impl<'r, R: Read + ?Sized> Decoder<'r, R> {
                 format!("at most {MAX_LAYERS}"),
             ));
         }
-        if sections != FIXED_SECTIONS + n_layers {
+        if version == 1 && sections != FIXED_SECTIONS + n_layers {
             return Err(len_err(
                 "section count (header byte 24)",
                 sections,
                 format!("{} (7 + {n_layers} layers)", FIXED_SECTIONS + n_layers),
+            ));
+        }
+        let least = FIXED_SECTIONS + 1 + n_layers;
+        if version > 1 && !(least..=least + MAX_SNAPSHOTS as u64).contains(&sections) {
+            return Err(len_err(
+                "section count (header byte 24)",
+                sections,
+                format!(
+                    "between {least} and {} (8 + {n_layers} layers + at most {MAX_SNAPSHOTS} \
+                     snapshots)",
+                    least + MAX_SNAPSHOTS as u64
+                ),
             ));
         }
         if n_pos > total / 4 {
@@ -1503,6 +1726,7 @@ impl<'r, R: Read + ?Sized> Decoder<'r, R> {
             ));
         }
         Ok(Header {
+            version,
             total,
             sections,
             n_pos,
@@ -1866,6 +2090,12 @@ fn decode_inner<R: Read + ?Sized>(
         d.close(&label)?;
         layers.push(state);
     }
+    let state = SeqState { n_pos, layers };
+    let snapshots = if h.version >= 2 {
+        read_snapshots(&mut d, &h, expect, &want_layers, &tokens, &state)?
+    } else {
+        Vec::new()
+    };
     if d.pos != d.total {
         return Err(malformed(
             d.pos,
@@ -1892,10 +2122,211 @@ fn decode_inner<R: Read + ?Sized>(
         transcript_json: rec.transcript.take().unwrap_or_default(),
         settings_json: rec.settings.take().unwrap_or_default(),
         tokens,
-        state: SeqState { n_pos, layers },
+        state,
+        snapshots,
         sampler,
         rng_state,
     })
+}
+
+/// One snapshot's entry in the directory, checked.
+struct SnapDesc {
+    positions: u64,
+    shared: u64,
+    logits: u64,
+    len: u64,
+}
+
+/// Reads the snapshot directory and the snapshots (format 2). Every count is checked against
+/// the config and the live state, and the sections' lengths together against the bytes left
+/// in the file, before anything is allocated; the shared ids and rows are copied from the live
+/// state.
+fn read_snapshots<R: Read + ?Sized>(
+    d: &mut Decoder<'_, R>,
+    h: &Header,
+    expect: &ModelConfig,
+    want_layers: &[LayerDesc],
+    live_tokens: &[u32],
+    live: &SeqState,
+) -> Result<Vec<Snapshot>, Fail> {
+    let count = h.sections.saturating_sub(FIXED_SECTIONS + 1 + h.n_layers);
+    let label = Sect::SnapDir.label();
+    let at = d.pos;
+    let len = d.open(Sect::SnapDir, 0, label)?;
+    let want = SNAP_DIR_HEAD + SNAP_DESC_LEN * count;
+    if len != want {
+        return Err(len_err(
+            "snapshot directory length",
+            len,
+            format!("exactly {want} ({count} snapshots × {SNAP_DESC_LEN} + {SNAP_DIR_HEAD})"),
+        ));
+    }
+    let dir = d.bytes(len)?;
+    d.close(label)?;
+    let mut c = Cursor::new(&dir);
+    let (Some(n), Some(reserved)) = (c.u32(), c.u32()) else {
+        return Err(malformed(at, "short snapshot directory"));
+    };
+    if u64::from(n) != count {
+        return Err(malformed(
+            at,
+            format!("the directory lists {n} snapshots, the header's section count {count}"),
+        ));
+    }
+    if reserved != 0 {
+        return Err(malformed(
+            at,
+            format!("snapshot directory reserved field is {reserved}, expected 0"),
+        ));
+    }
+    let overflow = || len_err("snapshot size", u64::MAX, "a size that fits in 64 bits");
+    let width = mla_params(expect).cache_width() as u64;
+    let n_mla = want_layers
+        .iter()
+        .filter(|l| matches!(l, LayerDesc::Mla { .. }))
+        .count() as u64;
+    let kda_floats = want_layers
+        .iter()
+        .filter(|l| matches!(l, LayerDesc::Kda { .. }))
+        .try_fold(0u64, |acc, l| acc.checked_add(l.floats()?))
+        .ok_or_else(overflow)?;
+    let row = n_mla
+        .checked_mul(width)
+        .and_then(|f| f.checked_add(1))
+        .ok_or_else(overflow)?;
+    let vocab = expect.vocab_size as u64;
+    let mut descs = Vec::new();
+    let mut need: u64 = 0;
+    for j in 0..count {
+        let entry = at + SECTION_HEAD + SNAP_DIR_HEAD + SNAP_DESC_LEN * j;
+        let (Some(positions), Some(shared), Some(logits)) = (c.u64(), c.u64(), c.u64()) else {
+            return Err(malformed(entry, "short snapshot directory"));
+        };
+        if positions == 0 {
+            return Err(malformed(
+                entry,
+                format!("snapshot {j} covers no positions"),
+            ));
+        }
+        if shared > positions || shared > h.n_pos {
+            return Err(malformed(
+                entry,
+                format!(
+                    "snapshot {j} shares {shared} positions with the live state, which has {}, \
+                     and covers {positions}",
+                    h.n_pos
+                ),
+            ));
+        }
+        if logits != vocab {
+            return Err(len_err(
+                format!("snapshot {j} logits"),
+                logits,
+                format!("exactly {vocab}, the vocabulary"),
+            ));
+        }
+        let len = row
+            .checked_mul(positions - shared)
+            .and_then(|f| f.checked_add(kda_floats))
+            .and_then(|f| f.checked_add(logits))
+            .and_then(|f| f.checked_mul(4))
+            .ok_or_else(overflow)?;
+        need = section_size(len)
+            .and_then(|l| need.checked_add(l))
+            .ok_or_else(overflow)?;
+        descs.push(SnapDesc {
+            positions,
+            shared,
+            logits,
+            len,
+        });
+    }
+    let left = d.total.saturating_sub(d.pos);
+    if need != left {
+        return Err(len_err(
+            "the snapshot sections' length",
+            need,
+            format!("exactly {left}, the bytes left in the file"),
+        ));
+    }
+    let no_memory = |n: u64| Fail::NoMemory(n.saturating_mul(4));
+    let mut out = Vec::with_capacity(descs.len());
+    for (j, desc) in descs.iter().enumerate() {
+        let label = format!("snapshot {j}");
+        let index = u32::try_from(j).unwrap_or(u32::MAX);
+        let at = d.pos;
+        let len = d.open(Sect::Snap, index, &label)?;
+        if len != desc.len {
+            return Err(len_err(
+                format!("{label} section length"),
+                len,
+                format!(
+                    "exactly {}, as its directory entry and the config imply",
+                    desc.len
+                ),
+            ));
+        }
+        let positions = usize::try_from(desc.positions).map_err(|_| no_memory(desc.positions))?;
+        let shared = usize::try_from(desc.shared).map_err(|_| no_memory(desc.shared))?;
+        let tail = desc.positions - desc.shared;
+        let mut tokens: Vec<u32> = Vec::new();
+        tokens
+            .try_reserve_exact(positions)
+            .map_err(|_| no_memory(desc.positions))?;
+        tokens.extend_from_slice(live_tokens.get(..shared).unwrap_or_default());
+        d.words_into(&mut tokens, tail, u32::from_le_bytes)?;
+        if let Some((i, t)) = tokens
+            .iter()
+            .enumerate()
+            .skip(shared)
+            .find(|&(_, &t)| u64::from(t) >= vocab)
+        {
+            return Err(malformed(
+                at,
+                format!("{label}: token {i} is id {t}, outside the vocabulary of {vocab}"),
+            ));
+        }
+        let logits = d.f32s(desc.logits)?;
+        let mut layers = Vec::with_capacity(want_layers.len());
+        for (i, l) in want_layers.iter().enumerate() {
+            layers.push(match *l {
+                LayerDesc::Kda { s, conv } => {
+                    let s = d.f32s(s)?;
+                    let c0 = d.f32s(conv[0])?;
+                    let c1 = d.f32s(conv[1])?;
+                    let c2 = d.f32s(conv[2])?;
+                    LayerState::Kda(KdaState {
+                        s,
+                        conv: [c0, c1, c2],
+                    })
+                }
+                LayerDesc::Mla { .. } => {
+                    let floats = desc.positions.saturating_mul(width);
+                    let n = usize::try_from(floats).map_err(|_| no_memory(floats))?;
+                    let mut v: Vec<f32> = Vec::new();
+                    v.try_reserve_exact(n).map_err(|_| no_memory(floats))?;
+                    if let Some(LayerState::Mla(c)) = live.layers.get(i) {
+                        let w = usize::try_from(width).unwrap_or(usize::MAX);
+                        v.extend_from_slice(c.get(..shared.saturating_mul(w)).unwrap_or_default());
+                    }
+                    d.words_into(&mut v, tail.saturating_mul(width), |w| {
+                        f32::from_bits(u32::from_le_bytes(w))
+                    })?;
+                    LayerState::Mla(v)
+                }
+            });
+        }
+        d.close(&label)?;
+        out.push(Snapshot {
+            tokens,
+            state: SeqState {
+                n_pos: positions,
+                layers,
+            },
+            logits,
+        });
+    }
+    Ok(out)
 }
 
 fn decode_labeled<R: Read + ?Sized>(
@@ -2694,6 +3125,7 @@ mod tests {
                 .map(|_| rng.below(cfg.vocab_size as u64) as u32)
                 .collect(),
             state,
+            snapshots: Vec::new(),
             sampler: SamplerConfig {
                 temperature: 0.7,
                 top_k: 40,
@@ -2706,25 +3138,84 @@ mod tests {
         }
     }
 
+    /// `rec` with four snapshots: a prefix of the live state (every row shared), one that
+    /// leaves the live ids after 2 positions, one longer than the live state, and one whose ids
+    /// are a prefix but whose rows differ after position 1 (so only 1 is shared).
+    fn with_snapshots(mut rec: SessionRecord, cfg: &ModelConfig, seed: u64) -> SessionRecord {
+        let mut rng = Prng(seed ^ 0x5eed);
+        let width = SeqState::mla_floats_per_position(cfg);
+        let n = rec.state.n_pos;
+        assert!(n >= 4, "the live state has at least 4 positions");
+        let mut make = |len: usize, keep: usize, rows_kept: usize| {
+            let mut tokens = rec.tokens[..keep].to_vec();
+            while tokens.len() < len {
+                let t = if tokens.len() < n {
+                    // Another id than the live state's at this position.
+                    (rec.tokens[tokens.len()] + 1) % cfg.vocab_size as u32
+                } else {
+                    rng.below(cfg.vocab_size as u64) as u32
+                };
+                tokens.push(t);
+            }
+            let mut state = SeqState::new(cfg);
+            state.n_pos = len;
+            for (l, live) in state.layers.iter_mut().zip(&rec.state.layers) {
+                match (l, live) {
+                    (LayerState::Kda(k), _) => {
+                        for x in k.s.iter_mut().chain(k.conv.iter_mut().flatten()) {
+                            *x = rng.f32();
+                        }
+                    }
+                    (LayerState::Mla(c), LayerState::Mla(lc)) => {
+                        *c = lc[..rows_kept * width].to_vec();
+                        c.extend((rows_kept * width..len * width).map(|_| rng.f32()));
+                    }
+                    _ => unreachable!("same layer map"),
+                }
+            }
+            let logits = (0..cfg.vocab_size).map(|_| rng.f32()).collect();
+            Snapshot {
+                tokens,
+                state,
+                logits,
+            }
+        };
+        let snaps = vec![
+            make(3, 3, 3),
+            make(n, 2, 2),
+            make(n + 2, n, n),
+            make(4, 4, 1),
+        ];
+        rec.snapshots = snaps;
+        rec
+    }
+
     fn bits(xs: &[f32]) -> Vec<u32> {
         xs.iter().map(|x| x.to_bits()).collect()
     }
 
+    /// Bit-for-bit equality of two states.
+    fn same_state(a: &SeqState, b: &SeqState) -> bool {
+        a.n_pos == b.n_pos
+            && a.layers.len() == b.layers.len()
+            && a.layers.iter().zip(&b.layers).all(|(x, y)| match (x, y) {
+                (LayerState::Kda(p), LayerState::Kda(q)) => {
+                    bits(&p.s) == bits(&q.s) && (0..3).all(|i| bits(&p.conv[i]) == bits(&q.conv[i]))
+                }
+                (LayerState::Mla(p), LayerState::Mla(q)) => bits(p) == bits(q),
+                _ => false,
+            })
+    }
+
     /// Field-by-field equality with floats compared by their bits.
     fn same(a: &SessionRecord, b: &SessionRecord) -> bool {
-        let layers = a.state.layers.len() == b.state.layers.len()
-            && a.state
-                .layers
-                .iter()
-                .zip(&b.state.layers)
-                .all(|(x, y)| match (x, y) {
-                    (LayerState::Kda(p), LayerState::Kda(q)) => {
-                        bits(&p.s) == bits(&q.s)
-                            && (0..3).all(|i| bits(&p.conv[i]) == bits(&q.conv[i]))
-                    }
-                    (LayerState::Mla(p), LayerState::Mla(q)) => bits(p) == bits(q),
-                    _ => false,
-                });
+        let layers = same_state(&a.state, &b.state)
+            && a.snapshots.len() == b.snapshots.len()
+            && a.snapshots.iter().zip(&b.snapshots).all(|(x, y)| {
+                x.tokens == y.tokens
+                    && bits(&x.logits) == bits(&y.logits)
+                    && same_state(&x.state, &y.state)
+            });
         let s = |c: &SamplerConfig| {
             (
                 c.temperature.to_bits(),
@@ -2788,12 +3279,15 @@ mod tests {
             "sampler",
             "state layout",
         ];
+        let layers = cfg.is_mla.len();
         match fixed.get(k) {
             Some(n) => n.to_string(),
-            None => {
+            None if k < fixed.len() + layers => {
                 let i = k - fixed.len();
                 format!("layer {i} ({})", if cfg.is_mla[i] { "MLA" } else { "KDA" })
             }
+            None if k == fixed.len() + layers => "snapshot directory".to_string(),
+            None => format!("snapshot {}", k - fixed.len() - layers - 1),
         }
     }
 
@@ -2853,6 +3347,166 @@ mod tests {
         assert_eq!(k.s[0].to_bits(), 0x8000_0000);
         assert_eq!(k.s[1].to_bits(), 0x7fa0_0001);
         assert_eq!(k.s[2].to_bits(), 0xffc1_2345);
+    }
+
+    #[test]
+    fn snapshots_round_trip_bit_exact_and_store_shared_rows_once() {
+        let cfg = tiny();
+        let rec = with_snapshots(record(&cfg, "snaps", 7, 21), &cfg, 21);
+        let bytes = encode(&rec).unwrap();
+        assert_eq!(bytes.len() as u64, rec.encoded_len().unwrap());
+        let back = dec(&bytes, &cfg).unwrap();
+        assert!(same(&rec, &back));
+        assert_eq!(encode(&back).unwrap(), bytes);
+        // Each snapshot section holds its KDA state, its logits and only the ids and rows past
+        // what it shares with the live state: 3, 2, 7 and 1 positions shared.
+        let width = SeqState::mla_floats_per_position(&cfg);
+        let n_mla = cfg.is_mla.iter().filter(|&&m| m).count();
+        let kda: usize = match &rec.state.layers[0] {
+            LayerState::Kda(k) => k.s.len() + k.conv.iter().map(Vec::len).sum::<usize>(),
+            LayerState::Mla(_) => unreachable!("layer 0 is KDA"),
+        } * (cfg.is_mla.len() - n_mla);
+        let secs = sections(&bytes);
+        assert_eq!(secs.len(), 8 + cfg.is_mla.len() + 4);
+        let snap_lens: Vec<usize> = secs[secs.len() - 4..].iter().map(|s| s.2).collect();
+        let want = |tail: usize| 4 * (kda + cfg.vocab_size + tail * (1 + n_mla * width));
+        assert_eq!(snap_lens, vec![want(0), want(5), want(2), want(3)]);
+        let without = encode(&record(&cfg, "snaps", 7, 21)).unwrap();
+        assert_eq!(
+            bytes.len() - without.len(),
+            snap_lens.iter().map(|l| l + 20).sum::<usize>() + 4 * 24
+        );
+        // Through the store as well.
+        let (_dir, store, cfg) = setup();
+        store.save(&rec).unwrap();
+        assert!(same(&rec, &store.load("snaps", &cfg, &identity()).unwrap()));
+    }
+
+    #[test]
+    fn a_version_1_file_written_before_snapshots_is_read() {
+        // Written by the build before format 2 (`k3 chat` on the tiny model, two turns).
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/sessions/v1-tiny.k3session"
+        );
+        let bytes = fs::read(path).unwrap();
+        assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 1);
+        let cfg = tiny();
+        let mut id = [0u8; 32];
+        id.copy_from_slice(&bytes[92..124]);
+        let rec = decode(
+            &mut &bytes[..],
+            bytes.len() as u64,
+            &cfg,
+            &ModelIdentity { hash: id },
+        )
+        .unwrap();
+        assert_eq!(rec.name, "v1-tiny");
+        assert_eq!(rec.tokens.len(), 118);
+        assert_eq!(rec.state.n_pos, 118);
+        assert!(rec.snapshots.is_empty());
+        // Written again, it is a version 2 file that reads back the same.
+        let again = encode(&rec).unwrap();
+        assert_eq!(u32::from_le_bytes(again[8..12].try_into().unwrap()), 2);
+        let back = decode(
+            &mut &again[..],
+            again.len() as u64,
+            &cfg,
+            &ModelIdentity { hash: id },
+        )
+        .unwrap();
+        assert!(same(&rec, &back));
+        // A version 1 header with a snapshot directory after its layers is refused.
+        let mut b = again.clone();
+        b[8..12].copy_from_slice(&1u32.to_le_bytes());
+        b[24..32].copy_from_slice(&(7 + cfg.is_mla.len() as u64 + 1).to_le_bytes());
+        fix_header_crc(&mut b);
+        assert!(matches!(
+            refusal(
+                &decode(
+                    &mut &b[..],
+                    b.len() as u64,
+                    &cfg,
+                    &ModelIdentity { hash: id }
+                )
+                .unwrap_err()
+            ),
+            Refusal::Length { .. }
+        ));
+    }
+
+    #[test]
+    fn lying_snapshot_directories_are_refused_before_allocating() {
+        let cfg = tiny();
+        let rec = with_snapshots(record(&cfg, "lie", 7, 8), &cfg, 8);
+        let bytes = encode(&rec).unwrap();
+        let secs = sections(&bytes);
+        let (dir_at, tag, dir_len) = secs[7 + cfg.is_mla.len()];
+        assert_eq!(&tag, b"SNAP");
+        let entry = dir_at + 16 + 8;
+        let patched = |field: usize, snap: usize, v: u64| {
+            let mut b = bytes.clone();
+            let at = entry + 24 * snap + 8 * field;
+            b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+            let end = dir_at + 16 + dir_len;
+            let crc = crc32fast::hash(&b[dir_at..end]);
+            b[end..end + 4].copy_from_slice(&crc.to_le_bytes());
+            b
+        };
+        for (field, values) in [
+            (0usize, vec![0u64, 6, 8, 1 << 40, u64::MAX]),
+            (1, vec![4, 8, 1 << 40, u64::MAX]),
+            (2, vec![0, 511, 513, u64::MAX]),
+        ] {
+            for v in values {
+                let e = dec(&patched(field, 0, v), &cfg).unwrap_err();
+                let r = refusal(&e);
+                assert!(
+                    matches!(r, Refusal::Length { .. } | Refusal::Malformed { .. }),
+                    "field {field} = {v}: {r}"
+                );
+                assert!(e.transcript_json().is_some(), "{e}");
+            }
+        }
+        // The count in the directory must match the header's section count.
+        let mut b = bytes.clone();
+        b[dir_at + 16] = 3;
+        let end = dir_at + 16 + dir_len;
+        let crc = crc32fast::hash(&b[dir_at..end]);
+        b[end..end + 4].copy_from_slice(&crc.to_le_bytes());
+        assert!(matches!(
+            refusal(&dec(&b, &cfg).unwrap_err()),
+            Refusal::Malformed { .. }
+        ));
+        // More snapshots than a session keeps.
+        let mut b = bytes.clone();
+        let n = 8 + cfg.is_mla.len() as u64 + MAX_SNAPSHOTS as u64 + 1;
+        b[24..32].copy_from_slice(&n.to_le_bytes());
+        fix_header_crc(&mut b);
+        assert!(matches!(
+            refusal(&dec(&b, &cfg).unwrap_err()),
+            Refusal::Length { .. }
+        ));
+        // A record with too many snapshots, or one that does not fit the live state, is not
+        // written.
+        let mut r = rec.clone();
+        r.snapshots.push(r.snapshots[0].clone());
+        assert_eq!(
+            encode(&r).unwrap_err(),
+            RecordError::TooManySnapshots { n: 5 }
+        );
+        let mut r = rec.clone();
+        r.snapshots[1].tokens.pop();
+        assert!(matches!(
+            encode(&r).unwrap_err(),
+            RecordError::Snapshot { index: 1, .. }
+        ));
+        let mut r = rec;
+        r.snapshots[2].state.layers.swap(0, 3);
+        assert!(matches!(
+            encode(&r).unwrap_err(),
+            RecordError::Snapshot { index: 2, .. }
+        ));
     }
 
     #[test]
@@ -2969,10 +3623,10 @@ mod tests {
     #[test]
     fn bit_flips_are_refused_and_name_the_section() {
         let (_dir, store, cfg) = setup();
-        let rec = record(&cfg, "f", 7, 4);
+        let rec = with_snapshots(record(&cfg, "f", 7, 4), &cfg, 4);
         let bytes = encode(&rec).unwrap();
         let secs = sections(&bytes);
-        assert_eq!(secs.len(), 7 + cfg.num_hidden_layers);
+        assert_eq!(secs.len(), 8 + cfg.num_hidden_layers + 4);
         let path = store.path_of("f").unwrap();
         for (k, &(start, _, len)) in secs.iter().enumerate() {
             let name = section_name(&cfg, k);
@@ -3070,7 +3724,7 @@ mod tests {
     #[test]
     fn lying_lengths_are_refused_before_allocating() {
         let cfg = tiny();
-        let bytes = encode(&record(&cfg, "l", 7, 5)).unwrap();
+        let bytes = encode(&with_snapshots(record(&cfg, "l", 7, 5), &cfg, 5)).unwrap();
         let variants = |v: u64| {
             let mut out = vec![
                 v.wrapping_add(1),
@@ -3199,7 +3853,7 @@ mod tests {
         let (_dir, store, cfg) = setup();
         let bytes = encode(&record(&cfg, "ver", 7, 8)).unwrap();
         let path = store.path_of("ver").unwrap();
-        for v in [0u32, 2, 3, u32::MAX] {
+        for v in [0u32, 3, 4, u32::MAX] {
             let mut b = bytes.clone();
             b[8..12].copy_from_slice(&v.to_le_bytes());
             fix_header_crc(&mut b);
@@ -3208,8 +3862,9 @@ mod tests {
             let e = store.load("ver", &cfg, &identity()).unwrap_err();
             assert_eq!(refusal(&e), Refusal::Version { found: v });
             assert!(
-                e.to_string()
-                    .contains(&format!("written by format v{v}, this build reads v1")),
+                e.to_string().contains(&format!(
+                    "written by format v{v}, this build reads v1 to v2"
+                )),
                 "{e}"
             );
             assert_eq!(e.exit_code(), 3);

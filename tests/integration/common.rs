@@ -93,3 +93,15 @@ pub fn jsonl_with_input(cmd: &mut std::process::Command, input: &str) -> Vec<ser
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
 }
+
+/// The embedded demo model, materialised once into a scratch directory (its replies end with
+/// an end id, so a conversation on it has accepted replies as well as replies cut off).
+pub fn demo_model() -> &'static std::path::Path {
+    static DIR: std::sync::OnceLock<(tempfile::TempDir, PathBuf)> = std::sync::OnceLock::new();
+    &DIR.get_or_init(|| {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = k3::app::demo::materialise_in(tmp.path()).unwrap();
+        (tmp, dir)
+    })
+    .1
+}

@@ -28,7 +28,12 @@ fn chat_cmd(dir: &Path, args: &[&str]) -> Command {
 
 /// Run to the end of `input`; (exit code, JSON lines, stderr).
 fn chat(dir: &Path, args: &[&str], input: &str) -> (i32, Vec<serde_json::Value>, String) {
-    let mut child = chat_cmd(dir, args)
+    finish(chat_cmd(dir, args), input)
+}
+
+/// Run `cmd` to the end of `input`; (exit code, JSON lines, stderr).
+fn finish(mut cmd: Command, input: &str) -> (i32, Vec<serde_json::Value>, String) {
+    let mut child = cmd
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -48,7 +53,12 @@ fn chat(dir: &Path, args: &[&str], input: &str) -> (i32, Vec<serde_json::Value>,
 /// Send `input`, wait for `turns` finished turns on stdout (the journal is durable before a
 /// turn is reported), then SIGKILL the process with its stdin still open.
 fn kill_9_after(dir: &Path, args: &[&str], input: &str, turns: usize) {
-    let mut child = chat_cmd(dir, args)
+    kill_9(chat_cmd(dir, args), input, turns);
+}
+
+/// [`kill_9_after`] for any `k3 chat` command.
+fn kill_9(mut cmd: Command, input: &str, turns: usize) {
+    let mut child = cmd
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -305,4 +315,56 @@ fn a_stopped_reply_is_journaled_with_its_partial_text() {
         err.contains("recovered 1 unsaved turn from") && err.contains("stopped part-way"),
         "{err}"
     );
+}
+
+/// `k3 chat` on the demo model (whose replies end, so turns are accepted as well as cut off).
+fn demo_cmd(dir: &Path, args: &[&str]) -> Command {
+    let mut c = k3_command();
+    c.arg("chat")
+        .arg(crate::common::demo_model())
+        .args(["--plain", "--jsonl", "--max-tokens", "40", "--session-dir"])
+        .arg(dir)
+        .args(args);
+    c
+}
+
+#[test]
+fn after_a_kill_9_the_recovered_session_costs_what_an_uninterrupted_one_does() {
+    use crate::session::{same_work, AFTER_RESUME, DEMO_PREFIXES};
+    for sampling in [&["--greedy"][..], &["--temperature", "1", "--seed", "5"][..]] {
+        for (prefix, _) in DEMO_PREFIXES {
+            // Saved after the first turn; the later turns are only in the journal.
+            let turns = prefix.lines().count();
+            let (head, tail) = prefix.split_once('\n').unwrap();
+            let input = format!("{head}\n/save\n{tail}");
+            let killed = tempfile::tempdir().unwrap();
+            let mut args = sampling.to_vec();
+            args.extend(["--session", "k"]);
+            kill_9(demo_cmd(killed.path(), &args), &input, turns);
+            assert!(killed.path().join("k.k3journal").is_file());
+            for after in AFTER_RESUME {
+                let what = format!("{sampling:?} after {prefix:?}, kill -9, then {after:?}");
+                let scratch = tempfile::tempdir().unwrap();
+                let (code, whole, err) =
+                    finish(demo_cmd(scratch.path(), sampling), &format!("{prefix}{after}"));
+                assert_eq!(code, 0, "{err}");
+                let dir = tempfile::tempdir().unwrap();
+                for f in ["k.k3session", "k.k3journal"] {
+                    std::fs::copy(killed.path().join(f), dir.path().join(f)).unwrap();
+                }
+                let mut args = sampling.to_vec();
+                args.extend(["--resume", "k"]);
+                let (code, rest, err) = finish(demo_cmd(dir.path(), &args), after);
+                assert_eq!(code, 0, "{err}");
+                assert!(
+                    err.contains(&format!("recovered {} unsaved turns from", turns - 1)),
+                    "{err}"
+                );
+                assert_eq!(whole.len(), turns + rest.len(), "{what}");
+                for (a, b) in whole[turns..].iter().zip(&rest) {
+                    same_work(a, b, &what);
+                }
+            }
+        }
+    }
 }

@@ -886,3 +886,171 @@ fn continue_opens_the_most_recently_saved_session() {
     let out = chat(&["-c", "--resume", "alpha"], b"");
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// Run `k3 chat` on the demo model (`--plain --jsonl`, replies of at most 40 tokens) in
+/// `dir`; the JSON lines of its turns.
+fn demo_chat(dir: &std::path::Path, args: &[&str], input: &str) -> Vec<serde_json::Value> {
+    crate::common::jsonl_with_input(
+        crate::common::k3_command()
+            .arg("chat")
+            .arg(crate::common::demo_model())
+            .args(["--plain", "--jsonl", "--max-tokens", "40", "--session-dir"])
+            .arg(dir)
+            .args(args),
+        input,
+    )
+}
+
+/// Reply lengths of the demo model that reach `--max-tokens 40`: the reply was cut off.
+const DEMO_LIMIT: usize = 40;
+
+/// Both runs' turns agree: the same prompt, the same tokens, and the same work (reused and
+/// prefilled counts).
+pub fn same_work(a: &serde_json::Value, b: &serde_json::Value, what: &str) {
+    for key in [
+        "prompt_ids",
+        "generated_ids",
+        "reused_tokens",
+        "prefilled_tokens",
+    ] {
+        assert_eq!(a[key], b[key], "{key}: {what}");
+    }
+}
+
+/// The conversations the resume tests start from: three turns whose last reply ended, and
+/// four whose last reply was cut off at the token limit.
+pub const DEMO_PREFIXES: [(&str, bool); 2] = [
+    ("Hello\nWhat is 2+2?\nThanks!\n", false),
+    ("Hello\nWhat is 2+2?\nThanks!\nWho are you?\n", true),
+];
+
+/// What is done after the resume: the next turn, a regenerate, an undo and a new message, an
+/// edit.
+pub const AFTER_RESUME: [&str; 4] = [
+    "Tell me more\n",
+    "/regen\n",
+    "/undo\nSomething else\n",
+    "/edit Changed my mind\n",
+];
+
+#[test]
+fn after_resume_the_next_turn_regen_undo_and_edit_cost_what_they_cost_uninterrupted() {
+    for sampling in [&["--greedy"][..], &["--temperature", "1", "--seed", "5"][..]] {
+        for (prefix, cut_off) in DEMO_PREFIXES {
+            let saved = tempfile::tempdir().unwrap();
+            let first = demo_chat(saved.path(), sampling, &format!("{prefix}/save s\n"));
+            let last = first.last().unwrap()["generated_ids"]
+                .as_array()
+                .unwrap()
+                .len();
+            assert_eq!(last == DEMO_LIMIT, cut_off, "{sampling:?} {prefix:?}: {last}");
+            let file = saved.path().join("s.k3session");
+            for after in AFTER_RESUME {
+                let what = format!("{sampling:?} after {prefix:?} then {after:?}");
+                let scratch = tempfile::tempdir().unwrap();
+                let whole = demo_chat(scratch.path(), sampling, &format!("{prefix}{after}"));
+                let dir = tempfile::tempdir().unwrap();
+                std::fs::copy(&file, dir.path().join("s.k3session")).unwrap();
+                let mut args = sampling.to_vec();
+                args.extend(["--resume", "s"]);
+                let rest = demo_chat(dir.path(), &args, after);
+                assert_eq!(whole.len(), first.len() + rest.len(), "{what}");
+                for (a, b) in whole[first.len()..].iter().zip(&rest) {
+                    same_work(a, b, &what);
+                }
+                if after == "/regen\n" {
+                    // The whole prompt is reused and nothing read again.
+                    assert_eq!(rest[0]["prefilled_tokens"], 0, "{what}");
+                }
+            }
+        }
+    }
+}
+
+/// Bit-for-bit equality of two states.
+fn same_bits(a: &SeqState, b: &SeqState) -> bool {
+    use k3::engine::state::LayerState;
+    let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    a.n_pos == b.n_pos
+        && a.layers.len() == b.layers.len()
+        && a.layers.iter().zip(&b.layers).all(|(x, y)| match (x, y) {
+            (LayerState::Kda(p), LayerState::Kda(q)) => {
+                bits(&p.s) == bits(&q.s) && (0..3).all(|i| bits(&p.conv[i]) == bits(&q.conv[i]))
+            }
+            (LayerState::Mla(p), LayerState::Mla(q)) => bits(p) == bits(q),
+            _ => false,
+        })
+}
+
+#[test]
+fn rebuilt_snapshots_and_saved_ones_equal_the_originals_bit_for_bit() {
+    use k3::session::store::{self, ModelIdentity, SessionRecord, Summary};
+    let s = settings(1.0);
+    let mut a = Session::new(model(), tok(), s.clone()).unwrap();
+    let nothing = no_cancel();
+    a.send("Hello K3", &nothing, &mut |_, _| {}).unwrap();
+    a.send("Why?", &nothing, &mut |_, _| {}).unwrap();
+    a.regen(&nothing, &mut |_, _| {}).unwrap();
+    a.undo().unwrap();
+    a.send("How?", &nothing, &mut |_, _| {}).unwrap();
+    a.send("Go on.", &nothing, &mut |_, _| {}).unwrap();
+    let snaps: Vec<Vec<u32>> = a.snapshots().iter().map(|s| s.tokens.clone()).collect();
+    assert_eq!(snaps.len(), k3::session::chat::SNAPSHOTS);
+    // Not every snapshot is a prefix of the live ids (the undo branched).
+    assert!(snaps.iter().any(|t| !a.tokens().starts_with(t)));
+
+    // Rebuilt from the ids alone, as a journal recovery does.
+    let mut b = Session::new(model(), tok(), s.clone()).unwrap();
+    b.rebuild(a.tokens(), a.pending(), a.rng_state(), &snaps)
+        .unwrap();
+    assert_eq!(b.tokens(), a.tokens());
+    assert!(same_bits(b.state(), a.state()));
+    assert_eq!(b.snapshots().len(), a.snapshots().len());
+    for (x, y) in a.snapshots().iter().zip(b.snapshots()) {
+        assert_eq!(x.tokens, y.tokens);
+        assert!(same_bits(&x.state, &y.state), "{} ids", x.tokens.len());
+        let bits = |l: &[f32]| l.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&x.logits), bits(&y.logits));
+    }
+
+    // Saved and loaded: the live state and every snapshot come back bit for bit.
+    let rec = SessionRecord {
+        name: "bits".into(),
+        created_unix: 1,
+        saved_unix: 2,
+        identity: ModelIdentity { hash: [7; 32] },
+        summary: Summary {
+            turns: 0,
+            mode: "chat".into(),
+        },
+        transcript_json: b"{}".to_vec(),
+        settings_json: b"{}".to_vec(),
+        tokens: a.tokens().to_vec(),
+        state: a.state().clone(),
+        snapshots: a.snapshots().to_vec(),
+        sampler: s.sampler(),
+        rng_state: a.rng_state(),
+    };
+    let bytes = store::encode(&rec).unwrap();
+    let back = store::decode(
+        &mut &bytes[..],
+        bytes.len() as u64,
+        &model().cfg,
+        &rec.identity,
+    )
+    .unwrap();
+    assert!(same_bits(&back.state, a.state()));
+    assert_eq!(back.snapshots.len(), a.snapshots().len());
+    for (x, y) in a.snapshots().iter().zip(&back.snapshots) {
+        assert_eq!(x.tokens, y.tokens);
+        assert!(same_bits(&x.state, &y.state));
+        assert_eq!(
+            x.logits.iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
+            y.logits.iter().map(|f| f.to_bits()).collect::<Vec<_>>()
+        );
+    }
+    // The rows a snapshot shares with the live state are stored once: the file is smaller than
+    // five whole states.
+    let whole = a.state().bytes() + a.snapshots().iter().map(|s| s.state.bytes()).sum::<usize>();
+    assert!(bytes.len() < whole, "{} bytes for {whole} of state", bytes.len());
+}

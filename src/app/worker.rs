@@ -935,7 +935,9 @@ impl Ctx<'_> {
         let mut msg = if !self.store.exists(name) && self.store.has_journal(name) {
             self.start_from_journal(name)?
         } else {
-            self.load_inner(name)?
+            let loaded = self.load_inner(name);
+            self.session.ensure_state();
+            loaded?
         };
         // The journal of what was open before stays on disk: its turns are recovered when
         // that session is resumed.

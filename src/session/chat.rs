@@ -430,11 +430,27 @@ impl<'a> Session<'a> {
         self.snapshots = snapshots;
     }
 
-    /// Let go of the engine state and the snapshots (the transcript stays; its next turn
-    /// prefills it again), so that loading another session's state does not hold two.
+    /// Let go of the engine state and the snapshots (the transcript stays), so that loading
+    /// another session's state does not hold two: until [`Session::restore`] or
+    /// [`Session::ensure_state`] the session holds no state at all.
     pub fn release_state(&mut self) {
         self.snapshots.clear();
-        self.drop_live_state();
+        self.tokens.clear();
+        self.pending = None;
+        self.state = SeqState {
+            n_pos: 0,
+            layers: Vec::new(),
+        };
+    }
+
+    /// Hold an empty state again if [`Session::release_state`] left none (the next turn
+    /// prefills the transcript).
+    pub fn ensure_state(&mut self) {
+        if self.state.layers.len() != self.model.cfg.is_mla.len() {
+            self.tokens.clear();
+            self.pending = None;
+            self.state = SeqState::new(&self.model.cfg);
+        }
     }
 
     /// Chat messages in render order (system first).

@@ -331,7 +331,10 @@ fn demo_cmd(dir: &Path, args: &[&str]) -> Command {
 #[test]
 fn after_a_kill_9_the_recovered_session_costs_what_an_uninterrupted_one_does() {
     use crate::session::{same_work, AFTER_RESUME, DEMO_PREFIXES};
-    for sampling in [&["--greedy"][..], &["--temperature", "1", "--seed", "5"][..]] {
+    for sampling in [
+        &["--greedy"][..],
+        &["--temperature", "1", "--seed", "5"][..],
+    ] {
         for (prefix, _) in DEMO_PREFIXES {
             // Saved after the first turn; the later turns are only in the journal.
             let turns = prefix.lines().count();
@@ -345,8 +348,10 @@ fn after_a_kill_9_the_recovered_session_costs_what_an_uninterrupted_one_does() {
             for after in AFTER_RESUME {
                 let what = format!("{sampling:?} after {prefix:?}, kill -9, then {after:?}");
                 let scratch = tempfile::tempdir().unwrap();
-                let (code, whole, err) =
-                    finish(demo_cmd(scratch.path(), sampling), &format!("{prefix}{after}"));
+                let (code, whole, err) = finish(
+                    demo_cmd(scratch.path(), sampling),
+                    &format!("{prefix}{after}"),
+                );
                 assert_eq!(code, 0, "{err}");
                 let dir = tempfile::tempdir().unwrap();
                 for f in ["k.k3session", "k.k3journal"] {

@@ -935,7 +935,10 @@ pub const AFTER_RESUME: [&str; 4] = [
 
 #[test]
 fn after_resume_the_next_turn_regen_undo_and_edit_cost_what_they_cost_uninterrupted() {
-    for sampling in [&["--greedy"][..], &["--temperature", "1", "--seed", "5"][..]] {
+    for sampling in [
+        &["--greedy"][..],
+        &["--temperature", "1", "--seed", "5"][..],
+    ] {
         for (prefix, cut_off) in DEMO_PREFIXES {
             let saved = tempfile::tempdir().unwrap();
             let first = demo_chat(saved.path(), sampling, &format!("{prefix}/save s\n"));
@@ -943,7 +946,11 @@ fn after_resume_the_next_turn_regen_undo_and_edit_cost_what_they_cost_uninterrup
                 .as_array()
                 .unwrap()
                 .len();
-            assert_eq!(last == DEMO_LIMIT, cut_off, "{sampling:?} {prefix:?}: {last}");
+            assert_eq!(
+                last == DEMO_LIMIT,
+                cut_off,
+                "{sampling:?} {prefix:?}: {last}"
+            );
             let file = saved.path().join("s.k3session");
             for after in AFTER_RESUME {
                 let what = format!("{sampling:?} after {prefix:?} then {after:?}");
@@ -1052,5 +1059,9 @@ fn rebuilt_snapshots_and_saved_ones_equal_the_originals_bit_for_bit() {
     // The rows a snapshot shares with the live state are stored once: the file is smaller than
     // five whole states.
     let whole = a.state().bytes() + a.snapshots().iter().map(|s| s.state.bytes()).sum::<usize>();
-    assert!(bytes.len() < whole, "{} bytes for {whole} of state", bytes.len());
+    assert!(
+        bytes.len() < whole,
+        "{} bytes for {whole} of state",
+        bytes.len()
+    );
 }

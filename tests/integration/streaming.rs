@@ -254,29 +254,48 @@ fn a_chat_keeps_its_snapshots_inside_the_budget() {
     let dir = tempfile::tempdir().unwrap();
     let turns = "Hello there\nTell me more\nAnd then?\nOnce more\nThe end\n";
     let mut replies = None;
-    for budget in [floor, (floor + model / 2) / 2, model / 2, model * 2] {
+    for (i, budget) in [floor, (floor + model / 2) / 2, model / 2, model * 2]
+        .into_iter()
+        .enumerate()
+    {
         let gb = format!("{}", budget as f64 / 1e9);
-        let lines = crate::common::jsonl_with_input(
-            crate::common::k3_command()
-                .arg("chat")
-                .arg(small().join("small"))
-                .args([
-                    "--plain",
-                    "--jsonl",
-                    "--greedy",
-                    "--no-think",
-                    "--max-tokens",
-                    "12",
-                    "--context",
-                    "2048",
-                    "--mem",
-                    &gb,
-                    "--session-dir",
-                ])
-                .arg(dir.path()),
-            turns,
-        );
+        let chat = |extra: &[&str], input: &str| {
+            crate::common::jsonl_with_input(
+                crate::common::k3_command()
+                    .arg("chat")
+                    .arg(small().join("small"))
+                    .args([
+                        "--plain",
+                        "--jsonl",
+                        "--greedy",
+                        "--no-think",
+                        "--max-tokens",
+                        "12",
+                        "--context",
+                        "2048",
+                        "--mem",
+                        &gb,
+                        "--session-dir",
+                    ])
+                    .arg(dir.path())
+                    .args(extra),
+                input,
+            )
+        };
+        let name = format!("rss-{i}");
+        let lines = chat(&[], &format!("{turns}/save {name}\n"));
         assert_eq!(lines.len(), 5, "budget {budget}");
+        // Resumed, with the saved state and snapshots loaded, and a regenerate from one.
+        let resumed = chat(&["--resume", &name], "/regen\n");
+        assert_eq!(resumed.len(), 1, "budget {budget}");
+        assert_eq!(resumed[0]["prefilled_tokens"], 0, "budget {budget}");
+        assert_eq!(resumed[0]["generated_ids"], lines[4]["generated_ids"]);
+        let peak = resumed[0]["peak_rss_bytes"].as_u64().unwrap();
+        println!("resumed chat on small at {budget} B: peak RSS {peak} B");
+        assert!(
+            peak > 0 && peak <= budget,
+            "resumed chat peak RSS {peak} above {budget}"
+        );
         let peak = lines
             .iter()
             .map(|l| l["peak_rss_bytes"].as_u64().unwrap())

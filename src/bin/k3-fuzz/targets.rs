@@ -288,7 +288,11 @@ fn session_decode(data: &[u8]) -> String {
                 let mut r = &again[..];
                 let back = store::decode(&mut r, again.len() as u64, cfg, &identity)
                     .expect("a re-encoded older file decodes");
-                assert_eq!(store::encode(&back).ok(), Some(again), "re-encoded round trip");
+                assert_eq!(
+                    store::encode(&back).ok(),
+                    Some(again),
+                    "re-encoded round trip"
+                );
                 "ok from an older version".into()
             }
         }

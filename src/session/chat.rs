@@ -1092,11 +1092,15 @@ impl<'a> Session<'a> {
             .iter()
             .flatten()
             .filter(|s| s.tokens.len() > self.tokens.len() && tokens.starts_with(&s.tokens))
-            .max_by_key(|s| s.tokens.len())
-            .map(|s| (s.state.clone(), s.tokens.clone()));
-        if let Some((state, ids)) = longest {
-            self.state = state;
-            self.tokens = ids;
+            .max_by_key(|s| s.tokens.len());
+        if let Some(s) = longest {
+            // The live state goes before the copy is made (never one state more than planned).
+            self.state = SeqState {
+                n_pos: 0,
+                layers: Vec::new(),
+            };
+            self.state = s.state.clone();
+            self.tokens = s.tokens.clone();
         }
         self.advance_live(tokens, tokens.len(), &mut live_logits, &mut progress)?;
         Ok(progress.0)

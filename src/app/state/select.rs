@@ -180,3 +180,195 @@ impl App {
         true
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::app::config::{KeyChord, KeysConfig, ThemeName};
+    use crate::app::protocol::{EngineEvent, Request, TurnId};
+    use crate::app::state::{AppInit, KeyLabels, Msg, Phase};
+    use crate::session::chat::{Mode, Stop, TurnReport};
+
+    fn app() -> App {
+        let labels = KeysConfig::default()
+            .bindings()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(c, k): (Cmd, KeyChord)| (c, k.to_string()))
+            .collect();
+        let mut app = App::new(AppInit {
+            model: "tiny".into(),
+            session: None,
+            resume: false,
+            thinking: false,
+            context_limit: 4096,
+            max_tokens: 64,
+            budget_gb: None,
+            keys: KeyLabels(labels),
+            theme: ThemeName::Dark,
+            history: Vec::new(),
+        });
+        app.update(Msg::Engine(EngineEvent::Ready {
+            info: "k3: tiny, session \"s\", chat mode".into(),
+        }));
+        app
+    }
+
+    fn act(app: &mut App, a: Action) -> Vec<Effect> {
+        app.update(Msg::Action(a))
+    }
+
+    fn send(app: &mut App, text: &str) -> TurnId {
+        for c in text.chars() {
+            act(app, Action::Char(c));
+        }
+        act(app, Action::Submit)
+            .into_iter()
+            .find_map(|e| match e {
+                Effect::Send(Request::Send { turn, .. }) => Some(turn),
+                _ => None,
+            })
+            .unwrap_or(0)
+    }
+
+    fn reply(app: &mut App, turn: TurnId, text: &str) {
+        app.update(Msg::Engine(EngineEvent::TurnDone {
+            turn,
+            report: Box::new(TurnReport {
+                mode: Mode::Chat,
+                prompt_ids: vec![1; 4],
+                generated_ids: vec![2; 4],
+                reply: text.into(),
+                reasoning: None,
+                reused_tokens: 0,
+                prefilled_tokens: 4,
+                stop: Stop::End(3),
+                accepted: true,
+                rejected_because: None,
+                prefill_seconds: 0.1,
+                decode_seconds: 0.1,
+                context_warning: None,
+            }),
+        }));
+    }
+
+    fn copied(fx: &[Effect]) -> Option<&str> {
+        fx.iter().find_map(|e| match e {
+            Effect::Copy(t) => Some(t.as_str()),
+            _ => None,
+        })
+    }
+
+    const TWO_BLOCKS: &str = "Two ways:\n\n```sh\nls -l\n```\n\nor\n\n    cat x\n    wc -l x\n";
+
+    #[test]
+    fn code_blocks_are_found_without_their_fences() {
+        assert_eq!(code_blocks(TWO_BLOCKS), vec!["ls -l\n", "cat x\nwc -l x\n"]);
+        assert_eq!(
+            code_blocks("~~~\na\n~~~\n- item\n\n  ```\n  b\n  ```\n"),
+            vec!["a\n", "b\n"]
+        );
+        // A fence still open (a reply streaming) is a block up to the end.
+        assert_eq!(code_blocks("x\n```rust\nfn f() {"), vec!["fn f() {"]);
+        assert!(code_blocks("no `code` block").is_empty());
+    }
+
+    #[test]
+    fn select_mode_moves_over_messages_and_code_blocks_and_copies() {
+        let mut app = app();
+        let base = app.items.len();
+        let t = send(&mut app, "first question");
+        reply(&mut app, t, TWO_BLOCKS);
+        let t = send(&mut app, "second");
+        reply(&mut app, t, "plain answer");
+        let (u1, r1, u2, r2) = (base, base + 1, base + 2, base + 3);
+        assert_eq!(
+            app.targets(),
+            vec![
+                Target::Message(u1),
+                Target::Message(r1),
+                Target::Code { item: r1, block: 0 },
+                Target::Code { item: r1, block: 1 },
+                Target::Message(u2),
+                Target::Message(r2),
+            ]
+        );
+        assert!(act(&mut app, Action::Cmd(Cmd::Select)).is_empty());
+        assert_eq!(app.selected, Some(Target::Message(r2)));
+        // Up/Down and k/j move; nothing is typed.
+        act(&mut app, Action::Up);
+        act(&mut app, Action::Char('k'));
+        assert_eq!(app.selected, Some(Target::Code { item: r1, block: 1 }));
+        act(&mut app, Action::Char('k'));
+        act(&mut app, Action::Char('j'));
+        assert_eq!(app.selected, Some(Target::Code { item: r1, block: 1 }));
+        assert!(app.input.is_empty());
+        // The code is copied without its indentation, and select mode ends.
+        let fx = act(&mut app, Action::Char('y'));
+        assert_eq!(copied(&fx), Some("cat x\nwc -l x\n"));
+        assert_eq!(app.selected, None);
+        assert!(app
+            .toast
+            .as_ref()
+            .is_some_and(|t| t.0.contains("code block")));
+        // A reply is copied as its Markdown source; Home goes to the top.
+        act(&mut app, Action::Cmd(Cmd::Select));
+        act(&mut app, Action::Home);
+        assert_eq!(app.selected, Some(Target::Message(u1)));
+        act(&mut app, Action::Down);
+        let fx = act(&mut app, Action::Cmd(Cmd::Copy));
+        assert_eq!(copied(&fx), Some(TWO_BLOCKS));
+        // End goes to the bottom and stays there; Up at the top stays at the top.
+        act(&mut app, Action::Cmd(Cmd::Select));
+        act(&mut app, Action::End);
+        act(&mut app, Action::Down);
+        assert_eq!(app.selected, Some(Target::Message(r2)));
+        act(&mut app, Action::Char('g'));
+        act(&mut app, Action::Up);
+        let fx = act(&mut app, Action::Submit);
+        assert_eq!(copied(&fx), Some("first question"));
+        // Esc leaves without copying; the next keys type again.
+        act(&mut app, Action::Cmd(Cmd::Select));
+        let fx = act(&mut app, Action::Cmd(Cmd::Stop));
+        assert!(copied(&fx).is_none());
+        assert_eq!(app.selected, None);
+        act(&mut app, Action::Char('j'));
+        assert_eq!(app.input.text(), "j");
+    }
+
+    #[test]
+    fn select_mode_with_nothing_to_select_says_so() {
+        let mut app = app();
+        act(&mut app, Action::Cmd(Cmd::Select));
+        assert_eq!(app.selected, None);
+        assert!(app.toast.as_ref().is_some_and(|t| t.0.contains("nothing")));
+    }
+
+    #[test]
+    fn select_mode_works_while_a_reply_streams_and_other_commands_leave_it() {
+        let mut app = app();
+        let t = send(&mut app, "go");
+        let r = app.items.len() - 1;
+        app.update(Msg::Engine(EngineEvent::Token {
+            turn: t,
+            id: 5,
+            text: "```py\nprint(1)\n".into(),
+        }));
+        assert!(matches!(app.phase, Phase::Streaming { .. }));
+        act(&mut app, Action::Cmd(Cmd::Select));
+        act(&mut app, Action::Down);
+        assert_eq!(app.selected, Some(Target::Code { item: r, block: 0 }));
+        let fx = act(&mut app, Action::Char('y'));
+        assert_eq!(copied(&fx), Some("print(1)\n"));
+        // Esc in select mode leaves it and does not stop the reply.
+        act(&mut app, Action::Cmd(Cmd::Select));
+        let fx = act(&mut app, Action::Cmd(Cmd::Stop));
+        assert!(!fx.iter().any(|e| matches!(e, Effect::Cancel)));
+        assert!(app.busy());
+        // Another command key leaves select mode and does its work.
+        act(&mut app, Action::Cmd(Cmd::Select));
+        act(&mut app, Action::Cmd(Cmd::Help));
+        assert_eq!(app.selected, None);
+        assert!(app.dialog.is_some());
+    }
+}

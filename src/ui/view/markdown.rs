@@ -352,10 +352,8 @@ impl Md<'_> {
     fn start(&mut self, tag: Tag<'_>) {
         match tag {
             Tag::Paragraph | Tag::HtmlBlock => {
-                if self.table.is_none() {
-                    self.flush();
-                    self.start_block();
-                }
+                self.flush();
+                self.start_block();
             }
             Tag::Heading { level, .. } => {
                 self.flush();
@@ -455,10 +453,8 @@ impl Md<'_> {
     fn end(&mut self, tag: TagEnd) {
         match tag {
             TagEnd::Paragraph | TagEnd::HtmlBlock => {
-                if self.table.is_none() {
-                    self.flush();
-                    self.need_blank = true;
-                }
+                self.flush();
+                self.need_blank = true;
             }
             TagEnd::Heading(_) => {
                 self.flush();
@@ -775,6 +771,13 @@ pub fn render_cached(
     r
 }
 
+/// Load the grammars and themes now (about a tenth of a second), so that the first code block
+/// shown does not wait for them. Any thread may call it; the UI thread's first draw does not.
+pub fn warm_up() {
+    let _ = syntaxes();
+    let _ = themes();
+}
+
 fn syntaxes() -> &'static SyntaxSet {
     static S: OnceLock<SyntaxSet> = OnceLock::new();
     S.get_or_init(SyntaxSet::load_defaults_newlines)
@@ -863,3 +866,162 @@ fn highlight(code: &str, lang: &str, name: ThemeName) -> Option<Vec<Vec<(String,
     }
     Some(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text_of(line: &Line<'_>) -> String {
+        line.spans.iter().map(|s| s.content.as_ref()).collect()
+    }
+
+    fn lines(md: &str, width: usize) -> Vec<String> {
+        let theme = Theme::new(ThemeName::Dark);
+        render(md, width, &theme, ThemeName::Dark)
+            .lines
+            .iter()
+            .map(|l| text_of(l).trim_end().to_string())
+            .collect()
+    }
+
+    const DOC: &str = "# Title\n\nSome *words* and **more** words, then `code` and ~~gone~~ and \
+        a [link](https://example.com/a/long/path) and <https://k3.dev>.\nA kept line break.\n\n\
+        > quoted text that is long enough to wrap around the pane\n\n\
+        1. one\n2. two\n   1. two.one\n   2. two.two\n      - deep\n3. three\n\n\
+        - [x] done\n- [ ] open\n\n---\n\n\
+        | a | b |\n|---|--:|\n| left cell with words | 1 |\n\n\
+        ```rust\nfn main() { println!(\"a very long line of code that will not fit the pane\"); }\n```\n";
+
+    #[test]
+    fn blocks_render_as_text_without_markup() {
+        let l = lines(DOC, 60);
+        let want_prefix = [
+            "  Title",
+            "  ═════",
+            "",
+            "  Some words and more words, then code and gone and a link",
+            "  (https://example.com/a/long/path) and https://k3.dev.",
+            "  A kept line break.",
+            "",
+            "  │ quoted text that is long enough to wrap around the pane",
+            "",
+            "  1. one",
+            "  2. two",
+            "     1. two.one",
+            "     2. two.two",
+            "        ▪ deep",
+            "  3. three",
+            "",
+            "  • [x] done",
+            "  • [ ] open",
+            "",
+        ];
+        assert_eq!(&l[..want_prefix.len()], &want_prefix[..], "{l:#?}");
+        let rest = &l[want_prefix.len()..];
+        assert!(rest[0].starts_with("  ───"), "{rest:#?}");
+        assert_eq!(rest[2], "  a                    │ b");
+        assert!(rest[3].starts_with("  ─────"), "{rest:#?}");
+        assert_eq!(rest[4], "  left cell with words │ 1");
+        assert_eq!(rest[6], "  ▎ rust");
+    }
+
+    #[test]
+    fn every_line_fits_and_code_is_never_reflowed() {
+        let theme = Theme::new(ThemeName::Dark);
+        let code =
+            "fn main() { println!(\"a very long line of code that will not fit the pane\"); }";
+        for width in 20..100 {
+            let r = render(DOC, width, &theme, ThemeName::Dark);
+            for l in &r.lines {
+                assert!(str_width(&text_of(l)) <= width, "{width}: {:?}", text_of(l));
+            }
+            assert_eq!(r.code.len(), 1);
+            // The code rows after the language line, gutters removed, give back the line.
+            let rows: String = r.lines[r.code[0].clone()]
+                .iter()
+                .skip(1)
+                .map(|l| text_of(l)["  ▎ ".len()..].to_string())
+                .collect();
+            assert_eq!(rows, code, "at {width}");
+        }
+    }
+
+    #[test]
+    fn code_is_highlighted_except_in_mono() {
+        let md = "```rust\nlet x: u32 = 1; // one\n```\n";
+        let colours = |name| {
+            let theme = Theme::new(name);
+            let r = render(md, 80, &theme, name);
+            let mut fg: Vec<Option<Color>> = r.lines[r.code[0].end - 1]
+                .spans
+                .iter()
+                .map(|s| s.style.fg)
+                .collect();
+            fg.sort_by_key(|c| format!("{c:?}"));
+            fg.dedup();
+            fg.len()
+        };
+        assert!(
+            colours(ThemeName::Dark) >= 4,
+            "keyword, type, number, comment"
+        );
+        assert!(colours(ThemeName::Light) >= 4);
+        // Mono: the indent, the gutter and the code, in at most two styles.
+        assert!(colours(ThemeName::Mono) <= 2);
+        // An unknown language is shown in the code style, unhighlighted.
+        let theme = Theme::new(ThemeName::Dark);
+        let r = render("```nosuchlang\nx y\n```\n", 80, &theme, ThemeName::Dark);
+        let last = &r.lines[r.code[0].end - 1];
+        assert_eq!(last.spans.last().map(|s| s.style), Some(theme.code));
+    }
+
+    #[test]
+    fn control_characters_never_reach_a_span() {
+        let md = "a \u{1b}[2J b\n\n```\n\u{1b}]52;c;eA==\u{7}\tx\n```\n| \u{9b}1 | c |\n|--|--|\n";
+        let theme = Theme::new(ThemeName::Dark);
+        let r = render(md, 40, &theme, ThemeName::Dark);
+        let all: String = r.lines.iter().map(text_of).collect();
+        assert!(!all.chars().any(|c| c.is_control()), "{all:?}");
+        assert!(all.contains("\\u{1b}[2J"), "{all:?}");
+        assert!(all.contains("\\u{7}    x"), "{all:?}");
+    }
+
+    #[test]
+    fn a_streaming_reply_renders_its_open_block_and_finished_ones_are_cached() {
+        let theme = Theme::new(ThemeName::Dark);
+        let partial = "Intro\n\n```py\nprint(1)\nprint(";
+        let l = lines(partial, 40);
+        assert_eq!(
+            l,
+            vec!["  Intro", "", "  ▎ py", "  ▎ print(1)", "  ▎ print("]
+        );
+        let a = render_cached(partial, 40, &theme, ThemeName::Dark, false);
+        let b = render_cached(partial, 40, &theme, ThemeName::Dark, false);
+        assert!(!Rc::ptr_eq(&a, &b), "a streaming reply is not kept");
+        let done = "Intro\n\n```py\nprint(1)\n```\n";
+        let a = render_cached(done, 40, &theme, ThemeName::Dark, true);
+        let b = render_cached(done, 40, &theme, ThemeName::Dark, true);
+        assert!(
+            Rc::ptr_eq(&a, &b),
+            "a finished reply is rendered once per width"
+        );
+        let c = render_cached(done, 41, &theme, ThemeName::Dark, true);
+        assert!(!Rc::ptr_eq(&a, &c));
+        assert_eq!(*a, render(done, 40, &theme, ThemeName::Dark));
+    }
+
+    #[test]
+    fn a_table_wider_than_the_pane_wraps_its_cells() {
+        let md = "| name | what it does |\n|---|---|\n| budget | caps the memory the engine may use for weights |\n";
+        let l = lines(md, 30);
+        for row in &l {
+            assert!(str_width(row) <= 30, "{row:?}");
+        }
+        assert!(l.len() > 3, "{l:#?}");
+        let joined = l.join(" ");
+        for w in ["caps", "memory", "engine", "weights"] {
+            assert!(joined.contains(w), "{joined}");
+        }
+    }
+}
+

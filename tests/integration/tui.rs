@@ -724,7 +724,9 @@ fn a_resumed_markdown_reply_is_rendered_and_its_code_block_copied_through_osc_52
     t.wait_for("the ready status bar", 60, ready);
     t.type_text("hello");
     t.keys(&["Enter"]);
-    t.wait_for("the reply", 60, |s| s.contains("tokens/s · prompt") && ready(s));
+    t.wait_for("the reply", 60, |s| {
+        s.contains("tokens/s · prompt") && ready(s)
+    });
     t.type_text("/save md");
     t.keys(&["Enter"]);
     t.wait_for("the save", 30, |s| s.contains("saved session \"md\""));
@@ -739,7 +741,10 @@ fn a_resumed_markdown_reply_is_rendered_and_its_code_block_copied_through_osc_52
         &chat_command(dir.path(), "--resume md"),
     );
     // The pane's OSC 52 writes go to tmux's paste buffer.
-    assert!(t.run(&["set", "-g", "set-clipboard", "on"]).status.success());
+    assert!(t
+        .run(&["set", "-g", "set-clipboard", "on"])
+        .status
+        .success());
     let screen = t.wait_for("the rendered history", 60, |s| {
         s.contains("Reading a checkpoint") && s.contains("▎ rust") && ready(s)
     });

@@ -138,10 +138,14 @@ impl App {
         let last = targets.len() - 1;
         let go = |i: usize| Some(targets[i.min(last)]);
         match a {
-            Action::Up | Action::Char('k') => {
+            // The wheel and the page keys move the highlight too (the view keeps it in sight).
+            Action::Up | Action::Char('k') | Action::PageUp => {
                 self.selected = go(at.map_or(last, |i| i.saturating_sub(1)));
             }
-            Action::Down | Action::Char('j') => {
+            Action::Scroll(n) if *n > 0 => {
+                self.selected = go(at.map_or(last, |i| i.saturating_sub(1)));
+            }
+            Action::Down | Action::Char('j') | Action::PageDown | Action::Scroll(_) => {
                 self.selected = go(at.map_or(last, |i| i + 1));
             }
             Action::Home | Action::Char('g') => self.selected = go(0),
@@ -168,8 +172,7 @@ impl App {
                 self.selected = None;
                 self.toast("select mode left");
             }
-            // Scrolling works as usual; quitting, help and the other commands leave the mode.
-            Action::Scroll(_) | Action::PageUp | Action::PageDown => return false,
+            // Quitting, help and the other commands leave the mode and do their work.
             Action::Cmd(_) | Action::CharOr(..) => {
                 self.selected = None;
                 return false;
@@ -302,6 +305,9 @@ mod tests {
         act(&mut app, Action::Char('k'));
         act(&mut app, Action::Char('j'));
         assert_eq!(app.selected, Some(Target::Code { item: r1, block: 1 }));
+        act(&mut app, Action::Scroll(3));
+        assert_eq!(app.selected, Some(Target::Code { item: r1, block: 0 }));
+        act(&mut app, Action::PageDown);
         assert!(app.input.is_empty());
         // The code is copied without its indentation, and select mode ends.
         let fx = act(&mut app, Action::Char('y'));

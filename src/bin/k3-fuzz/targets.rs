@@ -72,22 +72,26 @@ fn fix_journal(b: &mut [u8]) {
 /// An outcome's signature: the message with its numbers and quoted parts taken out, so that
 /// one kind of refusal is one signature whatever the input's values.
 fn sig(kind: &str, msg: &str) -> String {
-    let mut out = String::from(kind);
+    let mut out = String::with_capacity(kind.len() + 64);
+    out.push_str(kind);
     let mut quoted = false;
-    let mut kept = String::new();
+    let mut word = String::with_capacity(32);
+    let flush = |word: &mut String, out: &mut String| {
+        if !word.is_empty() && !word.bytes().any(|b| b.is_ascii_digit()) {
+            out.push(' ');
+            out.push_str(word);
+        }
+        word.clear();
+    };
     for c in msg.chars().take(160) {
         match c {
             '"' | '`' => quoted = !quoted,
             _ if quoted => {}
-            _ => kept.push(c),
+            c if c.is_whitespace() => flush(&mut word, &mut out),
+            c => word.push(c),
         }
     }
-    for word in kept.split_whitespace() {
-        if !word.chars().any(|c| c.is_ascii_digit()) {
-            out.push(' ');
-            out.push_str(word);
-        }
-    }
+    flush(&mut word, &mut out);
     out
 }
 

@@ -200,11 +200,24 @@ fn st_header(data: &[u8]) -> String {
 fn st_index_json(data: &[u8]) -> String {
     match k3::stream::checkpoint::parse_weight_map(data) {
         Ok(map) => {
-            for (file, tensors) in &map {
+            // Accepted: plain file names, sorted and distinct, each with its tensors sorted
+            // and distinct, and no tensor in two files.
+            let mut total = 0;
+            let mut last_file: Option<&str> = None;
+            let mut all: Vec<&str> = Vec::new();
+            for (file, tensors) in map.files() {
                 assert!(!file.is_empty() && !file.contains('/') && file != "..");
+                assert!(last_file.is_none_or(|l| l < file), "{last_file:?} {file:?}");
+                last_file = Some(file);
                 assert!(!tensors.is_empty());
+                assert!(map.contains_file(file));
+                total += tensors.len();
+                all.extend(tensors.names());
             }
-            format!("ok:{}", map.len().min(4))
+            assert_eq!(total, map.len());
+            all.sort_unstable();
+            assert!(all.windows(2).all(|w| w[0] < w[1]), "a tensor named twice");
+            format!("ok:{}", map.n_files().min(4))
         }
         Err(e) => sig("index", &e),
     }

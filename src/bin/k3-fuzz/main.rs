@@ -232,7 +232,7 @@ fn fuzz(o: &Options, t: &targets::Target) -> Stats {
             fix(&mut input);
         }
         execs += 1;
-        if execs.is_multiple_of(PROGRESS_EVERY) {
+        if execs.is_multiple_of(PROGRESS_EVERY) && execs < o.execs {
             let secs = start.elapsed().as_secs_f64();
             eprintln!(
                 "k3-fuzz {}: {execs} execs in {secs:.1} s ({:.0}/s), 0 crashes so far; {} \

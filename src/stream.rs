@@ -16,6 +16,7 @@ pub mod stats;
 pub mod synth;
 pub mod trunk;
 pub mod verify;
+pub mod weight_map;
 
 pub use checkpoint::{Checkpoint, TensorData};
 pub use index::{TensorIndex, TensorInfo};

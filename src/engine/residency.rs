@@ -456,7 +456,7 @@ pub struct Streamer {
     /// Prefetch reads in flight (a plan change waits for them).
     prefetching: Arc<(Mutex<u64>, std::sync::Condvar)>,
     /// Pinned layers and the output head are taken in place from mappings of the shards
-    /// (`K3_MMAP=1`); streamed layers and experts are always read.
+    /// (off with `K3_MMAP=0`); streamed layers and experts are always read.
     mapped: bool,
 }
 

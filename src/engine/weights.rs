@@ -83,8 +83,9 @@ pub struct OpenOptions {
     /// Read with `O_DIRECT` where the filesystem allows it (streamed weights and the trunk);
     /// off with `K3_NO_DIRECT=1`.
     pub direct: bool,
-    /// Map the shards instead of reading them when every weight is resident (`K3_MMAP=1`):
-    /// the weights are used in place in the page cache.
+    /// Take the weights the plan keeps resident (pinned layers, the output head, or the
+    /// whole model) in place from read-only mappings of the shards instead of reading them
+    /// into the heap; off with `K3_MMAP=0`. Streamed layers and experts are always read.
     pub mapped: bool,
     /// Called with (bytes read, bytes to read) while loading.
     pub progress: Option<std::sync::Arc<dyn Fn(u64, u64) + Send + Sync>>,
@@ -98,7 +99,7 @@ impl Default for OpenOptions {
             states: 1,
             trunk: None,
             direct: std::env::var_os("K3_NO_DIRECT").is_none_or(|v| v.is_empty() || v == "0"),
-            mapped: std::env::var_os("K3_MMAP").is_some_and(|v| !v.is_empty() && v != "0"),
+            mapped: std::env::var_os("K3_MMAP").is_none_or(|v| v.is_empty() || v != "0"),
             progress: None,
         }
     }

@@ -1,4 +1,5 @@
-//! Checkpoint shards mapped read-only into memory (`K3_MMAP=1`, resident weights only), and
+//! Checkpoint shards mapped read-only into memory (the weights a plan keeps resident; off with
+//! `K3_MMAP=0`), and
 //! the guard that turns a fault on such a mapping into an error exit.
 //!
 //! A mapped weight is used in place: no copy into the heap, a page cache shared with every

@@ -11,6 +11,7 @@ pub mod bytes;
 pub mod cache_policy;
 pub mod checkpoint;
 pub mod index;
+pub mod mapped;
 pub mod safetensors;
 pub mod stats;
 pub mod synth;

@@ -3,6 +3,7 @@
 
 use super::bytes::{as_uninit, Bytes, Filling, Pool, U16s};
 use super::index::{IndexError, TensorIndex, TensorInfo};
+use super::mapped::MappedFile;
 use super::safetensors::{header_len, parse_header, Dtype};
 use super::weight_map::{self, Tensors, WeightMap};
 use super::StreamError;
@@ -44,6 +45,9 @@ pub struct Checkpoint {
     direct_off: Vec<std::sync::atomic::AtomicBool>,
     /// Allocations of group reads (routed experts), reused once an expert is dropped.
     group_pool: std::sync::OnceLock<std::sync::Arc<Pool>>,
+    /// Per shard: its length when opened, and its mapping once made (None: not mappable).
+    lens: Vec<u64>,
+    maps: Vec<std::sync::OnceLock<Option<std::sync::Arc<MappedFile>>>>,
 }
 
 thread_local! {
@@ -361,6 +365,8 @@ impl Checkpoint {
             direct: Vec::new(),
             direct_off: Vec::new(),
             group_pool: std::sync::OnceLock::new(),
+            lens: Vec::new(),
+            maps: Vec::new(),
         };
         for name in &shards {
             ck.add_shard(
@@ -452,6 +458,8 @@ impl Checkpoint {
         }
         self.files.push(file);
         self.paths.push(path);
+        self.lens.push(file_len);
+        self.maps.push(std::sync::OnceLock::new());
         Ok(())
     }
 
@@ -805,6 +813,41 @@ impl Checkpoint {
             .ok_or_else(|| StreamError::NoSuchTensor(name.to_string()))?;
         let raw = self.read_shared(info.shard, info.offset, info.n_bytes(), name)?;
         Ok((info.clone(), TensorData::from_bytes(info.dtype, raw)))
+    }
+
+    /// [`Checkpoint::read`], or with `mapped` the tensor's bytes as a range of its shard's
+    /// read-only mapping, faulted in now and used in place (no copy; the page cache is shared
+    /// with other processes). A shard that cannot be mapped is read as without `mapped`.
+    pub fn read_maybe_mapped(
+        &self,
+        name: &str,
+        mapped: bool,
+    ) -> Result<(TensorInfo, TensorData), StreamError> {
+        if mapped {
+            if let Some(info) = self.info(name) {
+                if let Some(raw) = self.read_mapped(info.shard, info.offset, info.n_bytes()) {
+                    return Ok((info.clone(), TensorData::from_bytes(info.dtype, raw)));
+                }
+            }
+        }
+        self.read(name)
+    }
+
+    /// `len` bytes at `at` of `shard` as a range of its mapping (made on first use), counted
+    /// as read; None when the shard does not map.
+    fn read_mapped(&self, shard: usize, at: u64, len: u64) -> Option<Bytes> {
+        let map = self.maps.get(shard)?.get_or_init(|| {
+            MappedFile::map(&self.files[shard], self.lens[shard]).map(std::sync::Arc::new)
+        });
+        let map = map.as_ref()?;
+        let (off, n) = (usize::try_from(at).ok()?, usize::try_from(len).ok()?);
+        let bytes = Bytes::mapped(map, off, n)?;
+        map.populate(off, n);
+        let total = self.bytes_read.fetch_add(len, Ordering::Relaxed) + len;
+        if let Some(p) = &self.progress {
+            p(total);
+        }
+        Some(bytes)
     }
 
     /// Read `len` bytes at absolute offset `at` of `shard` into a new aligned allocation,

@@ -375,11 +375,13 @@ pub enum Cmd {
     Focus,
     /// Start a new conversation (asks first when the current one has unsaved turns).
     New,
+    /// Select mode: move over messages and code blocks, `y` copies one.
+    Select,
 }
 
 impl Cmd {
     /// Every command with its `[keys]` name, in help order.
-    pub const ALL: [(&'static str, Cmd); 13] = [
+    pub const ALL: [(&'static str, Cmd); 14] = [
         ("help", Cmd::Help),
         ("quit", Cmd::Quit),
         ("stop", Cmd::Stop),
@@ -393,6 +395,7 @@ impl Cmd {
         ("follow", Cmd::Follow),
         ("focus", Cmd::Focus),
         ("new", Cmd::New),
+        ("select", Cmd::Select),
     ];
 
     /// What the command does, for the help popup.
@@ -412,6 +415,7 @@ impl Cmd {
             Cmd::Follow => "jump to the newest text",
             Cmd::Focus => "focus the budget slider / the input",
             Cmd::New => "new conversation (asks when unsaved)",
+            Cmd::Select => "select a message or code block; y copies it",
         }
     }
 }
@@ -446,6 +450,8 @@ pub struct KeysConfig {
     pub focus: String,
     /// New conversation.
     pub new: String,
+    /// Select mode (copy any message or code block).
+    pub select: String,
 }
 
 impl Default for KeysConfig {
@@ -464,6 +470,7 @@ impl Default for KeysConfig {
             follow: "ctrl-l".into(),
             focus: "tab".into(),
             new: "ctrl-n".into(),
+            select: "ctrl-o".into(),
         }
     }
 }
@@ -484,6 +491,7 @@ impl KeysConfig {
             Cmd::Follow => &self.follow,
             Cmd::Focus => &self.focus,
             Cmd::New => &self.new,
+            Cmd::Select => &self.select,
         }
     }
 
@@ -582,6 +590,7 @@ newline = "alt-enter"  # shift-enter also works where the terminal reports it
 follow = "ctrl-l"
 focus = "tab"
 new = "ctrl-n"
+select = "ctrl-o"      # select mode: Up/Down or j/k move, y copies, Esc leaves
 "#;
 
 /// 1-based line and column (in characters) of byte `offset` in `text`.

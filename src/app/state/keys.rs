@@ -36,6 +36,9 @@ impl App {
             self.dialog_action(a, fx);
             return;
         }
+        if self.selected.is_some() && self.select_action(&a, fx) {
+            return;
+        }
         if self.focus == Focus::Budget && self.budget_focus_action(&a, fx) {
             return;
         }
@@ -180,6 +183,7 @@ impl App {
             Cmd::Follow => self.scroll = 0,
             Cmd::Focus => self.focus = Focus::Budget,
             Cmd::New => self.new_conversation(fx),
+            Cmd::Select => self.enter_select(),
         }
     }
 

@@ -80,6 +80,7 @@ pub fn help(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         (k(Cmd::Copy), Cmd::Copy.describe()),
         (k(Cmd::Sessions), Cmd::Sessions.describe()),
         (k(Cmd::New), Cmd::New.describe()),
+        (k(Cmd::Select), Cmd::Select.describe()),
         (
             format!("{} / {}", k(Cmd::BudgetDown), k(Cmd::BudgetUp)),
             "memory budget down / up (input empty)",
@@ -88,6 +89,10 @@ pub fn help(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         (
             "mouse".into(),
             "wheel scrolls; click or wheel on budget moves it",
+        ),
+        (
+            "Shift + mouse".into(),
+            "select text with the terminal (mouse captured)",
         ),
         (k(Cmd::Help), Cmd::Help.describe()),
     ];

@@ -330,46 +330,41 @@ fn demo_cmd(dir: &Path, args: &[&str]) -> Command {
 
 #[test]
 fn after_a_kill_9_the_recovered_session_costs_what_an_uninterrupted_one_does() {
-    use crate::session::{same_work, AFTER_RESUME, DEMO_PREFIXES};
-    for sampling in [
-        &["--greedy"][..],
-        &["--temperature", "1", "--seed", "5"][..],
-    ] {
-        for (prefix, _) in DEMO_PREFIXES {
-            // Saved after the first turn; the later turns are only in the journal.
-            let turns = prefix.lines().count();
-            let (head, tail) = prefix.split_once('\n').unwrap();
-            let input = format!("{head}\n/save\n{tail}");
-            let killed = tempfile::tempdir().unwrap();
-            let mut args = sampling.to_vec();
-            args.extend(["--session", "k"]);
-            kill_9(demo_cmd(killed.path(), &args), &input, turns);
-            assert!(killed.path().join("k.k3journal").is_file());
-            for after in AFTER_RESUME {
-                let what = format!("{sampling:?} after {prefix:?}, kill -9, then {after:?}");
-                let scratch = tempfile::tempdir().unwrap();
-                let (code, whole, err) = finish(
-                    demo_cmd(scratch.path(), sampling),
-                    &format!("{prefix}{after}"),
-                );
-                assert_eq!(code, 0, "{err}");
-                let dir = tempfile::tempdir().unwrap();
-                for f in ["k.k3session", "k.k3journal"] {
-                    std::fs::copy(killed.path().join(f), dir.path().join(f)).unwrap();
-                }
-                let mut args = sampling.to_vec();
-                args.extend(["--resume", "k"]);
-                let (code, rest, err) = finish(demo_cmd(dir.path(), &args), after);
-                assert_eq!(code, 0, "{err}");
-                assert!(
-                    err.contains(&format!("recovered {} unsaved turns from", turns - 1)),
-                    "{err}"
-                );
-                assert_eq!(whole.len(), turns + rest.len(), "{what}");
-                for (a, b) in whole[turns..].iter().zip(&rest) {
-                    same_work(a, b, &what);
-                }
-            }
+    use crate::session::{same_work, DEMO_CASES};
+    for (i, (prefix, _, after)) in DEMO_CASES.into_iter().enumerate() {
+        // Greedy for one case, seeded for the other.
+        let sampling: &[&str] = if i == 0 {
+            &["--greedy"]
+        } else {
+            &["--temperature", "1", "--seed", "5"]
+        };
+        let what = format!("{sampling:?} after {prefix:?}, kill -9");
+        // Saved after the first turn; the later turns are only in the journal.
+        let turns = prefix.lines().count();
+        let (head, tail) = prefix.split_once('\n').unwrap();
+        let input = format!("{head}\n/save\n{tail}");
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = sampling.to_vec();
+        args.extend(["--session", "k"]);
+        kill_9(demo_cmd(dir.path(), &args), &input, turns);
+        assert!(dir.path().join("k.k3journal").is_file());
+        let scratch = tempfile::tempdir().unwrap();
+        let (code, whole, err) = finish(
+            demo_cmd(scratch.path(), sampling),
+            &format!("{prefix}{after}"),
+        );
+        assert_eq!(code, 0, "{err}");
+        let mut args = sampling.to_vec();
+        args.extend(["--resume", "k"]);
+        let (code, rest, err) = finish(demo_cmd(dir.path(), &args), after);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            err.contains(&format!("recovered {} unsaved turns from", turns - 1)),
+            "{err}"
+        );
+        assert_eq!(whole.len(), turns + rest.len(), "{what}");
+        for (a, b) in whole[turns..].iter().zip(&rest) {
+            same_work(a, b, &what);
         }
     }
 }

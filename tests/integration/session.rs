@@ -917,58 +917,63 @@ pub fn same_work(a: &serde_json::Value, b: &serde_json::Value, what: &str) {
     }
 }
 
-/// The conversations the resume tests start from: three turns whose last reply ended, and
-/// four whose last reply was cut off at the token limit.
-pub const DEMO_PREFIXES: [(&str, bool); 2] = [
-    ("Hello\nWhat is 2+2?\nThanks!\n", false),
-    ("Hello\nWhat is 2+2?\nThanks!\nWho are you?\n", true),
+/// The conversations the resume tests start from (three turns whose last reply ended, four
+/// whose last reply was cut off at the token limit), and what is done after the resume, in
+/// one run: the first command is the one that depends most on what was saved (a regenerate
+/// after a reply that ended; the next turn after one cut off), then the others follow (an
+/// undo and a new message, an edit, a regenerate, a next turn), each from the states the
+/// earlier ones left, the saved snapshots included.
+pub const DEMO_CASES: [(&str, bool, &str); 2] = [
+    (
+        "Hello\nWhat is 2+2?\nThanks!\n",
+        false,
+        "/regen\n/undo\nSomething else\n/edit Changed my mind\nTell me more\n",
+    ),
+    (
+        "Hello\nWhat is 2+2?\nThanks!\nWho are you?\n",
+        true,
+        "Tell me more\n/undo\n/regen\n/undo\nSomething else\n/edit Changed my mind\n",
+    ),
 ];
 
-/// What is done after the resume: the next turn, a regenerate, an undo and a new message, an
-/// edit.
-pub const AFTER_RESUME: [&str; 4] = [
-    "Tell me more\n",
-    "/regen\n",
-    "/undo\nSomething else\n",
-    "/edit Changed my mind\n",
-];
+/// The samplings each case runs with (greedy for both, seeded for the cut-off one: the
+/// generic kernels run these tests too, and every turn of the demo model costs there).
+pub fn demo_samplings(cut_off: bool) -> Vec<&'static [&'static str]> {
+    let mut out: Vec<&'static [&'static str]> = vec![&["--greedy"]];
+    if cut_off {
+        out.push(&["--temperature", "1", "--seed", "5"]);
+    }
+    out
+}
 
 #[test]
 fn after_resume_the_next_turn_regen_undo_and_edit_cost_what_they_cost_uninterrupted() {
-    for sampling in [
-        &["--greedy"][..],
-        &["--temperature", "1", "--seed", "5"][..],
-    ] {
-        for (prefix, cut_off) in DEMO_PREFIXES {
+    for (prefix, cut_off, after) in DEMO_CASES {
+        for sampling in demo_samplings(cut_off) {
+            let what = format!("{sampling:?} after {prefix:?}");
+            // Uninterrupted: the conversation, a save, and what follows, in one process.
             let saved = tempfile::tempdir().unwrap();
-            let first = demo_chat(saved.path(), sampling, &format!("{prefix}/save s\n"));
-            let last = first.last().unwrap()["generated_ids"]
-                .as_array()
-                .unwrap()
-                .len();
-            assert_eq!(
-                last == DEMO_LIMIT,
-                cut_off,
-                "{sampling:?} {prefix:?}: {last}"
-            );
-            let file = saved.path().join("s.k3session");
-            for after in AFTER_RESUME {
-                let what = format!("{sampling:?} after {prefix:?} then {after:?}");
-                let scratch = tempfile::tempdir().unwrap();
-                let whole = demo_chat(scratch.path(), sampling, &format!("{prefix}{after}"));
-                let dir = tempfile::tempdir().unwrap();
-                std::fs::copy(&file, dir.path().join("s.k3session")).unwrap();
-                let mut args = sampling.to_vec();
-                args.extend(["--resume", "s"]);
-                let rest = demo_chat(dir.path(), &args, after);
-                assert_eq!(whole.len(), first.len() + rest.len(), "{what}");
-                for (a, b) in whole[first.len()..].iter().zip(&rest) {
-                    same_work(a, b, &what);
-                }
-                if after == "/regen\n" {
-                    // The whole prompt is reused and nothing read again.
-                    assert_eq!(rest[0]["prefilled_tokens"], 0, "{what}");
-                }
+            let turns = prefix.lines().count();
+            let whole = demo_chat(saved.path(), sampling, &format!("{prefix}/save s\n{after}"));
+            let last = whole[turns - 1]["generated_ids"].as_array().unwrap().len();
+            assert_eq!(last == DEMO_LIMIT, cut_off, "{what}: {last}");
+            // Resumed in a new process from the saved file.
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::copy(
+                saved.path().join("s.k3session"),
+                dir.path().join("s.k3session"),
+            )
+            .unwrap();
+            let mut args = sampling.to_vec();
+            args.extend(["--resume", "s"]);
+            let rest = demo_chat(dir.path(), &args, after);
+            assert_eq!(whole.len(), turns + rest.len(), "{what}");
+            for (a, b) in whole[turns..].iter().zip(&rest) {
+                same_work(a, b, &what);
+            }
+            if !cut_off {
+                // The regenerate reuses the whole prompt and reads nothing again.
+                assert_eq!(rest[0]["prefilled_tokens"], 0, "{what}");
             }
         }
     }

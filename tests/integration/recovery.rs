@@ -330,14 +330,10 @@ fn demo_cmd(dir: &Path, args: &[&str]) -> Command {
 
 #[test]
 fn after_a_kill_9_the_recovered_session_costs_what_an_uninterrupted_one_does() {
-    use crate::session::{same_work, DEMO_CASES};
-    for (i, (prefix, _, after)) in DEMO_CASES.into_iter().enumerate() {
-        // Greedy for one case, seeded for the other.
-        let sampling: &[&str] = if i == 0 {
-            &["--greedy"]
-        } else {
-            &["--temperature", "1", "--seed", "5"]
-        };
+    use crate::session::{demo_sampling, same_work, DEMO_CASES};
+    for (prefix, cut_off, after) in DEMO_CASES {
+        // The other sampling than the resume test's for this case.
+        let sampling = demo_sampling(!cut_off);
         let what = format!("{sampling:?} after {prefix:?}, kill -9");
         // Saved after the first turn; the later turns are only in the journal.
         let turns = prefix.lines().count();

@@ -936,45 +936,45 @@ pub const DEMO_CASES: [(&str, bool, &str); 2] = [
     ),
 ];
 
-/// The samplings each case runs with (greedy for both, seeded for the cut-off one: the
-/// generic kernels run these tests too, and every turn of the demo model costs there).
-pub fn demo_samplings(cut_off: bool) -> Vec<&'static [&'static str]> {
-    let mut out: Vec<&'static [&'static str]> = vec![&["--greedy"]];
+/// The sampling each case runs with: greedy for one, seeded for the other (the generic
+/// kernels run these tests too, and every turn of the demo model costs there); the recovery
+/// test takes them the other way round.
+pub fn demo_sampling(cut_off: bool) -> &'static [&'static str] {
     if cut_off {
-        out.push(&["--temperature", "1", "--seed", "5"]);
+        &["--temperature", "1", "--seed", "5"]
+    } else {
+        &["--greedy"]
     }
-    out
 }
 
 #[test]
 fn after_resume_the_next_turn_regen_undo_and_edit_cost_what_they_cost_uninterrupted() {
     for (prefix, cut_off, after) in DEMO_CASES {
-        for sampling in demo_samplings(cut_off) {
-            let what = format!("{sampling:?} after {prefix:?}");
-            // Uninterrupted: the conversation, a save, and what follows, in one process.
-            let saved = tempfile::tempdir().unwrap();
-            let turns = prefix.lines().count();
-            let whole = demo_chat(saved.path(), sampling, &format!("{prefix}/save s\n{after}"));
-            let last = whole[turns - 1]["generated_ids"].as_array().unwrap().len();
-            assert_eq!(last == DEMO_LIMIT, cut_off, "{what}: {last}");
-            // Resumed in a new process from the saved file.
-            let dir = tempfile::tempdir().unwrap();
-            std::fs::copy(
-                saved.path().join("s.k3session"),
-                dir.path().join("s.k3session"),
-            )
-            .unwrap();
-            let mut args = sampling.to_vec();
-            args.extend(["--resume", "s"]);
-            let rest = demo_chat(dir.path(), &args, after);
-            assert_eq!(whole.len(), turns + rest.len(), "{what}");
-            for (a, b) in whole[turns..].iter().zip(&rest) {
-                same_work(a, b, &what);
-            }
-            if !cut_off {
-                // The regenerate reuses the whole prompt and reads nothing again.
-                assert_eq!(rest[0]["prefilled_tokens"], 0, "{what}");
-            }
+        let sampling = demo_sampling(cut_off);
+        let what = format!("{sampling:?} after {prefix:?}");
+        // Uninterrupted: the conversation, a save, and what follows, in one process.
+        let saved = tempfile::tempdir().unwrap();
+        let turns = prefix.lines().count();
+        let whole = demo_chat(saved.path(), sampling, &format!("{prefix}/save s\n{after}"));
+        let last = whole[turns - 1]["generated_ids"].as_array().unwrap().len();
+        assert_eq!(last == DEMO_LIMIT, cut_off, "{what}: {last}");
+        // Resumed in a new process from the saved file.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(
+            saved.path().join("s.k3session"),
+            dir.path().join("s.k3session"),
+        )
+        .unwrap();
+        let mut args = sampling.to_vec();
+        args.extend(["--resume", "s"]);
+        let rest = demo_chat(dir.path(), &args, after);
+        assert_eq!(whole.len(), turns + rest.len(), "{what}");
+        for (a, b) in whole[turns..].iter().zip(&rest) {
+            same_work(a, b, &what);
+        }
+        if !cut_off {
+            // The regenerate reuses the whole prompt and reads nothing again.
+            assert_eq!(rest[0]["prefilled_tokens"], 0, "{what}");
         }
     }
 }

@@ -407,6 +407,13 @@ impl Speculator {
     ///
     /// # Errors
     /// A weight read failed; `state` may be partly advanced (restore a snapshot).
+    /// The drafted token expected at the position being sampled now, while a verified chunk
+    /// is open (for speculative sampling that preserves the distribution).
+    #[must_use]
+    pub fn proposal(&self) -> Option<u32> {
+        self.open.as_ref()?.queue.front().map(|(id, _)| *id)
+    }
+
     pub fn advance(
         &mut self,
         model: &Model,

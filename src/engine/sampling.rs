@@ -394,7 +394,7 @@ impl Sampler {
                 mut probs,
                 sum,
             } => {
-                let pos = ids.iter().position(|&id| id as usize == proposal as usize);
+                let pos = ids.iter().position(|&id| id == proposal as usize);
                 let p = pos.map_or(0.0, |k| probs[k] / sum);
                 if let Some(k) = pos {
                     probs[k] = 0.0;

@@ -73,10 +73,14 @@ pub struct ChatArgs {
     /// Longest reply in tokens [default: 512].
     #[arg(long)]
     pub max_tokens: Option<usize>,
+    /// Longest raw-mode continuation in tokens (it also stops at an end-of-text token)
+    /// [default: 200].
+    #[arg(long, value_name = "N")]
+    pub raw_max_tokens: Option<usize>,
     /// Most positions a session may hold [default: 32768].
     #[arg(long)]
     pub context: Option<usize>,
-    /// Extra stop id (repeatable; raw mode stops only on these).
+    /// Extra stop id (repeatable), besides the template's end-of-text ids.
     #[arg(long = "stop-id", value_name = "ID")]
     pub stop_ids: Vec<u32>,
     /// Compute threads (default: all cores). Output does not depend on it.
@@ -136,6 +140,7 @@ fn settings(args: &ChatArgs, cfg: &Config) -> Settings {
             .unwrap_or_else(|| cfg.thinking.effort.clone()),
         context_limit: args.context.unwrap_or(s.context).max(2),
         stop_ids: args.stop_ids.clone(),
+        raw_max_tokens: args.raw_max_tokens.unwrap_or(s.raw_max_tokens).max(1),
     }
 }
 

@@ -99,6 +99,8 @@ pub struct SamplingConfig {
     pub seed: u64,
     /// Longest reply in tokens.
     pub max_tokens: usize,
+    /// Longest raw-mode continuation in tokens.
+    pub raw_max_tokens: usize,
     /// Most positions a session may hold.
     pub context: usize,
 }
@@ -113,6 +115,7 @@ impl Default for SamplingConfig {
             repeat_penalty: 1.0,
             seed: 1,
             max_tokens: 512,
+            raw_max_tokens: crate::session::chat::RAW_MAX_TOKENS,
             context: 32_768,
         }
     }
@@ -556,6 +559,7 @@ min_p = 0.0            # in [0, 1]
 repeat_penalty = 1.0   # 1 = off
 seed = 1
 max_tokens = 512       # longest reply
+raw_max_tokens = 200   # longest raw-mode continuation (it also stops at an end-of-text token)
 context = 32768        # most positions a session may hold
 
 [thinking]
@@ -646,7 +650,7 @@ impl Config {
             message,
         };
         let s = &self.sampling;
-        let checks: [(&str, bool, &str); 7] = [
+        let checks: [(&str, bool, &str); 8] = [
             ("sampling.temperature", s.temperature >= 0.0, "must be ≥ 0"),
             (
                 "sampling.top_p",
@@ -664,6 +668,11 @@ impl Config {
                 "must be > 0",
             ),
             ("sampling.max_tokens", s.max_tokens >= 1, "must be ≥ 1"),
+            (
+                "sampling.raw_max_tokens",
+                s.raw_max_tokens >= 1,
+                "must be ≥ 1",
+            ),
             (
                 "sampling.context",
                 (2..=crate::app::run::MAX_CONTEXT).contains(&s.context),

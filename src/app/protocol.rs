@@ -105,6 +105,8 @@ pub enum EngineEvent {
         id: u32,
         /// Printable text.
         text: String,
+        /// Positions the conversation holds with this token (0: not known).
+        position: u64,
     },
     /// A turn finished (possibly cancelled or rejected; see the report).
     TurnDone {

@@ -339,6 +339,7 @@ impl Ctx<'_> {
             turn,
             id: 0,
             text: text.to_owned(),
+            position: 0,
         })
     }
 
@@ -719,6 +720,7 @@ impl Ctx<'_> {
                     Setting::RepeatPenalty => s.repeat_penalty = v as f32,
                     Setting::Seed => s.seed = v as u64,
                     Setting::MaxTokens => s.max_tokens = (v as usize).max(1),
+                    Setting::RawMaxTokens => s.raw_max_tokens = (v as usize).max(1),
                 }
                 Ok(format!("{} = {v}", setting.name()))
             }

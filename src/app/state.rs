@@ -176,6 +176,9 @@ pub struct Budget {
     pub asked: Option<(TurnId, u64)>,
     /// The engine's last answer: bytes asked, and its text (`Err` for a refusal).
     pub answer: Option<(u64, Result<String, String>)>,
+    /// The exact bytes the slider stands for: the budget in force while nothing is asked,
+    /// else the (rounded) value asked for. `None` until known: the step's value then.
+    pub exact: Option<u64>,
 }
 
 impl Budget {
@@ -196,10 +199,18 @@ impl Budget {
         (lo * (hi / lo).powf(f)).round() as u64
     }
 
-    /// The slider's value in bytes.
+    /// The slider's value in bytes: one number with the budget in force and the engine's
+    /// answer (the value asked for while a request is in flight).
     #[must_use]
     pub fn value_bytes(&self) -> u64 {
-        self.bytes_at(self.step)
+        self.exact.unwrap_or_else(|| self.bytes_at(self.step))
+    }
+
+    /// The bytes a request for slider position `step` asks for: its value to three
+    /// significant digits of a GB, as `/budget` takes it.
+    #[must_use]
+    pub fn asked_at(&self, step: u32) -> u64 {
+        (round_sig3(self.bytes_at(step) as f64 / 1e9) * 1e9).round() as u64
     }
 
     /// The position nearest to `bytes`.
@@ -232,8 +243,11 @@ impl Budget {
         self.high_bytes = model_bytes
             .saturating_add(model_bytes / 4)
             .max(self.low_bytes.saturating_mul(2));
-        if !self.touched {
+        // At rest the slider is the budget in force, exactly; while a request is in flight it
+        // stays on the value asked for.
+        if self.asked.is_none() {
             self.step = self.in_force_step();
+            self.exact = in_force;
         }
     }
 

@@ -443,6 +443,7 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         let turn = Arc::clone(&current_turn);
         let mut last = Instant::now();
         let (positions_limit, model_bytes) = (cfg.settings.context_limit as u64, info.bytes_read);
+        let held = session.positions_counter();
         session.on_prefill(Box::new(move |done, total| {
             if done < total && last.elapsed().as_secs_f64() < STATS_INTERVAL_S {
                 return;
@@ -457,6 +458,7 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
                 model_bytes,
                 disk_bytes_read: model_bytes,
                 context_limit: positions_limit,
+                positions: held.load(Ordering::Relaxed) as u64,
                 ..StatsSnapshot::default()
             };
             let t = turn.load(Ordering::Relaxed);
@@ -672,7 +674,7 @@ impl Ctx<'_> {
             rss_bytes: rss,
             peak_rss_bytes: peak,
             compute_seconds: (self.busy_seconds - base.io_wait_seconds).max(0.0),
-            positions: self.session.tokens().len() as u64,
+            positions: self.positions(),
             context_limit: self.session.settings.context_limit as u64,
             spec_passes: spec.passes,
             spec_proposed: spec.proposed,
@@ -680,6 +682,20 @@ impl Ctx<'_> {
             spec_steps: spec.steps,
             ..base
         }
+    }
+
+    /// Positions the conversation holds: its render as the next turn continues it (after an
+    /// `/undo` that is shorter than the state the engine still holds), else what the engine
+    /// covers with the id it sampled last.
+    fn positions(&self) -> u64 {
+        let s = &self.session;
+        let held = s.tokens().len() + usize::from(s.pending().is_some());
+        let rendered = s
+            .settings
+            .render_options()
+            .ok()
+            .and_then(|o| s.render_conversation(&o, false).ok());
+        rendered.map_or(held, |(ids, _)| ids.len()) as u64
     }
 
     /// `/budget GB`: re-plan between tokens.
@@ -716,12 +732,16 @@ impl Ctx<'_> {
         let store = &self.store;
         let cancel = self.cancel;
         let context = self.session.settings.context_limit as u64;
+        let held = self.session.positions_counter();
         let mut deferred = Vec::new();
         let mut emit = |id: u32, text: &str| {
+            // The token just sampled is held once it is fed: count it now.
+            let position = held.load(Ordering::Relaxed) as u64 + u64::from(id != u32::MAX);
             let token = EngineEvent::Token {
                 turn,
                 id,
                 text: text.to_string(),
+                position,
             };
             alive &= tx.send(token).is_ok();
             // Between tokens: a budget change is applied now; anything else waits.
@@ -776,6 +796,7 @@ impl Ctx<'_> {
                     peak_rss_bytes: peak,
                     disk_mb_per_s: mb_s,
                     turn_disk_bytes: read - base.disk_bytes_read,
+                    positions: position,
                     ..base.clone()
                 };
                 if let Some(e) = engine {
@@ -1416,7 +1437,7 @@ impl Ctx<'_> {
                             md.push_str(content);
                             md.push('\n');
                         }
-                        Entry::Raw { prompt, output } => {
+                        Entry::Raw { prompt, output, .. } => {
                             md.push_str(&format!("\n**raw**\n\n```\n{prompt}{output}\n```\n"));
                         }
                         Entry::Mode { mode } => md.push_str(&format!("\n*{} mode*\n", mode.name())),
@@ -1439,6 +1460,7 @@ impl Ctx<'_> {
             Setting::RepeatPenalty => s.repeat_penalty = v as f32,
             Setting::Seed => s.seed = v as u64,
             Setting::MaxTokens => s.max_tokens = v as usize,
+            Setting::RawMaxTokens => s.raw_max_tokens = v as usize,
         }
         self.session.set_settings(s).map_err(|e| e.to_string())?;
         Ok(format!("{} = {v}", setting.name()))

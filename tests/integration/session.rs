@@ -26,6 +26,7 @@ fn settings(temperature: f32) -> Settings {
         temperature,
         seed: 7,
         max_tokens: 10,
+        raw_max_tokens: 10,
         thinking: false,
         ..Settings::default()
     }
@@ -154,6 +155,65 @@ fn raw_mode_continues_the_context_and_switching_keeps_state() {
         .any(|e| matches!(e, k3::session::chat::Entry::Mode { mode: Mode::Raw })));
 }
 
+#[test]
+fn raw_text_stays_in_the_context_of_the_next_chat_turn() {
+    let s = settings(0.0);
+    let mut sess = Session::new(model(), tok(), s.clone()).unwrap();
+    sess.send("Hello K3", &no_cancel(), &mut |_, _| {}).unwrap();
+    sess.send("Why?", &no_cancel(), &mut |_, _| {}).unwrap();
+    sess.set_mode(Mode::Raw);
+    let mut shown = String::new();
+    let raw = sess
+        .send(
+            "Once upon a time there was a little fox",
+            &no_cancel(),
+            &mut |_, t| shown.push_str(t),
+        )
+        .unwrap();
+    let held = sess.tokens().len();
+    // The raw prompt continues the conversation as the template renders it.
+    let opts = k3::session::template::RenderOptions {
+        thinking: false,
+        ..Default::default()
+    };
+    let (history, _) = sess.render_conversation(&opts, false).unwrap();
+    assert!(
+        history.ends_with(&raw.generated_ids),
+        "the raw exchange is in the context"
+    );
+    // The limit is the raw one, and no special token reads as text.
+    assert!(raw.generated_ids.len() <= s.raw_max_tokens);
+    assert!(
+        !shown.contains("<|") && !raw.reply.contains("<|"),
+        "{shown:?}"
+    );
+    sess.set_mode(Mode::Chat);
+    let chat = sess.send("Go on.", &no_cancel(), &mut |_, _| {}).unwrap();
+    // Back in chat mode nothing is re-read: every position held is reused, and the prompt
+    // holds the raw text and its continuation as generated.
+    assert_eq!(chat.reused_tokens, held, "the position fell back");
+    let raw_ids: Vec<u32> = raw.prompt_ids[raw.prompt_ids.len()
+        - tok()
+            .encode("Once upon a time there was a little fox", true)
+            .len()..]
+        .iter()
+        .chain(&raw.generated_ids)
+        .copied()
+        .collect();
+    assert!(chat
+        .prompt_ids
+        .windows(raw_ids.len())
+        .any(|w| w == raw_ids.as_slice()));
+    assert_eq!(chat.generated_ids, replay(&chat, &s, 1));
+    // Undo removes the chat exchange, then the raw one.
+    sess.undo().unwrap();
+    sess.undo().unwrap();
+    assert!(!sess
+        .entries
+        .iter()
+        .any(|e| matches!(e, k3::session::chat::Entry::Raw { .. })));
+}
+
 /// Run `k3 chat --plain --jsonl` with `input` on stdin; returns the JSON lines.
 fn chat(args: &[&str], input: &str, dir: &std::path::Path) -> Vec<serde_json::Value> {
     crate::common::jsonl_with_input(
@@ -165,6 +225,8 @@ fn chat(args: &[&str], input: &str, dir: &std::path::Path) -> Vec<serde_json::Va
                 "--jsonl",
                 "--no-think",
                 "--max-tokens",
+                "9",
+                "--raw-max-tokens",
                 "9",
                 "--session-dir",
             ])
@@ -245,6 +307,8 @@ fn ctrl_c_stops_the_reply_and_keeps_the_session() {
             "--greedy",
             "--no-think",
             "--max-tokens",
+            "1000000",
+            "--raw-max-tokens",
             "1000000",
             "--context",
             "1048576",

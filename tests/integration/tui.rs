@@ -276,9 +276,9 @@ fn chat_in_tmux_streams_saves_resumes_and_restores_the_terminal() {
     t.type_text("/raw");
     t.keys(&["Enter"]);
     t.wait_for("raw mode", 30, |s| s.contains("raw mode:") && ready(s));
-    t.type_text("/set max_tokens 20000");
+    t.type_text("/set raw_max_tokens 20000");
     t.keys(&["Enter"]);
-    t.wait_for("the setting", 30, |s| s.contains("max_tokens = 20000"));
+    t.wait_for("the setting", 30, |s| s.contains("raw_max_tokens = 20000"));
     t.type_text("Once upon a time");
     t.keys(&["Enter"]);
     t.wait_for("the reply streaming", 30, |s| s.contains("┌ generating"));
@@ -466,7 +466,7 @@ fn plain_mode_on_a_terminal_stops_a_reply_on_ctrl_c_and_takes_sigint_at_the_prom
     let command = format!(
         "env K3_DATA_DIR={data} K3_CONFIG={data}/no-config.toml TERM=xterm-256color sh -c \
          'echo $$ > {pid}; exec {bin} chat {model} --plain --session-dir {data}/sessions \
-         --greedy --no-think --max-tokens 20000'; echo K3-EXIT=$?; sleep 60",
+         --greedy --no-think --max-tokens 20000 --raw-max-tokens 20000'; echo K3-EXIT=$?; sleep 60",
         data = dir.path().display(),
         pid = pid_file.display(),
         bin = env!("CARGO_BIN_EXE_k3"),

@@ -62,7 +62,12 @@ impl App {
             EngineEvent::Ready { info } => self.ready(info, fx),
             // The client already knows the mode it sent the turn in.
             EngineEvent::TurnStarted { .. } => return false,
-            EngineEvent::Token { turn, id, text } => return self.token(turn, id, &text),
+            EngineEvent::Token {
+                turn,
+                id,
+                text,
+                position,
+            } => return self.token(turn, id, &text, position),
             EngineEvent::Stats { turn, stats } => return self.engine_stats(turn, *stats),
             EngineEvent::TurnDone { turn, report } => {
                 if self.is_cancelled(turn) {
@@ -164,9 +169,13 @@ impl App {
         }
     }
 
-    pub(super) fn token(&mut self, turn: TurnId, id: u32, text: &str) -> bool {
+    pub(super) fn token(&mut self, turn: TurnId, id: u32, text: &str, position: u64) -> bool {
         if self.is_cancelled(turn) || self.live_turn() != Some(turn) {
             return false;
+        }
+        // The status bar's position moves with every token.
+        if let (Some(s), true) = (&mut self.stats.last, position > 0) {
+            s.positions = position;
         }
         if id != u32::MAX {
             let tokens = match self.phase {
@@ -230,7 +239,9 @@ impl App {
         if keep_layers {
             if let Some(prev) = &self.stats.last {
                 s.layers.clone_from(&prev.layers);
-                s.positions = prev.positions;
+                if s.positions == 0 {
+                    s.positions = prev.positions;
+                }
                 s.budget_bytes = prev.budget_bytes;
             }
         }
@@ -371,6 +382,8 @@ impl App {
             if answer.is_ok() && self.budget.ready() {
                 self.budget.step = self.budget.step_of(bytes);
                 self.budget.touched = true;
+                self.budget.in_force = Some(bytes);
+                self.budget.exact = Some(bytes);
             }
         }
         let text = match answer {
@@ -492,7 +505,7 @@ impl App {
                 "assistant" => self.items.push(reply(content, reasoning, false)),
                 other => self.items.push(Item::Info(format!("{other}: {content}"))),
             },
-            Entry::Raw { prompt, output } => {
+            Entry::Raw { prompt, output, .. } => {
                 self.items.push(Item::User {
                     text: prompt,
                     raw: true,

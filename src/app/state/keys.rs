@@ -394,6 +394,7 @@ impl App {
         }
         self.budget.step = step;
         self.budget.touched = true;
+        self.budget.exact = Some(self.budget.asked_at(step));
         self.budget_send(fx);
     }
 
@@ -428,12 +429,21 @@ impl App {
         };
         self.budget.asked = None;
         let refused = answer.is_err();
+        if let Err(why) = &answer {
+            // The status bar has room for the whole reason where a narrow pane has not.
+            self.toast(why.replace('\n', " "));
+        }
         self.budget.answer = Some((bytes, answer));
         if refused {
             // The slider does not stay on a value the engine refused: back to the one in force.
             self.budget.step = self.budget.in_force_step();
+            self.budget.exact = self.budget.in_force;
         } else if self.budget.touched && self.budget.value_bytes() != bytes {
             self.budget_send(fx);
+        } else {
+            // Accepted: this is the budget in force now, whatever figures come next.
+            self.budget.in_force = Some(bytes);
+            self.budget.exact = Some(bytes);
         }
     }
 

@@ -378,11 +378,15 @@ pub enum Cmd {
     Focus,
     /// Start a new conversation (asks first when the current one has unsaved turns).
     New,
+    /// Answer now: close the reply's thinking channel at the next token.
+    AnswerNow,
+    /// Thinking effort: off → low → high → max → off for the next replies.
+    Effort,
 }
 
 impl Cmd {
     /// Every command with its `[keys]` name, in help order.
-    pub const ALL: [(&'static str, Cmd); 13] = [
+    pub const ALL: [(&'static str, Cmd); 15] = [
         ("help", Cmd::Help),
         ("quit", Cmd::Quit),
         ("stop", Cmd::Stop),
@@ -396,6 +400,8 @@ impl Cmd {
         ("follow", Cmd::Follow),
         ("focus", Cmd::Focus),
         ("new", Cmd::New),
+        ("answer_now", Cmd::AnswerNow),
+        ("effort", Cmd::Effort),
     ];
 
     /// What the command does, for the help popup.
@@ -415,6 +421,8 @@ impl Cmd {
             Cmd::Follow => "jump to the newest text",
             Cmd::Focus => "focus the budget slider / the input",
             Cmd::New => "new conversation (asks when unsaved)",
+            Cmd::AnswerNow => "answer now: end the thinking, the model answers",
+            Cmd::Effort => "thinking effort: off, low, high, max (next reply)",
         }
     }
 }
@@ -449,6 +457,10 @@ pub struct KeysConfig {
     pub focus: String,
     /// New conversation.
     pub new: String,
+    /// Answer now (close the thinking channel).
+    pub answer_now: String,
+    /// Cycle the thinking effort.
+    pub effort: String,
 }
 
 impl Default for KeysConfig {
@@ -467,6 +479,8 @@ impl Default for KeysConfig {
             follow: "ctrl-l".into(),
             focus: "tab".into(),
             new: "ctrl-n".into(),
+            answer_now: "ctrl-g".into(),
+            effort: "ctrl-o".into(),
         }
     }
 }
@@ -487,6 +501,8 @@ impl KeysConfig {
             Cmd::Follow => &self.follow,
             Cmd::Focus => &self.focus,
             Cmd::New => &self.new,
+            Cmd::AnswerNow => &self.answer_now,
+            Cmd::Effort => &self.effort,
         }
     }
 
@@ -586,6 +602,8 @@ newline = "alt-enter"  # shift-enter also works where the terminal reports it
 follow = "ctrl-l"
 focus = "tab"
 new = "ctrl-n"
+answer_now = "ctrl-g"  # end the thinking channel now: the model answers
+effort = "ctrl-o"      # thinking off → low → high → max for the next replies
 "#;
 
 /// 1-based line and column (in characters) of byte `offset` in `text`.

@@ -721,6 +721,7 @@ impl Ctx<'_> {
                     Setting::Seed => s.seed = v as u64,
                     Setting::MaxTokens => s.max_tokens = (v as usize).max(1),
                     Setting::RawMaxTokens => s.raw_max_tokens = (v as usize).max(1),
+                    Setting::RawIgnoreEnd => s.raw_ignore_end = v != 0.0,
                 }
                 Ok(format!("{} = {v}", setting.name()))
             }

@@ -324,6 +324,8 @@ pub struct AppInit {
     pub resume: bool,
     /// Thinking channel on at start.
     pub thinking: bool,
+    /// Thinking effort at start.
+    pub effort: String,
     /// Context limit in positions.
     pub context_limit: u64,
     /// Budget to ask for at start (from the config file).
@@ -421,6 +423,9 @@ pub enum Effect {
     Copy(String),
     /// Tell the user a long reply finished: the terminal bell and an OSC 9 notification.
     Notify(String),
+    /// Set the worker's "answer now" flag: the reply's thinking channel closes at the next
+    /// token and the model answers.
+    AnswerNow,
     /// Shut the worker down, restore the terminal and exit with `code` (on quit).
     Quit {
         /// Exit status.
@@ -449,6 +454,8 @@ pub struct App {
     pub mode: Mode,
     /// Thinking channel on for new replies.
     pub thinking: bool,
+    /// Thinking effort for new replies (`low`, `high` or `max`).
+    pub effort: String,
     /// Show reasoning text (otherwise one collapsed line per reply).
     pub show_thinking: bool,
     /// What the conversation is doing.
@@ -573,6 +580,7 @@ impl App {
             dirty: false,
             mode: Mode::Chat,
             thinking: init.thinking,
+            effort: init.effort,
             show_thinking: true,
             phase: Phase::Loading,
             loading: None,

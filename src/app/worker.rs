@@ -47,6 +47,8 @@ pub struct ChatConfig {
     pub trunk: Option<PathBuf>,
     /// How replies are decoded (speculation never changes a token).
     pub spec: crate::engine::spec::SpecMode,
+    /// A line for the start-up info (why the model opens under the budget it does).
+    pub start_note: Option<String>,
 }
 
 /// Handle on a running worker.
@@ -54,6 +56,7 @@ pub struct Worker {
     tx: Sender<Request>,
     rx: Receiver<EngineEvent>,
     cancel: Arc<AtomicBool>,
+    answer_now: Arc<AtomicBool>,
     handle: Option<JoinHandle<()>>,
 }
 
@@ -65,14 +68,17 @@ impl Worker {
         let (tx_ev, rx) = channel::<EngineEvent>();
         let cancel = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&cancel);
+        let answer_now = Arc::new(AtomicBool::new(false));
+        let answer = Arc::clone(&answer_now);
         let handle = std::thread::Builder::new()
             .name("k3-engine".into())
-            .spawn(move || run(&cfg, &rx_req, &tx_ev, &flag))
+            .spawn(move || run(&cfg, &rx_req, &tx_ev, &flag, answer))
             .ok();
         Worker {
             tx,
             rx,
             cancel,
+            answer_now,
             handle,
         }
     }
@@ -93,6 +99,7 @@ impl Worker {
             tx,
             rx,
             cancel,
+            answer_now: Arc::new(AtomicBool::new(false)),
             handle,
         }
     }
@@ -101,6 +108,13 @@ impl Worker {
     #[must_use]
     pub fn cancel_flag(&self) -> Arc<AtomicBool> {
         Arc::clone(&self.cancel)
+    }
+
+    /// The flag that closes the reply's thinking channel at the next token ("answer now";
+    /// a remote worker ignores it).
+    #[must_use]
+    pub fn answer_now_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.answer_now)
     }
 
     /// Send a request; false when the worker is gone.
@@ -363,7 +377,13 @@ type Claim = (SessionLock, Option<String>);
 /// Least time between two `Stats` events while a turn runs.
 const STATS_INTERVAL_S: f64 = 0.2;
 
-fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cancel: &AtomicBool) {
+fn run(
+    cfg: &ChatConfig,
+    rx: &Receiver<Request>,
+    tx: &Sender<EngineEvent>,
+    cancel: &AtomicBool,
+    answer_now: Arc<AtomicBool>,
+) {
     let fail = |msg: String, code: i32| {
         let _ = tx.send(EngineEvent::Failed {
             turn: 0,
@@ -438,6 +458,7 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
     let current_turn = Arc::new(AtomicU64::new(0));
     let mut session = session;
     session.set_speculation(cfg.spec.or_env_off());
+    session.set_answer_now_flag(answer_now);
     {
         let tx = tx.clone();
         let turn = Arc::clone(&current_turn);
@@ -520,6 +541,10 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
         info_line.push_str(&format!(
             "\nsession {n:?} has unsaved turns in its journal: --resume {n} recovers them"
         ));
+    }
+    if let Some(note) = &cfg.start_note {
+        info_line.push('\n');
+        info_line.push_str(note);
     }
     if stale > 0 {
         info_line.push_str(&format!(
@@ -1461,6 +1486,7 @@ impl Ctx<'_> {
             Setting::Seed => s.seed = v as u64,
             Setting::MaxTokens => s.max_tokens = v as usize,
             Setting::RawMaxTokens => s.raw_max_tokens = v as usize,
+            Setting::RawIgnoreEnd => s.raw_ignore_end = v != 0.0,
         }
         self.session.set_settings(s).map_err(|e| e.to_string())?;
         Ok(format!("{} = {v}", setting.name()))

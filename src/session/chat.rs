@@ -105,6 +105,10 @@ pub struct Settings {
     /// Longest raw-mode continuation in tokens.
     #[serde(default = "default_raw_max_tokens")]
     pub raw_max_tokens: usize,
+    /// Raw mode runs past the end-of-text ids (`[EOS]`, `<|end_of_msg|>`) to
+    /// `raw_max_tokens` or a stop id, as base-model continuation in the reference does.
+    #[serde(default)]
+    pub raw_ignore_end: bool,
 }
 
 /// Default of [`Settings::raw_max_tokens`].
@@ -130,6 +134,7 @@ impl Default for Settings {
             context_limit: 32_768,
             stop_ids: Vec::new(),
             raw_max_tokens: RAW_MAX_TOKENS,
+            raw_ignore_end: false,
         }
     }
 }
@@ -278,6 +283,9 @@ pub struct Session<'a> {
     /// Positions the engine state covers, published as prompt tokens are fed and reply tokens
     /// generated (read by another thread while a turn runs).
     positions: Arc<AtomicUsize>,
+    /// "Answer now": set by another thread while a reply is in its thinking channel, it makes
+    /// the next tokens the channel's close and the answer's opening (then cleared).
+    answer_now: Arc<AtomicBool>,
 }
 
 /// Snapshots of the sequence state a session keeps (each one a full state: the engine's plan
@@ -309,11 +317,14 @@ pub fn special_marker(tok: &Tokenizer, id: u32) -> String {
 
 /// How many tokens a generating call may add, and how it shows them.
 #[derive(Clone, Copy, Debug)]
-struct Limits {
+struct Limits<'t> {
     /// Most tokens generated.
     max_tokens: usize,
     /// Show special tokens as [`special_marker`]s (the stopping one as nothing): raw mode.
     mark_specials: bool,
+    /// The completion starts in the thinking channel and these ids close it: the "answer
+    /// now" flag makes them the next tokens.
+    think_close: Option<&'t [u32]>,
 }
 
 impl<'a> Session<'a> {
@@ -344,6 +355,7 @@ impl<'a> Session<'a> {
             on_prefill: None,
             spec: Speculator::new(SpecMode::Auto.or_env_off()),
             positions: Arc::new(AtomicUsize::new(0)),
+            answer_now: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -373,6 +385,21 @@ impl<'a> Session<'a> {
     #[must_use]
     pub fn positions_counter(&self) -> Arc<AtomicUsize> {
         Arc::clone(&self.positions)
+    }
+
+    /// The "answer now" flag: set while a chat reply is in its thinking channel, the next
+    /// tokens close that channel (`<|close|>think<|sep|><|open|>response<|sep|>`, not
+    /// sampled) and the model goes on in the answer. It is cleared when a reply starts and
+    /// once used; it does nothing to a reply that is already answering, or in raw mode.
+    #[must_use]
+    pub fn answer_now_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.answer_now)
+    }
+
+    /// Use `flag` as the "answer now" flag (one the front end holds; see
+    /// [`Session::answer_now_flag`]).
+    pub fn set_answer_now_flag(&mut self, flag: Arc<AtomicBool>) {
+        self.answer_now = flag;
     }
 
     /// Call `f(done, total)` as prompt tokens are prefilled.
@@ -705,7 +732,7 @@ impl<'a> Session<'a> {
         prompt: &[u32],
         history_end: Option<usize>,
         stops: &[u32],
-        limits: Limits,
+        limits: Limits<'_>,
         cancel: &AtomicBool,
         emit: &mut dyn FnMut(u32, &str),
     ) -> Result<(Vec<u32>, usize, Stop, f64, f64), TurnError> {
@@ -729,16 +756,37 @@ impl<'a> Session<'a> {
         let mut history = prompt.to_vec();
         let mut generated = Vec::new();
         let mut utf8 = Utf8Stream::default();
+        self.answer_now.store(false, Ordering::Relaxed);
+        let mut thinking = limits.think_close.is_some();
+        let mut forced = std::collections::VecDeque::new();
         let stop = loop {
             if cancel.load(Ordering::Relaxed) {
                 break Stop::Cancelled;
             }
-            let next = match self.sampler.sample(&logits, &history) {
-                Ok(n) => n,
-                Err(e) => {
-                    self.spec.settle(self.model, &mut self.state);
-                    return Err(e.into());
+            if let Some(close) = limits.think_close {
+                if thinking && generated.ends_with(close) {
+                    thinking = false; // the model closed the channel itself
                 }
+                if thinking && self.answer_now.swap(false, Ordering::Relaxed) {
+                    // Close the channel from where the completion stands: the part of the
+                    // sequence it has already begun is not repeated.
+                    let begun = (1..close.len())
+                        .rev()
+                        .find(|&k| generated.ends_with(&close[..k]))
+                        .unwrap_or(0);
+                    forced.extend(&close[begun..]);
+                    thinking = false;
+                }
+            }
+            let next = match forced.pop_front() {
+                Some(id) => id,
+                None => match self.sampler.sample(&logits, &history) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        self.spec.settle(self.model, &mut self.state);
+                        return Err(e.into());
+                    }
+                },
             };
             generated.push(next);
             history.push(next);
@@ -815,6 +863,7 @@ impl<'a> Session<'a> {
         let limits = Limits {
             max_tokens: settings.max_tokens,
             mark_specials: false,
+            think_close: None,
         };
         let (generated, reused, stop, prefill_seconds, decode_seconds) =
             self.generate(prompt, history_end, stops, limits, cancel, emit)?;
@@ -851,9 +900,11 @@ impl<'a> Session<'a> {
         let (prompt, history_end) = self.render_conversation(&opts, true)?;
         let mut stops = self.markers.stop_ids().to_vec();
         stops.extend(self.settings.stop_ids.iter().copied());
+        let close = template::think_close_ids(self.tok, &self.markers).ok();
         let limits = Limits {
             max_tokens: self.settings.max_tokens,
             mark_specials: false,
+            think_close: close.as_deref().filter(|_| opts.thinking),
         };
         let (generated, reused, stop, prefill_s, decode_s) =
             self.generate(&prompt, Some(history_end), &stops, limits, cancel, emit)?;
@@ -925,11 +976,16 @@ impl<'a> Session<'a> {
                 "raw mode needs some text to continue".into(),
             ));
         }
-        let mut stops = self.markers.stop_ids().to_vec();
+        let mut stops = if self.settings.raw_ignore_end {
+            Vec::new()
+        } else {
+            self.markers.stop_ids().to_vec()
+        };
         stops.extend(self.settings.stop_ids.iter().copied());
         let limits = Limits {
             max_tokens: self.settings.raw_max_tokens.max(1),
             mark_specials: true,
+            think_close: None,
         };
         let (generated, reused, stop, prefill_s, decode_s) =
             self.generate(&prompt, None, &stops, limits, cancel, emit)?;

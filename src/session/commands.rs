@@ -21,11 +21,13 @@ pub enum Setting {
     MaxTokens,
     /// Raw-mode continuation length limit in tokens.
     RawMaxTokens,
+    /// Raw mode runs past the end-of-text ids (1) or stops at them (0).
+    RawIgnoreEnd,
 }
 
 impl Setting {
     /// Every setting with its command-line name.
-    pub const ALL: [(&'static str, Setting); 8] = [
+    pub const ALL: [(&'static str, Setting); 9] = [
         ("temperature", Setting::Temperature),
         ("top_p", Setting::TopP),
         ("top_k", Setting::TopK),
@@ -34,6 +36,7 @@ impl Setting {
         ("seed", Setting::Seed),
         ("max_tokens", Setting::MaxTokens),
         ("raw_max_tokens", Setting::RawMaxTokens),
+        ("raw_ignore_end", Setting::RawIgnoreEnd),
     ];
 
     /// The name used by `/set`.
@@ -125,7 +128,8 @@ pub const HELP: &str = "\
 /load NAME                load a saved session
 /sessions                 list saved sessions
 /export md|json PATH      write the transcript to a file
-/set temperature|top_p|top_k|min_p|repeat_penalty|seed|max_tokens|raw_max_tokens V
+/set temperature|top_p|top_k|min_p|repeat_penalty|seed|max_tokens V
+/set raw_max_tokens N | raw_ignore_end 0|1   raw-mode limit; run past end-of-text
 /budget GB                change the memory budget
 /stats                    engine statistics
 /help                     this list
@@ -146,6 +150,7 @@ fn check_setting(s: Setting, v: f64) -> Result<(), String> {
         Setting::MinP => (0.0..=1.0).contains(&v),
         Setting::RepeatPenalty => v > 0.0,
         Setting::MaxTokens | Setting::RawMaxTokens => v >= 1.0 && v.fract() == 0.0 && v <= 1e9,
+        Setting::RawIgnoreEnd => v == 0.0 || v == 1.0,
     };
     if ok {
         Ok(())
@@ -157,6 +162,7 @@ fn check_setting(s: Setting, v: f64) -> Result<(), String> {
             Setting::MinP => "in [0, 1]",
             Setting::RepeatPenalty => "> 0",
             Setting::MaxTokens | Setting::RawMaxTokens => "a whole number ≥ 1",
+            Setting::RawIgnoreEnd => "0 or 1",
         };
         Err(format!("/set {}: {v} must be {range}", s.name()))
     }
@@ -226,7 +232,7 @@ pub fn parse(line: &str) -> Option<Result<Command, String>> {
                 (Some(k), Some(v), None) => match Setting::ALL.iter().find(|(n, _)| *n == k) {
                     None => Err(format!(
                         "/set: unknown setting {k:?}; one of temperature, top_p, top_k, min_p, \
-                         repeat_penalty, seed, max_tokens, raw_max_tokens"
+                         repeat_penalty, seed, max_tokens, raw_max_tokens, raw_ignore_end"
                     )),
                     Some(&(_, s)) => number(v, &format!("/set {k}"))
                         .and_then(|x| check_setting(s, x).map(|()| Command::Set(s, x))),

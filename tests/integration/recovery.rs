@@ -273,6 +273,7 @@ fn a_stopped_reply_is_journaled_with_its_partial_text() {
         .arg(fixture("tiny"))
         .args(["--plain", "--greedy", "--no-think", "--session", "cut"])
         .args(["--max-tokens", "1000000", "--raw-max-tokens", "1000000"])
+        .arg("--raw-ignore-end")
         .args(["--context", "1048576"])
         .arg("--session-dir")
         .arg(dir.path())

@@ -310,6 +310,7 @@ fn ctrl_c_stops_the_reply_and_keeps_the_session() {
             "1000000",
             "--raw-max-tokens",
             "1000000",
+            "--raw-ignore-end",
             "--context",
             "1048576",
         ])

@@ -426,6 +426,12 @@ impl App {
             }
             Command::Think(t) => {
                 self.thinking = !matches!(t, Think::Off);
+                match t {
+                    Think::Low => self.effort = "low".into(),
+                    Think::High => self.effort = "high".into(),
+                    Think::Max => self.effort = "max".into(),
+                    Think::On | Think::Off => {}
+                }
                 self.dirty = true;
             }
             Command::Undo => {

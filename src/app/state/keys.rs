@@ -9,8 +9,8 @@ use super::{
 use crate::app::config::Cmd;
 use crate::app::protocol::{Request, TurnId};
 use crate::session::chat::Mode;
-use crate::session::commands::{self, Command};
-use crate::session::template::TolerantParser;
+use crate::session::commands::{self, Command, Think};
+use crate::session::template::{Phase as Channel, TolerantParser};
 
 impl App {
     // ---------------------------------------------------------------------------------------
@@ -180,6 +180,33 @@ impl App {
             Cmd::Follow => self.scroll = 0,
             Cmd::Focus => self.focus = Focus::Budget,
             Cmd::New => self.new_conversation(fx),
+            Cmd::AnswerNow => self.answer_now(fx),
+            Cmd::Effort => {
+                // off → low → high → max → off; the engine applies it to the next reply.
+                let next = match (self.thinking, self.effort.as_str()) {
+                    (false, _) => Think::Low,
+                    (true, "low") => Think::High,
+                    (true, "high") => Think::Max,
+                    _ => Think::Off,
+                };
+                self.send_command(Command::Think(next), fx);
+            }
+        }
+    }
+
+    /// The "answer now" key: while a chat reply is in its thinking channel, close it.
+    pub(super) fn answer_now(&mut self, fx: &mut Vec<Effect>) {
+        let in_thinking = matches!(
+            &self.parser,
+            Some((t, p)) if Some(*t) == self.live_turn() && p.phase() == Channel::Reasoning
+        );
+        if in_thinking {
+            fx.push(Effect::AnswerNow);
+            self.toast("answering now: the thinking ends at the next token");
+        } else if self.busy() {
+            self.toast("the reply is not in its thinking channel");
+        } else {
+            self.toast("answer now ends a reply's thinking while it is written");
         }
     }
 

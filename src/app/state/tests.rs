@@ -5,7 +5,7 @@ use super::*;
 use crate::app::config::Cmd;
 use crate::app::protocol::HistoryView;
 use crate::session::chat::Entry;
-use crate::session::commands::Setting;
+use crate::session::commands::{Setting, Think};
 use crate::stream::stats::{LayerResidency, Residency};
 
 const MODEL_BYTES: u64 = 4_000_000_000;
@@ -16,6 +16,7 @@ fn init() -> AppInit {
         session: None,
         resume: false,
         thinking: false,
+        effort: "max".into(),
         context_limit: 4096,
         max_tokens: 512,
         history: Vec::new(),
@@ -1470,4 +1471,55 @@ fn the_slider_shows_the_budget_in_force_exactly() {
         "{:?} vs {shown}",
         app.budget.answer
     );
+}
+
+#[test]
+fn answer_now_closes_the_thinking_and_the_effort_key_cycles() {
+    let mut app = ready_app_with(AppInit {
+        thinking: true,
+        ..init()
+    });
+    // Idle: nothing to close.
+    assert!(act(&mut app, Action::Cmd(Cmd::AnswerNow)).is_empty());
+    let turn = send_message(&mut app, "hello");
+    token(&mut app, turn, "Let me think");
+    let fx = act(&mut app, Action::Cmd(Cmd::AnswerNow));
+    assert!(matches!(fx.as_slice(), [Effect::AnswerNow]), "{fx:?}");
+    // The engine's next tokens close the channel: what follows is the answer.
+    token(
+        &mut app,
+        turn,
+        "<|close|>think<|sep|><|open|>response<|sep|>",
+    );
+    token(&mut app, turn, "Hi!");
+    assert_eq!(last_reply(&app).reasoning, "Let me think");
+    assert_eq!(last_reply(&app).content, "Hi!");
+    // Answering already: the key does nothing more.
+    assert!(act(&mut app, Action::Cmd(Cmd::AnswerNow)).is_empty());
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn,
+            report: report("Hi!", Stop::End(2), true),
+        },
+    );
+    // Effort: max → off → low → high → max, each a /think the engine confirms.
+    for (want, thinking, effort) in [
+        (Think::Off, false, "max"),
+        (Think::Low, true, "low"),
+        (Think::High, true, "high"),
+        (Think::Max, true, "max"),
+    ] {
+        let fx = act(&mut app, Action::Cmd(Cmd::Effort));
+        let (turn, cmd) = command(&fx);
+        assert_eq!(cmd, Command::Think(want));
+        ev(
+            &mut app,
+            EngineEvent::Notice {
+                turn,
+                text: "thinking".into(),
+            },
+        );
+        assert_eq!((app.thinking, app.effort.as_str()), (thinking, effort));
+    }
 }

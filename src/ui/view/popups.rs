@@ -80,6 +80,8 @@ pub fn help(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         (k(Cmd::Copy), Cmd::Copy.describe()),
         (k(Cmd::Sessions), Cmd::Sessions.describe()),
         (k(Cmd::New), Cmd::New.describe()),
+        (k(Cmd::AnswerNow), Cmd::AnswerNow.describe()),
+        (k(Cmd::Effort), Cmd::Effort.describe()),
         (
             format!("{} / {}", k(Cmd::BudgetDown), k(Cmd::BudgetUp)),
             "memory budget down / up (input empty)",

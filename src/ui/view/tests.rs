@@ -19,6 +19,7 @@ fn init() -> AppInit {
         session: None,
         resume: false,
         thinking: true,
+        effort: "max".into(),
         context_limit: 32_768,
         max_tokens: 512,
         history: Vec::new(),

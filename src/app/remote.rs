@@ -178,6 +178,14 @@ pub fn run(
                     .collect();
                 ctx.event(EngineEvent::Sessions { turn, rows })
             }
+            Request::RenameSession { turn, .. } | Request::DeleteSession { turn, .. } => {
+                ctx.event(EngineEvent::Failed {
+                    turn,
+                    message: "with --remote, sessions are renamed and deleted as files in the \
+                              session directory; the dialog does not do it"
+                        .into(),
+                })
+            }
         };
         if !alive {
             break;

@@ -122,6 +122,29 @@ pub struct SessionDialog {
     pub prefilled: bool,
     /// A refusal to show in the dialog (bad name, busy engine).
     pub message: Option<String>,
+    /// Rows shown are those whose name contains this (case-insensitively).
+    pub filter: String,
+    /// Typed characters go to `filter` (after `/`).
+    pub filtering: bool,
+    /// Renaming a session: its name, and the new name being typed (prefilled as in save as).
+    pub renaming: Option<(String, Editor)>,
+    /// Deleting this session, once the user says yes.
+    pub deleting: Option<String>,
+}
+
+impl SessionDialog {
+    /// The rows the filter lets through, in the listing's order.
+    #[must_use]
+    pub fn visible(&self) -> Vec<&SessionRow> {
+        let want = self.filter.to_lowercase();
+        match &self.rows {
+            Some(Ok(rows)) => rows
+                .iter()
+                .filter(|r| r.name.to_lowercase().contains(&want))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
 }
 
 /// A popup over the main screen.
@@ -285,6 +308,8 @@ enum Purpose {
     History,
     /// The saved sessions, for the session dialog.
     Sessions,
+    /// Renaming or deleting a saved session from the dialog.
+    SessionFile,
 }
 
 /// What produced a reply.

@@ -575,6 +575,9 @@ fn run(
                 history: Box::new(ctx.history()),
             }),
             Request::ListSessions { turn } => ctx.event(session_rows(&ctx.store, turn)),
+            r @ (Request::RenameSession { .. } | Request::DeleteSession { .. }) => {
+                ctx.event(session_file_op(&ctx.store, ctx.name.as_deref(), r))
+            }
         };
         if !ok {
             break; // the front end is gone
@@ -605,6 +608,82 @@ fn export_error(path: &str, e: &std::io::Error) -> String {
         _ => e.to_string(),
     };
     format!("/export: the transcript was NOT written to {path}: {why}")
+}
+
+/// The answer to [`Request::RenameSession`] and [`Request::DeleteSession`]: the files moved or
+/// removed under the session's lock (so no other process has it open meanwhile), or why not.
+/// `open` is the session this process has open, which is refused.
+fn session_file_op(store: &SessionStore, open: Option<&str>, req: Request) -> EngineEvent {
+    let (turn, result) = match req {
+        Request::RenameSession { turn, from, to } => {
+            (turn, rename_session(store, open, &from, &to))
+        }
+        Request::DeleteSession { turn, name } => (turn, delete_session(store, open, &name)),
+        _ => {
+            return EngineEvent::Notice {
+                turn: 0,
+                text: String::new(),
+            }
+        }
+    };
+    match result {
+        Ok(text) => EngineEvent::Notice { turn, text },
+        Err(message) => EngineEvent::Failed { turn, message },
+    }
+}
+
+fn rename_session(
+    store: &SessionStore,
+    open: Option<&str>,
+    from: &str,
+    to: &str,
+) -> Result<String, String> {
+    let why = |e: &dyn std::fmt::Display| format!("rename {from:?} to {to:?}: {e}");
+    store::validate_name(to).map_err(|e| why(&e))?;
+    if from == to {
+        return Ok(format!("session {from:?} keeps its name"));
+    }
+    if open == Some(from) {
+        return Err(why(
+            &"it is the session open here; /save NAME saves it under a new name",
+        ));
+    }
+    if !store.exists(from) {
+        return Err(why(&"there is no saved session of that name"));
+    }
+    let _old = store.lock(from).map_err(|e| why(&e))?;
+    let _new = store.lock(to).map_err(|e| why(&e))?;
+    if store.exists(to) || store.has_journal(to) {
+        return Err(why(&format!("a session {to:?} exists already")));
+    }
+    let path = |n: &str| store.path_of(n).map_err(|e| why(&e));
+    std::fs::rename(path(from)?, path(to)?).map_err(|e| why(&e))?;
+    if store.has_journal(from) {
+        let journal = |n: &str| store.journal_path(n).map_err(|e| why(&e));
+        std::fs::rename(journal(from)?, journal(to)?).map_err(|e| why(&e))?;
+    }
+    Ok(format!("session {from:?} renamed to {to:?}"))
+}
+
+fn delete_session(store: &SessionStore, open: Option<&str>, name: &str) -> Result<String, String> {
+    let why = |e: &dyn std::fmt::Display| format!("delete {name:?}: {e}");
+    store::validate_name(name).map_err(|e| why(&e))?;
+    if open == Some(name) {
+        return Err(why(&"it is the session open here; /new first"));
+    }
+    if !store.exists(name) && !store.has_journal(name) {
+        return Err(why(&"there is no saved session of that name"));
+    }
+    let _lock = store.lock(name).map_err(|e| why(&e))?;
+    if store.exists(name) {
+        let p = store.path_of(name).map_err(|e| why(&e))?;
+        std::fs::remove_file(p).map_err(|e| why(&e))?;
+    }
+    if store.has_journal(name) {
+        let p = store.journal_path(name).map_err(|e| why(&e))?;
+        std::fs::remove_file(p).map_err(|e| why(&e))?;
+    }
+    Ok(format!("session {name:?} deleted"))
 }
 
 /// The answer to [`Request::ListSessions`]: the rows, or why the directory cannot be read.
@@ -755,6 +834,7 @@ impl Ctx<'_> {
         let mut last_stats_at = Instant::now();
         let rx = self.rx;
         let store = &self.store;
+        let open = self.name.clone();
         let cancel = self.cancel;
         let context = self.session.settings.context_limit as u64;
         let held = self.session.positions_counter();
@@ -784,6 +864,9 @@ impl Ctx<'_> {
                     }
                     Request::ListSessions { turn: t } => {
                         alive &= tx.send(session_rows(store, t)).is_ok();
+                    }
+                    r @ (Request::RenameSession { .. } | Request::DeleteSession { .. }) => {
+                        alive &= tx.send(session_file_op(store, open.as_deref(), r)).is_ok();
                     }
                     Request::Shutdown => {
                         cancel.store(true, Ordering::Relaxed);

@@ -466,7 +466,7 @@ fn chat_with_no_model_opens_the_demo_and_answers() {
             .any(|l| l.contains("│turn ") && !l.contains("│turn 0 B")),
         "no disk reads in the turn:\n{screen}"
     );
-    let resident = number_after(&screen, "res ").unwrap_or(100.0);
+    let resident = number_after(&screen, "· resident ").unwrap_or(100.0);
     assert!(resident < 100.0, "every expert resident:\n{screen}");
     t.quit_unsaved();
 }

@@ -340,6 +340,18 @@ impl App {
             Purpose::Sessions => self.session_rows(Err(match answer {
                 Ok(t) | Err(t) => t,
             })),
+            Purpose::SessionFile => {
+                // The dialog says what happened and lists the sessions again.
+                if let Some(super::Dialog::Sessions(d)) = &mut self.dialog {
+                    d.message = Some(match answer {
+                        Ok(t) | Err(t) => t,
+                    });
+                    d.rows = None;
+                    self.fetch_sessions(fx);
+                } else if let Err(e) = answer {
+                    self.items.push(Item::Error(e));
+                }
+            }
             Purpose::Reply(_) => {
                 // A reply that failed before or while generating.
                 self.parser = None;

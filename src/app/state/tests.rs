@@ -1523,3 +1523,99 @@ fn answer_now_closes_the_thinking_and_the_effort_key_cycles() {
         assert_eq!((app.thinking, app.effort.as_str()), (thinking, effort));
     }
 }
+
+#[test]
+fn the_session_dialog_renames_deletes_and_filters_through_the_worker() {
+    let mut app = ready_app();
+    act(&mut app, Action::Cmd(Cmd::Sessions));
+    list_sessions(&mut app, rows());
+    let dialog = |app: &App| match &app.dialog {
+        Some(Dialog::Sessions(d)) => d.clone(),
+        other => panic!("{other:?}"),
+    };
+    let all = dialog(&app).visible().len();
+    assert!(all >= 2);
+    // Filter: `/` then type; only matching names are listed and Enter acts on them.
+    act(&mut app, Action::Char('/'));
+    let first = rows()[1].name.clone();
+    type_text(&mut app, &first[..first.len().min(4)].to_uppercase());
+    let d = dialog(&app);
+    assert!(d.visible().iter().all(|r| r
+        .name
+        .to_lowercase()
+        .contains(&first[..first.len().min(4)].to_lowercase())));
+    assert!(d.visible().len() < all || all == 1, "{:?}", d.visible());
+    act(&mut app, Action::Cmd(Cmd::Stop));
+    let d = dialog(&app);
+    assert!(!d.filtering && d.filter.is_empty());
+    assert_eq!(d.visible().len(), all);
+    // Rename: `e` prefills the name, typing replaces it, a bad name is refused here, a good
+    // one goes to the worker, whose answer is shown and the list read again.
+    act(&mut app, Action::Down);
+    act(&mut app, Action::Char('e'));
+    type_text(&mut app, "../x");
+    assert!(act(&mut app, Action::Submit).is_empty());
+    assert!(dialog(&app).message.is_some());
+    for _ in 0..4 {
+        act(&mut app, Action::Backspace);
+    }
+    type_text(&mut app, "renamed");
+    let fx = act(&mut app, Action::Submit);
+    let (turn, from, to) = fx
+        .iter()
+        .find_map(|e| match e {
+            Effect::Send(Request::RenameSession { turn, from, to }) => {
+                Some((*turn, from.clone(), to.clone()))
+            }
+            _ => None,
+        })
+        .expect("a rename request");
+    assert_eq!(
+        (from.as_str(), to.as_str()),
+        (rows()[1].name.as_str(), "renamed")
+    );
+    let fx = ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn,
+            text: format!("session {from:?} renamed to \"renamed\""),
+        },
+    );
+    assert!(fx
+        .iter()
+        .any(|e| matches!(e, Effect::Send(Request::ListSessions { .. }))));
+    assert!(dialog(&app)
+        .message
+        .as_deref()
+        .unwrap_or("")
+        .contains("renamed"));
+    list_sessions(&mut app, rows());
+    // Delete asks first: any key but y keeps it; y asks the worker.
+    act(&mut app, Action::Char('d'));
+    assert!(dialog(&app).deleting.is_some());
+    assert!(act(&mut app, Action::Char('n')).is_empty());
+    assert!(dialog(&app).deleting.is_none());
+    act(&mut app, Action::Char('d'));
+    let fx = act(&mut app, Action::Char('y'));
+    let (turn, name) = fx
+        .iter()
+        .find_map(|e| match e {
+            Effect::Send(Request::DeleteSession { turn, name }) => Some((*turn, name.clone())),
+            _ => None,
+        })
+        .expect("a delete request");
+    assert_eq!(name, rows()[1].name);
+    // A refusal (the session open here) is shown in the dialog.
+    ev(
+        &mut app,
+        EngineEvent::Failed {
+            turn,
+            message: "delete: it is the session open here; /new first".into(),
+        },
+    );
+    assert!(dialog(&app)
+        .message
+        .as_deref()
+        .unwrap_or("")
+        .contains("open here"));
+}

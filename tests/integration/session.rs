@@ -951,3 +951,70 @@ fn continue_opens_the_most_recently_saved_session() {
     let out = chat(&["-c", "--resume", "alpha"], b"");
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn the_worker_renames_and_deletes_saved_sessions_and_refuses_the_open_one() {
+    use k3::app::protocol::{EngineEvent, Request};
+    use k3::app::worker::{ChatConfig, Worker};
+    use k3::session::store::SessionStore;
+    let dir = tempfile::tempdir().unwrap();
+    chat(&[], "Hello K3\n/save one\n", dir.path());
+    chat(&[], "Hello K3\n/save two\n", dir.path());
+    let store = SessionStore::new(dir.path());
+    assert!(store.exists("one") && store.exists("two"));
+    let w = Worker::spawn(ChatConfig {
+        model_dir: fixture("tiny"),
+        model_label: "tiny".into(),
+        settings: settings(0.0),
+        system: None,
+        resume: Some("two".into()),
+        session_name: Some("two".into()),
+        session_dir: Some(dir.path().to_path_buf()),
+        budget: k3::stream::budget::BudgetRequest::Resident,
+        trunk: None,
+        spec: k3::engine::spec::SpecMode::Off,
+        start_note: None,
+    });
+    // The answer to turn `t`: Ok(notice) or Err(failure).
+    let answer = |t: u64| loop {
+        match w.recv().expect("the worker answers") {
+            EngineEvent::Notice { turn, text } if turn == t => break Ok(text),
+            EngineEvent::Failed { turn, message } if turn == t => break Err(message),
+            EngineEvent::Stopped { .. } => panic!("the worker stopped"),
+            _ => {}
+        }
+    };
+    let rename = |turn: u64, from: &str, to: &str| {
+        assert!(w.send(Request::RenameSession {
+            turn,
+            from: from.into(),
+            to: to.into(),
+        }));
+        answer(turn)
+    };
+    let ok = rename(1, "one", "uno").unwrap();
+    assert!(ok.contains("renamed"), "{ok}");
+    assert!(store.exists("uno") && !store.exists("one"));
+    for (turn, from, to, why) in [
+        (2, "uno", "two", "exists already"),
+        (3, "two", "dos", "open here"),
+        (4, "uno", "../x", ""),
+        (5, "nothing", "x", "no saved session"),
+    ] {
+        let e = rename(turn, from, to).expect_err(to);
+        assert!(e.contains(why), "{from} -> {to}: {e}");
+    }
+    assert!(store.exists("uno") && store.exists("two"));
+    assert!(w.send(Request::DeleteSession {
+        turn: 6,
+        name: "two".into(),
+    }));
+    assert!(answer(6).unwrap_err().contains("open here"));
+    assert!(w.send(Request::DeleteSession {
+        turn: 7,
+        name: "uno".into(),
+    }));
+    assert!(answer(7).unwrap().contains("deleted"));
+    assert!(!store.exists("uno") && store.exists("two"));
+    w.shutdown();
+}

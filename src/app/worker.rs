@@ -651,9 +651,13 @@ fn rename_session(
     if !store.exists(from) {
         return Err(why(&"there is no saved session of that name"));
     }
+    let taken = || store.exists(to) || store.has_journal(to) || open == Some(to);
+    if taken() {
+        return Err(why(&format!("a session {to:?} exists already")));
+    }
     let _old = store.lock(from).map_err(|e| why(&e))?;
     let _new = store.lock(to).map_err(|e| why(&e))?;
-    if store.exists(to) || store.has_journal(to) {
+    if taken() {
         return Err(why(&format!("a session {to:?} exists already")));
     }
     let path = |n: &str| store.path_of(n).map_err(|e| why(&e));

@@ -72,6 +72,43 @@ fn mxfp4_matvec(c: &mut Criterion) {
     g.finish();
 }
 
+/// A routed expert's gate projection against 16 tokens of a prefill chunk: one batched product
+/// (each group decoded once for four tokens) beside 16 one-token products.
+fn mxfp4_batch(c: &mut Criterion) {
+    let (rows, cols, n_tok) = (3072usize, 3584usize, 16usize);
+    let mut s = 11u64;
+    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| lcg(&mut s) as u8).collect();
+    let scales: Vec<u8> = (0..rows * cols / 32)
+        .map(|_| 120 + (lcg(&mut s) % 3) as u8)
+        .collect();
+    let m = Mxfp4Matrix::new(&packed, &scales, rows, cols).expect("sizes");
+    let x: Vec<f32> = (0..n_tok * cols)
+        .map(|i| (i as f32 * 0.003).cos())
+        .collect();
+    let mut y = vec![0f32; n_tok * rows];
+    let mut g = c.benchmark_group("mxfp4_3072x3584_16tok");
+    g.sample_size(20).measurement_time(Duration::from_secs(3));
+    let isa = kernels::detected_isa();
+    g.bench_function("batched", |b| {
+        b.iter(|| kernels::matmul_mxfp4_with(isa, &m, black_box(&x), &mut y));
+    });
+    g.bench_function("four_tokens_at_a_time", |b| {
+        b.iter(|| {
+            for (xt, yt) in x.chunks(4 * cols).zip(y.chunks_mut(4 * rows)) {
+                kernels::matmul_mxfp4_with(isa, &m, black_box(xt), yt);
+            }
+        });
+    });
+    g.bench_function("one_token_at_a_time", |b| {
+        b.iter(|| {
+            for (xt, yt) in x.chunks(cols).zip(y.chunks_mut(rows)) {
+                kernels::matmul_mxfp4_with(isa, &m, black_box(xt), yt);
+            }
+        });
+    });
+    g.finish();
+}
+
 /// Memory bandwidth reference: one pass over 2 × 128 MiB of f32 (dot products on every thread).
 fn stream_read(c: &mut Criterion) {
     let n = 32 << 20;
@@ -91,5 +128,5 @@ fn stream_read(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bf16_matvec, mxfp4_matvec, stream_read);
+criterion_group!(benches, bf16_matvec, mxfp4_matvec, mxfp4_batch, stream_read);
 criterion_main!(benches);

@@ -241,6 +241,31 @@ fn dot4_rows(isa: Isa, w: DenseRef<'_>, r: usize, cols: usize, x: &[f32]) -> Opt
     }
 }
 
+/// Rows `r..r+4` of `w` against four vectors at once, when a kernel exists for this path.
+/// Each result equals the single-row kernel's bit for bit.
+#[inline]
+fn dot4_rows_multi(
+    isa: Isa,
+    w: DenseRef<'_>,
+    r: usize,
+    cols: usize,
+    xs: [&[f32]; 4],
+) -> Option<[[f32; 4]; 4]> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let span = |j: usize| (r + j) * cols..(r + j + 1) * cols;
+        match w {
+            DenseRef::Bf16(m) => x86::dot4_multi(isa, [0, 1, 2, 3].map(|j| &m[span(j)]), xs),
+            DenseRef::F32(m) => x86::dot4_multi(isa, [0, 1, 2, 3].map(|j| &m[span(j)]), xs),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (isa, w, r, cols, xs);
+        None
+    }
+}
+
 /// Products of one dense matrix `w` `[rows, cols]` with a batch of vectors.
 ///
 /// `x` is `[n_tok, cols]`, `y` is `[n_tok, rows]` (overwritten). Each output element is one
@@ -270,7 +295,30 @@ pub fn matmul_with(isa: Isa, w: DenseRef<'_>, rows: usize, cols: usize, x: &[f32
     let fill = |ci: usize, out: &mut [f32]| {
         let base = ci * per_task;
         let n_rows = out.len() / n_tok;
-        for t in 0..n_tok {
+        // Blocks of four tokens, where a kernel takes four rows against four vectors at once.
+        let mut t0 = 0;
+        'blocks: while t0 + 4 <= n_tok && n_rows >= 4 {
+            let xs: [&[f32]; 4] = std::array::from_fn(|j| &x[(t0 + j) * cols..(t0 + j + 1) * cols]);
+            let mut k = 0;
+            while k + 4 <= n_rows {
+                let Some(v) = dot4_rows_multi(isa, w, base + k, cols, xs) else {
+                    break 'blocks;
+                };
+                for (j, vt) in v.into_iter().enumerate() {
+                    for (i, vi) in vt.into_iter().enumerate() {
+                        out[(k + i) * n_tok + t0 + j] = vi;
+                    }
+                }
+                k += 4;
+            }
+            for kk in k..n_rows {
+                for (j, xt) in xs.iter().enumerate() {
+                    out[kk * n_tok + t0 + j] = row_dot(base + kk, xt);
+                }
+            }
+            t0 += 4;
+        }
+        for t in t0..n_tok {
             let xt = &x[t * cols..(t + 1) * cols];
             let mut k = 0;
             while k + 4 <= n_rows {
@@ -320,26 +368,75 @@ pub fn matmul_mxfp4_with(isa: Isa, w: &Mxfp4Matrix<'_>, x: &[f32], y: &mut [f32]
     let n_tok = x.len() / cols;
     assert_eq!(y.len(), n_tok * rows, "mxfp4: output size");
     let per_task = rows_per_task(rows, cols / 2);
+    let xt = |t: usize| &x[t * cols..(t + 1) * cols];
     let row_dot = |r: usize, t: usize| -> f32 {
-        let xt = &x[t * cols..(t + 1) * cols];
         let (p, s) = w.row(r);
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512 => x86::mxfp4_row_avx2(p, s, xt),
-            _ => generic::mxfp4_row(p, s, xt),
+            Isa::Avx2 | Isa::Avx512 => x86::mxfp4_row_avx2(p, s, xt(t)),
+            _ => generic::mxfp4_row(p, s, xt(t)),
         }
     };
+    // Row `r` against `N` tokens from `t` with the nibbles decoded once, where a kernel
+    // exists; every result equals `row_dot`'s bit for bit.
+    fn multi<const N: usize>(
+        isa: Isa,
+        w: &Mxfp4Matrix<'_>,
+        r: usize,
+        xs: [&[f32]; N],
+        out: &mut [f32],
+    ) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(isa, Isa::Avx2 | Isa::Avx512) {
+            let (p, s) = w.row(r);
+            out.copy_from_slice(&x86::mxfp4_row_multi_avx2::<N>(p, s, xs));
+            return true;
+        }
+        let _ = (isa, w, r, xs, out);
+        false
+    }
+    // Rows of one task, each against every token: `out` is [rows of the task, n_tok].
+    let fill = |base: usize, out: &mut [f32]| {
+        for (k, row_out) in out.chunks_mut(n_tok).enumerate() {
+            let r = base + k;
+            let mut t = 0;
+            while t + 8 <= n_tok {
+                let xs = std::array::from_fn::<_, 8, _>(|j| xt(t + j));
+                if !multi::<8>(isa, w, r, xs, &mut row_out[t..t + 8]) {
+                    break;
+                }
+                t += 8;
+            }
+            while t + 4 <= n_tok {
+                let xs = std::array::from_fn::<_, 4, _>(|j| xt(t + j));
+                if !multi::<4>(isa, w, r, xs, &mut row_out[t..t + 4]) {
+                    break;
+                }
+                t += 4;
+            }
+            let done = match n_tok - t {
+                3 => multi::<3>(isa, w, r, [xt(t), xt(t + 1), xt(t + 2)], &mut row_out[t..]),
+                2 => multi::<2>(isa, w, r, [xt(t), xt(t + 1)], &mut row_out[t..]),
+                _ => false,
+            };
+            if done {
+                t = n_tok;
+            }
+            for (tt, o) in row_out.iter_mut().enumerate().skip(t) {
+                *o = row_dot(r, tt);
+            }
+        }
+    };
+    if n_tok == 1 {
+        y.par_chunks_mut(per_task)
+            .enumerate()
+            .for_each(|(ci, out)| fill(ci * per_task, out));
+        return;
+    }
     let mut tmp = vec![0f32; rows * n_tok];
     tmp.par_chunks_mut(per_task * n_tok)
         .enumerate()
-        .for_each(|(ci, out)| {
-            for (k, row_out) in out.chunks_mut(n_tok).enumerate() {
-                let r = ci * per_task + k;
-                for (t, o) in row_out.iter_mut().enumerate() {
-                    *o = row_dot(r, t);
-                }
-            }
-        });
+        .for_each(|(ci, out)| fill(ci * per_task, out));
     for r in 0..rows {
         for t in 0..n_tok {
             y[t * rows + r] = tmp[r * n_tok + t];

@@ -11,11 +11,13 @@ pub mod bytes;
 pub mod cache_policy;
 pub mod checkpoint;
 pub mod index;
+pub mod mapped;
 pub mod safetensors;
 pub mod stats;
 pub mod synth;
 pub mod trunk;
 pub mod verify;
+pub mod weight_map;
 
 pub use checkpoint::{Checkpoint, TensorData};
 pub use index::{TensorIndex, TensorInfo};

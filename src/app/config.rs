@@ -382,11 +382,13 @@ pub enum Cmd {
     AnswerNow,
     /// Thinking effort: off → low → high → max → off for the next replies.
     Effort,
+    /// Select mode: move over messages and code blocks, `y` copies one.
+    Select,
 }
 
 impl Cmd {
     /// Every command with its `[keys]` name, in help order.
-    pub const ALL: [(&'static str, Cmd); 15] = [
+    pub const ALL: [(&'static str, Cmd); 16] = [
         ("help", Cmd::Help),
         ("quit", Cmd::Quit),
         ("stop", Cmd::Stop),
@@ -402,6 +404,7 @@ impl Cmd {
         ("new", Cmd::New),
         ("answer_now", Cmd::AnswerNow),
         ("effort", Cmd::Effort),
+        ("select", Cmd::Select),
     ];
 
     /// What the command does, for the help popup.
@@ -423,6 +426,7 @@ impl Cmd {
             Cmd::New => "new conversation (asks when unsaved)",
             Cmd::AnswerNow => "answer now: end the thinking, the model answers",
             Cmd::Effort => "thinking effort: off, low, high, max (next reply)",
+            Cmd::Select => "select a message or code block; y copies it",
         }
     }
 }
@@ -461,6 +465,8 @@ pub struct KeysConfig {
     pub answer_now: String,
     /// Cycle the thinking effort.
     pub effort: String,
+    /// Select mode (copy any message or code block).
+    pub select: String,
 }
 
 impl Default for KeysConfig {
@@ -480,7 +486,8 @@ impl Default for KeysConfig {
             focus: "tab".into(),
             new: "ctrl-n".into(),
             answer_now: "ctrl-g".into(),
-            effort: "ctrl-o".into(),
+            effort: "f2".into(),
+            select: "ctrl-o".into(),
         }
     }
 }
@@ -503,6 +510,7 @@ impl KeysConfig {
             Cmd::New => &self.new,
             Cmd::AnswerNow => &self.answer_now,
             Cmd::Effort => &self.effort,
+            Cmd::Select => &self.select,
         }
     }
 
@@ -603,7 +611,8 @@ follow = "ctrl-l"
 focus = "tab"
 new = "ctrl-n"
 answer_now = "ctrl-g"  # end the thinking channel now: the model answers
-effort = "ctrl-o"      # thinking off → low → high → max for the next replies
+effort = "f2"          # thinking off → low → high → max for the next replies
+select = "ctrl-o"      # select mode: Up/Down or j/k move, y copies, Esc leaves
 "#;
 
 /// 1-based line and column (in characters) of byte `offset` in `text`.

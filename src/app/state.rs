@@ -12,6 +12,7 @@
 pub mod editor;
 mod events;
 mod keys;
+mod select;
 #[cfg(test)]
 mod tests;
 
@@ -23,6 +24,7 @@ use crate::session::commands::Command;
 use crate::session::template::TolerantParser;
 use crate::stream::stats::StatsSnapshot;
 use editor::{Editor, History};
+pub use select::{code_blocks, markdown_options, Target};
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -503,6 +505,8 @@ pub struct App {
     pub help_scroll: usize,
     /// Keyboard focus.
     pub focus: Focus,
+    /// Select mode's highlight, while select mode is on.
+    pub selected: Option<Target>,
     /// Engine figures.
     pub stats: StatsView,
     /// The memory-budget slider.
@@ -624,6 +628,7 @@ impl App {
             dialog: None,
             help_scroll: 0,
             focus: Focus::Input,
+            selected: None,
             stats: StatsView::default(),
             budget: Budget {
                 step: BUDGET_STEPS,

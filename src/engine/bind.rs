@@ -68,6 +68,8 @@ pub(crate) struct Binder<'a> {
     /// A packed trunk to read layers' non-expert tensors from, and the layer run read from it.
     trunk: Option<&'a Trunk>,
     run: Option<LayerRun>,
+    /// Take tensors from read-only mappings of the shards instead of reading them.
+    mapped: bool,
 }
 
 impl<'a> Binder<'a> {
@@ -80,7 +82,14 @@ impl<'a> Binder<'a> {
             experts,
             trunk: None,
             run: None,
+            mapped: false,
         }
+    }
+
+    /// Take tensors in place from mappings of the shards (resident weights).
+    pub(crate) fn mapped(mut self, on: bool) -> Self {
+        self.mapped = on;
+        self
     }
 
     /// Read layers' non-expert tensors from `trunk` (when reading).
@@ -153,7 +162,7 @@ impl Binder<'_> {
         if let Some((dtype, raw)) = self.run.as_mut().and_then(|r| r.take(name)) {
             return Ok(Some(TensorData::from_bytes(dtype, raw)));
         }
-        Ok(Some(self.ck.read(name)?.1))
+        Ok(Some(self.ck.read_maybe_mapped(name, self.mapped)?.1))
     }
 
     fn dense(
@@ -401,7 +410,7 @@ pub(crate) fn bind_expert(
     let n = |r: &str| names::layer(il, &format!("block_sparse_moe.experts.{e}.{r}"));
     let (lat, inter) = (cfg.routed_expert_hidden_size, cfg.moe_intermediate_size);
     // An expert streamed on its own is read in one piece when its tensors are contiguous.
-    let streamed = b.read && b.experts && b.run.is_none();
+    let streamed = b.read && b.experts && b.run.is_none() && !b.mapped;
     if streamed {
         let all: Vec<String> = ["w1", "w2", "w3"]
             .iter()

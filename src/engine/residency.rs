@@ -455,6 +455,9 @@ pub struct Streamer {
     prefetch: std::sync::atomic::AtomicUsize,
     /// Prefetch reads in flight (a plan change waits for them).
     prefetching: Arc<(Mutex<u64>, std::sync::Condvar)>,
+    /// Pinned layers and the output head are taken in place from mappings of the shards
+    /// (off with `K3_MMAP=0`); streamed layers and experts are always read.
+    mapped: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -464,8 +467,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// Read one layer's non-expert weights.
-fn load_layer(ck: &Checkpoint, trunk: Option<&Trunk>, cfg: &ModelConfig, il: usize) -> LayerResult {
-    let mut b = Binder::new(ck, true, false).with_trunk(trunk);
+fn load_layer(
+    ck: &Checkpoint,
+    trunk: Option<&Trunk>,
+    cfg: &ModelConfig,
+    il: usize,
+    mapped: bool,
+) -> LayerResult {
+    let mut b = Binder::new(ck, true, false)
+        .with_trunk(trunk)
+        .mapped(mapped);
     let layer = bind_layer(&mut b, cfg, il)?;
     match (layer, b.into_result()) {
         (Some(l), Ok(())) => Ok(Arc::new(l)),
@@ -545,6 +556,7 @@ impl Streamer {
         trunk: Option<Arc<Trunk>>,
         sizes: ModelSizes,
         plan: Plan,
+        mapped: bool,
     ) -> Result<Streamer, StreamError> {
         let (tx, rx) = channel::<(usize, Sender<LayerResult>)>();
         let (ck2, cfg2, trunk2) = (Arc::clone(&ck), cfg.clone(), trunk.clone());
@@ -552,7 +564,7 @@ impl Streamer {
             .name("k3-reader".into())
             .spawn(move || {
                 while let Ok((il, reply)) = rx.recv() {
-                    let _ = reply.send(load_layer(&ck2, trunk2.as_deref(), &cfg2, il));
+                    let _ = reply.send(load_layer(&ck2, trunk2.as_deref(), &cfg2, il, false));
                 }
             })
             .map_err(|e| StreamError::Open {
@@ -588,6 +600,7 @@ impl Streamer {
                     .unwrap_or(0),
             ),
             prefetching: Arc::new((Mutex::new(0), std::sync::Condvar::new())),
+            mapped,
         };
         st.set_plan(plan)?;
         Ok(st)
@@ -667,13 +680,13 @@ impl Streamer {
         }
         for il in to_pin {
             let t0 = Instant::now();
-            let layer = load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il)?;
+            let layer = load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il, self.mapped)?;
             self.note_io(t0, self.sizes.layer_trunk[il], &self.counters.trunk_bytes);
             lock(&self.resident).pinned[il] = Some(layer);
         }
         if want_head {
             let t0 = Instant::now();
-            let (info, data) = self.ck.read(names::LM_HEAD)?;
+            let (info, data) = self.ck.read_maybe_mapped(names::LM_HEAD, self.mapped)?;
             self.note_io(t0, info.n_bytes(), &self.counters.embed_head_bytes);
             let (rows, cols) = (self.cfg.vocab_size, self.cfg.hidden_size);
             let dense = match data {
@@ -729,7 +742,7 @@ impl Streamer {
         }
         let t0 = Instant::now();
         let layer = if is_pinned {
-            let l = load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il)?;
+            let l = load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il, self.mapped)?;
             lock(&self.resident).pinned[il] = Some(Arc::clone(&l));
             l
         } else {
@@ -742,7 +755,7 @@ impl Streamer {
             };
             match waiting.and_then(|(_, rx)| rx.recv().ok()) {
                 Some(result) => result?,
-                None => load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il)?,
+                None => load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il, false)?,
             }
         };
         if !is_pinned || t0.elapsed().as_nanos() > 0 {

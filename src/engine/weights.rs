@@ -83,6 +83,10 @@ pub struct OpenOptions {
     /// Read with `O_DIRECT` where the filesystem allows it (streamed weights and the trunk);
     /// off with `K3_NO_DIRECT=1`.
     pub direct: bool,
+    /// Take the weights the plan keeps resident (pinned layers, the output head, or the
+    /// whole model) in place from read-only mappings of the shards instead of reading them
+    /// into the heap; off with `K3_MMAP=0`. Streamed layers and experts are always read.
+    pub mapped: bool,
     /// Called with (bytes read, bytes to read) while loading.
     pub progress: Option<std::sync::Arc<dyn Fn(u64, u64) + Send + Sync>>,
 }
@@ -95,6 +99,7 @@ impl Default for OpenOptions {
             states: 1,
             trunk: None,
             direct: std::env::var_os("K3_NO_DIRECT").is_none_or(|v| v.is_empty() || v == "0"),
+            mapped: std::env::var_os("K3_MMAP").is_none_or(|v| v.is_empty() || v != "0"),
             progress: None,
         }
     }
@@ -178,7 +183,7 @@ impl Model {
             ck.set_progress(Box::new(move |done| p(done.min(total), total)));
         }
         if plan.budget_bytes.is_none() {
-            let model = Self::bind_with(cfg, &ck, trunk.as_deref())?;
+            let model = Self::bind_opts(cfg, &ck, trunk.as_deref(), opts.mapped)?;
             let info = LoadInfo {
                 bytes_read: ck.bytes_read(),
                 index_digest: digest,
@@ -209,6 +214,7 @@ impl Model {
             trunk,
             sizes.clone(),
             plan.clone(),
+            opts.mapped,
         )?;
         let info = LoadInfo {
             bytes_read: streamer.stats().disk_bytes_read,
@@ -236,7 +242,18 @@ impl Model {
         ck: &Checkpoint,
         trunk: Option<&Trunk>,
     ) -> Result<Model, LoadError> {
-        let mut b = Binder::new(ck, true, true).with_trunk(trunk);
+        Self::bind_opts(cfg, ck, trunk, false)
+    }
+
+    /// [`Model::bind_with`], taking the checkpoint's tensors in place from mappings of its
+    /// shards when `mapped`.
+    fn bind_opts(
+        cfg: ModelConfig,
+        ck: &Checkpoint,
+        trunk: Option<&Trunk>,
+        mapped: bool,
+    ) -> Result<Model, LoadError> {
+        let mut b = Binder::new(ck, true, true).with_trunk(trunk).mapped(mapped);
         let bound = bind_model(&mut b, &cfg, true)?;
         match bound {
             Some((embed, lm_head, norm, out_res_fold, layers)) if b.problems.is_empty() => {

@@ -297,6 +297,75 @@ unsafe fn mxfp4_row_avx2_impl(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     fold8(&lanes)
 }
 
+/// One MXFP4 row times `N` vectors: each group's nibbles are decoded once and applied to every
+/// vector. Per vector the operations are exactly those of [`mxfp4_row_avx2_impl`], so each
+/// result equals the one-vector kernel's bit for bit.
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn mxfp4_row_multi_avx2_impl<const N: usize>(
+    packed: &[u8],
+    scales: &[u8],
+    xs: [&[f32]; N],
+) -> [f32; N] {
+    let mut n_group = scales.len().min(packed.len() / 16);
+    for x in &xs {
+        n_group = n_group.min(x.len() / 32);
+    }
+    let lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    let low = _mm_set1_epi8(0x0f);
+    let mut acc = [_mm256_setzero_ps(); N];
+    let pp = packed.as_ptr();
+    let px = xs.map(<[f32]>::as_ptr);
+    for (g, &s) in scales.iter().take(n_group).enumerate() {
+        // SAFETY: g < n_group, so bytes [16g, 16g+16) of packed and floats [32g, 32g+32) of
+        // every x are in bounds.
+        unsafe {
+            let bytes = _mm_loadu_si128(pp.add(16 * g).cast());
+            let lo = _mm_and_si128(bytes, low);
+            let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), low);
+            let e0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));
+            let e1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi));
+            let w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e0));
+            let w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(e0)));
+            let w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e1));
+            let w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(e1)));
+            let sc = _mm256_set1_ps(scale_half_units(s));
+            for t in 0..N {
+                let xg = px[t].add(32 * g);
+                let mut p = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
+                p = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg.add(8)), p);
+                p = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg.add(16)), p);
+                p = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg.add(24)), p);
+                acc[t] = _mm256_fmadd_ps(p, sc, acc[t]);
+            }
+        }
+    }
+    let mut out = [0f32; N];
+    for (o, a) in out.iter_mut().zip(acc) {
+        let mut lanes = [0f32; 8];
+        // SAFETY: `lanes` holds exactly 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
+        *o = fold8(&lanes);
+    }
+    out
+}
+
+/// One MXFP4 row times `N` vectors, AVX2 (each result equals [`mxfp4_row_avx2`]'s).
+pub(super) fn mxfp4_row_multi_avx2<const N: usize>(
+    packed: &[u8],
+    scales: &[u8],
+    xs: [&[f32]; N],
+) -> [f32; N] {
+    if has_avx2_fma() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+        unsafe { mxfp4_row_multi_avx2_impl::<N>(packed, scales, xs) }
+    } else {
+        xs.map(|x| super::generic::mxfp4_row(packed, scales, x))
+    }
+}
+
 /// Weights widened to f32 eight or sixteen at a time.
 pub(super) trait Elem: Copy {
     /// Widen one element.
@@ -388,6 +457,46 @@ unsafe fn dot4_avx512_impl<E: Elem>(w: [&[E]; 4], x: &[f32]) -> [f32; 4] {
     finish_rows(acc.map(|a| hsum16(a)), w, x, full, n)
 }
 
+/// Four rows against `T` vectors: each widened weight vector is used for every vector, and
+/// each (row, vector) pair is reduced exactly as [`dot4_avx512_impl`] reduces it.
+///
+/// # Safety
+/// AVX-512F, AVX2 and FMA must be available.
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn dot4_multi_avx512_impl<E: Elem, const T: usize>(
+    w: [&[E]; 4],
+    xs: [&[f32]; T],
+) -> [[f32; 4]; T] {
+    let mut n = w.iter().map(|r| r.len()).min().unwrap_or(0);
+    for x in &xs {
+        n = n.min(x.len());
+    }
+    let full = n - n % 16;
+    let px = xs.map(<[f32]>::as_ptr);
+    let pw = w.map(<[E]>::as_ptr);
+    let mut acc = [[_mm512_setzero_ps(); 4]; T];
+    let mut i = 0;
+    while i < full {
+        // SAFETY: i + 16 ≤ full ≤ n ≤ every row's and every vector's length.
+        unsafe {
+            let wv = [0, 1, 2, 3].map(|r| E::load16(pw[r].add(i)));
+            for t in 0..T {
+                let xv = _mm512_loadu_ps(px[t].add(i));
+                for r in 0..4 {
+                    acc[t][r] = _mm512_fmadd_ps(wv[r], xv, acc[t][r]);
+                }
+            }
+        }
+        i += 16;
+    }
+    let mut out = [[0f32; 4]; T];
+    for t in 0..T {
+        let sums = [0, 1, 2, 3].map(|r| hsum16(acc[t][r]));
+        out[t] = finish_rows(sums, w, xs[t], full, n);
+    }
+    out
+}
+
 /// # Safety
 /// AVX2 and FMA must be available.
 #[target_feature(enable = "avx2,fma")]
@@ -413,6 +522,23 @@ unsafe fn dot4_avx2_impl<E: Elem>(w: [&[E]; 4], x: &[f32]) -> [f32; 4] {
     }
     let sums = [0, 1, 2, 3].map(|r| hsum8(_mm256_add_ps(lo[r], hi[r])));
     finish_rows(sums, w, x, full, n)
+}
+
+/// Four rows (F32 or BF16) against `T` vectors at once, each (row, vector) reduced exactly as
+/// the single-row kernel reduces it; `None` off the AVX-512 path (the other paths take the
+/// vectors one at a time through [`dot4`]).
+pub(super) fn dot4_multi<E: Elem, const T: usize>(
+    isa: super::Isa,
+    w: [&[E]; 4],
+    xs: [&[f32]; T],
+) -> Option<[[f32; 4]; T]> {
+    match isa {
+        super::Isa::Avx512 if has_avx512() => {
+            // SAFETY: AVX-512F, AVX2 and FMA are available (checked in this arm's guard).
+            Some(unsafe { dot4_multi_avx512_impl(w, xs) })
+        }
+        _ => None,
+    }
 }
 
 /// Four rows (F32 or BF16) against one vector, each reduced exactly as the single-row kernel

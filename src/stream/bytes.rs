@@ -17,16 +17,21 @@ compile_error!(
 pub const ALIGN: usize = 4096;
 
 /// One aligned allocation; `raw[base..base + len]` is the usable, initialised part. It goes
-/// back to its pool, if it came from one, when the last range of it is dropped.
+/// back to its pool, if it came from one, when the last range of it is dropped. A slab can
+/// instead be a file mapping (`map`), whose bytes are `map[base..base + len]`.
 struct Slab {
     raw: Vec<u8>,
     base: usize,
     len: usize,
     pool: Option<Arc<Pool>>,
+    map: Option<Arc<super::mapped::MappedFile>>,
 }
 
 impl Drop for Slab {
     fn drop(&mut self) {
+        if let Some(map) = &self.map {
+            map.release(self.base, self.len);
+        }
         if let Some(pool) = self.pool.take() {
             pool.put(std::mem::take(&mut self.raw));
         }
@@ -99,7 +104,10 @@ impl Pool {
 
 impl Slab {
     fn bytes(&self) -> &[u8] {
-        &self.raw[self.base..self.base + self.len]
+        match &self.map {
+            Some(m) => &m.as_slice()[self.base..self.base + self.len],
+            None => &self.raw[self.base..self.base + self.len],
+        }
     }
 }
 
@@ -205,6 +213,7 @@ impl Filling {
             base: self.base,
             len,
             pool: self.pool.take(),
+            map: None,
         };
         Bytes {
             slab: Arc::new(slab),
@@ -223,6 +232,31 @@ impl Bytes {
             d.write(s);
         }
         f.finish(src.len())
+    }
+
+    /// The bytes `off..off + len` of a file mapping, in place (no copy); None when the range
+    /// runs past the mapping. The mapping stays alive while any range of it does.
+    #[must_use]
+    pub fn mapped(map: &Arc<super::mapped::MappedFile>, off: usize, len: usize) -> Option<Bytes> {
+        off.checked_add(len).filter(|&e| e <= map.len())?;
+        let slab = Slab {
+            raw: Vec::new(),
+            base: off,
+            len,
+            pool: None,
+            map: Some(Arc::clone(map)),
+        };
+        Some(Bytes {
+            slab: Arc::new(slab),
+            start: 0,
+            len,
+        })
+    }
+
+    /// Whether these bytes are a range of a file mapping.
+    #[must_use]
+    pub fn is_mapped(&self) -> bool {
+        self.slab.map.is_some()
     }
 
     /// BF16 (or any u16) values as little-endian bytes.

@@ -3,9 +3,10 @@
 
 use super::bytes::{as_uninit, Bytes, Filling, Pool, U16s};
 use super::index::{IndexError, TensorIndex, TensorInfo};
+use super::mapped::MappedFile;
 use super::safetensors::{header_len, parse_header, Dtype};
+use super::weight_map::{self, Tensors, WeightMap};
 use super::StreamError;
-use std::collections::BTreeMap;
 use std::fs::File;
 use std::mem::MaybeUninit;
 use std::os::unix::fs::FileExt;
@@ -44,6 +45,9 @@ pub struct Checkpoint {
     direct_off: Vec<std::sync::atomic::AtomicBool>,
     /// Allocations of group reads (routed experts), reused once an expert is dropped.
     group_pool: std::sync::OnceLock<std::sync::Arc<Pool>>,
+    /// Per shard: its length when opened, and its mapping once made (None: not mappable).
+    lens: Vec<u64>,
+    maps: Vec<std::sync::OnceLock<Option<std::sync::Arc<MappedFile>>>>,
 }
 
 thread_local! {
@@ -262,45 +266,40 @@ fn index_err(path: &Path, name: &str, e: IndexError) -> StreamError {
     }
 }
 
-/// Shard files named by `model.safetensors.index.json`, each with the tensors it should hold.
-fn read_weight_map(path: &Path) -> Result<BTreeMap<String, Vec<String>>, StreamError> {
-    let bytes = std::fs::read(path).map_err(|e| StreamError::Open {
+/// The bytes of `model.safetensors.index.json`, refused above [`weight_map::MAX_INDEX_LEN`]
+/// before they are read (and if the file grows while it is read).
+fn read_index_bytes(path: &Path) -> Result<Vec<u8>, StreamError> {
+    use std::io::Read;
+    let open_err = |e| StreamError::Open {
         path: path.to_path_buf(),
         source: e,
-    })?;
-    parse_weight_map(&bytes).map_err(|reason| StreamError::Index {
+    };
+    let too_big = |len: u64| StreamError::Index {
         path: path.to_path_buf(),
-        reason,
-    })
+        reason: format!(
+            "{len} bytes, above the maximum of {} bytes for an index",
+            weight_map::MAX_INDEX_LEN
+        ),
+    };
+    let file = File::open(path).map_err(open_err)?;
+    let len = file.metadata().map_err(open_err)?.len();
+    if len > weight_map::MAX_INDEX_LEN {
+        return Err(too_big(len));
+    }
+    let mut bytes = Vec::with_capacity(len as usize);
+    file.take(weight_map::MAX_INDEX_LEN + 1)
+        .read_to_end(&mut bytes)
+        .map_err(open_err)?;
+    if bytes.len() as u64 > weight_map::MAX_INDEX_LEN {
+        return Err(too_big(bytes.len() as u64));
+    }
+    Ok(bytes)
 }
 
-/// Parse the text of a `model.safetensors.index.json`: the shard files its `weight_map`
+/// Parse the bytes of a `model.safetensors.index.json`: the shard files its `weight_map`
 /// names, each with the tensors it should hold; the reason when it is refused.
-pub fn parse_weight_map(bytes: &[u8]) -> Result<BTreeMap<String, Vec<String>>, String> {
-    let text = std::str::from_utf8(bytes)
-        .map_err(|e| format!("not UTF-8 (at byte {})", e.valid_up_to()))?;
-    let v: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
-    let map = v
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| "no `weight_map` object".to_string())?;
-    let mut by_file: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for (tensor, file) in map {
-        let file = file
-            .as_str()
-            .ok_or_else(|| format!("weight_map[{tensor:?}] is not a string"))?;
-        if file.contains('/') || file.contains('\\') || file == ".." || file.is_empty() {
-            return Err(format!(
-                "weight_map[{tensor:?}] names {file:?}, not a plain file name"
-            ));
-        }
-        by_file
-            .entry(file.to_string())
-            .or_default()
-            .push(tensor.clone());
-    }
-    Ok(by_file)
+pub fn parse_weight_map(bytes: &[u8]) -> Result<WeightMap<'_>, String> {
+    weight_map::parse(bytes)
 }
 
 impl Checkpoint {
@@ -308,12 +307,23 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Self, StreamError> {
         let index_path = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
+        let index_bytes;
         let (shards, expected) = if index_path.is_file() {
-            let map = read_weight_map(&index_path)?;
+            index_bytes = read_index_bytes(&index_path)?;
+            let map = parse_weight_map(&index_bytes).map_err(|reason| StreamError::Index {
+                path: index_path.clone(),
+                reason,
+            })?;
             let missing: Vec<String> = map
-                .iter()
+                .files()
                 .filter(|(f, _)| !dir.join(f).exists())
-                .map(|(f, t)| format!("{f:?} (needed by {} tensors, e.g. {:?})", t.len(), t[0]))
+                .map(|(f, t)| {
+                    format!(
+                        "{f:?} (needed by {} tensors, e.g. {:?})",
+                        t.len(),
+                        t.first().unwrap_or_default()
+                    )
+                })
                 .collect();
             if !missing.is_empty() {
                 return Err(StreamError::MissingShards {
@@ -321,7 +331,7 @@ impl Checkpoint {
                     files: missing,
                 });
             }
-            let shards: Vec<String> = map.keys().cloned().collect();
+            let shards: Vec<String> = map.files().map(|(f, _)| f.to_string()).collect();
             (shards, Some(map))
         } else if single.is_file() {
             (vec!["model.safetensors".to_string()], None)
@@ -355,17 +365,20 @@ impl Checkpoint {
             direct: Vec::new(),
             direct_off: Vec::new(),
             group_pool: std::sync::OnceLock::new(),
+            lens: Vec::new(),
+            maps: Vec::new(),
         };
         for name in &shards {
             ck.add_shard(
                 name,
-                expected.as_ref().and_then(|m| m.get(name)),
+                expected.as_ref().and_then(|m| m.tensors(name)),
                 &index_path,
             )?;
         }
         if let Some(map) = &expected {
             ck.check_strays(map, &index_path)?;
         }
+        drop(expected);
         let first = ck.paths.first().cloned().unwrap_or_default();
         ck.index.finish().map_err(|e| index_err(&first, "", e))?;
         Ok(ck)
@@ -374,7 +387,7 @@ impl Checkpoint {
     fn add_shard(
         &mut self,
         name: &str,
-        expected: Option<&Vec<String>>,
+        expected: Option<Tensors<'_, '_>>,
         index_path: &Path,
     ) -> Result<(), StreamError> {
         let path = self.dir.join(name);
@@ -404,24 +417,33 @@ impl Checkpoint {
         let data_start = 8 + n;
         let entries = parse_header(&json, file_len - data_start).map_err(header_err)?;
         if let Some(want) = expected {
-            let have: std::collections::HashSet<&str> =
-                entries.iter().map(|e| e.name.as_ref()).collect();
-            let absent: Vec<&String> = want.iter().filter(|t| !have.contains(t.as_str())).collect();
-            if !absent.is_empty() {
+            let mut have: Vec<&str> = entries.iter().map(|e| e.name.as_ref()).collect();
+            have.sort_unstable();
+            // Both sorted (and each without repeats): one walk finds what is in one only.
+            let (mut absent, mut first_absent, mut extra) = (0usize, None, None);
+            let mut have_it = have.iter().copied().peekable();
+            for t in want.names() {
+                while let Some(h) = have_it.next_if(|&h| h < t) {
+                    extra = extra.or(Some(h));
+                }
+                if have_it.next_if_eq(&t).is_none() {
+                    absent += 1;
+                    first_absent = first_absent.or(Some(t));
+                }
+            }
+            let extra = extra.or_else(|| have_it.next());
+            if let Some(first) = first_absent {
                 return Err(StreamError::Index {
                     path: index_path.to_path_buf(),
                     reason: format!(
-                        "{} tensor(s) mapped to {name} are not in it, e.g. {:?}",
-                        absent.len(),
-                        absent[0]
+                        "{absent} tensor(s) mapped to {name} are not in it, e.g. {first:?}"
                     ),
                 });
             }
-            let want: std::collections::HashSet<&str> = want.iter().map(String::as_str).collect();
-            if let Some(extra) = entries.iter().find(|e| !want.contains(e.name.as_ref())) {
+            if let Some(extra) = extra {
                 return Err(StreamError::Index {
                     path: index_path.to_path_buf(),
-                    reason: format!("tensor {:?} in {name} is not in the weight_map", extra.name),
+                    reason: format!("tensor {extra:?} in {name} is not in the weight_map"),
                 });
             }
         }
@@ -436,22 +458,20 @@ impl Checkpoint {
         }
         self.files.push(file);
         self.paths.push(path);
+        self.lens.push(file_len);
+        self.maps.push(std::sync::OnceLock::new());
         Ok(())
     }
 
     /// With an index file, a `.safetensors` file it does not name is refused.
-    fn check_strays(
-        &self,
-        map: &BTreeMap<String, Vec<String>>,
-        index_path: &Path,
-    ) -> Result<(), StreamError> {
+    fn check_strays(&self, map: &WeightMap<'_>, index_path: &Path) -> Result<(), StreamError> {
         let strays: Vec<String> = std::fs::read_dir(&self.dir)
             .map_err(|e| StreamError::Open {
                 path: self.dir.clone(),
                 source: e,
             })?
             .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
-            .filter(|n| n.ends_with(".safetensors") && !map.contains_key(n))
+            .filter(|n| n.ends_with(".safetensors") && !map.contains_file(n))
             .map(|n| format!("{n:?}"))
             .collect();
         if strays.is_empty() {
@@ -793,6 +813,41 @@ impl Checkpoint {
             .ok_or_else(|| StreamError::NoSuchTensor(name.to_string()))?;
         let raw = self.read_shared(info.shard, info.offset, info.n_bytes(), name)?;
         Ok((info.clone(), TensorData::from_bytes(info.dtype, raw)))
+    }
+
+    /// [`Checkpoint::read`], or with `mapped` the tensor's bytes as a range of its shard's
+    /// read-only mapping, faulted in now and used in place (no copy; the page cache is shared
+    /// with other processes). A shard that cannot be mapped is read as without `mapped`.
+    pub fn read_maybe_mapped(
+        &self,
+        name: &str,
+        mapped: bool,
+    ) -> Result<(TensorInfo, TensorData), StreamError> {
+        if mapped {
+            if let Some(info) = self.info(name) {
+                if let Some(raw) = self.read_mapped(info.shard, info.offset, info.n_bytes()) {
+                    return Ok((info.clone(), TensorData::from_bytes(info.dtype, raw)));
+                }
+            }
+        }
+        self.read(name)
+    }
+
+    /// `len` bytes at `at` of `shard` as a range of its mapping (made on first use), counted
+    /// as read; None when the shard does not map.
+    fn read_mapped(&self, shard: usize, at: u64, len: u64) -> Option<Bytes> {
+        let map = self.maps.get(shard)?.get_or_init(|| {
+            MappedFile::map(&self.files[shard], self.lens[shard]).map(std::sync::Arc::new)
+        });
+        let map = map.as_ref()?;
+        let (off, n) = (usize::try_from(at).ok()?, usize::try_from(len).ok()?);
+        let bytes = Bytes::mapped(map, off, n)?;
+        map.populate(off, n);
+        let total = self.bytes_read.fetch_add(len, Ordering::Relaxed) + len;
+        if let Some(p) = &self.progress {
+            p(total);
+        }
+        Some(bytes)
     }
 
     /// Read `len` bytes at absolute offset `at` of `shard` into a new aligned allocation,

@@ -341,7 +341,7 @@ impl Numbers {
 }
 
 /// A string, or `None` for any other JSON value.
-struct MaybeStr<'a>(Option<Cow<'a, str>>);
+pub(crate) struct MaybeStr<'a>(pub(crate) Option<Cow<'a, str>>);
 
 impl<'de> Deserialize<'de> for MaybeStr<'de> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {

@@ -306,6 +306,10 @@ pub fn run(worker: Worker, opts: TuiOptions) -> Outcome {
             .spawn(move || input_thread(&tx, &stop));
     }
     drop(inbox_tx);
+    // The highlighter's grammars load off the UI thread while the model loads.
+    let _ = std::thread::Builder::new()
+        .name("k3-highlight".into())
+        .spawn(view::markdown::warm_up);
     let signals = Signals::register();
     let mut d = Driver {
         app: App::new(opts.init),

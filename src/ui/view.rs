@@ -5,6 +5,9 @@
 //! Every string that did not originate in this client (model output, engine messages, pasted
 //! text, session names) passes through [`text::clean`] before it reaches the buffer.
 
+pub mod markdown;
+#[cfg(test)]
+mod md_tests;
 pub mod panes;
 pub mod popups;
 #[cfg(test)]
@@ -176,11 +179,21 @@ fn too_small(area: Rect, theme: &Theme, buf: &mut Buffer) {
 
 /// The conversation pane; returns (max scroll, visible lines).
 fn conversation(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) -> (usize, usize) {
-    let lines = text::conversation(app, usize::from(area.width), theme);
+    let (lines, marked) = text::conversation_marked(app, usize::from(area.width), theme);
     let h = usize::from(area.height);
     let total = lines.len();
     let max_scroll = total.saturating_sub(h);
-    let scroll = app.scroll.min(max_scroll);
+    let mut scroll = app.scroll.min(max_scroll);
+    if let Some(r) = marked {
+        // Select mode: scrolled as little as needed to show the highlight (its top first).
+        if r.end > total - scroll {
+            scroll = total - r.end;
+        }
+        if r.start < (total - scroll).saturating_sub(h) {
+            scroll = total.saturating_sub(r.start + h);
+        }
+        scroll = scroll.min(max_scroll);
+    }
     let end = total - scroll;
     let start = end.saturating_sub(h);
     let visible: Vec<Line<'static>> = lines[start..end].to_vec();
@@ -254,6 +267,10 @@ fn input_box(
     buf: &mut Buffer,
 ) -> Option<Position> {
     let title = match (&app.phase, app.mode) {
+        _ if app.selected.is_some() => format!(
+            " select · ↑↓ or j k move · y copies · {} leaves ",
+            app.keys.of(Cmd::Stop).split(" / ").next().unwrap_or("Esc")
+        ),
         (Phase::Loading, _) => " loading the model… ".to_string(),
         (Phase::Prefill { .. } | Phase::Streaming { .. }, _) => {
             format!(

@@ -415,3 +415,47 @@ fn a_bad_shard_with_a_hostile_name_is_named_escaped() {
     assert!(err.contains("\\u{1b}]0;owned\\u{7}"), "{err}");
     assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err:?}");
 }
+
+#[test]
+fn an_oversized_or_ambiguous_index_is_refused_before_it_costs_anything() {
+    // An index above the bound is refused from its size, before it is read (the file is
+    // sparse: it costs no disk).
+    let (_t, dir) = copy_tiny();
+    let p = dir.join("model.safetensors.index.json");
+    let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.set_len(k3::stream::weight_map::MAX_INDEX_LEN + 1)
+        .unwrap();
+    drop(f);
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains(&format!(
+            "{} bytes, above the maximum of {} bytes for an index",
+            k3::stream::weight_map::MAX_INDEX_LEN + 1,
+            k3::stream::weight_map::MAX_INDEX_LEN
+        )),
+        "{err}"
+    );
+    // A tensor named twice, for two shards: which one holds it is ambiguous.
+    let (_t, dir) = copy_tiny();
+    let p = dir.join("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&p).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let map = v["weight_map"].as_object().unwrap();
+    let (tensor, file) = map.iter().next().unwrap();
+    let other = map.values().find(|f| *f != file).unwrap().as_str().unwrap();
+    let at = text.find("\"weight_map\"").unwrap();
+    let brace = at + text[at..].find('{').unwrap() + 1;
+    let text = format!(
+        "{}\"{tensor}\": \"{other}\", {}",
+        &text[..brace],
+        &text[brace..]
+    );
+    std::fs::write(&p, text).unwrap();
+    let (code, err) = run_k3(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains(&format!("names tensor {tensor:?} twice")),
+        "{err}"
+    );
+}

@@ -93,3 +93,30 @@ pub fn jsonl_with_input(cmd: &mut std::process::Command, input: &str) -> Vec<ser
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
 }
+
+/// A scratch directory, `NAME-PID` under the target directory, for data that the tests of this
+/// process share through a static (which is never dropped). Directories of the same name left
+/// by processes that are gone are removed first, so at most one copy per live run remains.
+pub fn process_scratch(name: &str) -> PathBuf {
+    let root = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let pid = std::process::id();
+    let prefix = format!("{name}-");
+    if let Ok(entries) = std::fs::read_dir(root) {
+        for e in entries.flatten() {
+            let file = e.file_name();
+            let other = file
+                .to_str()
+                .and_then(|n| n.strip_prefix(&prefix))
+                .and_then(|p| p.parse::<u32>().ok());
+            if let Some(other) = other {
+                if other != pid && !std::path::Path::new(&format!("/proc/{other}")).exists() {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+    }
+    let dir = root.join(format!("{name}-{pid}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}

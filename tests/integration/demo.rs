@@ -13,13 +13,11 @@ use std::sync::OnceLock;
 
 /// The embedded model, materialised once into a scratch cache directory.
 fn demo_dir() -> &'static Path {
-    static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    &DIR.get_or_init(|| {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = k3::app::demo::materialise_in(tmp.path()).unwrap();
-        (tmp, dir)
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let scratch = crate::common::process_scratch("demo");
+        k3::app::demo::materialise_in(&scratch).unwrap()
     })
-    .1
 }
 
 fn model() -> &'static Model {

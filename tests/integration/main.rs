@@ -8,6 +8,7 @@ mod config;
 mod demo;
 mod fuzz;
 mod header_memory;
+mod mapped;
 mod ops;
 mod oracle_tiny;
 mod reader;

@@ -1102,18 +1102,21 @@ fn mxfp4_fixture() {
             format!("mxfp4 matmul {isa:?} differs from Generic")
         });
     }
-    // A batch of 3 equals 3 single products, bit for bit.
-    let xb: Vec<f32> = (0..3 * cols).map(|_| rng.unit()).collect();
-    for isa in paths() {
-        let mut yb = vec![0f32; 3 * rows];
-        matmul_mxfp4_with(isa, &m, &xb, &mut yb);
-        for tok in 0..3 {
-            let mut y1 = vec![0f32; rows];
-            matmul_mxfp4_with(isa, &m, &xb[tok * cols..(tok + 1) * cols], &mut y1);
-            rep.require(
-                first_bit_diff(&yb[tok * rows..(tok + 1) * rows], &y1).is_none(),
-                || format!("mxfp4 {isa:?}: batch row {tok} != single"),
-            );
+    // A batch equals its single products, bit for bit, on every path: batches below, at and
+    // beyond the four vectors the multi-vector kernel takes at once, with remainders.
+    for n_tok in [3, 4, 5, 8, 11] {
+        let xb: Vec<f32> = (0..n_tok * cols).map(|_| rng.unit()).collect();
+        for isa in paths() {
+            let mut yb = vec![0f32; n_tok * rows];
+            matmul_mxfp4_with(isa, &m, &xb, &mut yb);
+            for tok in 0..n_tok {
+                let mut y1 = vec![0f32; rows];
+                matmul_mxfp4_with(Isa::Generic, &m, &xb[tok * cols..(tok + 1) * cols], &mut y1);
+                rep.require(
+                    first_bit_diff(&yb[tok * rows..(tok + 1) * rows], &y1).is_none(),
+                    || format!("mxfp4 {isa:?}: batch of {n_tok}, row {tok} != single generic"),
+                );
+            }
         }
     }
     println!("mxfp4: paths {:?} bitwise equal", paths());

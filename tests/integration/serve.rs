@@ -25,13 +25,11 @@ impl Drop for Server {
 
 /// The demo model, written once for every server of this binary.
 fn demo() -> PathBuf {
-    static DIR: std::sync::OnceLock<(tempfile::TempDir, PathBuf)> = std::sync::OnceLock::new();
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     DIR.get_or_init(|| {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = k3::app::demo::materialise_in(tmp.path()).unwrap();
-        (tmp, dir)
+        let scratch = crate::common::process_scratch("serve-demo");
+        k3::app::demo::materialise_in(&scratch).unwrap()
     })
-    .1
     .clone()
 }
 

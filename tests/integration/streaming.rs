@@ -137,17 +137,16 @@ fn a_budget_below_the_floor_is_refused_with_three_numbers() {
 
 /// A `small` synthetic checkpoint (~390 MB), written once per test run.
 pub fn small() -> &'static std::path::Path {
-    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
     DIR.get_or_init(|| {
-        let tmp = tempfile::tempdir().unwrap();
+        let dir = crate::common::process_scratch("small");
         crate::common::run_ok(
             crate::common::k3_command()
                 .args(["synth", "small"])
-                .arg(tmp.path().join("small")),
+                .arg(dir.join("small")),
         );
-        tmp
+        dir
     })
-    .path()
 }
 
 /// `k3 run` on `small` with extra flags: (generated ids, dumped logits, peak RSS).

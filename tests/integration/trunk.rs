@@ -53,6 +53,7 @@ fn open(model: &Path, budget: BudgetRequest, trunk: Option<&Path>, direct: bool)
             trunk: trunk.map(Path::to_path_buf),
             direct,
             progress: None,
+            ..OpenOptions::default()
         },
     )
     .unwrap()

@@ -675,3 +675,140 @@ fn a_signal_to_the_terminal_client_restores_the_terminal_and_keeps_the_conversat
         );
     }
 }
+
+/// Make `reply` the last reply of saved session `name` (under `dir/sessions`): it replaces the
+/// last assistant message, or follows the last user message when the model's own reply was not
+/// kept (the demo's replies stop at the token limit). Everything else of the file is kept; the
+/// engine state does not hold this text, which only matters to a next turn, and the test only
+/// looks at how the history is shown.
+fn put_reply(dir: &Path, name: &str, reply: &str) {
+    use k3::engine::config::ModelConfig;
+    use k3::session::store::{ModelIdentity, Refusal, SessionStore};
+    let store = SessionStore::new(dir.join("sessions"));
+    let cfg = ModelConfig::load(&fixture("tiny/config.json")).expect("tiny config");
+    // The file names the model it was saved with; a wrong guess is refused with that name.
+    let guess = ModelIdentity { hash: [0; 32] };
+    let identity = match store.load(name, &cfg, &guess) {
+        Ok(_) => guess,
+        Err(e) => match e.refusal() {
+            Some(Refusal::Identity { file, .. }) => **file,
+            _ => panic!("session {name}: {e}"),
+        },
+    };
+    let mut rec = store.load(name, &cfg, &identity).expect("load the session");
+    let mut t: serde_json::Value = serde_json::from_slice(&rec.transcript_json).expect("json");
+    let entries = t["entries"].as_array_mut().expect("entries");
+    if entries.last().is_some_and(|e| e["role"] == "assistant") {
+        entries.pop();
+    }
+    entries.push(serde_json::json!({"kind": "message", "role": "assistant", "content": reply}));
+    rec.transcript_json = serde_json::to_vec(&t).expect("json");
+    store.save(&rec).expect("save the session");
+}
+
+const MARKDOWN_REPLY: &str = "\
+## Reading a checkpoint
+
+1. Open the **index** with *serde*
+   - check `weight_map`
+2. Map the shards, see [the docs](https://docs.rs/memmap2)
+
+| shard | tensors | bytes |
+|:------|:-------:|------:|
+| 1 | 412 | 4.1 GB |
+
+```rust
+fn open(dir: &Path) -> io::Result<Index> {
+    let text = fs::read_to_string(dir.join(\"index.json\"))?;
+    Ok(serde_json::from_str(&text)?)
+}
+```
+";
+
+#[test]
+fn a_resumed_markdown_reply_is_rendered_and_its_code_block_copied_through_osc_52() {
+    require_tmux();
+    let dir = tempfile::tempdir().unwrap();
+    // A saved session whose reply is Markdown with a code block.
+    let t = Tmux::start(
+        &dir.path().join("tmux-md.sock"),
+        "k3md",
+        &chat_command(dir.path(), "--session md"),
+    );
+    t.wait_for("the ready status bar", 60, ready);
+    t.type_text("hello");
+    t.keys(&["Enter"]);
+    t.wait_for("the reply", 60, |s| {
+        s.contains("tokens/s · prompt") && ready(s)
+    });
+    t.type_text("/save md");
+    t.keys(&["Enter"]);
+    t.wait_for("the save", 30, |s| s.contains("saved session \"md\""));
+    t.keys(&["C-q"]);
+    t.wait_for("the exit", 30, |s| s.contains("K3-EXIT=0"));
+    drop(t);
+    put_reply(dir.path(), "md", MARKDOWN_REPLY);
+
+    let t = Tmux::start(
+        &dir.path().join("tmux-md2.sock"),
+        "k3md2",
+        &chat_command(dir.path(), "--resume md"),
+    );
+    // The pane's OSC 52 writes go to tmux's paste buffer.
+    assert!(t
+        .run(&["set", "-g", "set-clipboard", "on"])
+        .status
+        .success());
+    let screen = t.wait_for("the rendered history", 60, |s| {
+        s.contains("Reading a checkpoint") && s.contains("▎ rust") && ready(s)
+    });
+    eprintln!("{screen}");
+    // Rendered, not shown as source: no heading marks, fences, table pipes or emphasis stars.
+    for markup in ["## ", "```", "|:---", "**index**", "*serde*", "](https://"] {
+        assert!(!screen.contains(markup), "{markup:?} shown:\n{screen}");
+    }
+    for shown in [
+        "1. Open the index with serde",
+        "◦ check weight_map",
+        "see the docs (https://docs.rs/memmap2)",
+        "shard │ tensors │  bytes",
+        "▎ fn open(dir: &Path) -> io::Result<Index> {",
+    ] {
+        assert!(screen.contains(shown), "{shown:?} missing:\n{screen}");
+    }
+    // The code is highlighted: its keyword and its type in two different 24-bit colours.
+    let coloured = t.run(&["capture-pane", "-p", "-e", "-t", "k3md2"]);
+    let coloured = String::from_utf8_lossy(&coloured.stdout).into_owned();
+    let code_row = coloured
+        .lines()
+        .find(|l| l.contains("open") && l.contains("Result"))
+        .unwrap_or_default()
+        .to_string();
+    let mut colours: Vec<&str> = code_row
+        .split("\u{1b}[")
+        .filter(|p| p.starts_with("38;2;"))
+        .map(|p| p.split('m').next().unwrap_or(""))
+        .collect();
+    colours.sort_unstable();
+    colours.dedup();
+    assert!(colours.len() >= 3, "{code_row:?}");
+    eprintln!("{coloured}");
+
+    // Select mode: the newest message first, Down onto its code block, y copies the code.
+    t.keys(&["C-o"]);
+    t.wait_for("select mode", 10, |s| s.contains("┌ select"));
+    t.keys(&["Down"]);
+    let screen = t.wait_for("the code block highlighted", 10, |s| {
+        s.contains("▌ ▎ fn open(dir: &Path)") && !s.contains("▌ 1. Open the index")
+    });
+    eprintln!("{screen}");
+    t.keys(&["y"]);
+    t.wait_for("the copy", 10, |s| s.contains("copied the code block"));
+    let buffer = t.run(&["show-buffer"]);
+    let code = "fn open(dir: &Path) -> io::Result<Index> {\n    let text = \
+                fs::read_to_string(dir.join(\"index.json\"))?;\n    Ok(serde_json::from_str(&text)?)\n}\n";
+    assert_eq!(String::from_utf8_lossy(&buffer.stdout), code);
+    t.keys(&["C-q"]);
+    let screen = t.wait_for("the exit", 30, |s| s.contains("K3-EXIT="));
+    assert!(screen.contains("K3-EXIT=0"), "{screen}");
+}

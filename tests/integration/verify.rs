@@ -9,20 +9,16 @@ use std::path::{Path, PathBuf};
 
 /// A scratch copy of a checkpoint written by `k3 synth tiny`.
 fn synth_tiny() -> (tempfile::TempDir, PathBuf) {
-    static SRC: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    static SRC: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     let src = SRC.get_or_init(|| {
-        let tmp = tempfile::tempdir().unwrap();
-        crate::common::run_ok(
-            k3_command()
-                .args(["synth", "tiny"])
-                .arg(tmp.path().join("tiny")),
-        );
-        tmp
+        let dir = crate::common::process_scratch("verify-tiny");
+        crate::common::run_ok(k3_command().args(["synth", "tiny"]).arg(dir.join("tiny")));
+        dir
     });
     let tmp = tempfile::tempdir().unwrap();
     let dst = tmp.path().join("tiny");
     std::fs::create_dir(&dst).unwrap();
-    for e in std::fs::read_dir(src.path().join("tiny")).unwrap() {
+    for e in std::fs::read_dir(src.join("tiny")).unwrap() {
         let e = e.unwrap();
         std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
     }

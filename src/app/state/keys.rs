@@ -36,6 +36,9 @@ impl App {
             self.dialog_action(a, fx);
             return;
         }
+        if self.selected.is_some() && self.select_action(&a, fx) {
+            return;
+        }
         if self.focus == Focus::Budget && self.budget_focus_action(&a, fx) {
             return;
         }
@@ -191,6 +194,7 @@ impl App {
                 };
                 self.send_command(Command::Think(next), fx);
             }
+            Cmd::Select => self.enter_select(),
         }
     }
 

@@ -2,9 +2,10 @@
 //!
 //! A seeded, structure-aware mutation loop (`mutate.rs`) over a committed seed corpus
 //! (`tests/fuzz/corpus/TARGET/`): each input is run under `catch_unwind` (a panic is a crash,
-//! and the input is written out), and every allocation is counted by a capping global
-//! allocator (the `cap` crate), so that an input whose parse holds more than the bound at
-//! once, beyond the harness's own memory, is a crash too. Inputs that reach a new outcome (a new kind
+//! and the input is written out), and every allocation is counted by a global allocator that
+//! keeps a high-water mark which the harness lowers to the current usage before each input
+//! (the `peak_alloc` crate), so that an input whose parse holds more than the bound at once,
+//! beyond the harness's own memory, is a crash too. Inputs that reach a new outcome (a new kind
 //! of refusal, or acceptance) join the corpus. No coverage instrumentation: the toolchain's
 //! sanitizer and coverage hooks need nightly or an AFL/libFuzzer build, which cannot be
 //! fetched here.
@@ -15,20 +16,21 @@
 mod mutate;
 mod targets;
 
-use cap::Cap;
-use std::alloc::System;
-use std::collections::HashSet;
+use peak_alloc::PeakAlloc;
+use rustc_hash::FxHashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Instant;
 
 #[global_allocator]
-static ALLOC: Cap<System> = Cap::new(System, usize::MAX);
+static ALLOC: PeakAlloc = PeakAlloc;
 
 /// Largest input the mutator makes: this, or twice the largest seed.
 const MAX_INPUT: usize = 64 << 10;
 /// Most inputs kept per target.
 const MAX_CORPUS: usize = 2048;
+/// A progress line on stderr every this many inputs.
+const PROGRESS_EVERY: u64 = 1_000_000;
 
 struct Options {
     target: String,
@@ -112,21 +114,19 @@ struct Stats {
 /// Run one input: its outcome, or the crash. `bound` is the allocation allowed beyond what
 /// the harness holds before the input; `peak` keeps the largest seen.
 ///
-/// The allocator's high-water mark only rises, so before the input a ballast block (never
-/// written, so it costs address space, not memory) lifts what is allocated up to the mark:
-/// then the mark rises by exactly the input's own peak.
+/// The high-water mark is lowered to what the harness holds before the input, so it then
+/// rises by exactly the input's own peak, and nothing the harness allocates for the
+/// measurement grows from one input to the next.
 fn exec(
     t: &targets::Target,
     input: &[u8],
     bound: usize,
     peak: &mut usize,
 ) -> Result<String, Crash> {
-    let lift = ALLOC.max_allocated().saturating_sub(ALLOC.allocated());
-    let ballast: Vec<u8> = Vec::with_capacity(lift);
-    let base = ALLOC.allocated();
+    let base = ALLOC.current_usage();
+    ALLOC.reset_peak_usage();
     let r = std::panic::catch_unwind(|| (t.run)(input));
-    let used = ALLOC.max_allocated().saturating_sub(base);
-    drop(ballast);
+    let used = ALLOC.peak_usage().saturating_sub(base);
     *peak = (*peak).max(used);
     if used > bound {
         return Err(Crash::Alloc(used));
@@ -180,6 +180,7 @@ fn load_seeds(dir: &Path) -> Vec<Vec<u8>> {
 }
 
 fn fuzz(o: &Options, t: &targets::Target) -> Stats {
+    let start = Instant::now();
     let seeds = load_seeds(&o.corpus.join(t.name));
     if seeds.is_empty() {
         eprintln!(
@@ -201,9 +202,11 @@ fn fuzz(o: &Options, t: &targets::Target) -> Stats {
         .max(MAX_INPUT);
     let mut corpus = seeds;
     corpus.reserve(MAX_CORPUS);
-    let mut seen: HashSet<String> = HashSet::new();
+    let mut seen: FxHashSet<String> = FxHashSet::default();
     let mut peak = 0usize;
-    let mut input = Vec::new();
+    // Room for the longest mutant and the largest single insertion, so that mutating never
+    // reallocates.
+    let mut input = Vec::with_capacity(2 * max_len + 4096);
     for s in &corpus {
         match exec(t, s, o.max_alloc, &mut peak) {
             Ok(sig) => {
@@ -217,18 +220,29 @@ fn fuzz(o: &Options, t: &targets::Target) -> Stats {
     while execs < o.execs {
         let parent = rng.below(corpus.len());
         let other = rng.below(corpus.len());
-        input.clear();
-        input.extend(mutate::mutate(
+        mutate::mutate(
+            &mut input,
             &corpus[parent],
             &corpus[other],
             t.dict,
             max_len,
             &mut rng,
-        ));
+        );
         if let Some(fix) = t.fixup.filter(|_| rng.below(4) != 0) {
             fix(&mut input);
         }
         execs += 1;
+        if execs.is_multiple_of(PROGRESS_EVERY) && execs < o.execs {
+            let secs = start.elapsed().as_secs_f64();
+            eprintln!(
+                "k3-fuzz {}: {execs} execs in {secs:.1} s ({:.0}/s), 0 crashes so far; {} \
+                 outcomes, corpus {}",
+                t.name,
+                execs as f64 / secs.max(1e-9),
+                seen.len(),
+                corpus.len()
+            );
+        }
         match exec(t, &input, o.max_alloc, &mut peak) {
             Ok(sig) => {
                 if corpus.len() < MAX_CORPUS && seen.insert(sig) {
@@ -306,5 +320,58 @@ fn main() {
             s.peak_alloc as f64 / 1024.0,
             o.max_alloc >> 20
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HOLD: usize = 1 << 30;
+    const SLACK: usize = 1 << 20;
+
+    /// Holds 1 GiB (address space only: never written) while it runs.
+    fn hold_1_gib(_: &[u8]) -> String {
+        let v: Vec<u8> = Vec::with_capacity(HOLD);
+        std::hint::black_box(&v);
+        String::from("held")
+    }
+
+    #[test]
+    fn each_input_is_measured_alone_and_the_measurement_does_not_grow() {
+        // 200 inputs of 1 GiB each: were the measurement to carry each input's peak into the
+        // next (a block lifting usage up to a mark that only rises), the harness itself would
+        // hold k GiB during input k, and ask for 200 GiB by the end.
+        let t = targets::Target {
+            name: "hold",
+            about: "",
+            dict: &[],
+            run: hold_1_gib,
+            fixup: None,
+        };
+        let before = ALLOC.current_usage();
+        for _ in 0..200 {
+            let mut peak = 0;
+            match exec(&t, b"", usize::MAX, &mut peak) {
+                Ok(sig) => assert_eq!(sig, "held"),
+                Err(_) => panic!("the input crashed"),
+            }
+            // Other tests' threads allocate and free too: a MiB of slack either way.
+            assert!((HOLD - SLACK..HOLD + SLACK).contains(&peak), "{peak}");
+            // The most held at once during that input: the input's block and nothing else.
+            let held = ALLOC.peak_usage().saturating_sub(before);
+            assert!(
+                held < HOLD + SLACK,
+                "{held} bytes held for one input of {HOLD}"
+            );
+        }
+        let after = ALLOC.current_usage();
+        assert!(after < before + SLACK, "{before} → {after}");
+        // Past the bound is a crash, with what was held.
+        let mut peak = 0;
+        match exec(&t, b"", SLACK, &mut peak) {
+            Err(Crash::Alloc(n)) => assert!(n >= HOLD - SLACK, "{n}"),
+            _ => panic!("1 GiB passed a 1 MiB bound"),
+        }
     }
 }

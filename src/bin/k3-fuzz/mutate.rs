@@ -137,16 +137,24 @@ fn mutate_once(out: &mut Vec<u8>, other: &[u8], dict: &[&[u8]], r: &mut Rng) {
     }
 }
 
-/// A mutant of `input`: one to eight stacked mutations, at most `max_len` bytes.
-pub fn mutate(input: &[u8], other: &[u8], dict: &[&[u8]], max_len: usize, r: &mut Rng) -> Vec<u8> {
-    let mut out = input.to_vec();
+/// A mutant of `input` written into `out` (whose capacity is reused from one input to the
+/// next): one to eight stacked mutations, at most `max_len` bytes.
+pub fn mutate(
+    out: &mut Vec<u8>,
+    input: &[u8],
+    other: &[u8],
+    dict: &[&[u8]],
+    max_len: usize,
+    r: &mut Rng,
+) {
+    out.clear();
+    out.extend_from_slice(input);
     let stack = if r.below(4) == 0 { 8 } else { 2 };
     let n = 1 + r.below(stack);
     for _ in 0..n {
-        mutate_once(&mut out, other, dict, r);
+        mutate_once(out, other, dict, r);
     }
     out.truncate(max_len);
-    out
 }
 
 #[cfg(test)]
@@ -157,8 +165,19 @@ mod tests {
     fn mutation_is_deterministic_and_bounded() {
         let run = |seed| {
             let mut r = Rng::new(seed);
+            let mut out = Vec::new();
             (0..2000)
-                .map(|_| mutate(b"{\"a\":[1,2]}", b"xyz", &[b"\"shape\""], 64, &mut r))
+                .map(|_| {
+                    mutate(
+                        &mut out,
+                        b"{\"a\":[1,2]}",
+                        b"xyz",
+                        &[b"\"shape\""],
+                        64,
+                        &mut r,
+                    );
+                    out.clone()
+                })
                 .collect::<Vec<_>>()
         };
         let a = run(7);

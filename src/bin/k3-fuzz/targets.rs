@@ -72,22 +72,26 @@ fn fix_journal(b: &mut [u8]) {
 /// An outcome's signature: the message with its numbers and quoted parts taken out, so that
 /// one kind of refusal is one signature whatever the input's values.
 fn sig(kind: &str, msg: &str) -> String {
-    let mut out = String::from(kind);
+    let mut out = String::with_capacity(kind.len() + 64);
+    out.push_str(kind);
     let mut quoted = false;
-    let mut kept = String::new();
+    let mut word = String::with_capacity(32);
+    let flush = |word: &mut String, out: &mut String| {
+        if !word.is_empty() && !word.bytes().any(|b| b.is_ascii_digit()) {
+            out.push(' ');
+            out.push_str(word);
+        }
+        word.clear();
+    };
     for c in msg.chars().take(160) {
         match c {
             '"' | '`' => quoted = !quoted,
             _ if quoted => {}
-            _ => kept.push(c),
+            c if c.is_whitespace() => flush(&mut word, &mut out),
+            c => word.push(c),
         }
     }
-    for word in kept.split_whitespace() {
-        if !word.chars().any(|c| c.is_ascii_digit()) {
-            out.push(' ');
-            out.push_str(word);
-        }
-    }
+    flush(&mut word, &mut out);
     out
 }
 
@@ -196,11 +200,24 @@ fn st_header(data: &[u8]) -> String {
 fn st_index_json(data: &[u8]) -> String {
     match k3::stream::checkpoint::parse_weight_map(data) {
         Ok(map) => {
-            for (file, tensors) in &map {
+            // Accepted: plain file names, sorted and distinct, each with its tensors sorted
+            // and distinct, and no tensor in two files.
+            let mut total = 0;
+            let mut last_file: Option<&str> = None;
+            let mut all: Vec<&str> = Vec::new();
+            for (file, tensors) in map.files() {
                 assert!(!file.is_empty() && !file.contains('/') && file != "..");
+                assert!(last_file.is_none_or(|l| l < file), "{last_file:?} {file:?}");
+                last_file = Some(file);
                 assert!(!tensors.is_empty());
+                assert!(map.contains_file(file));
+                total += tensors.len();
+                all.extend(tensors.names());
             }
-            format!("ok:{}", map.len().min(4))
+            assert_eq!(total, map.len());
+            all.sort_unstable();
+            assert!(all.windows(2).all(|w| w[0] < w[1]), "a tensor named twice");
+            format!("ok:{}", map.n_files().min(4))
         }
         Err(e) => sig("index", &e),
     }

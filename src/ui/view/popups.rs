@@ -82,6 +82,7 @@ pub fn help(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         (k(Cmd::New), Cmd::New.describe()),
         (k(Cmd::AnswerNow), Cmd::AnswerNow.describe()),
         (k(Cmd::Effort), Cmd::Effort.describe()),
+        (k(Cmd::Select), Cmd::Select.describe()),
         (
             format!("{} / {}", k(Cmd::BudgetDown), k(Cmd::BudgetUp)),
             "memory budget down / up (input empty)",
@@ -90,6 +91,10 @@ pub fn help(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         (
             "mouse".into(),
             "wheel scrolls; click or wheel on budget moves it",
+        ),
+        (
+            "Shift + mouse".into(),
+            "select text with the terminal (mouse captured)",
         ),
         (k(Cmd::Help), Cmd::Help.describe()),
     ];

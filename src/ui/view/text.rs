@@ -1,12 +1,15 @@
 //! Text preparation for the screen: escaping of everything that did not come from this client
 //! (model output, engine messages, pasted text), word wrapping, and the conversation pane's
-//! lines (message labels, the dimmed thinking channel, code blocks set apart).
+//! lines (message labels, the dimmed thinking channel, replies rendered from Markdown, raw
+//! continuations as plain text with code blocks set apart) and select mode's highlight.
 
-use crate::app::state::{App, Item, Phase, Reply, ReplyState};
+use super::markdown;
+use crate::app::state::{App, Item, Phase, Reply, ReplyState, Target};
 use crate::ui::theme::Theme;
 use ratatui::style::Style;
 use ratatui::text::{Line, Span};
 use std::borrow::Cow;
+use std::ops::Range;
 use unicode_width::UnicodeWidthChar;
 
 /// Spinner frames, advanced by timer ticks.
@@ -137,6 +140,8 @@ struct Lines<'t> {
     out: Vec<Line<'static>>,
     width: usize,
     theme: &'t Theme,
+    /// The lines of each code block of the reply added last.
+    code: Vec<Range<usize>>,
 }
 
 impl Lines<'_> {
@@ -246,8 +251,13 @@ impl Lines<'_> {
             if !waiting.is_empty() {
                 self.label(&waiting, self.theme.dim, None);
             }
-        } else {
+        } else if r.raw {
             self.answer(&r.content, self.theme.text);
+        } else {
+            let md = markdown::render_cached(&r.content, self.width, self.theme, app.theme, !live);
+            let at = self.out.len();
+            self.code = md.code.iter().map(|c| c.start + at..c.end + at).collect();
+            self.out.extend(md.lines.iter().cloned());
         }
         if live {
             if let Some(last) = self.out.last_mut() {
@@ -266,10 +276,44 @@ impl Lines<'_> {
 /// Every line of the conversation pane at `width` columns, oldest first.
 #[must_use]
 pub fn conversation(app: &App, width: usize, theme: &Theme) -> Vec<Line<'static>> {
+    conversation_marked(app, width, theme).0
+}
+
+/// Show `lines` as select mode's highlight: a bar in the left margin (the gutter of a code
+/// block in the focus style too), a message's label reversed.
+fn mark(lines: &mut [Line<'static>], theme: &Theme) {
+    for line in lines {
+        let Some(first) = line.spans.first_mut() else {
+            *line = Line::from(Span::styled("▌", theme.focus));
+            continue;
+        };
+        if let Some(rest) = first.content.strip_prefix(' ') {
+            let rest = Span::styled(rest.to_string(), first.style);
+            *first = Span::styled("▌", theme.focus);
+            line.spans.insert(1, rest);
+        } else {
+            first.style = first.style.patch(theme.selected);
+        }
+        for s in &mut line.spans {
+            if s.content == markdown::GUTTER {
+                s.style = theme.focus;
+            }
+        }
+    }
+}
+
+/// [`conversation`], and the lines select mode's highlight is on (marked), if it is on.
+#[must_use]
+pub fn conversation_marked(
+    app: &App,
+    width: usize,
+    theme: &Theme,
+) -> (Vec<Line<'static>>, Option<Range<usize>>) {
     let mut l = Lines {
         out: Vec::new(),
         width: width.max(1),
         theme,
+        code: Vec::new(),
     };
     if app.phase == Phase::Loading {
         let spin = SPINNER[(app.ticks % 10) as usize];
@@ -292,10 +336,13 @@ pub fn conversation(app: &App, width: usize, theme: &Theme) -> Vec<Line<'static>
             theme.dim,
         );
     }
+    let mut marked = None;
     for (i, item) in app.items.iter().enumerate() {
         if i > 0 && !matches!(item, Item::Info(_)) {
             l.out.push(Line::default());
         }
+        let start = l.out.len();
+        l.code.clear();
         match item {
             Item::Info(t) => l.text(t, "", theme.dim),
             Item::Error(t) => l.text(&format!("error: {t}"), "", theme.error),
@@ -309,8 +356,17 @@ pub fn conversation(app: &App, width: usize, theme: &Theme) -> Vec<Line<'static>
             }
             Item::Reply(r) => l.reply(r, app),
         }
+        marked = match app.selected {
+            Some(Target::Message(m)) if m == i => Some(start..l.out.len()),
+            Some(Target::Code { item, block }) if item == i => l.code.get(block).cloned(),
+            _ => marked,
+        };
     }
-    l.out
+    if let Some(r) = &marked {
+        let end = r.end.min(l.out.len());
+        mark(&mut l.out[r.start.min(end)..end], theme);
+    }
+    (l.out, marked)
 }
 
 #[cfg(test)]

@@ -68,10 +68,29 @@ pub struct RunArgs {
     /// length 1..=8. Tokens do not depend on it. `K3_NOSPEC=1` forces `off`.
     #[arg(long, default_value = "auto", value_parser = SpecMode::parse, value_name = "off|auto|N")]
     pub spec: SpecMode,
+    /// How drafts are accepted when sampling: `tokens` (a draft is used when it equals the
+    /// token the sampler draws, so the tokens are those of decoding without speculation) or
+    /// `distribution` (RUNTIME.md §3.4: accepted with probability p(draft), else a token drawn
+    /// from p without the draft: the same distribution, not the same seeded tokens; needs a
+    /// fixed `--spec N`). Greedy decoding is the same either way.
+    #[arg(long, value_enum, default_value = "tokens")]
+    pub spec_sampling: SpecSampling,
     /// Memory budget (default: the whole model resident). Tokens do not depend on it.
     #[command(flatten)]
     pub budget: super::budget_args::BudgetArgs,
 }
+
+/// How speculative drafts are accepted when sampling.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpecSampling {
+    /// Token-identical to decoding without speculation.
+    Tokens,
+    /// Distribution-preserving rejection sampling (RUNTIME.md §3.4).
+    Distribution,
+}
+
+/// Seed of the acceptance stream of distribution-preserving speculation, from the run's seed.
+const ACCEPT_STREAM: u64 = 0x5350_4543_4143_4350;
 
 /// Median seconds per generated token, where a speculative pass's time is shared equally by
 /// the tokens it yielded: `steps` holds (pass number, seconds) per decoding step.
@@ -386,6 +405,16 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let t1 = Instant::now();
     let mut steps = Vec::with_capacity(args.gen);
     let spec_mode = args.spec.or_env_off();
+    let by_distribution =
+        args.spec_sampling == SpecSampling::Distribution && !sampler.config().is_greedy();
+    if by_distribution && spec_mode == SpecMode::Auto {
+        return Err(Error::Usage(
+            "--spec-sampling distribution needs a fixed draft length (--spec N): an adaptive \
+             length would change which random draws are used"
+                .into(),
+        ));
+    }
+    let mut accept = crate::engine::sampling::Rng::from_seed(args.seed ^ ACCEPT_STREAM);
     let mut spec = Speculator::new(spec_mode);
     let read_before = model.streamer().map_or(0, |s| s.stats().disk_bytes_read);
     for step in 0..args.gen {
@@ -399,7 +428,14 @@ pub fn run(args: &RunArgs) -> Result<()> {
             w.write_all(&bytes)
                 .map_err(|e| Error::Write { path, source: e })?;
         }
-        let next = sampler.sample(&logits, &history)?;
+        let next = match spec.proposal().filter(|_| by_distribution) {
+            Some(draft) => {
+                sampler
+                    .accept_or_correct(&logits, &history, draft, &mut accept)?
+                    .0
+            }
+            None => sampler.sample(&logits, &history)?,
+        };
         generated.push(next);
         history.push(next);
         if let Some(t) = &tok {

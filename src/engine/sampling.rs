@@ -194,6 +194,20 @@ impl SamplerConfig {
 /// A seeded sampler. Cloning copies the generator state, so a clone (or a
 /// sampler rebuilt with [`Sampler::with_rng_state`]) continues the same
 /// stream.
+/// A distribution to draw one token from, in the arithmetic [`Sampler::sample`] uses.
+enum Dist {
+    /// No draw: this id.
+    Greedy(u32),
+    /// Weights over the whole vocabulary (id order) and their ordered sum.
+    Full { weights: Vec<f64>, total: f64 },
+    /// Kept ids in vocabulary order, their normalised probabilities and the ordered sum.
+    Kept {
+        ids: Vec<usize>,
+        probs: Vec<f64>,
+        sum: f64,
+    },
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sampler {
     cfg: SamplerConfig,
@@ -248,19 +262,24 @@ impl Sampler {
             return Err(SampleError::TooManyLogits { len: logits.len() });
         }
         let logits = self.apply_repeat_penalty(logits, history)?;
-        let logits: &[f32] = &logits;
+        match self.distribution(&logits)? {
+            Dist::Greedy(id) => Ok(id),
+            dist => Ok(self.draw(&dist)),
+        }
+    }
 
+    /// The distribution `sample` draws from: the penalised logits tempered, truncated and
+    /// weighted exactly as [`Sampler::sample`] does.
+    fn distribution(&self, logits: &[f32]) -> Result<Dist, SampleError> {
         if self.cfg.is_greedy() {
             if let Some((index, &value)) = logits.iter().enumerate().find(|(_, v)| v.is_nan()) {
                 return Err(SampleError::NonFiniteLogit { index, value });
             }
-            return Ok(index_u32(argmax_first(logits)));
+            return Ok(Dist::Greedy(index_u32(argmax_first(logits))));
         }
-
         if let Some((index, &value)) = logits.iter().enumerate().find(|(_, v)| !v.is_finite()) {
             return Err(SampleError::NonFiniteLogit { index, value });
         }
-
         let t = f64::from(self.cfg.temperature);
         let m = logits
             .iter()
@@ -278,15 +297,7 @@ impl Sampler {
         let min_p_active = self.cfg.min_p > 0.0;
 
         if !top_k_active && !top_p_active && !min_p_active {
-            let target = self.rng.next_f64() * total;
-            let mut acc = 0.0;
-            for (i, &w) in weights.iter().enumerate() {
-                acc += w;
-                if target < acc {
-                    return Ok(index_u32(i));
-                }
-            }
-            return Ok(index_u32(vocab - 1));
+            return Ok(Dist::Full { weights, total });
         }
 
         let kept = self.truncate(&weights, total, top_k_active, top_p_active, min_p_active);
@@ -295,24 +306,114 @@ impl Sampler {
         kept_by_id.sort_unstable();
         let probs: Vec<f64> = kept_by_id.iter().map(|&i| weights[i] / kept_sum).collect();
         let prob_sum = sum_in_order(probs.iter().copied());
+        Ok(Dist::Kept {
+            ids: kept_by_id,
+            probs,
+            sum: prob_sum,
+        })
+    }
 
-        let target = self.rng.next_f64() * prob_sum;
-        let mut acc = 0.0;
-        for (&id, &p) in kept_by_id.iter().zip(&probs) {
-            acc += p;
-            if target < acc {
-                return Ok(index_u32(id));
+    /// One draw from `dist` with this sampler's generator.
+    fn draw(&mut self, dist: &Dist) -> u32 {
+        match dist {
+            Dist::Greedy(id) => *id,
+            Dist::Full { weights, total } => {
+                let target = self.rng.next_f64() * total;
+                let mut acc = 0.0;
+                for (i, &w) in weights.iter().enumerate() {
+                    acc += w;
+                    if target < acc {
+                        return index_u32(i);
+                    }
+                }
+                index_u32(weights.len() - 1)
+            }
+            Dist::Kept { ids, probs, sum } => {
+                let target = self.rng.next_f64() * sum;
+                let mut acc = 0.0;
+                for (&id, &p) in ids.iter().zip(probs) {
+                    acc += p;
+                    if target < acc {
+                        return index_u32(id);
+                    }
+                }
+                let fallback = ids
+                    .iter()
+                    .zip(probs)
+                    .rev()
+                    .find(|(_, &p)| p != 0.0)
+                    .map(|(&id, _)| id)
+                    .or_else(|| ids.first().copied())
+                    .unwrap_or(0);
+                index_u32(fallback)
             }
         }
-        let fallback = kept_by_id
-            .iter()
-            .zip(&probs)
-            .rev()
-            .find(|(_, &p)| p != 0.0)
-            .map(|(&id, _)| id)
-            .or_else(|| kept_by_id.first().copied())
-            .unwrap_or(0);
-        Ok(index_u32(fallback))
+    }
+
+    /// Speculative sampling that preserves the distribution (RUNTIME.md §3.4) for a proposal
+    /// drawn from a one-hot distribution (an n-gram draft): `proposal` is accepted with
+    /// probability p(proposal), decided by one draw of `accept`; on a rejection the token is
+    /// drawn with this sampler's generator from p with the proposal removed (the normalised
+    /// positive part of p − q). Returns the token and whether it is the proposal. The tokens
+    /// have exactly the distribution of [`Sampler::sample`]'s, but not its seeded sequence.
+    /// Greedy decoding consumes no draw and returns the argmax.
+    pub fn accept_or_correct(
+        &mut self,
+        logits: &[f32],
+        history: &[u32],
+        proposal: u32,
+        accept: &mut Rng,
+    ) -> Result<(u32, bool), SampleError> {
+        if logits.is_empty() {
+            return Err(SampleError::EmptyLogits);
+        }
+        if u32::try_from(logits.len() - 1).is_err() {
+            return Err(SampleError::TooManyLogits { len: logits.len() });
+        }
+        let logits = self.apply_repeat_penalty(logits, history)?;
+        let dist = self.distribution(&logits)?;
+        let (p_y, residual) = match dist {
+            Dist::Greedy(id) => return Ok((id, id == proposal)),
+            Dist::Full { mut weights, total } => {
+                let i = proposal as usize;
+                let w = weights.get(i).copied().unwrap_or(0.0);
+                if let Some(slot) = weights.get_mut(i) {
+                    *slot = 0.0;
+                }
+                let rest = sum_in_order(weights.iter().copied());
+                (
+                    w / total,
+                    Dist::Full {
+                        weights,
+                        total: rest,
+                    },
+                )
+            }
+            Dist::Kept {
+                ids,
+                mut probs,
+                sum,
+            } => {
+                let pos = ids.iter().position(|&id| id == proposal as usize);
+                let p = pos.map_or(0.0, |k| probs[k] / sum);
+                if let Some(k) = pos {
+                    probs[k] = 0.0;
+                }
+                let rest = sum_in_order(probs.iter().copied());
+                (
+                    p,
+                    Dist::Kept {
+                        ids,
+                        probs,
+                        sum: rest,
+                    },
+                )
+            }
+        };
+        if accept.next_f64() < p_y {
+            return Ok((proposal, true));
+        }
+        Ok((self.draw(&residual), false))
     }
 
     /// Returns the logits with the repetition penalty applied (borrowed
@@ -713,6 +814,56 @@ mod tests {
             Sampler::with_rng_state(config, 0),
             Err(ConfigError::ZeroRngState)
         );
+    }
+
+    #[test]
+    fn accepting_a_draft_with_probability_p_keeps_the_distribution() {
+        let logits = [0.3f32, 1.2, -0.4, 2.0, 0.9, -1.5];
+        for (top_p, proposal) in [(1.0f32, 3u32), (1.0, 5), (0.9, 1), (0.9, 5)] {
+            // The distribution `sample` draws from, measured.
+            let n = 200_000;
+            let mut want = [0f64; 6];
+            let mut serial = Sampler::new(cfg(1.0, top_p, 11)).unwrap();
+            for _ in 0..n {
+                want[serial.sample(&logits, &[]).unwrap() as usize] += 1.0 / f64::from(n);
+            }
+            let mut got = [0f64; 6];
+            let mut accepted = 0u32;
+            let mut s = Sampler::new(cfg(1.0, top_p, 12)).unwrap();
+            let mut accept = Rng::from_seed(13);
+            for _ in 0..n {
+                let (id, used) = s
+                    .accept_or_correct(&logits, &[], proposal, &mut accept)
+                    .unwrap();
+                assert_eq!(used, id == proposal, "a correction is never the draft");
+                accepted += u32::from(used);
+                got[id as usize] += 1.0 / f64::from(n);
+            }
+            for k in 0..6 {
+                assert!(
+                    (got[k] - want[k]).abs() < 0.006,
+                    "top_p {top_p}, draft {proposal}: id {k} drawn {:.4}, sample gives {:.4}",
+                    got[k],
+                    want[k]
+                );
+            }
+            // The draft is used as often as p gives it.
+            let p_draft = want[proposal as usize];
+            assert!((f64::from(accepted) / f64::from(n) - p_draft).abs() < 0.006);
+        }
+        // Greedy: the argmax, no draw from either stream.
+        let mut g = Sampler::new(SamplerConfig::default()).unwrap();
+        let mut accept = Rng::from_seed(5);
+        let before = (g.rng_state(), accept.state());
+        assert_eq!(
+            g.accept_or_correct(&logits, &[], 3, &mut accept).unwrap(),
+            (3, true)
+        );
+        assert_eq!(
+            g.accept_or_correct(&logits, &[], 1, &mut accept).unwrap(),
+            (3, false)
+        );
+        assert_eq!((g.rng_state(), accept.state()), before);
     }
 
     #[test]

@@ -209,6 +209,9 @@ pub struct Governor {
     /// Passes since a plain (draft-free) pass was timed, and since a draft was last tried.
     since_plain: u32,
     since_draft: u32,
+    /// Plain passes between probes while drafting does not pay: [`PROBE`], doubled after
+    /// each probe that did not pay (up to [`MAX_PROBE`]), back to [`PROBE`] after one that did.
+    probe_every: u32,
 }
 
 /// Weight of the newest observation in the averages.
@@ -217,6 +220,8 @@ const EWMA: f64 = 0.25;
 pub const REMEASURE: u32 = 32;
 /// Plain passes after which a one-token draft is tried again while drafting does not pay.
 pub const PROBE: u32 = 16;
+/// Longest interval between probes on text where they keep failing.
+pub const MAX_PROBE: u32 = 512;
 
 impl Governor {
     /// A governor for `mode`.
@@ -229,6 +234,7 @@ impl Governor {
             used: 0.0,
             since_plain: 0,
             since_draft: 0,
+            probe_every: PROBE,
         }
     }
 
@@ -295,7 +301,7 @@ impl Governor {
                 }
             }
         }
-        if best.1 == 0 && self.since_draft >= PROBE {
+        if best.1 == 0 && self.since_draft >= self.probe_every {
             // Drafting does not pay: try a one-token draft now and then, so that text that
             // starts to repeat turns it back on.
             return 1;
@@ -316,6 +322,14 @@ impl Governor {
             self.since_plain = 0;
             self.since_draft = self.since_draft.saturating_add(1);
         } else {
+            // A draft that yielded its steps more cheaply than plain passes do resets the
+            // probe interval; one that did not doubles it.
+            let paid = self.per_step[0].is_some_and(|plain| per < plain);
+            self.probe_every = if paid {
+                PROBE
+            } else {
+                (self.probe_every.saturating_mul(2)).min(MAX_PROBE)
+            };
             self.since_plain = self.since_plain.saturating_add(1);
             self.since_draft = 0;
             // Decay old evidence so the estimate follows the text.
@@ -393,6 +407,13 @@ impl Speculator {
     ///
     /// # Errors
     /// A weight read failed; `state` may be partly advanced (restore a snapshot).
+    /// The drafted token expected at the position being sampled now, while a verified chunk
+    /// is open (for speculative sampling that preserves the distribution).
+    #[must_use]
+    pub fn proposal(&self) -> Option<u32> {
+        self.open.as_ref()?.queue.front().map(|(id, _)| *id)
+    }
+
     pub fn advance(
         &mut self,
         model: &Model,
@@ -536,11 +557,36 @@ mod tests {
         }
         let chosen: Vec<usize> = (0..10).map(|_| g2.draft_len(8)).collect();
         assert!(chosen.iter().all(|&k| k == 0), "{chosen:?}");
-        // ... but a one-token draft is probed after enough plain passes.
-        for _ in 0..PROBE {
+        // ... but a one-token draft is probed after enough plain passes, and the interval
+        // doubles while the probes do not pay, up to MAX_PROBE.
+        let mut probes = Vec::new();
+        for step in 0..4000u32 {
+            if g2.draft_len(8) == 1 {
+                probes.push(step);
+                g2.observe(1, 1, 0, 1.6);
+            } else {
+                g2.observe(0, 0, 0, 1.0);
+            }
+        }
+        let gaps: Vec<u32> = probes.windows(2).map(|w| w[1] - w[0]).collect();
+        assert!(gaps.windows(2).all(|w| w[1] >= w[0]), "{gaps:?}");
+        assert!(gaps.iter().all(|&g| g <= MAX_PROBE + 1), "{gaps:?}");
+        assert!(
+            probes.len() <= 16,
+            "{} probes in 4000 passes: {probes:?}",
+            probes.len()
+        );
+        // A probe that pays (the text starts to repeat) brings the interval back.
+        while g2.draft_len(8) != 1 {
             g2.observe(0, 0, 0, 1.0);
         }
-        assert_eq!(g2.draft_len(8), 1);
+        g2.observe(1, 1, 1, 1.1);
+        let mut plain = 0;
+        while g2.draft_len(8) == 0 {
+            g2.observe(0, 0, 0, 1.0);
+            plain += 1;
+        }
+        assert!(plain <= PROBE, "{plain} plain passes before the next draft");
         // Plain passes are timed again after REMEASURE draft passes.
         let mut g3 = Governor::new(SpecMode::Auto);
         g3.observe(0, 0, 0, 1.0);

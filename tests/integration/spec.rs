@@ -373,3 +373,53 @@ fn a_streamed_synthetic_checkpoint_gives_the_same_tokens_with_speculation() {
         }
     }
 }
+
+#[test]
+fn distribution_preserving_speculation_is_seeded_greedy_exact_and_needs_a_fixed_length() {
+    let prompt = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday, Monday, Tuesday,";
+    let base = [
+        "--prompt",
+        prompt,
+        "--gen",
+        "48",
+        "--spec-sampling",
+        "distribution",
+    ];
+    // Greedy: the same tokens as without speculation.
+    let (want, _) = run_ids(&[&base[..], &["--temperature", "0", "--spec", "off"]].concat());
+    let (got, st) = run_ids(&[&base[..], &["--temperature", "0", "--spec", "8"]].concat());
+    assert_eq!(got, want);
+    assert!(st["accepted"].as_u64().unwrap() > 0, "{st}");
+    // Sampled: reproducible from the seed, at every budget (the acceptance stream is part of
+    // the schedule), and drafts are used.
+    let sampled = [
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "20",
+        "--seed",
+        "7",
+        "--spec",
+        "4",
+    ];
+    let (a, st) = run_ids(&[&base[..], &sampled[..]].concat());
+    let (b, _) = run_ids(&[&base[..], &sampled[..], &["--mem", "0.06"]].concat());
+    assert_eq!(a, b);
+    assert!(st["proposed"].as_u64().unwrap() > 0, "{st}");
+    // An adaptive length would change which draws are used: refused.
+    let out = k3_command()
+        .args([
+            "run",
+            "--prompt",
+            prompt,
+            "--gen",
+            "4",
+            "--temperature",
+            "0.8",
+        ])
+        .args(["--spec", "auto", "--spec-sampling", "distribution"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("fixed draft length"));
+}

@@ -73,10 +73,18 @@ pub struct ChatArgs {
     /// Longest reply in tokens [default: 512].
     #[arg(long)]
     pub max_tokens: Option<usize>,
+    /// Longest raw-mode continuation in tokens (it also stops at an end-of-text token)
+    /// [default: 200].
+    #[arg(long, value_name = "N")]
+    pub raw_max_tokens: Option<usize>,
+    /// Raw mode runs past the end-of-text tokens, to the raw limit or a --stop-id (plain
+    /// base-model continuation).
+    #[arg(long)]
+    pub raw_ignore_end: bool,
     /// Most positions a session may hold [default: 32768].
     #[arg(long)]
     pub context: Option<usize>,
-    /// Extra stop id (repeatable; raw mode stops only on these).
+    /// Extra stop id (repeatable), besides the template's end-of-text ids.
     #[arg(long = "stop-id", value_name = "ID")]
     pub stop_ids: Vec<u32>,
     /// Compute threads (default: all cores). Output does not depend on it.
@@ -136,6 +144,8 @@ fn settings(args: &ChatArgs, cfg: &Config) -> Settings {
             .unwrap_or_else(|| cfg.thinking.effort.clone()),
         context_limit: args.context.unwrap_or(s.context).max(2),
         stop_ids: args.stop_ids.clone(),
+        raw_max_tokens: args.raw_max_tokens.unwrap_or(s.raw_max_tokens).max(1),
+        raw_ignore_end: args.raw_ignore_end,
     }
 }
 
@@ -161,6 +171,37 @@ fn check_floor(
                 "{e} (k3 chat plans for a context of {context} positions and {states} sequence                  states; --context N with a smaller N lowers the floor)"
             ))
         })
+}
+
+/// The budget the demo model opens under when none is asked for: its floor plus a third of its
+/// weights, so that most experts and layers are streamed and the panes show the engine at
+/// work. Returns the budget and the line that says so.
+fn demo_budget(model_dir: &std::path::Path, context: u64) -> crate::Result<(u64, String)> {
+    use crate::stream::budget;
+    let cfg = crate::engine::config::ModelConfig::load(&model_dir.join("config.json"))?;
+    let ck = crate::stream::Checkpoint::open(model_dir)?;
+    let sizes = crate::engine::weights::model_sizes(&cfg, &ck);
+    let states = 1 + crate::session::chat::SNAPSHOTS as u64;
+    let all = budget::plan_states(
+        &sizes,
+        budget::BudgetRequest::Total(1_000_000_000_000),
+        context,
+        states,
+        None,
+    )
+    .map_err(|e| crate::Error::Usage(e.to_string()))?;
+    let model = sizes.model_bytes();
+    // Rounded up to a tenth of a MB, so the figure shown is the budget.
+    let b = (all.floor_bytes + model / 3).div_ceil(100_000) * 100_000;
+    let line = format!(
+        "the demo model ({} of weights) is streamed under a {} budget, below what holding \
+         it all takes, so experts and layers are read from disk as they are needed and the \
+         panes show the engine at work (the tokens are the same at every budget); --mem GB \
+         changes it",
+        budget::gb(model),
+        budget::gb(b)
+    );
+    Ok((b, line))
 }
 
 /// The most recently saved session that can be read, for `--continue`.
@@ -267,7 +308,15 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
         .keys
         .bindings()
         .map_err(|(field, msg)| crate::Error::Usage(format!("{field}: {msg}")))?;
-    let budget = args.budget.request(super::budget_args::auto_request())?;
+    let (budget, start_note) = if demo && !args.budget.given() && cfg.memory.budget_gb.is_none() {
+        let (b, line) = demo_budget(&model_dir, settings.context_limit as u64)?;
+        (crate::stream::budget::BudgetRequest::Total(b), Some(line))
+    } else {
+        (
+            args.budget.request(super::budget_args::auto_request())?,
+            None,
+        )
+    };
     if args.remote.is_none() {
         check_floor(&model_dir, budget, settings.context_limit as u64)?;
     }
@@ -307,6 +356,7 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
             budget,
             trunk: args.budget.trunk.clone(),
             spec: args.spec,
+            start_note,
         })
     };
     let model = if demo {

@@ -99,6 +99,8 @@ pub struct SamplingConfig {
     pub seed: u64,
     /// Longest reply in tokens.
     pub max_tokens: usize,
+    /// Longest raw-mode continuation in tokens.
+    pub raw_max_tokens: usize,
     /// Most positions a session may hold.
     pub context: usize,
 }
@@ -113,6 +115,7 @@ impl Default for SamplingConfig {
             repeat_penalty: 1.0,
             seed: 1,
             max_tokens: 512,
+            raw_max_tokens: crate::session::chat::RAW_MAX_TOKENS,
             context: 32_768,
         }
     }
@@ -375,13 +378,17 @@ pub enum Cmd {
     Focus,
     /// Start a new conversation (asks first when the current one has unsaved turns).
     New,
+    /// Answer now: close the reply's thinking channel at the next token.
+    AnswerNow,
+    /// Thinking effort: off → low → high → max → off for the next replies.
+    Effort,
     /// Select mode: move over messages and code blocks, `y` copies one.
     Select,
 }
 
 impl Cmd {
     /// Every command with its `[keys]` name, in help order.
-    pub const ALL: [(&'static str, Cmd); 14] = [
+    pub const ALL: [(&'static str, Cmd); 16] = [
         ("help", Cmd::Help),
         ("quit", Cmd::Quit),
         ("stop", Cmd::Stop),
@@ -395,6 +402,8 @@ impl Cmd {
         ("follow", Cmd::Follow),
         ("focus", Cmd::Focus),
         ("new", Cmd::New),
+        ("answer_now", Cmd::AnswerNow),
+        ("effort", Cmd::Effort),
         ("select", Cmd::Select),
     ];
 
@@ -415,6 +424,8 @@ impl Cmd {
             Cmd::Follow => "jump to the newest text",
             Cmd::Focus => "focus the budget slider / the input",
             Cmd::New => "new conversation (asks when unsaved)",
+            Cmd::AnswerNow => "answer now: end the thinking, the model answers",
+            Cmd::Effort => "thinking effort: off, low, high, max (next reply)",
             Cmd::Select => "select a message or code block; y copies it",
         }
     }
@@ -450,6 +461,10 @@ pub struct KeysConfig {
     pub focus: String,
     /// New conversation.
     pub new: String,
+    /// Answer now (close the thinking channel).
+    pub answer_now: String,
+    /// Cycle the thinking effort.
+    pub effort: String,
     /// Select mode (copy any message or code block).
     pub select: String,
 }
@@ -470,6 +485,8 @@ impl Default for KeysConfig {
             follow: "ctrl-l".into(),
             focus: "tab".into(),
             new: "ctrl-n".into(),
+            answer_now: "ctrl-g".into(),
+            effort: "f2".into(),
             select: "ctrl-o".into(),
         }
     }
@@ -491,6 +508,8 @@ impl KeysConfig {
             Cmd::Follow => &self.follow,
             Cmd::Focus => &self.focus,
             Cmd::New => &self.new,
+            Cmd::AnswerNow => &self.answer_now,
+            Cmd::Effort => &self.effort,
             Cmd::Select => &self.select,
         }
     }
@@ -564,6 +583,7 @@ min_p = 0.0            # in [0, 1]
 repeat_penalty = 1.0   # 1 = off
 seed = 1
 max_tokens = 512       # longest reply
+raw_max_tokens = 200   # longest raw-mode continuation (it also stops at an end-of-text token)
 context = 32768        # most positions a session may hold
 
 [thinking]
@@ -590,6 +610,8 @@ newline = "alt-enter"  # shift-enter also works where the terminal reports it
 follow = "ctrl-l"
 focus = "tab"
 new = "ctrl-n"
+answer_now = "ctrl-g"  # end the thinking channel now: the model answers
+effort = "f2"          # thinking off → low → high → max for the next replies
 select = "ctrl-o"      # select mode: Up/Down or j/k move, y copies, Esc leaves
 "#;
 
@@ -655,7 +677,7 @@ impl Config {
             message,
         };
         let s = &self.sampling;
-        let checks: [(&str, bool, &str); 7] = [
+        let checks: [(&str, bool, &str); 8] = [
             ("sampling.temperature", s.temperature >= 0.0, "must be ≥ 0"),
             (
                 "sampling.top_p",
@@ -673,6 +695,11 @@ impl Config {
                 "must be > 0",
             ),
             ("sampling.max_tokens", s.max_tokens >= 1, "must be ≥ 1"),
+            (
+                "sampling.raw_max_tokens",
+                s.raw_max_tokens >= 1,
+                "must be ≥ 1",
+            ),
             (
                 "sampling.context",
                 (2..=crate::app::run::MAX_CONTEXT).contains(&s.context),

@@ -38,6 +38,25 @@ pub enum Request {
         /// Turn id of the answer.
         turn: TurnId,
     },
+    /// Rename a saved session (answered with `Notice` or `Failed`; between tokens too). A name
+    /// that `/save` would refuse is refused, as are a name taken and the session this process
+    /// has open.
+    RenameSession {
+        /// Turn id of the answer.
+        turn: TurnId,
+        /// The session's name.
+        from: String,
+        /// Its new name.
+        to: String,
+    },
+    /// Delete a saved session and its journal (answered with `Notice` or `Failed`; between
+    /// tokens too). The session this process has open, or another process has, is refused.
+    DeleteSession {
+        /// Turn id of the answer.
+        turn: TurnId,
+        /// The session's name.
+        name: String,
+    },
     /// Stop the worker.
     Shutdown,
 }
@@ -105,6 +124,8 @@ pub enum EngineEvent {
         id: u32,
         /// Printable text.
         text: String,
+        /// Positions the conversation holds with this token (0: not known).
+        position: u64,
     },
     /// A turn finished (possibly cancelled or rejected; see the report).
     TurnDone {

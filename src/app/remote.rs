@@ -178,6 +178,14 @@ pub fn run(
                     .collect();
                 ctx.event(EngineEvent::Sessions { turn, rows })
             }
+            Request::RenameSession { turn, .. } | Request::DeleteSession { turn, .. } => {
+                ctx.event(EngineEvent::Failed {
+                    turn,
+                    message: "with --remote, sessions are renamed and deleted as files in the \
+                              session directory; the dialog does not do it"
+                        .into(),
+                })
+            }
         };
         if !alive {
             break;
@@ -339,6 +347,7 @@ impl Ctx<'_> {
             turn,
             id: 0,
             text: text.to_owned(),
+            position: 0,
         })
     }
 
@@ -719,6 +728,8 @@ impl Ctx<'_> {
                     Setting::RepeatPenalty => s.repeat_penalty = v as f32,
                     Setting::Seed => s.seed = v as u64,
                     Setting::MaxTokens => s.max_tokens = (v as usize).max(1),
+                    Setting::RawMaxTokens => s.raw_max_tokens = (v as usize).max(1),
+                    Setting::RawIgnoreEnd => s.raw_ignore_end = v != 0.0,
                 }
                 Ok(format!("{} = {v}", setting.name()))
             }

@@ -124,6 +124,29 @@ pub struct SessionDialog {
     pub prefilled: bool,
     /// A refusal to show in the dialog (bad name, busy engine).
     pub message: Option<String>,
+    /// Rows shown are those whose name contains this (case-insensitively).
+    pub filter: String,
+    /// Typed characters go to `filter` (after `/`).
+    pub filtering: bool,
+    /// Renaming a session: its name, and the new name being typed (prefilled as in save as).
+    pub renaming: Option<(String, Editor)>,
+    /// Deleting this session, once the user says yes.
+    pub deleting: Option<String>,
+}
+
+impl SessionDialog {
+    /// The rows the filter lets through, in the listing's order.
+    #[must_use]
+    pub fn visible(&self) -> Vec<&SessionRow> {
+        let want = self.filter.to_lowercase();
+        match &self.rows {
+            Some(Ok(rows)) => rows
+                .iter()
+                .filter(|r| r.name.to_lowercase().contains(&want))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
 }
 
 /// A popup over the main screen.
@@ -178,6 +201,9 @@ pub struct Budget {
     pub asked: Option<(TurnId, u64)>,
     /// The engine's last answer: bytes asked, and its text (`Err` for a refusal).
     pub answer: Option<(u64, Result<String, String>)>,
+    /// The exact bytes the slider stands for: the budget in force while nothing is asked,
+    /// else the (rounded) value asked for. `None` until known: the step's value then.
+    pub exact: Option<u64>,
 }
 
 impl Budget {
@@ -198,10 +224,18 @@ impl Budget {
         (lo * (hi / lo).powf(f)).round() as u64
     }
 
-    /// The slider's value in bytes.
+    /// The slider's value in bytes: one number with the budget in force and the engine's
+    /// answer (the value asked for while a request is in flight).
     #[must_use]
     pub fn value_bytes(&self) -> u64 {
-        self.bytes_at(self.step)
+        self.exact.unwrap_or_else(|| self.bytes_at(self.step))
+    }
+
+    /// The bytes a request for slider position `step` asks for: its value to three
+    /// significant digits of a GB, as `/budget` takes it.
+    #[must_use]
+    pub fn asked_at(&self, step: u32) -> u64 {
+        (round_sig3(self.bytes_at(step) as f64 / 1e9) * 1e9).round() as u64
     }
 
     /// The position nearest to `bytes`.
@@ -234,8 +268,11 @@ impl Budget {
         self.high_bytes = model_bytes
             .saturating_add(model_bytes / 4)
             .max(self.low_bytes.saturating_mul(2));
-        if !self.touched {
+        // At rest the slider is the budget in force, exactly; while a request is in flight it
+        // stays on the value asked for.
+        if self.asked.is_none() {
             self.step = self.in_force_step();
+            self.exact = in_force;
         }
     }
 
@@ -273,6 +310,8 @@ enum Purpose {
     History,
     /// The saved sessions, for the session dialog.
     Sessions,
+    /// Renaming or deleting a saved session from the dialog.
+    SessionFile,
 }
 
 /// What produced a reply.
@@ -312,6 +351,8 @@ pub struct AppInit {
     pub resume: bool,
     /// Thinking channel on at start.
     pub thinking: bool,
+    /// Thinking effort at start.
+    pub effort: String,
     /// Context limit in positions.
     pub context_limit: u64,
     /// Budget to ask for at start (from the config file).
@@ -409,6 +450,9 @@ pub enum Effect {
     Copy(String),
     /// Tell the user a long reply finished: the terminal bell and an OSC 9 notification.
     Notify(String),
+    /// Set the worker's "answer now" flag: the reply's thinking channel closes at the next
+    /// token and the model answers.
+    AnswerNow,
     /// Shut the worker down, restore the terminal and exit with `code` (on quit).
     Quit {
         /// Exit status.
@@ -437,6 +481,8 @@ pub struct App {
     pub mode: Mode,
     /// Thinking channel on for new replies.
     pub thinking: bool,
+    /// Thinking effort for new replies (`low`, `high` or `max`).
+    pub effort: String,
     /// Show reasoning text (otherwise one collapsed line per reply).
     pub show_thinking: bool,
     /// What the conversation is doing.
@@ -563,6 +609,7 @@ impl App {
             dirty: false,
             mode: Mode::Chat,
             thinking: init.thinking,
+            effort: init.effort,
             show_thinking: true,
             phase: Phase::Loading,
             loading: None,

@@ -47,6 +47,8 @@ pub struct ChatConfig {
     pub trunk: Option<PathBuf>,
     /// How replies are decoded (speculation never changes a token).
     pub spec: crate::engine::spec::SpecMode,
+    /// A line for the start-up info (why the model opens under the budget it does).
+    pub start_note: Option<String>,
 }
 
 /// Handle on a running worker.
@@ -54,6 +56,7 @@ pub struct Worker {
     tx: Sender<Request>,
     rx: Receiver<EngineEvent>,
     cancel: Arc<AtomicBool>,
+    answer_now: Arc<AtomicBool>,
     handle: Option<JoinHandle<()>>,
 }
 
@@ -65,14 +68,17 @@ impl Worker {
         let (tx_ev, rx) = channel::<EngineEvent>();
         let cancel = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&cancel);
+        let answer_now = Arc::new(AtomicBool::new(false));
+        let answer = Arc::clone(&answer_now);
         let handle = std::thread::Builder::new()
             .name("k3-engine".into())
-            .spawn(move || run(&cfg, &rx_req, &tx_ev, &flag))
+            .spawn(move || run(&cfg, &rx_req, &tx_ev, &flag, answer))
             .ok();
         Worker {
             tx,
             rx,
             cancel,
+            answer_now,
             handle,
         }
     }
@@ -93,6 +99,7 @@ impl Worker {
             tx,
             rx,
             cancel,
+            answer_now: Arc::new(AtomicBool::new(false)),
             handle,
         }
     }
@@ -101,6 +108,13 @@ impl Worker {
     #[must_use]
     pub fn cancel_flag(&self) -> Arc<AtomicBool> {
         Arc::clone(&self.cancel)
+    }
+
+    /// The flag that closes the reply's thinking channel at the next token ("answer now";
+    /// a remote worker ignores it).
+    #[must_use]
+    pub fn answer_now_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.answer_now)
     }
 
     /// Send a request; false when the worker is gone.
@@ -374,7 +388,13 @@ type Claim = (SessionLock, Option<String>);
 /// Least time between two `Stats` events while a turn runs.
 const STATS_INTERVAL_S: f64 = 0.2;
 
-fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cancel: &AtomicBool) {
+fn run(
+    cfg: &ChatConfig,
+    rx: &Receiver<Request>,
+    tx: &Sender<EngineEvent>,
+    cancel: &AtomicBool,
+    answer_now: Arc<AtomicBool>,
+) {
     let fail = |msg: String, code: i32| {
         let _ = tx.send(EngineEvent::Failed {
             turn: 0,
@@ -449,11 +469,13 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
     let current_turn = Arc::new(AtomicU64::new(0));
     let mut session = session;
     session.set_speculation(cfg.spec.or_env_off());
+    session.set_answer_now_flag(answer_now);
     {
         let tx = tx.clone();
         let turn = Arc::clone(&current_turn);
         let mut last = Instant::now();
         let (positions_limit, model_bytes) = (cfg.settings.context_limit as u64, info.bytes_read);
+        let held = session.positions_counter();
         session.on_prefill(Box::new(move |done, total| {
             if done < total && last.elapsed().as_secs_f64() < STATS_INTERVAL_S {
                 return;
@@ -468,6 +490,7 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
                 model_bytes,
                 disk_bytes_read: model_bytes,
                 context_limit: positions_limit,
+                positions: held.load(Ordering::Relaxed) as u64,
                 ..StatsSnapshot::default()
             };
             let t = turn.load(Ordering::Relaxed);
@@ -530,6 +553,10 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
             "\nsession {n:?} has unsaved turns in its journal: --resume {n} recovers them"
         ));
     }
+    if let Some(note) = &cfg.start_note {
+        info_line.push('\n');
+        info_line.push_str(note);
+    }
     if stale > 0 {
         info_line.push_str(&format!(
             "\nremoved {stale} unfinished save file(s) left by a crash"
@@ -559,6 +586,9 @@ fn run(cfg: &ChatConfig, rx: &Receiver<Request>, tx: &Sender<EngineEvent>, cance
                 history: Box::new(ctx.history()),
             }),
             Request::ListSessions { turn } => ctx.event(session_rows(&ctx.store, turn)),
+            r @ (Request::RenameSession { .. } | Request::DeleteSession { .. }) => {
+                ctx.event(session_file_op(&ctx.store, ctx.name.as_deref(), r))
+            }
         };
         if !ok {
             break; // the front end is gone
@@ -589,6 +619,86 @@ fn export_error(path: &str, e: &std::io::Error) -> String {
         _ => e.to_string(),
     };
     format!("/export: the transcript was NOT written to {path}: {why}")
+}
+
+/// The answer to [`Request::RenameSession`] and [`Request::DeleteSession`]: the files moved or
+/// removed under the session's lock (so no other process has it open meanwhile), or why not.
+/// `open` is the session this process has open, which is refused.
+fn session_file_op(store: &SessionStore, open: Option<&str>, req: Request) -> EngineEvent {
+    let (turn, result) = match req {
+        Request::RenameSession { turn, from, to } => {
+            (turn, rename_session(store, open, &from, &to))
+        }
+        Request::DeleteSession { turn, name } => (turn, delete_session(store, open, &name)),
+        _ => {
+            return EngineEvent::Notice {
+                turn: 0,
+                text: String::new(),
+            }
+        }
+    };
+    match result {
+        Ok(text) => EngineEvent::Notice { turn, text },
+        Err(message) => EngineEvent::Failed { turn, message },
+    }
+}
+
+fn rename_session(
+    store: &SessionStore,
+    open: Option<&str>,
+    from: &str,
+    to: &str,
+) -> Result<String, String> {
+    let why = |e: &dyn std::fmt::Display| format!("rename {from:?} to {to:?}: {e}");
+    store::validate_name(to).map_err(|e| why(&e))?;
+    if from == to {
+        return Ok(format!("session {from:?} keeps its name"));
+    }
+    if open == Some(from) {
+        return Err(why(
+            &"it is the session open here; /save NAME saves it under a new name",
+        ));
+    }
+    if !store.exists(from) {
+        return Err(why(&"there is no saved session of that name"));
+    }
+    let taken = || store.exists(to) || store.has_journal(to) || open == Some(to);
+    if taken() {
+        return Err(why(&format!("a session {to:?} exists already")));
+    }
+    let _old = store.lock(from).map_err(|e| why(&e))?;
+    let _new = store.lock(to).map_err(|e| why(&e))?;
+    if taken() {
+        return Err(why(&format!("a session {to:?} exists already")));
+    }
+    let path = |n: &str| store.path_of(n).map_err(|e| why(&e));
+    std::fs::rename(path(from)?, path(to)?).map_err(|e| why(&e))?;
+    if store.has_journal(from) {
+        let journal = |n: &str| store.journal_path(n).map_err(|e| why(&e));
+        std::fs::rename(journal(from)?, journal(to)?).map_err(|e| why(&e))?;
+    }
+    Ok(format!("session {from:?} renamed to {to:?}"))
+}
+
+fn delete_session(store: &SessionStore, open: Option<&str>, name: &str) -> Result<String, String> {
+    let why = |e: &dyn std::fmt::Display| format!("delete {name:?}: {e}");
+    store::validate_name(name).map_err(|e| why(&e))?;
+    if open == Some(name) {
+        return Err(why(&"it is the session open here; /new first"));
+    }
+    if !store.exists(name) && !store.has_journal(name) {
+        return Err(why(&"there is no saved session of that name"));
+    }
+    let _lock = store.lock(name).map_err(|e| why(&e))?;
+    if store.exists(name) {
+        let p = store.path_of(name).map_err(|e| why(&e))?;
+        std::fs::remove_file(p).map_err(|e| why(&e))?;
+    }
+    if store.has_journal(name) {
+        let p = store.journal_path(name).map_err(|e| why(&e))?;
+        std::fs::remove_file(p).map_err(|e| why(&e))?;
+    }
+    Ok(format!("session {name:?} deleted"))
 }
 
 /// The answer to [`Request::ListSessions`]: the rows, or why the directory cannot be read.
@@ -683,7 +793,7 @@ impl Ctx<'_> {
             rss_bytes: rss,
             peak_rss_bytes: peak,
             compute_seconds: (self.busy_seconds - base.io_wait_seconds).max(0.0),
-            positions: self.session.tokens().len() as u64,
+            positions: self.positions(),
             context_limit: self.session.settings.context_limit as u64,
             spec_passes: spec.passes,
             spec_proposed: spec.proposed,
@@ -691,6 +801,20 @@ impl Ctx<'_> {
             spec_steps: spec.steps,
             ..base
         }
+    }
+
+    /// Positions the conversation holds: its render as the next turn continues it (after an
+    /// `/undo` that is shorter than the state the engine still holds), else what the engine
+    /// covers with the id it sampled last.
+    fn positions(&self) -> u64 {
+        let s = &self.session;
+        let held = s.tokens().len() + usize::from(s.pending().is_some());
+        let rendered = s
+            .settings
+            .render_options()
+            .ok()
+            .and_then(|o| s.render_conversation(&o, false).ok());
+        rendered.map_or(held, |(ids, _)| ids.len()) as u64
     }
 
     /// `/budget GB`: re-plan between tokens.
@@ -725,14 +849,19 @@ impl Ctx<'_> {
         let mut last_stats_at = Instant::now();
         let rx = self.rx;
         let store = &self.store;
+        let open = self.name.clone();
         let cancel = self.cancel;
         let context = self.session.settings.context_limit as u64;
+        let held = self.session.positions_counter();
         let mut deferred = Vec::new();
         let mut emit = |id: u32, text: &str| {
+            // The token just sampled is held once it is fed: count it now.
+            let position = held.load(Ordering::Relaxed) as u64 + u64::from(id != u32::MAX);
             let token = EngineEvent::Token {
                 turn,
                 id,
                 text: text.to_string(),
+                position,
             };
             alive &= tx.send(token).is_ok();
             // Between tokens: a budget change is applied now; anything else waits.
@@ -750,6 +879,9 @@ impl Ctx<'_> {
                     }
                     Request::ListSessions { turn: t } => {
                         alive &= tx.send(session_rows(store, t)).is_ok();
+                    }
+                    r @ (Request::RenameSession { .. } | Request::DeleteSession { .. }) => {
+                        alive &= tx.send(session_file_op(store, open.as_deref(), r)).is_ok();
                     }
                     Request::Shutdown => {
                         cancel.store(true, Ordering::Relaxed);
@@ -787,6 +919,7 @@ impl Ctx<'_> {
                     peak_rss_bytes: peak,
                     disk_mb_per_s: mb_s,
                     turn_disk_bytes: read - base.disk_bytes_read,
+                    positions: position,
                     ..base.clone()
                 };
                 if let Some(e) = engine {
@@ -1486,7 +1619,7 @@ impl Ctx<'_> {
                             md.push_str(content);
                             md.push('\n');
                         }
-                        Entry::Raw { prompt, output } => {
+                        Entry::Raw { prompt, output, .. } => {
                             md.push_str(&format!("\n**raw**\n\n```\n{prompt}{output}\n```\n"));
                         }
                         Entry::Mode { mode } => md.push_str(&format!("\n*{} mode*\n", mode.name())),
@@ -1509,6 +1642,8 @@ impl Ctx<'_> {
             Setting::RepeatPenalty => s.repeat_penalty = v as f32,
             Setting::Seed => s.seed = v as u64,
             Setting::MaxTokens => s.max_tokens = v as usize,
+            Setting::RawMaxTokens => s.raw_max_tokens = v as usize,
+            Setting::RawIgnoreEnd => s.raw_ignore_end = v != 0.0,
         }
         self.session.set_settings(s).map_err(|e| e.to_string())?;
         Ok(format!("{} = {v}", setting.name()))

@@ -45,6 +45,7 @@ pub fn run(args: &ChatArgs) -> crate::Result<i32> {
             session: s.session,
             resume: s.resume,
             thinking: s.settings.thinking,
+            effort: s.settings.effort.clone(),
             context_limit: s.settings.context_limit as u64,
             max_tokens: s.settings.max_tokens as u64,
             history: s

@@ -652,13 +652,14 @@ impl Streamer {
             }
         }
         let mut r = lock(&self.resident);
+        let mut shrinks = plan.expert_slots < r.plan.expert_slots;
         for (il, slot) in r.pinned.iter_mut().enumerate() {
             if !plan.pinned.get(il).copied().unwrap_or(false) {
-                *slot = None;
+                shrinks |= slot.take().is_some();
             }
         }
         if !plan.head_resident {
-            r.head = None;
+            shrinks |= r.head.take().is_some();
         }
         r.cache.resize(plan.expert_slots as usize);
         r.plan = plan;
@@ -669,6 +670,14 @@ impl Streamer {
         drop(r);
         // Drop read-ahead that the new plan no longer needs.
         lock(&self.ring).pending.clear();
+        if shrinks {
+            // What the smaller plan let go goes back to the system, not only to the allocator.
+            self.ck.release_pooled();
+            if let Some(t) = &self.trunk {
+                t.release_pooled();
+            }
+            crate::stream::alloc::give_back_freed_memory();
+        }
         for il in to_pin {
             let t0 = Instant::now();
             let layer = load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il, self.mapped)?;

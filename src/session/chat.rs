@@ -15,7 +15,8 @@ use crate::engine::spec::{SpecMode, SpecStats, Speculator};
 use crate::engine::{Model, SeqState, Snapshot};
 use crate::stream::StreamError;
 use serde::{Deserialize, Serialize};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Chat (templated) or raw continuation.
@@ -53,12 +54,20 @@ pub enum Entry {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         reasoning: Option<String>,
     },
-    /// A raw-mode exchange: the text given and the continuation produced.
+    /// A raw-mode exchange: the text given and the continuation produced. It stays in the
+    /// context where it was typed: the chat render places its ids between the messages
+    /// before and after it (see [`Session::render_conversation`]).
     Raw {
         /// Text appended to the context.
         prompt: String,
-        /// Generated continuation.
+        /// Generated continuation, for display: special tokens as markers (`⟨close⟩`), the
+        /// end id that stopped it left out.
         output: String,
+        /// The generated ids as sampled (the context holds these, not a re-encoding of
+        /// `output`). Absent in sessions saved before they were kept: `output` is then
+        /// encoded as raw text.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        ids: Vec<u32>,
     },
     /// A switch between chat and raw.
     Mode {
@@ -90,9 +99,23 @@ pub struct Settings {
     pub effort: String,
     /// Most positions the session may hold.
     pub context_limit: usize,
-    /// Extra stop ids (raw mode stops only on these).
+    /// Extra stop ids (chat and raw mode stop on these besides the template's end ids).
     #[serde(default)]
     pub stop_ids: Vec<u32>,
+    /// Longest raw-mode continuation in tokens.
+    #[serde(default = "default_raw_max_tokens")]
+    pub raw_max_tokens: usize,
+    /// Raw mode runs past the end-of-text ids (`[EOS]`, `<|end_of_msg|>`) to
+    /// `raw_max_tokens` or a stop id, as base-model continuation in the reference does.
+    #[serde(default)]
+    pub raw_ignore_end: bool,
+}
+
+/// Default of [`Settings::raw_max_tokens`].
+pub const RAW_MAX_TOKENS: usize = 200;
+
+fn default_raw_max_tokens() -> usize {
+    RAW_MAX_TOKENS
 }
 
 impl Default for Settings {
@@ -110,6 +133,8 @@ impl Default for Settings {
             effort: "max".into(),
             context_limit: 32_768,
             stop_ids: Vec::new(),
+            raw_max_tokens: RAW_MAX_TOKENS,
+            raw_ignore_end: false,
         }
     }
 }
@@ -247,6 +272,12 @@ pub struct Session<'a> {
     max_snapshots: usize,
     on_prefill: Option<Box<dyn FnMut(usize, usize) + 'a>>,
     spec: Speculator,
+    /// Positions the engine state covers, published as prompt tokens are fed and reply tokens
+    /// generated (read by another thread while a turn runs).
+    positions: Arc<AtomicUsize>,
+    /// "Answer now": set by another thread while a reply is in its thinking channel, it makes
+    /// the next tokens the channel's close and the answer's opening (then cleared).
+    answer_now: Arc<AtomicBool>,
 }
 
 /// Snapshots of the sequence state a session keeps (each one a full state: the engine's plan
@@ -260,6 +291,32 @@ pub const PREFILL_CHUNK: usize = 64;
 /// Length of the longest common prefix.
 fn lcp(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// How a raw continuation shows a special token: its name in angle brackets, without the
+/// `<|…|>` or `[…]` around it (`<|close|>` → `⟨close⟩`, `[EOS]` → `⟨EOS⟩`), so it never reads
+/// as text that would encode to it.
+#[must_use]
+pub fn special_marker(tok: &Tokenizer, id: u32) -> String {
+    let name = tok.special_token(id).map_or("special", |t| t.name.as_str());
+    let bare = name
+        .strip_prefix("<|")
+        .and_then(|n| n.strip_suffix("|>"))
+        .or_else(|| name.strip_prefix('[').and_then(|n| n.strip_suffix(']')))
+        .unwrap_or(name);
+    format!("\u{27e8}{bare}\u{27e9}")
+}
+
+/// How many tokens a generating call may add, and how it shows them.
+#[derive(Clone, Copy, Debug)]
+struct Limits<'t> {
+    /// Most tokens generated.
+    max_tokens: usize,
+    /// Show special tokens as [`special_marker`]s (the stopping one as nothing): raw mode.
+    mark_specials: bool,
+    /// The completion starts in the thinking channel and these ids close it: the "answer
+    /// now" flag makes them the next tokens.
+    think_close: Option<&'t [u32]>,
 }
 
 impl<'a> Session<'a> {
@@ -289,6 +346,8 @@ impl<'a> Session<'a> {
             max_snapshots: SNAPSHOTS,
             on_prefill: None,
             spec: Speculator::new(SpecMode::Auto.or_env_off()),
+            positions: Arc::new(AtomicUsize::new(0)),
+            answer_now: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -312,6 +371,29 @@ impl<'a> Session<'a> {
         self.spec.stats()
     }
 
+    /// A counter of the positions the engine state covers, kept up to date while a turn runs:
+    /// after each prompt chunk and each generated token is fed (a token just sampled is not
+    /// counted until it is fed).
+    #[must_use]
+    pub fn positions_counter(&self) -> Arc<AtomicUsize> {
+        Arc::clone(&self.positions)
+    }
+
+    /// The "answer now" flag: set while a chat reply is in its thinking channel, the next
+    /// tokens close that channel (`<|close|>think<|sep|><|open|>response<|sep|>`, not
+    /// sampled) and the model goes on in the answer. It is cleared when a reply starts and
+    /// once used; it does nothing to a reply that is already answering, or in raw mode.
+    #[must_use]
+    pub fn answer_now_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.answer_now)
+    }
+
+    /// Use `flag` as the "answer now" flag (one the front end holds; see
+    /// [`Session::answer_now_flag`]).
+    pub fn set_answer_now_flag(&mut self, flag: Arc<AtomicBool>) {
+        self.answer_now = flag;
+    }
+
     /// Call `f(done, total)` as prompt tokens are prefilled.
     pub fn on_prefill(&mut self, f: Box<dyn FnMut(usize, usize) + 'a>) {
         self.on_prefill = Some(f);
@@ -329,6 +411,7 @@ impl<'a> Session<'a> {
         for chunk in ids.chunks(PREFILL_CHUNK) {
             logits = self.model.forward(&mut self.state, chunk, Logits::Last)?;
             self.tokens.extend_from_slice(chunk);
+            self.positions.store(self.tokens.len(), Ordering::Relaxed);
             done += chunk.len();
             if let Some(f) = self.on_prefill.as_mut() {
                 f(done, total);
@@ -486,6 +569,87 @@ impl<'a> Session<'a> {
         out
     }
 
+    /// A raw continuation for display: ordinary ids decoded, special tokens as
+    /// [`special_marker`]s, a final stop id left out.
+    fn raw_display(&self, ids: &[u32], stops: &[u32]) -> Result<String, TurnError> {
+        let mut out = String::new();
+        let mut run = Vec::new();
+        for (i, &id) in ids.iter().enumerate() {
+            if self.tok.is_special(id) {
+                out.push_str(&self.tok.decode_lossy(&run)?);
+                run.clear();
+                if !(i + 1 == ids.len() && stops.contains(&id)) {
+                    out.push_str(&special_marker(self.tok, id));
+                }
+            } else {
+                run.push(id);
+            }
+        }
+        out.push_str(&self.tok.decode_lossy(&run)?);
+        Ok(out)
+    }
+
+    /// The conversation's ids as the context holds them: the chat template's render of its
+    /// messages, with each raw exchange's ids (its text encoded as raw mode encodes it, then
+    /// the ids generated) where it was typed — after the rendered messages that came before
+    /// it and before the ones after it. Raw text before the first message comes first, so a
+    /// conversation that starts in raw mode is a plain continuation; the thinking-effort and
+    /// system messages open the first message's render, as the template puts them. Without a
+    /// generation prompt, template text after the last raw exchange is included only when a
+    /// message follows it. Returns the ids and their length before the generation prompt.
+    pub fn render_conversation(
+        &self,
+        opts: &RenderOptions,
+        add_generation_prompt: bool,
+    ) -> Result<(Vec<u32>, usize), TurnError> {
+        let messages = self.messages();
+        let sys = usize::from(self.system.is_some());
+        let full = template::render(self.tok, &messages, opts, add_generation_prompt)?;
+        let history = if add_generation_prompt {
+            template::render(self.tok, &messages, opts, false)?.len()
+        } else {
+            full.len()
+        };
+        let mut out = Vec::with_capacity(full.len());
+        let (mut taken, mut before, mut inserted) = (0, 0, 0);
+        let mut message_after_raw = true;
+        for e in &self.entries {
+            match e {
+                Entry::Message { .. } => {
+                    before += 1;
+                    message_after_raw = true;
+                }
+                Entry::Raw {
+                    prompt,
+                    output,
+                    ids,
+                } => {
+                    if before > 0 {
+                        let upto =
+                            template::render(self.tok, &messages[..sys + before], opts, false)?
+                                .len();
+                        out.extend_from_slice(&full[taken..upto]);
+                        taken = upto;
+                    }
+                    let start = out.len();
+                    out.extend(template::render_raw(self.tok, prompt));
+                    if ids.is_empty() {
+                        out.extend(template::render_raw(self.tok, output));
+                    } else {
+                        out.extend_from_slice(ids);
+                    }
+                    inserted += out.len() - start;
+                    message_after_raw = false;
+                }
+                Entry::Mode { .. } => {}
+            }
+        }
+        if add_generation_prompt || message_after_raw {
+            out.extend_from_slice(&full[taken..]);
+        }
+        Ok((out, history + inserted))
+    }
+
     /// Number of completed chat exchanges.
     #[must_use]
     pub fn turns(&self) -> usize {
@@ -612,6 +776,7 @@ impl<'a> Session<'a> {
             }
         };
         self.snapshot(&logits);
+        self.positions.store(self.tokens.len(), Ordering::Relaxed);
         Ok((logits, start))
     }
 
@@ -622,6 +787,7 @@ impl<'a> Session<'a> {
         prompt: &[u32],
         history_end: Option<usize>,
         stops: &[u32],
+        limits: Limits<'_>,
         cancel: &AtomicBool,
         emit: &mut dyn FnMut(u32, &str),
     ) -> Result<(Vec<u32>, usize, Stop, f64, f64), TurnError> {
@@ -645,26 +811,55 @@ impl<'a> Session<'a> {
         let mut history = prompt.to_vec();
         let mut generated = Vec::new();
         let mut utf8 = Utf8Stream::default();
+        self.answer_now.store(false, Ordering::Relaxed);
+        let mut thinking = limits.think_close.is_some();
+        let mut forced = std::collections::VecDeque::new();
         let stop = loop {
             if cancel.load(Ordering::Relaxed) {
                 break Stop::Cancelled;
             }
-            let next = match self.sampler.sample(&logits, &history) {
-                Ok(n) => n,
-                Err(e) => {
-                    self.spec.settle(self.model, &mut self.state);
-                    return Err(e.into());
+            if let Some(close) = limits.think_close {
+                if thinking && generated.ends_with(close) {
+                    thinking = false; // the model closed the channel itself
                 }
+                if thinking && self.answer_now.swap(false, Ordering::Relaxed) {
+                    // Close the channel from where the completion stands: the part of the
+                    // sequence it has already begun is not repeated.
+                    let begun = (1..close.len())
+                        .rev()
+                        .find(|&k| generated.ends_with(&close[..k]))
+                        .unwrap_or(0);
+                    forced.extend(&close[begun..]);
+                    thinking = false;
+                }
+            }
+            let next = match forced.pop_front() {
+                Some(id) => id,
+                None => match self.sampler.sample(&logits, &history) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        self.spec.settle(self.model, &mut self.state);
+                        return Err(e.into());
+                    }
+                },
             };
             generated.push(next);
             history.push(next);
-            let text = utf8.push(&self.tok.decode_bytes(&[next])?);
+            let text = if limits.mark_specials && self.tok.is_special(next) {
+                let mut t = utf8.finish();
+                if !stops.contains(&next) {
+                    t.push_str(&special_marker(self.tok, next));
+                }
+                t
+            } else {
+                utf8.push(&self.tok.decode_bytes(&[next])?)
+            };
             emit(next, &text);
             if stops.contains(&next) {
                 self.pending = Some(next);
                 break Stop::End(next);
             }
-            if generated.len() >= self.settings.max_tokens {
+            if generated.len() >= limits.max_tokens {
                 self.pending = Some(next);
                 break Stop::MaxTokens;
             }
@@ -686,6 +881,7 @@ impl<'a> Session<'a> {
                 }
             };
             self.tokens.push(next);
+            self.positions.store(self.tokens.len(), Ordering::Relaxed);
         };
         self.spec.settle(self.model, &mut self.state);
         let tail = utf8.finish();
@@ -719,8 +915,13 @@ impl<'a> Session<'a> {
         self.sampler =
             Sampler::new(settings.sampler()).map_err(|e| TurnError::Refused(e.to_string()))?;
         self.settings = settings.clone();
+        let limits = Limits {
+            max_tokens: settings.max_tokens,
+            mark_specials: false,
+            think_close: None,
+        };
         let (generated, reused, stop, prefill_seconds, decode_seconds) =
-            self.generate(prompt, history_end, stops, cancel, emit)?;
+            self.generate(prompt, history_end, stops, limits, cancel, emit)?;
         Ok(Completion {
             generated,
             reused,
@@ -751,13 +952,17 @@ impl<'a> Session<'a> {
         emit: &mut dyn FnMut(u32, &str),
     ) -> Result<TurnReport, TurnError> {
         let opts = self.settings.render_options().map_err(TurnError::Refused)?;
-        let messages = self.messages();
-        let prompt = template::render(self.tok, &messages, &opts, true)?;
-        let history_end = template::render(self.tok, &messages, &opts, false)?.len();
+        let (prompt, history_end) = self.render_conversation(&opts, true)?;
         let mut stops = self.markers.stop_ids().to_vec();
         stops.extend(self.settings.stop_ids.iter().copied());
+        let close = template::think_close_ids(self.tok, &self.markers).ok();
+        let limits = Limits {
+            max_tokens: self.settings.max_tokens,
+            mark_specials: false,
+            think_close: close.as_deref().filter(|_| opts.thinking),
+        };
         let (generated, reused, stop, prefill_s, decode_s) =
-            self.generate(&prompt, Some(history_end), &stops, cancel, emit)?;
+            self.generate(&prompt, Some(history_end), &stops, limits, cancel, emit)?;
         let parsed = template::parse_strict(self.tok, &self.markers, &generated, opts.thinking);
         let (reply, reasoning, accepted, why) = match parsed {
             Ok(p) => (p.content, p.reasoning, true, None),
@@ -816,21 +1021,34 @@ impl<'a> Session<'a> {
         cancel: &AtomicBool,
         emit: &mut dyn FnMut(u32, &str),
     ) -> Result<TurnReport, TurnError> {
-        let mut prompt = self.tokens.clone();
-        prompt.extend(self.pending);
+        // The conversation as the chat template renders it (earlier raw exchanges in place),
+        // then the text: what the context holds, so returning to chat mode keeps it.
+        let opts = self.settings.render_options().map_err(TurnError::Refused)?;
+        let (mut prompt, _) = self.render_conversation(&opts, false)?;
         prompt.extend(template::render_raw(self.tok, text));
         if prompt.is_empty() {
             return Err(TurnError::Refused(
                 "raw mode needs some text to continue".into(),
             ));
         }
-        let stops = self.settings.stop_ids.clone();
+        let mut stops = if self.settings.raw_ignore_end {
+            Vec::new()
+        } else {
+            self.markers.stop_ids().to_vec()
+        };
+        stops.extend(self.settings.stop_ids.iter().copied());
+        let limits = Limits {
+            max_tokens: self.settings.raw_max_tokens.max(1),
+            mark_specials: true,
+            think_close: None,
+        };
         let (generated, reused, stop, prefill_s, decode_s) =
-            self.generate(&prompt, None, &stops, cancel, emit)?;
-        let output = self.tok.decode_lossy(&generated)?;
+            self.generate(&prompt, None, &stops, limits, cancel, emit)?;
+        let output = self.raw_display(&generated, &stops)?;
         self.entries.push(Entry::Raw {
             prompt: text.to_string(),
             output: output.clone(),
+            ids: generated.clone(),
         });
         Ok(TurnReport {
             mode: Mode::Raw,
@@ -871,9 +1089,13 @@ impl<'a> Session<'a> {
         self.chat_turn(cancel, emit)
     }
 
-    /// Remove the last exchange (user message and its reply).
+    /// Remove the last exchange (user message and its reply, or a raw exchange).
     pub fn undo(&mut self) -> Result<(), TurnError> {
-        let Some(u) = self.last_message_index("user") else {
+        let last_raw = self
+            .entries
+            .iter()
+            .rposition(|e| matches!(e, Entry::Raw { .. }));
+        let Some(u) = self.last_message_index("user").max(last_raw) else {
             return Err(TurnError::Refused("/undo: nothing to undo".into()));
         };
         self.entries.truncate(u);

@@ -19,11 +19,15 @@ pub enum Setting {
     Seed,
     /// Reply length limit in tokens.
     MaxTokens,
+    /// Raw-mode continuation length limit in tokens.
+    RawMaxTokens,
+    /// Raw mode runs past the end-of-text ids (1) or stops at them (0).
+    RawIgnoreEnd,
 }
 
 impl Setting {
     /// Every setting with its command-line name.
-    pub const ALL: [(&'static str, Setting); 7] = [
+    pub const ALL: [(&'static str, Setting); 9] = [
         ("temperature", Setting::Temperature),
         ("top_p", Setting::TopP),
         ("top_k", Setting::TopK),
@@ -31,6 +35,8 @@ impl Setting {
         ("repeat_penalty", Setting::RepeatPenalty),
         ("seed", Setting::Seed),
         ("max_tokens", Setting::MaxTokens),
+        ("raw_max_tokens", Setting::RawMaxTokens),
+        ("raw_ignore_end", Setting::RawIgnoreEnd),
     ];
 
     /// The name used by `/set`.
@@ -123,6 +129,7 @@ pub const HELP: &str = "\
 /sessions                 list saved sessions
 /export md|json PATH      write the transcript to a file
 /set temperature|top_p|top_k|min_p|repeat_penalty|seed|max_tokens V
+/set raw_max_tokens N | raw_ignore_end 0|1   raw-mode limit; run past end-of-text
 /budget GB                change the memory budget
 /stats                    engine statistics
 /help                     this list
@@ -142,7 +149,8 @@ fn check_setting(s: Setting, v: f64) -> Result<(), String> {
         Setting::TopK | Setting::Seed => v >= 0.0 && v.fract() == 0.0,
         Setting::MinP => (0.0..=1.0).contains(&v),
         Setting::RepeatPenalty => v > 0.0,
-        Setting::MaxTokens => v >= 1.0 && v.fract() == 0.0 && v <= 1e9,
+        Setting::MaxTokens | Setting::RawMaxTokens => v >= 1.0 && v.fract() == 0.0 && v <= 1e9,
+        Setting::RawIgnoreEnd => v == 0.0 || v == 1.0,
     };
     if ok {
         Ok(())
@@ -153,7 +161,8 @@ fn check_setting(s: Setting, v: f64) -> Result<(), String> {
             Setting::TopK | Setting::Seed => "a whole number ≥ 0",
             Setting::MinP => "in [0, 1]",
             Setting::RepeatPenalty => "> 0",
-            Setting::MaxTokens => "a whole number ≥ 1",
+            Setting::MaxTokens | Setting::RawMaxTokens => "a whole number ≥ 1",
+            Setting::RawIgnoreEnd => "0 or 1",
         };
         Err(format!("/set {}: {v} must be {range}", s.name()))
     }
@@ -223,7 +232,7 @@ pub fn parse(line: &str) -> Option<Result<Command, String>> {
                 (Some(k), Some(v), None) => match Setting::ALL.iter().find(|(n, _)| *n == k) {
                     None => Err(format!(
                         "/set: unknown setting {k:?}; one of temperature, top_p, top_k, min_p, \
-                         repeat_penalty, seed, max_tokens"
+                         repeat_penalty, seed, max_tokens, raw_max_tokens, raw_ignore_end"
                     )),
                     Some(&(_, s)) => number(v, &format!("/set {k}"))
                         .and_then(|x| check_setting(s, x).map(|()| Command::Set(s, x))),

@@ -735,6 +735,18 @@ impl ParseError {
 
 /// Encodes a channel word as ordinary text; with the released vocabulary it
 /// must be the released single id.
+/// The ids that close the thinking channel and open the answer:
+/// `<|close|>think<|sep|><|open|>response<|sep|>` (the pattern [`parse_strict`] splits a
+/// completion at).
+pub fn think_close_ids(tok: &Tokenizer, markers: &Markers) -> Result<Vec<u32>, ParseError> {
+    let mut ids = vec![markers.close];
+    ids.extend(channel_word(tok, TAG_THINK)?);
+    ids.extend([markers.sep, markers.open]);
+    ids.extend(channel_word(tok, TAG_RESPONSE)?);
+    ids.push(markers.sep);
+    Ok(ids)
+}
+
 fn channel_word(tok: &Tokenizer, word: &'static str) -> Result<Vec<u32>, ParseError> {
     let ids = tok.encode(word, false);
     let released = RELEASED_WORD_IDS

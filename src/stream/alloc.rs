@@ -9,6 +9,24 @@
 //! cost a page fault per 4 KiB of every weight read (about 1.6× slower per token).
 #![allow(unsafe_code)]
 
+/// Give the memory the C allocator holds free back to the system (glibc's `malloc_trim`; no
+/// effect elsewhere). Freed allocations above the mmap threshold are unmapped at once; smaller
+/// ones stay in the heap until trimmed, so after a plan shrinks (expert slots, pinned layers,
+/// pooled read buffers dropped) this is what lets resident memory follow the budget down.
+pub fn give_back_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        extern "C" {
+            fn malloc_trim(pad: usize) -> std::ffi::c_int;
+        }
+        // SAFETY: malloc_trim takes the allocator's own lock and only releases pages of free
+        // chunks (madvise / sbrk); no live allocation is touched, and any thread may call it.
+        unsafe {
+            malloc_trim(0);
+        }
+    }
+}
+
 /// One malloc arena and a fixed 32 MiB mmap threshold (glibc only; no effect elsewhere).
 /// Called once at start-up, before other threads allocate. `MALLOC_ARENA_MAX` or
 /// `MALLOC_MMAP_THRESHOLD_` in the environment take precedence.

@@ -73,6 +73,23 @@ impl Pool {
         }
     }
 
+    /// Free every idle allocation (after a smaller plan: the memory goes back to the system).
+    pub fn release(&self) {
+        self.free
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clear();
+    }
+
+    /// Idle allocations kept.
+    #[must_use]
+    pub fn idle(&self) -> usize {
+        self.free
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len()
+    }
+
     fn put(&self, mut raw: Vec<u8>) {
         let mut free = self
             .free
@@ -388,6 +405,20 @@ mod tests {
         let c = Filling::new_in(200_000, &pool).finish(0);
         assert_eq!(c.len(), 200_000);
         assert_eq!(c.as_ptr().align_offset(ALIGN), 0);
+    }
+
+    #[test]
+    fn a_released_pool_keeps_nothing() {
+        let pool = Pool::new(2);
+        drop(Filling::new_in(100_000, &pool).finish(0));
+        drop(Filling::new_in(100_000, &pool).finish(0));
+        assert_eq!(
+            pool.idle(),
+            1,
+            "the second read reused the first allocation"
+        );
+        pool.release();
+        assert_eq!(pool.idle(), 0);
     }
 
     #[test]

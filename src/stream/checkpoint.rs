@@ -870,6 +870,13 @@ impl Checkpoint {
         let _ = self.group_pool.set(Pool::new(keep));
     }
 
+    /// Free the idle allocations kept for group reads (after a smaller plan).
+    pub fn release_pooled(&self) {
+        if let Some(p) = self.group_pool.get() {
+            p.release();
+        }
+    }
+
     /// [`Checkpoint::read_shared`] into an allocation from `pool` where one fits.
     fn read_shared_in(
         &self,

@@ -661,6 +661,11 @@ impl Trunk {
         })
     }
 
+    /// Free the idle layer allocation kept for the next read (after a smaller plan).
+    pub fn release_pooled(&self) {
+        self.pool.release();
+    }
+
     /// Read with `O_DIRECT` where the filesystem allows it; returns whether it does.
     pub fn set_direct(&mut self, on: bool) -> bool {
         self.direct = if on {

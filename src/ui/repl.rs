@@ -256,6 +256,7 @@ fn jsonl_line(turn: TurnId, r: &TurnReport, stats: Option<&StatsSnapshot>) -> St
         "reasoning": r.reasoning.clone().unwrap_or_default(),
         "reused_tokens": r.reused_tokens,
         "prefilled_tokens": r.prefilled_tokens,
+        "rss_bytes": crate::stream::stats::rss_bytes().0,
         "peak_rss_bytes": crate::stream::stats::rss_bytes().1,
     })
     .to_string()

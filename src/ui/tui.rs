@@ -226,6 +226,7 @@ struct Driver {
     keys: KeyMap,
     requests: Sender<Request>,
     cancel: Arc<AtomicBool>,
+    answer_now: Arc<AtomicBool>,
     measure: Measure,
     quit: Option<i32>,
 }
@@ -239,6 +240,7 @@ impl Driver {
                     let _ = self.requests.send(r);
                 }
                 Effect::Cancel => self.cancel.store(true, Ordering::Relaxed),
+                Effect::AnswerNow => self.answer_now.store(true, Ordering::Relaxed),
                 Effect::Copy(text) => copy_osc52(&text),
                 Effect::Notify(text) => notify(&text),
                 Effect::Quit { code } => self.quit = Some(code),
@@ -287,6 +289,7 @@ pub fn run(worker: Worker, opts: TuiOptions) -> Outcome {
     let (inbox_tx, inbox) = channel::<Event>();
     let (req_tx, req_rx) = channel::<Request>();
     let cancel = worker.cancel_flag();
+    let answer_now = worker.answer_now_flag();
     let stop_input = Arc::new(AtomicBool::new(false));
     let bridge_handle: Option<JoinHandle<()>> = {
         let tx = inbox_tx.clone();
@@ -313,6 +316,7 @@ pub fn run(worker: Worker, opts: TuiOptions) -> Outcome {
         keys: opts.keys,
         requests: req_tx,
         cancel,
+        answer_now,
         measure: Measure::default(),
         quit: None,
     };

@@ -248,7 +248,7 @@ fn raw_mode_continues_held_out_text_in_vocabulary() {
         model(),
         tok(),
         Settings {
-            max_tokens: 24,
+            raw_max_tokens: 24,
             ..greedy()
         },
     )
@@ -258,10 +258,24 @@ fn raw_mode_continues_held_out_text_in_vocabulary() {
         sess.reset().unwrap();
         sess.set_mode(Mode::Raw);
         let r = sess.send(&p, &no_cancel(), &mut |_, _| {}).unwrap();
-        assert_eq!(r.generated_ids.len(), 24);
+        // 24 tokens, or fewer ending on an end-of-text id (not shown).
         let n_ranks = tok().vocab_size() - 256;
+        let body = match r.generated_ids.split_last() {
+            Some((&last, body)) if last >= n_ranks => {
+                let ends = [
+                    tok().special_id("[EOS]"),
+                    tok().special_id("<|end_of_msg|>"),
+                ];
+                assert!(ends.contains(&Some(last)), "{p:?}: ended on {last}");
+                body
+            }
+            _ => {
+                assert_eq!(r.generated_ids.len(), 24);
+                &r.generated_ids[..]
+            }
+        };
         assert!(
-            r.generated_ids.iter().all(|&id| id < n_ranks),
+            body.iter().all(|&id| id < n_ranks),
             "{p:?}: a special token in {:?}",
             r.reply
         );
@@ -337,4 +351,49 @@ fn chat_with_no_model_dir_opens_the_demo() {
             .env("K3_CACHE_DIR", &cache),
     );
     assert!(String::from_utf8_lossy(&run.stdout).contains("Nairobi"));
+}
+
+#[test]
+fn answer_now_closes_the_thinking_channel_and_the_model_answers() {
+    let settings = Settings {
+        thinking: true,
+        max_tokens: 160,
+        ..greedy()
+    };
+    let mut sess = Session::new(model(), tok(), settings.clone()).unwrap();
+    let flag = sess.answer_now_flag();
+    let mut text = String::new();
+    let mut n = 0;
+    let r = sess
+        .send(
+            "What is the capital of Japan?",
+            &no_cancel(),
+            &mut |_, t| {
+                n += 1;
+                text.push_str(t);
+                if n == 2 {
+                    flag.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+            },
+        )
+        .unwrap();
+    // The tokens after the key are the template's close of the thinking channel and the
+    // opening of the answer, then the model's own.
+    let close = k3::session::template::think_close_ids(tok(), &sess.markers()).unwrap();
+    assert_eq!(&r.generated_ids[2..2 + close.len()], close.as_slice());
+    let mut p = k3::session::template::TolerantParser::new(true);
+    p.push(&text);
+    p.finish();
+    println!(
+        "answer now after 2 thinking tokens: reasoning {:?}, answer {:?}",
+        p.reasoning(),
+        p.content()
+    );
+    assert!(!p.content().trim().is_empty(), "no answer after {text:?}");
+    if r.accepted {
+        assert_eq!(r.reply, p.content());
+    }
+    // Without the key the same question thinks first; the flag is spent and does not leak
+    // into the next reply.
+    assert!(!flag.load(std::sync::atomic::Ordering::Relaxed));
 }

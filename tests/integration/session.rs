@@ -26,6 +26,7 @@ fn settings(temperature: f32) -> Settings {
         temperature,
         seed: 7,
         max_tokens: 10,
+        raw_max_tokens: 10,
         thinking: false,
         ..Settings::default()
     }
@@ -154,6 +155,65 @@ fn raw_mode_continues_the_context_and_switching_keeps_state() {
         .any(|e| matches!(e, k3::session::chat::Entry::Mode { mode: Mode::Raw })));
 }
 
+#[test]
+fn raw_text_stays_in_the_context_of_the_next_chat_turn() {
+    let s = settings(0.0);
+    let mut sess = Session::new(model(), tok(), s.clone()).unwrap();
+    sess.send("Hello K3", &no_cancel(), &mut |_, _| {}).unwrap();
+    sess.send("Why?", &no_cancel(), &mut |_, _| {}).unwrap();
+    sess.set_mode(Mode::Raw);
+    let mut shown = String::new();
+    let raw = sess
+        .send(
+            "Once upon a time there was a little fox",
+            &no_cancel(),
+            &mut |_, t| shown.push_str(t),
+        )
+        .unwrap();
+    let held = sess.tokens().len();
+    // The raw prompt continues the conversation as the template renders it.
+    let opts = k3::session::template::RenderOptions {
+        thinking: false,
+        ..Default::default()
+    };
+    let (history, _) = sess.render_conversation(&opts, false).unwrap();
+    assert!(
+        history.ends_with(&raw.generated_ids),
+        "the raw exchange is in the context"
+    );
+    // The limit is the raw one, and no special token reads as text.
+    assert!(raw.generated_ids.len() <= s.raw_max_tokens);
+    assert!(
+        !shown.contains("<|") && !raw.reply.contains("<|"),
+        "{shown:?}"
+    );
+    sess.set_mode(Mode::Chat);
+    let chat = sess.send("Go on.", &no_cancel(), &mut |_, _| {}).unwrap();
+    // Back in chat mode nothing is re-read: every position held is reused, and the prompt
+    // holds the raw text and its continuation as generated.
+    assert_eq!(chat.reused_tokens, held, "the position fell back");
+    let raw_ids: Vec<u32> = raw.prompt_ids[raw.prompt_ids.len()
+        - tok()
+            .encode("Once upon a time there was a little fox", true)
+            .len()..]
+        .iter()
+        .chain(&raw.generated_ids)
+        .copied()
+        .collect();
+    assert!(chat
+        .prompt_ids
+        .windows(raw_ids.len())
+        .any(|w| w == raw_ids.as_slice()));
+    assert_eq!(chat.generated_ids, replay(&chat, &s, 1));
+    // Undo removes the chat exchange, then the raw one.
+    sess.undo().unwrap();
+    sess.undo().unwrap();
+    assert!(!sess
+        .entries
+        .iter()
+        .any(|e| matches!(e, k3::session::chat::Entry::Raw { .. })));
+}
+
 /// Run `k3 chat --plain --jsonl` with `input` on stdin; returns the JSON lines.
 fn chat(args: &[&str], input: &str, dir: &std::path::Path) -> Vec<serde_json::Value> {
     crate::common::jsonl_with_input(
@@ -165,6 +225,8 @@ fn chat(args: &[&str], input: &str, dir: &std::path::Path) -> Vec<serde_json::Va
                 "--jsonl",
                 "--no-think",
                 "--max-tokens",
+                "9",
+                "--raw-max-tokens",
                 "9",
                 "--session-dir",
             ])
@@ -246,6 +308,9 @@ fn ctrl_c_stops_the_reply_and_keeps_the_session() {
             "--no-think",
             "--max-tokens",
             "1000000",
+            "--raw-max-tokens",
+            "1000000",
+            "--raw-ignore-end",
             "--context",
             "1048576",
         ])
@@ -1069,4 +1134,70 @@ fn rebuilt_snapshots_and_saved_ones_equal_the_originals_bit_for_bit() {
         "{} bytes for {whole} of state",
         bytes.len()
     );
+
+#[test]
+fn the_worker_renames_and_deletes_saved_sessions_and_refuses_the_open_one() {
+    use k3::app::protocol::{EngineEvent, Request};
+    use k3::app::worker::{ChatConfig, Worker};
+    use k3::session::store::SessionStore;
+    let dir = tempfile::tempdir().unwrap();
+    chat(&[], "Hello K3\n/save one\n", dir.path());
+    chat(&[], "Hello K3\n/save two\n", dir.path());
+    let store = SessionStore::new(dir.path());
+    assert!(store.exists("one") && store.exists("two"));
+    let w = Worker::spawn(ChatConfig {
+        model_dir: fixture("tiny"),
+        model_label: "tiny".into(),
+        settings: settings(0.0),
+        system: None,
+        resume: Some("two".into()),
+        session_name: Some("two".into()),
+        session_dir: Some(dir.path().to_path_buf()),
+        budget: k3::stream::budget::BudgetRequest::Resident,
+        trunk: None,
+        spec: k3::engine::spec::SpecMode::Off,
+        start_note: None,
+    });
+    // The answer to turn `t`: Ok(notice) or Err(failure).
+    let answer = |t: u64| loop {
+        match w.recv().expect("the worker answers") {
+            EngineEvent::Notice { turn, text } if turn == t => break Ok(text),
+            EngineEvent::Failed { turn, message } if turn == t => break Err(message),
+            EngineEvent::Stopped { .. } => panic!("the worker stopped"),
+            _ => {}
+        }
+    };
+    let rename = |turn: u64, from: &str, to: &str| {
+        assert!(w.send(Request::RenameSession {
+            turn,
+            from: from.into(),
+            to: to.into(),
+        }));
+        answer(turn)
+    };
+    let ok = rename(1, "one", "uno").unwrap();
+    assert!(ok.contains("renamed"), "{ok}");
+    assert!(store.exists("uno") && !store.exists("one"));
+    for (turn, from, to, why) in [
+        (2, "uno", "two", "exists already"),
+        (3, "two", "dos", "open here"),
+        (4, "uno", "../x", ""),
+        (5, "nothing", "x", "no saved session"),
+    ] {
+        let e = rename(turn, from, to).expect_err(to);
+        assert!(e.contains(why), "{from} -> {to}: {e}");
+    }
+    assert!(store.exists("uno") && store.exists("two"));
+    assert!(w.send(Request::DeleteSession {
+        turn: 6,
+        name: "two".into(),
+    }));
+    assert!(answer(6).unwrap_err().contains("open here"));
+    assert!(w.send(Request::DeleteSession {
+        turn: 7,
+        name: "uno".into(),
+    }));
+    assert!(answer(7).unwrap().contains("deleted"));
+    assert!(!store.exists("uno") && store.exists("two"));
+    w.shutdown();
 }

@@ -301,6 +301,8 @@ fn chat_replies_are_the_same_with_speculation() {
                     "--greedy",
                     "--max-tokens",
                     "40",
+                    "--raw-max-tokens",
+                    "40",
                     "--spec",
                     spec,
                 ])

@@ -313,6 +313,59 @@ fn a_chat_keeps_its_snapshots_inside_the_budget() {
     }
 }
 
+#[test]
+fn resident_memory_follows_a_lowered_budget_down() {
+    let plan = crate::common::run_ok(
+        crate::common::k3_command()
+            .arg("plan")
+            .arg(small().join("small"))
+            .args(["--mem", "1000", "--json", "--chat", "--context", "2048"]),
+    );
+    let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    let model = plan["model_bytes"].as_u64().unwrap();
+    let floor = plan["floor_bytes"].as_u64().unwrap();
+    let low = (floor + model / 2) / 2;
+    let gb = |b: u64| format!("{}", b as f64 / 1e9);
+    let dir = tempfile::tempdir().unwrap();
+    // Everything held, one turn; then a budget below what is held, and a turn under it.
+    let lines = crate::common::jsonl_with_input(
+        crate::common::k3_command()
+            .arg("chat")
+            .arg(small().join("small"))
+            .args([
+                "--plain",
+                "--jsonl",
+                "--greedy",
+                "--no-think",
+                "--max-tokens",
+                "6",
+                "--context",
+                "2048",
+                "--mem",
+                &gb(model * 2),
+                "--session-dir",
+            ])
+            .arg(dir.path()),
+        &format!("Hello there\n/budget {}\nTell me more\n", gb(low)),
+    );
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    let rss = |i: usize| lines[i]["rss_bytes"].as_u64().unwrap();
+    println!(
+        "RSS {} B with everything held, {} B after lowering the budget to {low} B (model {model} B)",
+        rss(0),
+        rss(1)
+    );
+    assert!(
+        rss(0) > low,
+        "the first turn held less than the lower budget"
+    );
+    assert!(
+        rss(1) <= low,
+        "RSS {} B after lowering the budget to {low} B",
+        rss(1)
+    );
+}
+
 /// Greedy generation that reports a failed read instead of panicking.
 fn try_generate(m: &Model, prompt: &[u32], n: usize) -> Result<Vec<u32>, k3::stream::StreamError> {
     let mut st = SeqState::new(&m.cfg);

@@ -271,14 +271,17 @@ fn chat_in_tmux_streams_saves_resumes_and_restores_the_terminal() {
     });
     assert!(screen.contains("session \"t1\""), "{screen}");
 
-    // 6. Input-to-screen latency while a long reply streams (raw mode stops only at the
-    // length limit).
+    // 6. Input-to-screen latency while a long reply streams (raw mode past the end-of-text
+    // ids stops only at the length limit).
     t.type_text("/raw");
     t.keys(&["Enter"]);
     t.wait_for("raw mode", 30, |s| s.contains("raw mode:") && ready(s));
-    t.type_text("/set max_tokens 20000");
+    t.type_text("/set raw_max_tokens 20000");
     t.keys(&["Enter"]);
-    t.wait_for("the setting", 30, |s| s.contains("max_tokens = 20000"));
+    t.wait_for("the setting", 30, |s| s.contains("raw_max_tokens = 20000"));
+    t.type_text("/set raw_ignore_end 1");
+    t.keys(&["Enter"]);
+    t.wait_for("the setting", 30, |s| s.contains("raw_ignore_end = 1"));
     t.type_text("Once upon a time");
     t.keys(&["Enter"]);
     t.wait_for("the reply streaming", 30, |s| s.contains("┌ generating"));
@@ -454,6 +457,17 @@ fn chat_with_no_model_opens_the_demo_and_answers() {
         !screen.contains("<|"),
         "a template marker on screen:\n{screen}"
     );
+    // The first run streams the demo under a budget below what holding it takes, says so,
+    // and the panes show it: weight bytes read in the turn, experts not all resident.
+    assert!(screen.contains("streamed"), "{screen}");
+    assert!(
+        screen
+            .lines()
+            .any(|l| l.contains("│turn ") && !l.contains("│turn 0 B")),
+        "no disk reads in the turn:\n{screen}"
+    );
+    let resident = number_after(&screen, "· resident ").unwrap_or(100.0);
+    assert!(resident < 100.0, "every expert resident:\n{screen}");
     t.quit_unsaved();
 }
 
@@ -466,7 +480,7 @@ fn plain_mode_on_a_terminal_stops_a_reply_on_ctrl_c_and_takes_sigint_at_the_prom
     let command = format!(
         "env K3_DATA_DIR={data} K3_CONFIG={data}/no-config.toml TERM=xterm-256color sh -c \
          'echo $$ > {pid}; exec {bin} chat {model} --plain --session-dir {data}/sessions \
-         --greedy --no-think --max-tokens 20000'; echo K3-EXIT=$?; sleep 60",
+         --greedy --no-think --max-tokens 20000 --raw-max-tokens 20000 --raw-ignore-end'; echo K3-EXIT=$?; sleep 60",
         data = dir.path().display(),
         pid = pid_file.display(),
         bin = env!("CARGO_BIN_EXE_k3"),

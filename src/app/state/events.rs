@@ -62,7 +62,12 @@ impl App {
             EngineEvent::Ready { info } => self.ready(info, fx),
             // The client already knows the mode it sent the turn in.
             EngineEvent::TurnStarted { .. } => return false,
-            EngineEvent::Token { turn, id, text } => return self.token(turn, id, &text),
+            EngineEvent::Token {
+                turn,
+                id,
+                text,
+                position,
+            } => return self.token(turn, id, &text, position),
             EngineEvent::Stats { turn, stats } => return self.engine_stats(turn, *stats),
             EngineEvent::TurnDone { turn, report } => {
                 if self.is_cancelled(turn) {
@@ -164,9 +169,13 @@ impl App {
         }
     }
 
-    pub(super) fn token(&mut self, turn: TurnId, id: u32, text: &str) -> bool {
+    pub(super) fn token(&mut self, turn: TurnId, id: u32, text: &str, position: u64) -> bool {
         if self.is_cancelled(turn) || self.live_turn() != Some(turn) {
             return false;
+        }
+        // The status bar's position moves with every token.
+        if let (Some(s), true) = (&mut self.stats.last, position > 0) {
+            s.positions = position;
         }
         if id != u32::MAX {
             let tokens = match self.phase {
@@ -230,7 +239,9 @@ impl App {
         if keep_layers {
             if let Some(prev) = &self.stats.last {
                 s.layers.clone_from(&prev.layers);
-                s.positions = prev.positions;
+                if s.positions == 0 {
+                    s.positions = prev.positions;
+                }
                 s.budget_bytes = prev.budget_bytes;
             }
         }
@@ -329,6 +340,18 @@ impl App {
             Purpose::Sessions => self.session_rows(Err(match answer {
                 Ok(t) | Err(t) => t,
             })),
+            Purpose::SessionFile => {
+                // The dialog says what happened and lists the sessions again.
+                if let Some(super::Dialog::Sessions(d)) = &mut self.dialog {
+                    d.message = Some(match answer {
+                        Ok(t) | Err(t) => t,
+                    });
+                    d.rows = None;
+                    self.fetch_sessions(fx);
+                } else if let Err(e) = answer {
+                    self.items.push(Item::Error(e));
+                }
+            }
             Purpose::Reply(_) => {
                 // A reply that failed before or while generating.
                 self.parser = None;
@@ -371,6 +394,8 @@ impl App {
             if answer.is_ok() && self.budget.ready() {
                 self.budget.step = self.budget.step_of(bytes);
                 self.budget.touched = true;
+                self.budget.in_force = Some(bytes);
+                self.budget.exact = Some(bytes);
             }
         }
         let text = match answer {
@@ -413,6 +438,12 @@ impl App {
             }
             Command::Think(t) => {
                 self.thinking = !matches!(t, Think::Off);
+                match t {
+                    Think::Low => self.effort = "low".into(),
+                    Think::High => self.effort = "high".into(),
+                    Think::Max => self.effort = "max".into(),
+                    Think::On | Think::Off => {}
+                }
                 self.dirty = true;
             }
             Command::Undo => {
@@ -492,7 +523,7 @@ impl App {
                 "assistant" => self.items.push(reply(content, reasoning, false)),
                 other => self.items.push(Item::Info(format!("{other}: {content}"))),
             },
-            Entry::Raw { prompt, output } => {
+            Entry::Raw { prompt, output, .. } => {
                 self.items.push(Item::User {
                     text: prompt,
                     raw: true,

@@ -9,8 +9,8 @@ use super::{
 use crate::app::config::Cmd;
 use crate::app::protocol::{Request, TurnId};
 use crate::session::chat::Mode;
-use crate::session::commands::{self, Command};
-use crate::session::template::TolerantParser;
+use crate::session::commands::{self, Command, Think};
+use crate::session::template::{Phase as Channel, TolerantParser};
 
 impl App {
     // ---------------------------------------------------------------------------------------
@@ -183,7 +183,34 @@ impl App {
             Cmd::Follow => self.scroll = 0,
             Cmd::Focus => self.focus = Focus::Budget,
             Cmd::New => self.new_conversation(fx),
+            Cmd::AnswerNow => self.answer_now(fx),
+            Cmd::Effort => {
+                // off → low → high → max → off; the engine applies it to the next reply.
+                let next = match (self.thinking, self.effort.as_str()) {
+                    (false, _) => Think::Low,
+                    (true, "low") => Think::High,
+                    (true, "high") => Think::Max,
+                    _ => Think::Off,
+                };
+                self.send_command(Command::Think(next), fx);
+            }
             Cmd::Select => self.enter_select(),
+        }
+    }
+
+    /// The "answer now" key: while a chat reply is in its thinking channel, close it.
+    pub(super) fn answer_now(&mut self, fx: &mut Vec<Effect>) {
+        let in_thinking = matches!(
+            &self.parser,
+            Some((t, p)) if Some(*t) == self.live_turn() && p.phase() == Channel::Reasoning
+        );
+        if in_thinking {
+            fx.push(Effect::AnswerNow);
+            self.toast("answering now: the thinking ends at the next token");
+        } else if self.busy() {
+            self.toast("the reply is not in its thinking channel");
+        } else {
+            self.toast("answer now ends a reply's thinking while it is written");
         }
     }
 
@@ -398,6 +425,7 @@ impl App {
         }
         self.budget.step = step;
         self.budget.touched = true;
+        self.budget.exact = Some(self.budget.asked_at(step));
         self.budget_send(fx);
     }
 
@@ -432,12 +460,21 @@ impl App {
         };
         self.budget.asked = None;
         let refused = answer.is_err();
+        if let Err(why) = &answer {
+            // The status bar has room for the whole reason where a narrow pane has not.
+            self.toast(why.replace('\n', " "));
+        }
         self.budget.answer = Some((bytes, answer));
         if refused {
             // The slider does not stay on a value the engine refused: back to the one in force.
             self.budget.step = self.budget.in_force_step();
+            self.budget.exact = self.budget.in_force;
         } else if self.budget.touched && self.budget.value_bytes() != bytes {
             self.budget_send(fx);
+        } else {
+            // Accepted: this is the budget in force now, whatever figures come next.
+            self.budget.in_force = Some(bytes);
+            self.budget.exact = Some(bytes);
         }
     }
 
@@ -502,6 +539,19 @@ impl App {
             Dialog::Sessions(mut d) => {
                 if d.naming.is_some() {
                     self.naming_action(d, a, fx);
+                } else if d.renaming.is_some() {
+                    self.renaming_action(d, a, fx);
+                } else if let Some(name) = d.deleting.take() {
+                    // "Delete NAME?": y deletes, anything else keeps it.
+                    if ch == Some('y') {
+                        let turn = self.turn(Purpose::SessionFile);
+                        fx.push(Effect::Send(Request::DeleteSession { turn, name }));
+                    } else {
+                        d.message = Some(format!("{name:?} kept"));
+                    }
+                    self.dialog = Some(Dialog::Sessions(d));
+                } else if d.filtering {
+                    self.filter_action(d, &a, fx);
                 } else if !closes && self.sessions_action(&mut d, &a, ch, fx) {
                     self.dialog = Some(Dialog::Sessions(d));
                 }
@@ -552,10 +602,7 @@ impl App {
         ch: Option<char>,
         fx: &mut Vec<Effect>,
     ) -> bool {
-        let names: Vec<String> = match &d.rows {
-            Some(Ok(rows)) => rows.iter().map(|r| r.name.clone()).collect(),
-            _ => Vec::new(),
-        };
+        let names: Vec<String> = d.visible().iter().map(|r| r.name.clone()).collect();
         d.message = None;
         match (a, ch) {
             (Action::Up, _) => d.selected = d.selected.saturating_sub(1),
@@ -596,9 +643,100 @@ impl App {
                 d.rows = None;
                 self.fetch_sessions(fx);
             }
+            (_, Some('/')) => d.filtering = true,
+            (_, Some('e')) => match names.get(d.selected) {
+                Some(name) => {
+                    let mut e = Editor::default();
+                    e.set(name);
+                    d.prefilled = true;
+                    d.renaming = Some((name.clone(), e));
+                }
+                None => d.message = Some("no saved session selected".into()),
+            },
+            (Action::Delete, _) | (_, Some('d')) => match names.get(d.selected) {
+                Some(name) => d.deleting = Some(name.clone()),
+                None => d.message = Some("no saved session selected".into()),
+            },
             _ => {}
         }
         true
+    }
+
+    /// A key while typing the filter: characters narrow the list, Backspace widens it, the
+    /// arrows move, Enter loads the selected row, Esc ends the filter (and clears it).
+    pub(super) fn filter_action(&mut self, mut d: SessionDialog, a: &Action, fx: &mut Vec<Effect>) {
+        match a {
+            Action::Char(c) | Action::CharOr(c, _) => {
+                if d.filter.len() < 200 {
+                    d.filter.push(*c);
+                }
+                d.selected = 0;
+            }
+            Action::Backspace => {
+                d.filter.pop();
+                d.selected = 0;
+            }
+            Action::Cmd(Cmd::Stop) | Action::Interrupt => {
+                d.filtering = false;
+                d.filter.clear();
+                d.selected = 0;
+            }
+            Action::Up | Action::Down | Action::Submit => {
+                d.filtering = !matches!(a, Action::Submit);
+                if self.sessions_action(&mut d, a, None, fx) {
+                    self.dialog = Some(Dialog::Sessions(d));
+                }
+                return;
+            }
+            _ => {}
+        }
+        self.dialog = Some(Dialog::Sessions(d));
+    }
+
+    /// A key while typing a session's new name (prefilled: the first character replaces it).
+    pub(super) fn renaming_action(
+        &mut self,
+        mut d: SessionDialog,
+        a: Action,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some((from, mut name)) = d.renaming.take() else {
+            return;
+        };
+        let prefilled = std::mem::take(&mut d.prefilled);
+        match a {
+            Action::Char(c) | Action::CharOr(c, _) if name.text().len() < 200 || prefilled => {
+                if prefilled {
+                    name.take();
+                }
+                name.insert_char(c);
+            }
+            Action::Backspace => name.backspace(),
+            Action::Delete => name.delete(),
+            Action::Left => name.left(),
+            Action::Right => name.right(),
+            Action::Home => name.home(),
+            Action::End => name.end(),
+            Action::Cmd(Cmd::Stop) | Action::Interrupt => {
+                self.dialog = Some(Dialog::Sessions(d));
+                return;
+            }
+            Action::Submit => {
+                let to = name.text().trim().to_string();
+                // Refused here as /save refuses it; the worker checks again.
+                if let Err(e) = crate::session::store::validate_name(&to) {
+                    d.message = Some(e.to_string());
+                } else {
+                    let turn = self.turn(Purpose::SessionFile);
+                    fx.push(Effect::Send(Request::RenameSession { turn, from, to }));
+                    self.dialog = Some(Dialog::Sessions(d));
+                    return;
+                }
+            }
+            _ => {}
+        }
+        d.renaming = Some((from, name));
+        self.dialog = Some(Dialog::Sessions(d));
     }
 
     pub(super) fn naming_action(&mut self, mut d: SessionDialog, a: Action, fx: &mut Vec<Effect>) {

@@ -204,6 +204,7 @@ mod tests {
             session: None,
             resume: false,
             thinking: false,
+            effort: "max".into(),
             context_limit: 4096,
             max_tokens: 64,
             budget_gb: None,
@@ -359,6 +360,7 @@ mod tests {
             turn: t,
             id: 5,
             text: "```py\nprint(1)\n".into(),
+            position: 0,
         }));
         assert!(matches!(app.phase, Phase::Streaming { .. }));
         act(&mut app, Action::Cmd(Cmd::Select));

@@ -5,7 +5,7 @@ use super::*;
 use crate::app::config::Cmd;
 use crate::app::protocol::HistoryView;
 use crate::session::chat::Entry;
-use crate::session::commands::Setting;
+use crate::session::commands::{Setting, Think};
 use crate::stream::stats::{LayerResidency, Residency};
 
 const MODEL_BYTES: u64 = 4_000_000_000;
@@ -16,6 +16,7 @@ fn init() -> AppInit {
         session: None,
         resume: false,
         thinking: false,
+        effort: "max".into(),
         context_limit: 4096,
         max_tokens: 512,
         history: Vec::new(),
@@ -74,6 +75,7 @@ fn token(app: &mut App, turn: TurnId, text: &str) -> Vec<Effect> {
             turn,
             id: 7,
             text: text.into(),
+            position: 0,
         },
     )
 }
@@ -508,7 +510,7 @@ fn the_budget_slider_asks_the_engine_and_shows_its_answer() {
     assert!(fx.is_empty(), "{fx:?}");
     assert_eq!(app.budget.step, BUDGET_STEPS);
     assert!(
-        matches!(&app.budget.answer, Some((b, Err(t))) if *b == app.budget.bytes_at(BUDGET_STEPS - 1) && t.contains("floor"))
+        matches!(&app.budget.answer, Some((b, Err(t))) if *b == app.budget.asked_at(BUDGET_STEPS - 1) && t.contains("floor"))
     );
     // The answer is not a conversation error.
     assert!(!has_error(&app, "floor"));
@@ -533,9 +535,13 @@ fn the_budget_slider_asks_the_engine_and_shows_its_answer() {
     );
     assert!(app.budget.asked.is_none());
     assert!(matches!(&app.budget.answer, Some((_, Ok(t))) if t.starts_with("budget 4.1 GB")));
-    // The engine's figures report the new budget; the knob stays where the user put it.
+    // The engine's figures report the new budget; the knob stays where the user put it, and
+    // the slider, "in force" and the engine's answer are one number.
+    let asked = app.budget.asked_at(BUDGET_STEPS - 2);
+    assert_eq!(app.budget.value_bytes(), asked);
+    assert_eq!(app.budget.in_force, Some(asked));
     let mut s = stats(0, 0.0);
-    s.budget_bytes = Some(4_100_000_000);
+    s.budget_bytes = Some(asked);
     ev(
         &mut app,
         EngineEvent::Stats {
@@ -543,7 +549,8 @@ fn the_budget_slider_asks_the_engine_and_shows_its_answer() {
             stats: Box::new(s),
         },
     );
-    assert_eq!(app.budget.in_force, Some(4_100_000_000));
+    assert_eq!(app.budget.in_force, Some(asked));
+    assert_eq!(app.budget.value_bytes(), asked);
     assert_eq!(app.budget.step, BUDGET_STEPS - 2);
     // The mouse sets it directly; a bracket with text in the input box is typed instead.
     let fx = act(&mut app, Action::BudgetAt(0.5));
@@ -1108,6 +1115,7 @@ fn no_message_sequence_panics() {
                 turn: (pick % 5) as u64,
                 id: 1,
                 text: "t\u{1b}".into(),
+                position: (pick % 11) as u64,
             }),
             1 => Msg::Engine(EngineEvent::Notice {
                 turn: (pick % 9) as u64,
@@ -1332,4 +1340,282 @@ fn the_input_history_of_earlier_runs_is_recalled_and_handed_back() {
         app.history.entries(),
         ["first run", "second run", "this run"]
     );
+}
+
+/// The position the status bar shows.
+fn pos(app: &App) -> u64 {
+    app.stats.last.as_ref().map_or(0, |s| s.positions)
+}
+
+#[test]
+fn the_position_moves_during_a_turn_and_follows_load_new_and_undo() {
+    let mut app = ready_app();
+    with_figures(&mut app);
+    let start = pos(&app);
+    let turn = send_message(&mut app, "hello");
+    // Prefill figures carry the positions read so far (and no residency picture).
+    let prefill = StatsSnapshot {
+        prefill_done: 64,
+        prefill_total: 100,
+        positions: start + 64,
+        ..StatsSnapshot::default()
+    };
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn,
+            stats: Box::new(prefill),
+        },
+    );
+    assert_eq!(pos(&app), start + 64);
+    for (i, text) in ["a", "b", "c"].iter().enumerate() {
+        ev(
+            &mut app,
+            EngineEvent::Token {
+                turn,
+                id: 9,
+                text: (*text).into(),
+                position: start + 101 + i as u64,
+            },
+        );
+        assert_eq!(pos(&app), start + 101 + i as u64, "after token {i}");
+    }
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn,
+            report: report("abc", Stop::End(2), true),
+        },
+    );
+    // `/undo`, `/new` and `/load`: the worker's figures that follow each answer set it.
+    for (cmd, after) in [
+        (Command::Undo, 40),
+        (Command::New, 0),
+        (Command::Load("s1".into()), 310),
+    ] {
+        app.dirty = false;
+        let fx = {
+            app.send_command(cmd.clone(), &mut Vec::new());
+            app.pending.last().map(|(t, _)| *t).unwrap()
+        };
+        let mut snap = stats(0, 0.0);
+        snap.positions = after;
+        ev(
+            &mut app,
+            EngineEvent::Stats {
+                turn: fx,
+                stats: Box::new(snap),
+            },
+        );
+        ev(
+            &mut app,
+            EngineEvent::Notice {
+                turn: fx,
+                text: "ok".into(),
+            },
+        );
+        assert_eq!(pos(&app), after, "{cmd:?}");
+    }
+}
+
+#[test]
+fn the_slider_shows_the_budget_in_force_exactly() {
+    let mut app = ready_app();
+    // The engine opened under a budget that is no slider step (80% of the memory, say).
+    let mut s = stats(0, 0.0);
+    s.budget_bytes = Some(1_234_567_890);
+    s.floor_bytes = 300_000_000;
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn: 0,
+            stats: Box::new(s),
+        },
+    );
+    assert_eq!(app.budget.value_bytes(), 1_234_567_890);
+    assert_eq!(app.budget.in_force, Some(1_234_567_890));
+    // A move asks for the step's value to three digits, and that value is what the slider
+    // shows while asked, and what is in force once the engine accepts it.
+    let fx = act(&mut app, Action::CharOr('[', Cmd::BudgetDown));
+    let (turn, cmd) = command(&fx);
+    let Command::Budget(gb) = cmd else {
+        panic!("{cmd:?}")
+    };
+    let asked = (gb * 1e9).round() as u64;
+    assert_eq!(app.budget.value_bytes(), asked);
+    // Figures sent before the answer (the old budget) do not move the knob back.
+    let mut old = stats(0, 0.0);
+    old.budget_bytes = Some(1_234_567_890);
+    old.floor_bytes = 300_000_000;
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn: 0,
+            stats: Box::new(old),
+        },
+    );
+    assert_eq!(app.budget.value_bytes(), asked);
+    ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn,
+            text: format!("budget {}: 1 of 4 layers pinned", short_bytes(asked)),
+        },
+    );
+    assert_eq!(app.budget.in_force, Some(asked));
+    assert_eq!(app.budget.value_bytes(), asked);
+    // The engine's line names the same number the pane shows.
+    let shown = short_bytes(app.budget.value_bytes());
+    assert!(
+        matches!(&app.budget.answer, Some((_, Ok(t))) if t.contains(&shown)),
+        "{:?} vs {shown}",
+        app.budget.answer
+    );
+}
+
+#[test]
+fn answer_now_closes_the_thinking_and_the_effort_key_cycles() {
+    let mut app = ready_app_with(AppInit {
+        thinking: true,
+        ..init()
+    });
+    // Idle: nothing to close.
+    assert!(act(&mut app, Action::Cmd(Cmd::AnswerNow)).is_empty());
+    let turn = send_message(&mut app, "hello");
+    token(&mut app, turn, "Let me think");
+    let fx = act(&mut app, Action::Cmd(Cmd::AnswerNow));
+    assert!(matches!(fx.as_slice(), [Effect::AnswerNow]), "{fx:?}");
+    // The engine's next tokens close the channel: what follows is the answer.
+    token(
+        &mut app,
+        turn,
+        "<|close|>think<|sep|><|open|>response<|sep|>",
+    );
+    token(&mut app, turn, "Hi!");
+    assert_eq!(last_reply(&app).reasoning, "Let me think");
+    assert_eq!(last_reply(&app).content, "Hi!");
+    // Answering already: the key does nothing more.
+    assert!(act(&mut app, Action::Cmd(Cmd::AnswerNow)).is_empty());
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn,
+            report: report("Hi!", Stop::End(2), true),
+        },
+    );
+    // Effort: max → off → low → high → max, each a /think the engine confirms.
+    for (want, thinking, effort) in [
+        (Think::Off, false, "max"),
+        (Think::Low, true, "low"),
+        (Think::High, true, "high"),
+        (Think::Max, true, "max"),
+    ] {
+        let fx = act(&mut app, Action::Cmd(Cmd::Effort));
+        let (turn, cmd) = command(&fx);
+        assert_eq!(cmd, Command::Think(want));
+        ev(
+            &mut app,
+            EngineEvent::Notice {
+                turn,
+                text: "thinking".into(),
+            },
+        );
+        assert_eq!((app.thinking, app.effort.as_str()), (thinking, effort));
+    }
+}
+
+#[test]
+fn the_session_dialog_renames_deletes_and_filters_through_the_worker() {
+    let mut app = ready_app();
+    act(&mut app, Action::Cmd(Cmd::Sessions));
+    list_sessions(&mut app, rows());
+    let dialog = |app: &App| match &app.dialog {
+        Some(Dialog::Sessions(d)) => d.clone(),
+        other => panic!("{other:?}"),
+    };
+    let all = dialog(&app).visible().len();
+    assert!(all >= 2);
+    // Filter: `/` then type; only matching names are listed and Enter acts on them.
+    act(&mut app, Action::Char('/'));
+    let first = rows()[1].name.clone();
+    type_text(&mut app, &first[..first.len().min(4)].to_uppercase());
+    let d = dialog(&app);
+    assert!(d.visible().iter().all(|r| r
+        .name
+        .to_lowercase()
+        .contains(&first[..first.len().min(4)].to_lowercase())));
+    assert!(d.visible().len() < all || all == 1, "{:?}", d.visible());
+    act(&mut app, Action::Cmd(Cmd::Stop));
+    let d = dialog(&app);
+    assert!(!d.filtering && d.filter.is_empty());
+    assert_eq!(d.visible().len(), all);
+    // Rename: `e` prefills the name, typing replaces it, a bad name is refused here, a good
+    // one goes to the worker, whose answer is shown and the list read again.
+    act(&mut app, Action::Down);
+    act(&mut app, Action::Char('e'));
+    type_text(&mut app, "../x");
+    assert!(act(&mut app, Action::Submit).is_empty());
+    assert!(dialog(&app).message.is_some());
+    for _ in 0..4 {
+        act(&mut app, Action::Backspace);
+    }
+    type_text(&mut app, "renamed");
+    let fx = act(&mut app, Action::Submit);
+    let (turn, from, to) = fx
+        .iter()
+        .find_map(|e| match e {
+            Effect::Send(Request::RenameSession { turn, from, to }) => {
+                Some((*turn, from.clone(), to.clone()))
+            }
+            _ => None,
+        })
+        .expect("a rename request");
+    assert_eq!(
+        (from.as_str(), to.as_str()),
+        (rows()[1].name.as_str(), "renamed")
+    );
+    let fx = ev(
+        &mut app,
+        EngineEvent::Notice {
+            turn,
+            text: format!("session {from:?} renamed to \"renamed\""),
+        },
+    );
+    assert!(fx
+        .iter()
+        .any(|e| matches!(e, Effect::Send(Request::ListSessions { .. }))));
+    assert!(dialog(&app)
+        .message
+        .as_deref()
+        .unwrap_or("")
+        .contains("renamed"));
+    list_sessions(&mut app, rows());
+    // Delete asks first: any key but y keeps it; y asks the worker.
+    act(&mut app, Action::Char('d'));
+    assert!(dialog(&app).deleting.is_some());
+    assert!(act(&mut app, Action::Char('n')).is_empty());
+    assert!(dialog(&app).deleting.is_none());
+    act(&mut app, Action::Char('d'));
+    let fx = act(&mut app, Action::Char('y'));
+    let (turn, name) = fx
+        .iter()
+        .find_map(|e| match e {
+            Effect::Send(Request::DeleteSession { turn, name }) => Some((*turn, name.clone())),
+            _ => None,
+        })
+        .expect("a delete request");
+    assert_eq!(name, rows()[1].name);
+    // A refusal (the session open here) is shown in the dialog.
+    ev(
+        &mut app,
+        EngineEvent::Failed {
+            turn,
+            message: "delete: it is the session open here; /new first".into(),
+        },
+    );
+    assert!(dialog(&app)
+        .message
+        .as_deref()
+        .unwrap_or("")
+        .contains("open here"));
 }

@@ -21,6 +21,7 @@ fn init() -> AppInit {
         session: Some("notes".into()),
         resume: false,
         thinking: true,
+        effort: "max".into(),
         context_limit: 32_768,
         max_tokens: 512,
         history: Vec::new(),

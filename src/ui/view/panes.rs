@@ -2,7 +2,7 @@
 //! Every figure comes from the engine's last stats snapshot; where the engine reports nothing
 //! (no budget, no expert lookups) the pane says so instead of showing a number.
 
-use super::text::{clean, fit, wrap_line};
+use super::text::{clean, fit, str_width, wrap_line};
 use crate::app::state::{App, Focus, Phase, BUDGET_STEPS};
 use crate::stream::stats::{Residency, StatsSnapshot};
 use crate::ui::theme::Theme;
@@ -347,15 +347,14 @@ pub fn budget(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         Span::styled("─".repeat(track - 1 - knob), theme.empty),
     ]));
     let in_force = bd.in_force.map_or_else(|| "resident".to_string(), bytes);
-    if w >= NARROW {
-        lines.push(Line::styled(
-            format!(
-                "slider {} · model {}",
-                bytes(bd.value_bytes()),
-                bytes(bd.model_bytes)
-            ),
-            theme.text,
-        ));
+    let wide = format!(
+        "slider {} · model {}",
+        bytes(bd.value_bytes()),
+        bytes(bd.model_bytes)
+    );
+    // Every line is whole: the long forms where they fit, else the short ones.
+    if w >= NARROW && str_width(&wide) <= w {
+        lines.push(Line::styled(wide, theme.text));
         lines.push(Line::styled(format!("in force: {in_force}"), theme.text));
     } else {
         lines.push(Line::styled(
@@ -365,14 +364,29 @@ pub fn budget(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         lines.push(Line::styled(format!("now {in_force}"), theme.dim));
     }
     let answer = match (&bd.asked, &bd.answer) {
-        (Some((_, asked)), _) => Some((format!("asking for {}…", bytes(*asked)), theme.dim)),
-        (None, Some((_, Ok(text)))) => Some((format!("engine: {}", clean(text)), theme.text)),
-        (None, Some((_, Err(text)))) => Some((format!("refused: {}", clean(text)), theme.warn)),
+        (Some((_, asked)), _) => Some((
+            format!("asking for {}…", bytes(*asked)),
+            "asking…",
+            theme.dim,
+        )),
+        (None, Some((_, Ok(text)))) => {
+            Some((format!("engine: {}", clean(text)), "engine: ok", theme.text))
+        }
+        (None, Some((_, Err(text)))) => {
+            Some((format!("refused: {}", clean(text)), "refused", theme.warn))
+        }
         (None, None) => None,
     };
-    if let Some((text, style)) = answer {
-        for piece in wrap_line(&text.replace('\n', " "), w) {
-            lines.push(Line::styled(piece, style));
+    if let Some((text, short, style)) = answer {
+        let room = usize::from(inner.height).saturating_sub(lines.len());
+        let pieces = wrap_line(&text.replace('\n', " "), w);
+        if pieces.len() <= room {
+            lines.extend(pieces.into_iter().map(|p| Line::styled(p, style)));
+        } else if room > 0 {
+            // Not room for all of it: a short form that fits, never a cut sentence.
+            for piece in wrap_line(short, w).into_iter().take(room) {
+                lines.push(Line::styled(piece, style));
+            }
         }
     }
     Paragraph::new(lines).render(inner, buf);

@@ -80,6 +80,8 @@ pub fn help(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         (k(Cmd::Copy), Cmd::Copy.describe()),
         (k(Cmd::Sessions), Cmd::Sessions.describe()),
         (k(Cmd::New), Cmd::New.describe()),
+        (k(Cmd::AnswerNow), Cmd::AnswerNow.describe()),
+        (k(Cmd::Effort), Cmd::Effort.describe()),
         (k(Cmd::Select), Cmd::Select.describe()),
         (
             format!("{} / {}", k(Cmd::BudgetDown), k(Cmd::BudgetUp)),
@@ -184,7 +186,11 @@ pub fn sessions(app: &App, d: &SessionDialog, theme: &Theme, area: Rect, buf: &m
         Some(Ok(rows)) if rows.is_empty() => {
             lines.push(Line::styled("  no saved sessions yet", theme.dim));
         }
-        Some(Ok(rows)) => {
+        Some(Ok(_)) if d.visible().is_empty() => {
+            lines.push(Line::styled("  no saved session matches", theme.dim));
+        }
+        Some(Ok(_)) => {
+            let rows = d.visible();
             let first = d.selected.saturating_sub(room - 1);
             for (i, r) in rows.iter().enumerate().skip(first).take(room) {
                 let name = fit(&one_line(&r.name), name_w).to_string();
@@ -206,22 +212,63 @@ pub fn sessions(app: &App, d: &SessionDialog, theme: &Theme, area: Rect, buf: &m
             }
         }
     }
-    lines.push(Line::default());
-    if let Some(name) = &d.naming {
+    lines.push(if d.filtering || !d.filter.is_empty() {
+        Line::from(vec![
+            Span::styled("filter: ", theme.title),
+            Span::styled(
+                format!(
+                    "{}{}",
+                    one_line(&d.filter),
+                    if d.filtering { "▌" } else { "" }
+                ),
+                theme.text,
+            ),
+        ])
+    } else {
+        Line::default()
+    });
+    if let Some((from, name)) = &d.renaming {
+        lines.push(Line::from(vec![
+            Span::styled(
+                fit(&format!("rename {}: ", one_line(from)), inner_w / 2).to_string(),
+                theme.title,
+            ),
+            Span::styled(format!("{}▌", one_line(name.text())), theme.text),
+        ]));
+        lines.push(Line::styled("Enter renames · Esc back", theme.dim));
+    } else if let Some(name) = &d.deleting {
+        lines.push(Line::styled(
+            fit(
+                &format!(
+                    "delete {} and its journal? y deletes · any other key keeps it",
+                    one_line(name)
+                ),
+                inner_w,
+            )
+            .to_string(),
+            theme.warn,
+        ));
+    } else if d.filtering {
+        lines.push(Line::styled(
+            fit(
+                "type to filter · Enter load · Esc clears the filter",
+                inner_w,
+            )
+            .to_string(),
+            theme.dim,
+        ));
+    } else if let Some(name) = &d.naming {
         lines.push(Line::from(vec![
             Span::styled("save as: ", theme.title),
             Span::styled(format!("{}▌", one_line(name.text())), theme.text),
         ]));
         lines.push(Line::styled("Enter saves · Esc back", theme.dim));
     } else {
-        lines.push(Line::styled(
-            fit(
-                "Enter/l load · s save as · n new · r refresh · Esc close",
-                inner_w,
-            )
-            .to_string(),
-            theme.dim,
-        ));
+        let keys = "Enter/l load · s save as · e rename · d delete · / filter · n new · \
+                    r refresh · Esc close";
+        for piece in wrap_line(keys, inner_w.max(1)) {
+            lines.push(Line::styled(piece, theme.dim));
+        }
     }
     if let Some(m) = &d.message {
         for piece in wrap_line(&one_line(m), inner_w.max(1)) {

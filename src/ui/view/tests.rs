@@ -19,6 +19,7 @@ fn init() -> AppInit {
         session: None,
         resume: false,
         thinking: true,
+        effort: "max".into(),
         context_limit: 32_768,
         max_tokens: 512,
         history: Vec::new(),
@@ -52,6 +53,7 @@ fn token(app: &mut App, turn: TurnId, text: &str) {
             turn,
             id: 1,
             text: text.into(),
+            position: 0,
         },
     );
 }
@@ -342,11 +344,11 @@ fn budget_pane_frame() {
         |area, buf| panes::budget(&app, &theme, area, buf),
         &[
             "┌ budget ──────────────────────────┐",
-            "│━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━●─│",
-            "│slider 4.2 MB · model 3.8 MB      │",
+            "│━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━●│",
+            "│slider 60.0 MB · model 3.8 MB     │",
             "│in force: 60.0 MB                 │",
-            "│engine: budget 0.05 GB: 9 of 13   │",
-            "│layers pinned, 96 expert slots,   │",
+            "│engine: ok                        │",
+            "│                                  │",
             "└──────────────────────────────────┘",
         ],
     );
@@ -454,4 +456,35 @@ fn loading_shows_how_far_the_weights_are_read() {
         .map(|c| c.symbol())
         .collect();
     assert!(text.contains("1.5 of 6.0 MB (25%)"), "{text}");
+}
+
+#[test]
+fn the_budget_pane_at_80_columns_cuts_no_text() {
+    // At 80×24 the pane is 16 columns by 6 rows: the engine's answer does not fit, so its
+    // short form is shown, whole.
+    let mut app = mid_reply();
+    let theme = Theme::new(ThemeName::Mono);
+    assert_widget(
+        |area, buf| panes::budget(&app, &theme, area, buf),
+        &[
+            "┌ budget ──────┐",
+            "│━━━━━━━━━━━━━●│",
+            "│set 60.0 MB   │",
+            "│now 60.0 MB   │",
+            "│engine: ok    │",
+            "└──────────────┘",
+        ],
+    );
+    app.budget.answer = Some((1, Err("/budget: 0.01 GB is below the floor".into())));
+    assert_widget(
+        |area, buf| panes::budget(&app, &theme, area, buf),
+        &[
+            "┌ budget ──────┐",
+            "│━━━━━━━━━━━━━●│",
+            "│set 60.0 MB   │",
+            "│now 60.0 MB   │",
+            "│refused       │",
+            "└──────────────┘",
+        ],
+    );
 }

@@ -1134,6 +1134,7 @@ fn rebuilt_snapshots_and_saved_ones_equal_the_originals_bit_for_bit() {
         "{} bytes for {whole} of state",
         bytes.len()
     );
+}
 
 #[test]
 fn the_worker_renames_and_deletes_saved_sessions_and_refuses_the_open_one() {

@@ -477,6 +477,9 @@ pub struct App {
     pub session: Option<String>,
     /// Turns or settings changed since the last save or load.
     pub dirty: bool,
+    /// A message typed and sent while a reply was being written: sent when that reply ends,
+    /// put back in the input box if it is stopped or fails.
+    pub queued: Option<String>,
     /// Chat or raw.
     pub mode: Mode,
     /// Thinking channel on for new replies.
@@ -607,6 +610,7 @@ impl App {
             model: init.model,
             session: init.session,
             dirty: false,
+            queued: None,
             mode: Mode::Chat,
             thinking: init.thinking,
             effort: init.effort,

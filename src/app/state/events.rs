@@ -76,6 +76,13 @@ impl App {
                 match self.take_pending(turn) {
                     Some(Purpose::Reply(kind)) => {
                         self.turn_done(turn, kind, &report);
+                        let ended = self.phase == Phase::Idle;
+                        if ended {
+                            // Sent after a reply that ended by itself; given back after one
+                            // that was stopped or filled the context.
+                            let by_itself = matches!(report.stop, Stop::End(_) | Stop::MaxTokens);
+                            self.release_queued(by_itself, fx);
+                        }
                         let secs = report.prefill_seconds + report.decode_seconds;
                         if secs >= super::NOTIFY_AFTER_S {
                             fx.push(Effect::Notify(format!(
@@ -369,6 +376,7 @@ impl App {
                 }
                 if self.live_turn() == Some(turn) {
                     self.phase = Phase::Idle;
+                    self.release_queued(false, fx);
                 }
                 let text = match answer {
                     Ok(t) | Err(t) => t,

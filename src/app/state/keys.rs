@@ -301,25 +301,63 @@ impl App {
                 self.send_command(cmd, fx);
             }
             None => {
+                // A message sent while a reply is written waits for that reply to end.
+                if matches!(self.phase, Phase::Prefill { .. } | Phase::Streaming { .. }) {
+                    if self.queued.is_some() {
+                        self.toast("a message is already waiting for this reply to end");
+                        return;
+                    }
+                    self.history.push(&text);
+                    self.input.take();
+                    self.queued = Some(text);
+                    self.toast(
+                        "queued: sent when this reply ends (Esc stops the reply and gives it back)",
+                    );
+                    return;
+                }
                 if self.refuse_now() {
                     return;
                 }
                 self.history.push(&text);
                 self.input.take();
-                // `//text` sends a literal `/text`.
-                let literal = text
-                    .strip_prefix('/')
-                    .filter(|t| t.starts_with('/'))
-                    .unwrap_or(&text)
-                    .to_string();
-                let turn = self.start_reply(Some(literal.clone()), ReplyKind::Send);
-                fx.push(Effect::Send(Request::Send {
-                    turn,
-                    text: literal,
-                }));
+                self.send_message(&text, fx);
             }
         }
         self.scroll = 0;
+    }
+
+    /// Send `text` as the next message (`//text` sends a literal `/text`).
+    pub(super) fn send_message(&mut self, text: &str, fx: &mut Vec<Effect>) {
+        let literal = text
+            .strip_prefix('/')
+            .filter(|t| t.starts_with('/'))
+            .unwrap_or(text)
+            .to_string();
+        let turn = self.start_reply(Some(literal.clone()), ReplyKind::Send);
+        fx.push(Effect::Send(Request::Send {
+            turn,
+            text: literal,
+        }));
+    }
+
+    /// The reply ended: send the message waiting for it (`sent`), or, when the reply was
+    /// stopped or failed, give it back to the input box (prepended to what is typed there).
+    pub(super) fn release_queued(&mut self, sent: bool, fx: &mut Vec<Effect>) {
+        let Some(text) = self.queued.take() else {
+            return;
+        };
+        if sent {
+            self.send_message(&text, fx);
+        } else {
+            let typed = self.input.take();
+            let back = if typed.is_empty() {
+                text
+            } else {
+                format!("{text}\n{typed}")
+            };
+            self.input.set(&back);
+            self.toast("the queued message is back in the input box");
+        }
     }
 
     /// Add the user's text (if any) and an empty live reply; returns the turn.
@@ -377,6 +415,7 @@ impl App {
             r.summary = Some("stopped; the session is kept".into());
         }
         self.phase = Phase::Idle;
+        self.release_queued(false, fx);
     }
 
     pub(super) fn request_quit(&mut self, fx: &mut Vec<Effect>) {

@@ -415,11 +415,17 @@ fn requests_while_busy_or_loading_are_refused_with_a_notice() {
     assert!(act(&mut app, Action::Submit).is_empty());
     assert_eq!(app.input.text(), "early");
     assert!(app.toast.as_ref().is_some_and(|t| t.0.contains("loading")));
+    // While a reply is written a command is refused and kept in the input box (a message
+    // waits for the reply instead: see the queue test).
     let mut app = ready_app();
     send_message(&mut app, "one");
-    type_text(&mut app, "two");
+    type_text(&mut app, "/undo");
     assert!(act(&mut app, Action::Submit).is_empty());
-    assert_eq!(app.input.text(), "two");
+    assert_eq!(app.input.text(), "/undo");
+    assert!(app
+        .toast
+        .as_ref()
+        .is_some_and(|t| t.0.contains("being generated")));
 }
 
 fn with_figures(app: &mut App) {
@@ -1618,4 +1624,56 @@ fn the_session_dialog_renames_deletes_and_filters_through_the_worker() {
         .as_deref()
         .unwrap_or("")
         .contains("open here"));
+}
+
+#[test]
+fn a_message_sent_while_a_reply_is_written_waits_for_it_and_a_stop_gives_it_back() {
+    let mut app = ready_app();
+    let turn = send_message(&mut app, "first");
+    token(&mut app, turn, "partial");
+    // Typed and sent while the reply streams: queued, nothing sent yet.
+    type_text(&mut app, "second");
+    let fx = act(&mut app, Action::Submit);
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Send(_))), "{fx:?}");
+    assert_eq!(app.queued.as_deref(), Some("second"));
+    assert!(app.input.text().is_empty());
+    // Only one waits.
+    type_text(&mut app, "third");
+    act(&mut app, Action::Submit);
+    assert_eq!(app.queued.as_deref(), Some("second"));
+    assert_eq!(app.input.text(), "third");
+    // The reply ends by itself: the queued message is sent as the next turn.
+    let fx = ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn,
+            report: report("partial", Stop::End(2), true),
+        },
+    );
+    let (next, text) = sent(&fx);
+    assert_eq!(text, "second");
+    assert!(app.queued.is_none());
+    assert!(matches!(
+        app.phase,
+        Phase::Prefill { .. } | Phase::Streaming { .. }
+    ));
+    // Queued again, then the reply is stopped: the message comes back to the input box,
+    // before what was typed since, and is not sent.
+    app.input.take();
+    type_text(&mut app, "fourth");
+    act(&mut app, Action::Submit);
+    type_text(&mut app, "fifth");
+    token(&mut app, next, "x");
+    let fx = act(&mut app, Action::Cmd(Cmd::Stop));
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Send(_))), "{fx:?}");
+    assert!(app.queued.is_none());
+    assert_eq!(app.input.text(), "fourth\nfifth");
+    // A command is still refused while a reply is written.
+    app.input.take();
+    let turn = send_message(&mut app, "sixth");
+    token(&mut app, turn, "y");
+    type_text(&mut app, "/undo");
+    let fx = act(&mut app, Action::Submit);
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Send(_))), "{fx:?}");
+    assert!(app.queued.is_none());
 }

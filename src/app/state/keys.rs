@@ -576,10 +576,8 @@ impl App {
                 _ => self.dialog = Some(Dialog::ConfirmReplace(name)),
             },
             Dialog::Sessions(mut d) => {
-                if d.naming.is_some() {
-                    self.naming_action(d, a, fx);
-                } else if d.renaming.is_some() {
-                    self.renaming_action(d, a, fx);
+                if d.naming.is_some() || d.renaming.is_some() {
+                    self.name_action(d, a, fx);
                 } else if let Some(name) = d.deleting.take() {
                     // "Delete NAME?": y deletes, anything else keeps it.
                     if ch == Some('y') {
@@ -732,95 +730,93 @@ impl App {
         self.dialog = Some(Dialog::Sessions(d));
     }
 
-    /// A key while typing a session's new name (prefilled: the first character replaces it).
-    pub(super) fn renaming_action(
-        &mut self,
-        mut d: SessionDialog,
-        a: Action,
-        fx: &mut Vec<Effect>,
-    ) {
-        let Some((from, mut name)) = d.renaming.take() else {
-            return;
-        };
+    /// A key while typing a name in the session dialog: the name to save under ("save as",
+    /// prefilled with the session's own name) or a saved session's new name ("rename",
+    /// prefilled with its old one). Both edit the name alike ([`edit_name`]); Enter then
+    /// saves or asks the worker to rename.
+    pub(super) fn name_action(&mut self, mut d: SessionDialog, a: Action, fx: &mut Vec<Effect>) {
         let prefilled = std::mem::take(&mut d.prefilled);
-        match a {
-            Action::Char(c) | Action::CharOr(c, _) if name.text().len() < 200 || prefilled => {
-                if prefilled {
-                    name.take();
-                }
-                name.insert_char(c);
-            }
-            Action::Backspace => name.backspace(),
-            Action::Delete => name.delete(),
-            Action::Left => name.left(),
-            Action::Right => name.right(),
-            Action::Home => name.home(),
-            Action::End => name.end(),
-            Action::Cmd(Cmd::Stop) | Action::Interrupt => {
-                self.dialog = Some(Dialog::Sessions(d));
-                return;
-            }
-            Action::Submit => {
-                let to = name.text().trim().to_string();
-                // Refused here as /save refuses it; the worker checks again.
-                if let Err(e) = crate::session::store::validate_name(&to) {
-                    d.message = Some(e.to_string());
-                } else {
-                    let turn = self.turn(Purpose::SessionFile);
-                    fx.push(Effect::Send(Request::RenameSession { turn, from, to }));
-                    self.dialog = Some(Dialog::Sessions(d));
-                    return;
-                }
-            }
-            _ => {}
-        }
-        d.renaming = Some((from, name));
-        self.dialog = Some(Dialog::Sessions(d));
-    }
-
-    pub(super) fn naming_action(&mut self, mut d: SessionDialog, a: Action, fx: &mut Vec<Effect>) {
-        let Some(mut name) = d.naming.take() else {
-            return;
+        let name = match (&mut d.naming, &mut d.renaming) {
+            (Some(name), _) | (None, Some((_, name))) => name,
+            (None, None) => return,
         };
-        let prefilled = std::mem::take(&mut d.prefilled);
-        match a {
-            Action::Char(c) | Action::CharOr(c, _) if name.text().len() < 200 || prefilled => {
-                if prefilled {
-                    name.take();
-                }
-                name.insert_char(c);
+        match edit_name(name, prefilled, a) {
+            NameKey::Editing => {}
+            NameKey::Cancel => {
+                d.naming = None;
+                d.renaming = None;
             }
-            Action::Backspace => name.backspace(),
-            Action::Delete => name.delete(),
-            Action::Left => name.left(),
-            Action::Right => name.right(),
-            Action::Home => name.home(),
-            Action::End => name.end(),
-            Action::Cmd(Cmd::Stop) | Action::Interrupt => {
-                self.dialog = Some(Dialog::Sessions(d));
-                return;
+            NameKey::Refused(why) => d.message = Some(why),
+            NameKey::Submit(_) if d.naming.is_some() && self.refuse_now() => {
+                d.message = self.toast.as_ref().map(|t| t.0.clone());
             }
-            Action::Submit => {
-                let text = name.text().trim().to_string();
-                if let Err(e) = crate::session::store::validate_name(&text) {
-                    d.message = Some(e.to_string());
-                } else if self.refuse_now() {
-                    d.message = self.toast.as_ref().map(|t| t.0.clone());
-                } else if self.session.as_deref() != Some(text.as_str())
-                    && matches!(&d.rows, Some(Ok(rows)) if rows.iter().any(|r| r.name == text))
+            NameKey::Submit(to) if d.naming.is_some() => {
+                if self.session.as_deref() != Some(to.as_str())
+                    && matches!(&d.rows, Some(Ok(rows)) if rows.iter().any(|r| r.name == to))
                 {
                     // Another saved session has that name: ask before replacing it.
-                    self.dialog = Some(Dialog::ConfirmReplace(text));
-                    return;
+                    self.dialog = Some(Dialog::ConfirmReplace(to));
                 } else {
-                    self.items.push(Item::Info(format!("› /save {text}")));
-                    self.send_command(Command::Save(Some(text)), fx);
-                    return;
+                    self.items.push(Item::Info(format!("› /save {to}")));
+                    self.send_command(Command::Save(Some(to)), fx);
+                }
+                return;
+            }
+            NameKey::Submit(to) => {
+                if let Some((from, _)) = d.renaming.take() {
+                    // The worker checks the name again.
+                    let turn = self.turn(Purpose::SessionFile);
+                    fx.push(Effect::Send(Request::RenameSession { turn, from, to }));
                 }
             }
-            _ => {}
         }
-        d.naming = Some(name);
         self.dialog = Some(Dialog::Sessions(d));
     }
+}
+
+/// Longest name, in bytes, typed in the session dialog: further characters are dropped (but
+/// the first one still replaces a prefilled name).
+const MAX_NAME_BYTES: usize = 200;
+
+/// What a key did to a name being typed in the session dialog ("save as" or "rename").
+enum NameKey {
+    /// The name was edited, or the key means nothing here: keep typing.
+    Editing,
+    /// Esc: the name is given up.
+    Cancel,
+    /// Enter on a name the store accepts: the name, trimmed.
+    Submit(String),
+    /// Enter on a name the store refuses, as `/save` refuses it: why.
+    Refused(String),
+}
+
+/// Apply a key to a session name being typed. `prefilled`: the name is the prefilled one,
+/// untouched, so a character replaces it rather than extending it (editing keys keep it).
+fn edit_name(name: &mut Editor, prefilled: bool, a: Action) -> NameKey {
+    match a {
+        Action::Char(c) | Action::CharOr(c, _)
+            if name.text().len() < MAX_NAME_BYTES || prefilled =>
+        {
+            if prefilled {
+                name.take();
+            }
+            name.insert_char(c);
+        }
+        Action::Backspace => name.backspace(),
+        Action::Delete => name.delete(),
+        Action::Left => name.left(),
+        Action::Right => name.right(),
+        Action::Home => name.home(),
+        Action::End => name.end(),
+        Action::Cmd(Cmd::Stop) | Action::Interrupt => return NameKey::Cancel,
+        Action::Submit => {
+            let text = name.text().trim().to_string();
+            return match crate::session::store::validate_name(&text) {
+                Ok(()) => NameKey::Submit(text),
+                Err(e) => NameKey::Refused(e.to_string()),
+            };
+        }
+        _ => {}
+    }
+    NameKey::Editing
 }

@@ -1677,3 +1677,100 @@ fn a_message_sent_while_a_reply_is_written_waits_for_it_and_a_stop_gives_it_back
     assert!(!fx.iter().any(|e| matches!(e, Effect::Send(_))), "{fx:?}");
     assert!(app.queued.is_none());
 }
+
+#[test]
+fn save_as_and_rename_edit_a_name_the_same_way() {
+    // The name field as a key leaves it (text, cursor, the dialog's message); `None` once
+    // it is closed.
+    type Field = Option<(String, usize, Option<String>)>;
+    fn field(app: &App, renaming: bool) -> Field {
+        let Some(Dialog::Sessions(d)) = &app.dialog else {
+            return None;
+        };
+        let e = if renaming {
+            d.renaming.as_ref().map(|(_, e)| e)
+        } else {
+            d.naming.as_ref()
+        };
+        e.map(|e| (e.text().to_string(), e.cursor(), d.message.clone()))
+    }
+    // Open "save as" (`s`) or "rename" (`e`) on a session named as the row selected, so both
+    // start from the same prefilled name.
+    fn open(renaming: bool) -> App {
+        let mut app = ready_app();
+        app.session = Some("alpha".into());
+        act(&mut app, Action::Cmd(Cmd::Sessions));
+        list_sessions(&mut app, rows());
+        act(&mut app, Action::Char(if renaming { 'e' } else { 's' }));
+        assert_eq!(field(&app, renaming).unwrap().0, "alpha");
+        app
+    }
+    let long = "x".repeat(250);
+    let sequences: Vec<Vec<Action>> = vec![
+        // A character replaces the prefilled name; then editing inside it.
+        vec![
+            Action::CharOr('n', Cmd::Quit),
+            Action::Char('m'),
+            Action::Home,
+            Action::Char('<'),
+            Action::Right,
+            Action::Delete,
+            Action::End,
+            Action::Left,
+            Action::Backspace,
+            Action::Char('é'),
+            Action::Up,
+            Action::ClearInput,
+        ],
+        // An editing key keeps the prefill, so a character then extends it.
+        vec![Action::End, Action::Backspace, Action::Char('2')],
+        // A name the store refuses stays, with the reason; fixed, it is accepted.
+        vec![
+            Action::Home,
+            Action::Char('/'),
+            Action::Submit,
+            Action::Backspace,
+            Action::Submit,
+        ],
+        // Only so much is typed; Enter on a blank name is refused; Esc gives the name up.
+        long.chars()
+            .map(Action::Char)
+            .chain([Action::Submit])
+            .collect(),
+        vec![Action::Char(' '), Action::Submit, Action::Interrupt],
+        vec![Action::Left, Action::Cmd(Cmd::Stop)],
+    ];
+    for (n, keys) in sequences.iter().enumerate() {
+        let (mut save, mut rename) = (open(false), open(true));
+        for (i, a) in keys.iter().enumerate() {
+            let (s_fx, r_fx) = (act(&mut save, a.clone()), act(&mut rename, a.clone()));
+            let (s, r) = (field(&save, false), field(&rename, true));
+            assert_eq!(s, r, "sequence {n}, key {i} ({a:?})");
+            if s.is_some() {
+                assert!(s_fx.is_empty() && r_fx.is_empty(), "{s_fx:?} {r_fx:?}");
+                continue;
+            }
+            // Gone from the field: given up (the list again), or sent under the same name.
+            let sent = |fx: &[Effect]| {
+                fx.iter().find_map(|e| match e {
+                    Effect::Send(Request::RenameSession { to, .. }) => Some(to.clone()),
+                    Effect::Send(Request::Command {
+                        command: Command::Save(Some(to)),
+                        ..
+                    }) => Some(to.clone()),
+                    _ => None,
+                })
+            };
+            assert_eq!(sent(&s_fx), sent(&r_fx), "sequence {n}, key {i} ({a:?})");
+            if sent(&s_fx).is_none() {
+                assert!(matches!(save.dialog, Some(Dialog::Sessions(_))));
+                assert!(matches!(rename.dialog, Some(Dialog::Sessions(_))));
+            }
+            break;
+        }
+    }
+    // The long name stopped at the bound.
+    let mut app = open(true);
+    type_text(&mut app, &long);
+    assert_eq!(field(&app, true).unwrap().0.len(), 200);
+}

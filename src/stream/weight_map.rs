@@ -143,7 +143,8 @@ fn parse_within(bytes: &[u8], limits: Limits) -> Result<WeightMap<'_>, String> {
         .map_err(|e| format!("not UTF-8 (at byte {})", e.valid_up_to()))?;
     let mut failed = None;
     let mut de = serde_json::Deserializer::from_str(text);
-    let parsed = Top {
+    let parsed = Level {
+        object: Object::Top,
         failed: &mut failed,
         limits,
     }
@@ -214,32 +215,33 @@ fn check_duplicates(entries: &[(u32, Cow<'_, str>)], files: &[Cow<'_, str>]) -> 
 /// Distinct file names in first-seen order, and (file number, tensor) per entry.
 type Found<'a> = Option<(Vec<Cow<'a, str>>, Vec<(u32, Cow<'a, str>)>)>;
 
-/// Drain whatever value comes, for the shapes that are not what is wanted.
-fn drain_seq<'de, A: SeqAccess<'de>>(mut a: A) -> Result<(), A::Error> {
-    while a.next_element::<IgnoredAny>()?.is_some() {}
-    Ok(())
+/// Which object a [`Level`] reads.
+#[derive(Clone, Copy)]
+enum Object {
+    /// The top level: `weight_map` read entry by entry, other keys skipped.
+    Top,
+    /// The `weight_map` object: tensor name → shard file name.
+    WeightMap,
 }
 
-/// The top level: an object whose `weight_map` is read entry by entry, other keys skipped;
-/// `None` when there is no `weight_map` object.
-struct Top<'f> {
+/// One visitor for both objects of the index, so that any other shape, at either level,
+/// reads as "no `weight_map` object" (`None`) the same way. The first refusal is left in
+/// `failed`, in words; the error returned only stops the parse.
+struct Level<'f> {
+    object: Object,
     failed: &'f mut Option<String>,
     limits: Limits,
 }
 
-impl<'de> DeserializeSeed<'de> for Top<'_> {
-    type Value = Found<'de>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
+impl Level<'_> {
+    /// Record why the index is refused, and stop the parse.
+    fn refuse<E: de::Error>(&mut self, why: String) -> E {
+        *self.failed = Some(why);
+        E::custom("refused")
     }
-}
 
-impl<'de> Visitor<'de> for Top<'_> {
-    type Value = Found<'de>;
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a JSON object with a `weight_map`")
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Self::Value, A::Error> {
+    /// The top-level object: its `weight_map`, read once; other keys skipped.
+    fn top<'de, A: MapAccess<'de>>(mut self, mut m: A) -> Result<Found<'de>, A::Error> {
         let mut found: Found<'de> = None;
         let mut seen = false;
         while let Some(MaybeStr(key)) = m.next_key::<MaybeStr<'de>>()? {
@@ -248,78 +250,34 @@ impl<'de> Visitor<'de> for Top<'_> {
                 continue;
             }
             if std::mem::replace(&mut seen, true) {
-                *self.failed = Some("`weight_map` appears twice".into());
-                return Err(de::Error::custom("refused"));
+                return Err(self.refuse("`weight_map` appears twice".into()));
             }
-            found = m.next_value_seed(Map {
+            found = m.next_value_seed(Level {
+                object: Object::WeightMap,
                 failed: &mut *self.failed,
                 limits: self.limits,
             })?;
         }
         Ok(found)
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, a: A) -> Result<Self::Value, A::Error> {
-        drain_seq(a).map(|()| None)
-    }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-}
 
-/// The `weight_map` object: tensor name → shard file name.
-struct Map<'f> {
-    failed: &'f mut Option<String>,
-    limits: Limits,
-}
-
-impl<'de> DeserializeSeed<'de> for Map<'_> {
-    type Value = Found<'de>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Map<'_> {
-    type Value = Found<'de>;
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("an object mapping tensor names to shard files")
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Self::Value, A::Error> {
+    /// The `weight_map` entries: each shard file numbered as first seen, one record per
+    /// tensor, within the entry and shard bounds.
+    fn entries<'de, A: MapAccess<'de>>(mut self, mut m: A) -> Result<Found<'de>, A::Error> {
         let mut names: Vec<Cow<'de, str>> = Vec::new();
         let mut number: FxHashMap<Cow<'de, str>, u32> = FxHashMap::default();
         let mut entries: Vec<(u32, Cow<'de, str>)> = Vec::new();
-        let mut refuse = |why: String| {
-            *self.failed = Some(why);
-            de::Error::custom("refused")
-        };
         while let Some(MaybeStr(tensor)) = m.next_key::<MaybeStr<'de>>()? {
             let tensor = tensor.unwrap_or_default();
             if entries.len() == self.limits.entries {
-                return Err(refuse(format!(
-                    "weight_map has more than {} entries",
-                    self.limits.entries
-                )));
+                let why = format!("weight_map has more than {} entries", self.limits.entries);
+                return Err(self.refuse(why));
             }
             let Some(file) = m.next_value::<MaybeStr<'de>>()?.0 else {
-                return Err(refuse(format!("weight_map[{tensor:?}] is not a string")));
+                return Err(self.refuse(format!("weight_map[{tensor:?}] is not a string")));
             };
             if file.contains('/') || file.contains('\\') || file == ".." || file.is_empty() {
-                return Err(refuse(format!(
+                return Err(self.refuse(format!(
                     "weight_map[{tensor:?}] names {file:?}, not a plain file name"
                 )));
             }
@@ -327,10 +285,11 @@ impl<'de> Visitor<'de> for Map<'_> {
                 Some(&f) => f,
                 None => {
                     if names.len() == self.limits.shards {
-                        return Err(refuse(format!(
+                        let why = format!(
                             "weight_map names more than {} shard files",
                             self.limits.shards
-                        )));
+                        );
+                        return Err(self.refuse(why));
                     }
                     let f = names.len() as u32;
                     names.push(file.clone());
@@ -342,8 +301,32 @@ impl<'de> Visitor<'de> for Map<'_> {
         }
         Ok(Some((names, entries)))
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, a: A) -> Result<Self::Value, A::Error> {
-        drain_seq(a).map(|()| None)
+}
+
+impl<'de> DeserializeSeed<'de> for Level<'_> {
+    type Value = Found<'de>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Level<'_> {
+    type Value = Found<'de>;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str(match self.object {
+            Object::Top => "a JSON object with a `weight_map`",
+            Object::WeightMap => "an object mapping tensor names to shard files",
+        })
+    }
+    fn visit_map<A: MapAccess<'de>>(self, m: A) -> Result<Self::Value, A::Error> {
+        match self.object {
+            Object::Top => self.top(m),
+            Object::WeightMap => self.entries(m),
+        }
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<Self::Value, A::Error> {
+        while a.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(None)
     }
     fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
         Ok(None)

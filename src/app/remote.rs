@@ -9,7 +9,7 @@
 
 use super::protocol::{EngineEvent, Request, TurnId};
 use crate::session::chat::{Entry, Mode, Settings, Stop, TurnReport};
-use crate::session::commands::{Command, ExportFormat, Setting, Think, HELP};
+use crate::session::commands::{Command, ExportFormat, HELP};
 use crate::stream::stats::StatsSnapshot;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -697,42 +697,8 @@ impl Ctx<'_> {
                 }
                 .into())
             }
-            Command::Think(t) => {
-                let s = &mut self.settings;
-                match t {
-                    Think::On => s.thinking = true,
-                    Think::Off => s.thinking = false,
-                    Think::Low | Think::High | Think::Max => {
-                        s.thinking = true;
-                        s.effort = match t {
-                            Think::Low => "low",
-                            Think::High => "high",
-                            _ => "max",
-                        }
-                        .into();
-                    }
-                }
-                Ok(if s.thinking {
-                    format!("thinking on, effort {}", s.effort)
-                } else {
-                    "thinking off".into()
-                })
-            }
-            Command::Set(setting, v) => {
-                let s = &mut self.settings;
-                match setting {
-                    Setting::Temperature => s.temperature = v as f32,
-                    Setting::TopP => s.top_p = v as f32,
-                    Setting::TopK => s.top_k = v as usize,
-                    Setting::MinP => s.min_p = v as f32,
-                    Setting::RepeatPenalty => s.repeat_penalty = v as f32,
-                    Setting::Seed => s.seed = v as u64,
-                    Setting::MaxTokens => s.max_tokens = (v as usize).max(1),
-                    Setting::RawMaxTokens => s.raw_max_tokens = (v as usize).max(1),
-                    Setting::RawIgnoreEnd => s.raw_ignore_end = v != 0.0,
-                }
-                Ok(format!("{} = {v}", setting.name()))
-            }
+            Command::Think(t) => Ok(t.apply(&mut self.settings)),
+            Command::Set(setting, v) => Ok(setting.apply(v, &mut self.settings)),
             Command::Save(name) => self.save(name, false),
             Command::SaveOver(name) => self.save(name, true),
             Command::Load(name) => self.load(&name),

@@ -6,7 +6,7 @@ use super::protocol::{EngineEvent, HistoryView, Request, SessionRow, TurnId};
 use crate::engine::weights::LoadInfo;
 use crate::engine::Model;
 use crate::session::chat::{Entry, Mode, Session, Settings, Stop};
-use crate::session::commands::{Command, ExportFormat, Setting, Think, HELP};
+use crate::session::commands::{Command, ExportFormat, Setting, HELP};
 use crate::session::journal::{self, Journal};
 use crate::session::naming;
 use crate::session::store::{
@@ -1634,19 +1634,9 @@ impl Ctx<'_> {
 
     fn set(&mut self, setting: Setting, v: f64) -> Result<String, String> {
         let mut s = self.session.settings.clone();
-        match setting {
-            Setting::Temperature => s.temperature = v as f32,
-            Setting::TopP => s.top_p = v as f32,
-            Setting::TopK => s.top_k = v as usize,
-            Setting::MinP => s.min_p = v as f32,
-            Setting::RepeatPenalty => s.repeat_penalty = v as f32,
-            Setting::Seed => s.seed = v as u64,
-            Setting::MaxTokens => s.max_tokens = v as usize,
-            Setting::RawMaxTokens => s.raw_max_tokens = v as usize,
-            Setting::RawIgnoreEnd => s.raw_ignore_end = v != 0.0,
-        }
+        let line = setting.apply(v, &mut s);
         self.session.set_settings(s).map_err(|e| e.to_string())?;
-        Ok(format!("{} = {v}", setting.name()))
+        Ok(line)
     }
 
     fn stats(&self) -> String {
@@ -1709,24 +1699,7 @@ impl Ctx<'_> {
             }
             Command::Think(t) => {
                 let mut s = self.session.settings.clone();
-                match t {
-                    Think::On => s.thinking = true,
-                    Think::Off => s.thinking = false,
-                    Think::Low | Think::High | Think::Max => {
-                        s.thinking = true;
-                        s.effort = match t {
-                            Think::Low => "low",
-                            Think::High => "high",
-                            _ => "max",
-                        }
-                        .into();
-                    }
-                }
-                let line = format!(
-                    "thinking {}{}",
-                    if s.thinking { "on, effort " } else { "off" },
-                    if s.thinking { s.effort.as_str() } else { "" }
-                );
+                let line = t.apply(&mut s);
                 self.session
                     .set_settings(s)
                     .map(|()| line)

@@ -2,6 +2,8 @@
 //! accept exactly the same words. Unknown commands and bad values come back as a one-line
 //! explanation; nothing here exits the program.
 
+use super::chat::Settings;
+
 /// A `/set` target.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Setting {
@@ -47,6 +49,22 @@ impl Setting {
             .find(|(_, s)| *s == self)
             .map_or("?", |(n, _)| n)
     }
+
+    /// Set this to `v` (a value the parser accepted) in `s`; the line that says so.
+    pub fn apply(self, v: f64, s: &mut Settings) -> String {
+        match self {
+            Setting::Temperature => s.temperature = v as f32,
+            Setting::TopP => s.top_p = v as f32,
+            Setting::TopK => s.top_k = v as usize,
+            Setting::MinP => s.min_p = v as f32,
+            Setting::RepeatPenalty => s.repeat_penalty = v as f32,
+            Setting::Seed => s.seed = v as u64,
+            Setting::MaxTokens => s.max_tokens = (v as usize).max(1),
+            Setting::RawMaxTokens => s.raw_max_tokens = (v as usize).max(1),
+            Setting::RawIgnoreEnd => s.raw_ignore_end = v != 0.0,
+        }
+        format!("{} = {v}", self.name())
+    }
 }
 
 /// The thinking switch of `/think`.
@@ -62,6 +80,31 @@ pub enum Think {
     High,
     /// Thinking on with effort `max`.
     Max,
+}
+
+impl Think {
+    /// Switch thinking in `s` as `/think` asks (an effort turns it on); the line that says
+    /// what it is now.
+    pub fn apply(self, s: &mut Settings) -> String {
+        match self {
+            Think::On => s.thinking = true,
+            Think::Off => s.thinking = false,
+            Think::Low | Think::High | Think::Max => {
+                s.thinking = true;
+                s.effort = match self {
+                    Think::Low => "low",
+                    Think::High => "high",
+                    _ => "max",
+                }
+                .into();
+            }
+        }
+        if s.thinking {
+            format!("thinking on, effort {}", s.effort)
+        } else {
+            "thinking off".into()
+        }
+    }
 }
 
 /// `/export` formats.
@@ -327,6 +370,53 @@ mod tests {
                 other => panic!("{line}: {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn think_and_set_change_the_settings_and_say_so() {
+        let mut s = Settings {
+            thinking: false,
+            effort: "max".into(),
+            ..Settings::default()
+        };
+        // On keeps the effort; an effort turns thinking on; off keeps the effort for later.
+        assert_eq!(Think::On.apply(&mut s), "thinking on, effort max");
+        assert_eq!(Think::Low.apply(&mut s), "thinking on, effort low");
+        assert_eq!(Think::Off.apply(&mut s), "thinking off");
+        assert!(!s.thinking);
+        assert_eq!(s.effort, "low");
+        assert_eq!(Think::High.apply(&mut s), "thinking on, effort high");
+        assert!(s.thinking);
+        // Every setting the parser accepts lands in its own field.
+        for (line, want) in [
+            ("/set temperature 0.5", "temperature = 0.5"),
+            ("/set top_p 0.25", "top_p = 0.25"),
+            ("/set top_k 7", "top_k = 7"),
+            ("/set min_p 0.125", "min_p = 0.125"),
+            ("/set repeat_penalty 1.5", "repeat_penalty = 1.5"),
+            ("/set seed 42", "seed = 42"),
+            ("/set max_tokens 64", "max_tokens = 64"),
+            ("/set raw_max_tokens 9", "raw_max_tokens = 9"),
+            ("/set raw_ignore_end 1", "raw_ignore_end = 1"),
+        ] {
+            let Some(Ok(Command::Set(setting, v))) = parse(line) else {
+                panic!("{line}");
+            };
+            assert_eq!(setting.apply(v, &mut s), want);
+        }
+        let want = Settings {
+            temperature: 0.5,
+            top_p: 0.25,
+            top_k: 7,
+            min_p: 0.125,
+            repeat_penalty: 1.5,
+            seed: 42,
+            max_tokens: 64,
+            raw_max_tokens: 9,
+            raw_ignore_end: true,
+            ..s.clone()
+        };
+        assert_eq!(s, want);
     }
 
     #[test]

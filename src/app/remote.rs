@@ -8,7 +8,7 @@
 //! the front ends show a remote reply exactly as a local one. Cancelling closes the stream.
 
 use super::protocol::{EngineEvent, Request, TurnId};
-use crate::session::chat::{Entry, Mode, Settings, Stop, TurnReport};
+use crate::session::chat::{self, Entry, Mode, Settings, Stop, TurnReport};
 use crate::session::commands::{Command, ExportFormat, HELP};
 use crate::stream::stats::StatsSnapshot;
 use serde::{Deserialize, Serialize};
@@ -616,31 +616,14 @@ impl Ctx<'_> {
                 "system": self.system, "mode": "chat", "entries": self.entries,
             }))
             .map_err(|e| e.to_string())?,
-            ExportFormat::Markdown => {
-                let mut md = format!("# {}\n", self.name.as_deref().unwrap_or("k3 conversation"));
-                if let Some(s) = &self.system {
-                    md.push_str(&format!("\n**system**\n\n{s}\n"));
-                }
-                for e in &self.entries {
-                    if let Entry::Message {
-                        role,
-                        content,
-                        reasoning,
-                    } = e
-                    {
-                        md.push_str(&format!("\n**{role}**\n\n"));
-                        if let Some(r) = reasoning.as_ref().filter(|r| !r.trim().is_empty()) {
-                            for line in r.lines() {
-                                md.push_str(&format!("> {line}\n"));
-                            }
-                            md.push('\n');
-                        }
-                        md.push_str(content);
-                        md.push('\n');
-                    }
-                }
-                md
-            }
+            // The remote transcript holds messages only (raw mode is local).
+            ExportFormat::Markdown => chat::markdown(
+                self.name.as_deref(),
+                self.system.as_deref(),
+                self.entries
+                    .iter()
+                    .filter(|e| matches!(e, Entry::Message { .. })),
+            ),
         };
         std::fs::write(path, text).map_err(|e| format!("/export {path}: {e}"))?;
         Ok(format!("transcript written to {path}"))

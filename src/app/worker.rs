@@ -5,7 +5,7 @@
 use super::protocol::{EngineEvent, HistoryView, Request, SessionRow, TurnId};
 use crate::engine::weights::LoadInfo;
 use crate::engine::Model;
-use crate::session::chat::{Entry, Mode, Session, Settings, Stop};
+use crate::session::chat::{self, Entry, Mode, Session, Settings, Stop};
 use crate::session::commands::{Command, ExportFormat, Setting, HELP};
 use crate::session::journal::{self, Journal};
 use crate::session::naming;
@@ -1598,34 +1598,7 @@ impl Ctx<'_> {
                 serde_json::to_string_pretty(&t).map_err(|e| e.to_string())?
             }
             ExportFormat::Markdown => {
-                let mut md = format!("# {}\n", self.name.as_deref().unwrap_or("k3 conversation"));
-                if let Some(sys) = &s.system {
-                    md.push_str(&format!("\n**system**\n\n{sys}\n"));
-                }
-                for e in &s.entries {
-                    match e {
-                        Entry::Message {
-                            role,
-                            content,
-                            reasoning,
-                        } => {
-                            md.push_str(&format!("\n**{role}**\n\n"));
-                            if let Some(r) = reasoning.as_ref().filter(|r| !r.trim().is_empty()) {
-                                for line in r.lines() {
-                                    md.push_str(&format!("> {line}\n"));
-                                }
-                                md.push('\n');
-                            }
-                            md.push_str(content);
-                            md.push('\n');
-                        }
-                        Entry::Raw { prompt, output, .. } => {
-                            md.push_str(&format!("\n**raw**\n\n```\n{prompt}{output}\n```\n"));
-                        }
-                        Entry::Mode { mode } => md.push_str(&format!("\n*{} mode*\n", mode.name())),
-                    }
-                }
-                md
+                chat::markdown(self.name.as_deref(), s.system.as_deref(), &s.entries)
             }
         };
         std::fs::write(path, text).map_err(|e| export_error(path, &e))?;

@@ -76,6 +76,45 @@ pub enum Entry {
     },
 }
 
+/// A transcript as Markdown (`/export md`): a title (`name`, else "k3 conversation"), the
+/// system message, then each entry: a message under its role in bold, its reasoning quoted
+/// above it; a raw exchange in a code block; a mode switch in italics.
+#[must_use]
+pub fn markdown<'e>(
+    name: Option<&str>,
+    system: Option<&str>,
+    entries: impl IntoIterator<Item = &'e Entry>,
+) -> String {
+    let mut md = format!("# {}\n", name.unwrap_or("k3 conversation"));
+    if let Some(sys) = system {
+        md.push_str(&format!("\n**system**\n\n{sys}\n"));
+    }
+    for e in entries {
+        match e {
+            Entry::Message {
+                role,
+                content,
+                reasoning,
+            } => {
+                md.push_str(&format!("\n**{role}**\n\n"));
+                if let Some(r) = reasoning.as_ref().filter(|r| !r.trim().is_empty()) {
+                    for line in r.lines() {
+                        md.push_str(&format!("> {line}\n"));
+                    }
+                    md.push('\n');
+                }
+                md.push_str(content);
+                md.push('\n');
+            }
+            Entry::Raw { prompt, output, .. } => {
+                md.push_str(&format!("\n**raw**\n\n```\n{prompt}{output}\n```\n"));
+            }
+            Entry::Mode { mode } => md.push_str(&format!("\n*{} mode*\n", mode.name())),
+        }
+    }
+    md
+}
+
 /// Settings that change what a turn produces.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Settings {
@@ -1326,5 +1365,37 @@ impl<'a> Session<'a> {
         }
         self.advance_live(tokens, tokens.len(), &mut live_logits, &mut progress)?;
         Ok(progress.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_transcript_reads_as_markdown_entry_by_entry() {
+        let msg = |role: &str, content: &str, reasoning: Option<&str>| Entry::Message {
+            role: role.into(),
+            content: content.into(),
+            reasoning: reasoning.map(str::to_string),
+        };
+        let entries = [
+            msg("user", "Hi?", None),
+            msg("assistant", "Hello.", Some("greet\nbriefly")),
+            msg("assistant", "Again.", Some("  ")),
+            Entry::Mode { mode: Mode::Raw },
+            Entry::Raw {
+                prompt: "Once".into(),
+                output: " upon".into(),
+                ids: vec![1, 2],
+            },
+        ];
+        assert_eq!(
+            markdown(Some("demo"), Some("Be brief."), &entries),
+            "# demo\n\n**system**\n\nBe brief.\n\n**user**\n\nHi?\n\n**assistant**\n\n\
+             > greet\n> briefly\n\nHello.\n\n**assistant**\n\nAgain.\n\n*raw mode*\n\n\
+             **raw**\n\n```\nOnce upon\n```\n"
+        );
+        assert_eq!(markdown(None, None, &[]), "# k3 conversation\n");
     }
 }

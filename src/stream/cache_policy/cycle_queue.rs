@@ -296,6 +296,12 @@ impl CycleQueue {
         self.tick
     }
 
+    /// The key of dense index `i`.
+    fn key_of(&self, i: usize) -> ExpertKey {
+        let e = self.counts.space.experts();
+        ExpertKey::new((i / e) as u16, (i % e) as u16)
+    }
+
     fn due_list(&self, layer: usize, due: u32) -> usize {
         layer * Self::DUE_RING as usize + (due % Self::DUE_RING) as usize
     }
@@ -367,13 +373,12 @@ impl CycleQueue {
     fn end_visit(&mut self, layer: u16) {
         let l = usize::from(layer);
         let visit = self.counts.layers[l].visits;
-        let experts = self.counts.space.experts();
         let mut keys = std::mem::take(&mut self.scratch);
         // The experts used in the visit join the queue, least recently used first.
         self.queue.drain_into(Self::HELD, &mut keys);
         for &i in &keys {
             let i = i as usize;
-            self.enqueue(i, ExpertKey::new(layer, (i % experts) as u16));
+            self.enqueue(i, self.key_of(i));
         }
         // The experts expected in it and not used are estimated again.
         let list = self.due_list(l, visit);
@@ -381,7 +386,7 @@ impl CycleQueue {
         for &i in &keys {
             let i = i as usize;
             self.stats.reestimated += 1;
-            self.estimate(i, ExpertKey::new(layer, (i % experts) as u16));
+            self.estimate(i, self.key_of(i));
         }
         self.scratch = keys;
     }
@@ -480,12 +485,7 @@ impl Policy for CycleQueue {
         self.stats.examined += u64::from(read);
         self.stats.max_examined = self.stats.max_examined.max(u64::from(read));
         let i = self.queue.head[list];
-        if i == NIL {
-            return None;
-        }
-        let e = self.counts.space.experts();
-        let i = i as usize;
-        Some(ExpertKey::new((i / e) as u16, (i % e) as u16))
+        (i != NIL).then(|| self.key_of(i as usize))
     }
 
     fn victim(&self, candidates: &[ExpertKey]) -> Option<usize> {
@@ -907,6 +907,8 @@ mod tests {
         };
         t.publish(slot).unwrap();
         assert_eq!(evicted, Some(k(1, 7)));
+        let (p2, p3) = (t.policy().next_use(k(2, 0)), t.policy().next_use(k(3, 0)));
+        assert!(p2.is_some() && p3 > p2, "{p2:?} {p3:?}");
         let Lookup::Miss { evicted, .. } = t.request(k(1, 3), 1_002).unwrap() else {
             panic!("expected a miss");
         };

@@ -4,7 +4,9 @@
 //! A [`Policy`] only ranks resident experts; it never sees bytes. [`SlotTable`] is the
 //! bookkeeping half of the slot arena: which key lives in which slot, which slots are empty,
 //! reserved for a read in flight, or pinned, and which slot a request gets. Pinned and
-//! in-flight slots are never offered to the policy as eviction candidates.
+//! in-flight slots are never offered to the policy as eviction candidates, nor reported
+//! evictable to a policy that keeps its own index ([`Policy::indexed`]); a victim such a
+//! policy names that is not evictable is refused, never evicted.
 //!
 //! Four policies:
 //! - [`Lru`]: evict the least recently used expert (the reference engine's policy).

@@ -28,16 +28,22 @@ fn paths() -> Vec<Isa> {
     v
 }
 
-/// A KDA/MLA trunk projection: BF16 `[7168, 7168]` times one vector (one decode step).
+/// Trunk projections times one vector (one decode step): BF16 `[7168, 7168]` (the released
+/// model's hidden size) and `[32768, 2048]` (rows of 4 KiB, one page each, as at hidden 2048).
 fn bf16_matvec(c: &mut Criterion) {
-    let (rows, cols) = (7168usize, 7168usize);
+    bf16_matvec_shape(c, 7168, 7168);
+    bf16_matvec_shape(c, 32768, 2048);
+}
+
+/// A BF16 `[rows, cols]` matrix (larger than the caches) times one vector.
+fn bf16_matvec_shape(c: &mut Criterion, rows: usize, cols: usize) {
     let mut s = 1u64;
     let w: Vec<u16> = (0..rows * cols)
         .map(|_| kernels::f32_to_bf16((lcg(&mut s) as f32 / 4e9) - 0.5))
         .collect();
     let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.001).sin()).collect();
     let mut y = vec![0f32; rows];
-    let mut g = c.benchmark_group("bf16_matvec_7168x7168");
+    let mut g = c.benchmark_group(format!("bf16_matvec_{rows}x{cols}"));
     g.throughput(Throughput::Bytes((rows * cols * 2) as u64));
     g.sample_size(20).measurement_time(Duration::from_secs(4));
     for isa in paths() {

@@ -6,6 +6,7 @@
 //! in full when the checkpoint is opened.
 
 pub mod alloc;
+pub mod arena;
 pub mod budget;
 pub mod bytes;
 pub mod cache_policy;

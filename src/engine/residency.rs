@@ -12,10 +12,11 @@ use super::bind::{bind_expert, bind_layer, names, Binder};
 use super::config::ModelConfig;
 use super::layer::{FeedForward, Layer};
 use super::moe::{self, Expert, MoeParams, MoeWeights, Routing};
-use super::tensor::{Dense, DenseData};
+use super::tensor::{Dense, DenseData, Matrix, Mxfp4};
 use crate::kernels;
-use crate::stream::budget::{ModelSizes, Plan};
-use crate::stream::bytes::{Bytes, U16s};
+use crate::stream::arena::Arena;
+use crate::stream::budget::{self, ModelSizes, Plan};
+use crate::stream::bytes::{self as bytes, Bytes, U16s};
 use crate::stream::cache_policy::{
     CycleQueue, ExpertKey, KeySpace, LayerCycle, Lookup, Lru, Policy, SlotState, SlotTable,
 };
@@ -253,6 +254,17 @@ impl ExpertCache {
         let _ = self.table.fail(slot);
     }
 
+    /// Move the experts held in slots of `arena` that a smaller plan retired into usable
+    /// ones (the same bytes, so the same products; the arena counts them).
+    fn rehome(&mut self, arena: &Arc<Arena>) {
+        for h in &mut self.held {
+            let Some(ex) = h.as_ref() else { continue };
+            if let Some(moved) = rehome_expert(ex, arena) {
+                *h = Some(Arc::new(moved));
+            }
+        }
+    }
+
     /// Change the number of slots (between forward passes).
     fn resize(&mut self, slots: usize) {
         let slots = slots.max(1);
@@ -460,6 +472,9 @@ pub struct Streamer {
     /// Pinned layers and the output head are taken in place from mappings of the shards
     /// (off with `K3_MMAP=0`); streamed layers and experts are always read.
     mapped: bool,
+    /// The memory of the expert cache: slots streamed experts are read into, faulted in when
+    /// a plan is applied.
+    arena: Arc<Arena>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -513,6 +528,55 @@ fn load_expert(
                 .map_or_else(|| "incomplete expert".into(), |e| e.to_string()),
         }),
     }
+}
+
+/// The byte ranges an expert's matrices are read from, in a fixed order.
+fn expert_parts(ex: &Expert) -> Vec<&Bytes> {
+    let mut out = Vec::with_capacity(6);
+    for m in [&ex.w1, &ex.w2, &ex.w3] {
+        match m {
+            Matrix::Mxfp4(q) => out.extend([&q.packed, &q.scales]),
+            Matrix::Dense(Dense {
+                data: DenseData::Bf16(v),
+                ..
+            }) => out.push(v.bytes()),
+            Matrix::Dense(_) => {}
+        }
+    }
+    out
+}
+
+/// `ex` with its bytes copied out of a slot of `arena` that the plan retired into a usable
+/// one; None when it is not in such a slot (or no slot is free: it stays where it is until
+/// evicted).
+fn rehome_expert(ex: &Expert, arena: &Arc<Arena>) -> Option<Expert> {
+    let parts = expert_parts(ex);
+    let mut moved = bytes::rehome(&parts, arena)?.into_iter();
+    let mut matrix = |m: &Matrix| -> Option<Matrix> {
+        Some(match m {
+            Matrix::Mxfp4(q) => Matrix::Mxfp4(Mxfp4 {
+                packed: moved.next()?,
+                scales: moved.next()?,
+                rows: q.rows,
+                cols: q.cols,
+            }),
+            Matrix::Dense(Dense {
+                data: DenseData::Bf16(_),
+                rows,
+                cols,
+            }) => Matrix::Dense(Dense {
+                data: DenseData::Bf16(U16s::new(moved.next()?)),
+                rows: *rows,
+                cols: *cols,
+            }),
+            Matrix::Dense(d) => Matrix::Dense(d.clone()),
+        })
+    };
+    Some(Expert {
+        w1: matrix(&ex.w1)?,
+        w2: matrix(&ex.w2)?,
+        w3: matrix(&ex.w3)?,
+    })
 }
 
 /// Widen `rows` rows of raw little-endian `dtype` bytes to f32.
@@ -575,9 +639,9 @@ impl Streamer {
             })?;
         let n = cfg.num_hidden_layers;
         let n_exp = cfg.num_experts;
-        // Freed expert allocations are reused by the next misses (the plan's fixed overhead
-        // holds top-k experts' worth of read buffers).
-        ck.pool_group_reads(cfg.num_experts_per_token.max(1));
+        // Streamed experts are read into the arena's slots; `set_plan` sizes it.
+        let arena = Arena::new(budget::expert_slot_bytes(&sizes) as usize);
+        ck.read_groups_into(Arc::clone(&arena));
         let st = Streamer {
             cfg_arc: Arc::new(cfg.clone()),
             cfg,
@@ -603,6 +667,7 @@ impl Streamer {
             ),
             prefetching: Arc::new((Mutex::new(0), std::sync::Condvar::new())),
             mapped,
+            arena,
         };
         st.set_plan(plan)?;
         Ok(st)
@@ -664,6 +729,8 @@ impl Streamer {
             shrinks |= r.head.take().is_some();
         }
         r.cache.resize(plan.expert_slots as usize);
+        // The arena follows: its slots are the cache's plus room for reads in flight.
+        let arena_slots = r.cache.slots() + budget::in_flight_slots(&self.sizes) as usize;
         r.plan = plan;
         let to_pin: Vec<usize> = (0..r.pinned.len())
             .filter(|&il| r.plan.pinned[il] && r.pinned[il].is_none())
@@ -672,14 +739,49 @@ impl Streamer {
         drop(r);
         // Drop read-ahead that the new plan no longer needs.
         lock(&self.ring).pending.clear();
+        let arena_error = |e: std::io::Error| StreamError::Open {
+            path: self.ck.dir().to_path_buf(),
+            source: std::io::Error::new(
+                e.kind(),
+                format!(
+                    "could not map the expert cache ({arena_slots} slots of {} bytes): {e}",
+                    self.arena.slot_len()
+                ),
+            ),
+        };
+        let loaded = if arena_slots < self.arena.slots() {
+            // Fewer slots release the free ones now; experts kept in retired slots move down,
+            // and the slots they leave are released as they go.
+            self.arena.set_slots(arena_slots).map_err(arena_error)?;
+            lock(&self.resident).cache.rehome(&self.arena);
+            self.load_planned(to_pin, want_head)
+        } else {
+            // More slots are faulted in while the pinned weights are read (the resident lock
+            // is not held, so the stats stay live).
+            std::thread::scope(|sc| {
+                let grow = sc.spawn(|| self.arena.set_slots(arena_slots));
+                let loaded = self.load_planned(to_pin, want_head);
+                let grown = grow.join().unwrap_or_else(|_| {
+                    Err(std::io::Error::other("the thread faulting it in failed"))
+                });
+                grown.map_err(arena_error).and(loaded)
+            })
+        };
         if shrinks {
             // What the smaller plan let go goes back to the system, not only to the allocator.
-            self.ck.release_pooled();
             if let Some(t) = &self.trunk {
                 t.release_pooled();
             }
             crate::stream::alloc::give_back_freed_memory();
         }
+        // What took effect: resident and huge-page bytes of the arena, for the stats.
+        self.arena.measure();
+        loaded
+    }
+
+    /// Read the layers `to_pin` and, with `want_head`, the output head into the plan's
+    /// resident set.
+    fn load_planned(&self, to_pin: Vec<usize>, want_head: bool) -> Result<(), StreamError> {
         for il in to_pin {
             let t0 = Instant::now();
             let layer = load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il, self.mapped)?;
@@ -1018,6 +1120,7 @@ impl Streamer {
             prefetch_used: c.prefetch_used.load(Ordering::Relaxed),
             predicted: c.predicted.load(Ordering::Relaxed),
             predicted_right: c.predicted_right.load(Ordering::Relaxed),
+            arena: self.arena.stats(),
             ..StatsSnapshot::default()
         }
     }

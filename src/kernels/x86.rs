@@ -265,41 +265,14 @@ unsafe fn axpy_bf16_avx2_impl(a: f32, w: &[u16], y: &mut [f32]) {
 /// AVX2 and FMA must be available.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn mxfp4_row_avx2_impl(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-    let n_group = scales.len().min(packed.len() / 16).min(x.len() / 32);
-    let lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    let low = _mm_set1_epi8(0x0f);
-    let mut acc = _mm256_setzero_ps();
-    let (pp, px) = (packed.as_ptr(), x.as_ptr());
-    for (g, &s) in scales.iter().take(n_group).enumerate() {
-        // SAFETY: g < n_group, so bytes [16g, 16g+16) of packed and floats [32g, 32g+32) of x
-        // are in bounds.
-        unsafe {
-            let bytes = _mm_loadu_si128(pp.add(16 * g).cast());
-            let lo = _mm_and_si128(bytes, low);
-            let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), low);
-            let e0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));
-            let e1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi));
-            let w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e0));
-            let w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(e0)));
-            let w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e1));
-            let w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(e1)));
-            let xg = px.add(32 * g);
-            let mut p = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
-            p = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg.add(8)), p);
-            p = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg.add(16)), p);
-            p = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg.add(24)), p);
-            acc = _mm256_fmadd_ps(p, _mm256_set1_ps(scale_half_units(s)), acc);
-        }
-    }
-    let mut lanes = [0f32; 8];
-    // SAFETY: `lanes` holds exactly 8 floats.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-    fold8(&lanes)
+    // SAFETY: the caller guarantees AVX2 and FMA, which the multi-vector kernel needs.
+    let [y] = unsafe { mxfp4_row_multi_avx2_impl::<1>(packed, scales, [x]) };
+    y
 }
 
 /// One MXFP4 row times `N` vectors: each group's nibbles are decoded once and applied to every
-/// vector. Per vector the operations are exactly those of [`mxfp4_row_avx2_impl`], so each
-/// result equals the one-vector kernel's bit for bit.
+/// vector. Per vector the operations are those of one vector alone (`N = 1` is the one-row
+/// kernel), so each result is independent of `N`, bit for bit.
 ///
 /// # Safety
 /// AVX2 and FMA must be available.
@@ -318,7 +291,16 @@ unsafe fn mxfp4_row_multi_avx2_impl<const N: usize>(
     let mut acc = [_mm256_setzero_ps(); N];
     let pp = packed.as_ptr();
     let px = xs.map(<[f32]>::as_ptr);
+    // The rows of a matrix are consecutive: request the lines four rows ahead (the next 4 KiB
+    // page of a 2048-column matrix, which the hardware prefetcher does not cross) while this
+    // row computes.
+    let ahead = 4 * packed.len();
     for (g, &s) in scales.iter().take(n_group).enumerate() {
+        if g % 4 == 0 {
+            // A prefetch never faults; the address is computed with wrapping arithmetic and
+            // never dereferenced.
+            _mm_prefetch::<_MM_HINT_T0>(pp.wrapping_add(16 * g + ahead).cast());
+        }
         // SAFETY: g < n_group, so bytes [16g, 16g+16) of packed and floats [32g, 32g+32) of
         // every x are in bounds.
         unsafe {
@@ -443,16 +425,37 @@ unsafe fn dot4_avx512_impl<E: Elem>(w: [&[E]; 4], x: &[f32]) -> [f32; 4] {
     let px = x.as_ptr();
     let pw = w.map(<[E]>::as_ptr);
     let mut acc = [_mm512_setzero_ps(); 4];
+    // The rows of a matrix are consecutive, so the four rows the next call takes start `4n`
+    // elements after these: their lines are requested while this block computes (a page
+    // boundary stops the hardware prefetcher at every 4 KiB row of a 2048-column matrix).
+    let ahead = 4 * n;
+    macro_rules! step {
+        ($i:expr) => {
+            // SAFETY: the loops below keep $i + 16 ≤ full ≤ n ≤ every row's length and x's.
+            unsafe {
+                let xv = _mm512_loadu_ps(px.add($i));
+                for r in 0..4 {
+                    acc[r] = _mm512_fmadd_ps(E::load16(pw[r].add($i)), xv, acc[r]);
+                }
+            }
+        };
+    }
     let mut i = 0;
-    while i < full {
-        // SAFETY: i + 16 ≤ full ≤ n ≤ every row's length and x's length.
-        unsafe {
-            let xv = _mm512_loadu_ps(px.add(i));
-            for r in 0..4 {
-                acc[r] = _mm512_fmadd_ps(E::load16(pw[r].add(i)), xv, acc[r]);
+    while i + 32 <= full {
+        for p in pw {
+            // A prefetch never faults; the address is computed with wrapping arithmetic and
+            // never dereferenced. 32 elements are one line of BF16 and two of F32.
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i + ahead).cast());
+            if std::mem::size_of::<E>() > 2 {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i + 16 + ahead).cast());
             }
         }
-        i += 16;
+        step!(i);
+        step!(i + 16);
+        i += 32;
+    }
+    if i < full {
+        step!(i);
     }
     finish_rows(acc.map(|a| hsum16(a)), w, x, full, n)
 }
@@ -507,8 +510,18 @@ unsafe fn dot4_avx2_impl<E: Elem>(w: [&[E]; 4], x: &[f32]) -> [f32; 4] {
     let pw = w.map(<[E]>::as_ptr);
     let mut lo = [_mm256_setzero_ps(); 4];
     let mut hi = [_mm256_setzero_ps(); 4];
+    // As in the AVX-512 kernel: the next four rows' lines are requested ahead of their call.
+    let ahead = 4 * n;
+    let line = 64 / std::mem::size_of::<E>();
     let mut i = 0;
     while i < full {
+        if i % line == 0 {
+            for p in pw {
+                // A prefetch never faults; the address is computed with wrapping arithmetic
+                // and never dereferenced.
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i + ahead).cast());
+            }
+        }
         // SAFETY: i + 16 ≤ full ≤ n ≤ every row's length and x's length.
         unsafe {
             let x0 = _mm256_loadu_ps(px.add(i));

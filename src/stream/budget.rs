@@ -210,14 +210,27 @@ fn prefill_chunk(s: &ModelSizes, budget: Option<u64>, spare: u64) -> (u64, u64) 
 /// Rows of the output head read per chunk when it is streamed.
 const HEAD_CHUNK_BYTES: u64 = 64 << 20;
 
+/// Bytes one routed expert takes in memory: a slot of the expert arena (its aligned read
+/// window; `stream::arena`). The expert cache is that many bytes per expert slot.
+#[must_use]
+pub fn expert_slot_bytes(s: &ModelSizes) -> u64 {
+    super::arena::slot_bytes(s.expert_bytes)
+}
+
+/// Arena slots beyond the cache's expert slots: a layer's reads that are not cached (at most
+/// top-k at once) and experts a pass still holds after the cache evicted them (top-k more).
+#[must_use]
+pub fn in_flight_slots(s: &ModelSizes) -> u64 {
+    2 * s.top_k
+}
+
 /// Fixed overhead: activations of a 64-token prefill chunk (about 40 hidden-wide buffers),
-/// two logits rows, the buffers of a layer's expert reads in flight (at most top-k at once,
-/// each read into an aligned window and then split: twice the expert), the piece
-/// buffer of a trunk read (8 MiB), and allocator slack.
+/// two logits rows, the arena slots of expert reads in flight ([`in_flight_slots`]), the
+/// piece buffer of a trunk read (8 MiB), and allocator slack.
 fn fixed_overhead(s: &ModelSizes) -> u64 {
     MIN_PREFILL_CHUNK * activation_bytes_per_token(s)
         + 2 * s.vocab * 4
-        + 2 * s.top_k * s.expert_bytes
+        + in_flight_slots(s) * expert_slot_bytes(s)
         + spec_reserve(s)
         + (40 << 20)
 }
@@ -263,15 +276,19 @@ pub fn plan_states(
     let mut sorted = s.layer_trunk.clone();
     sorted.sort_unstable_by(|a, b| b.cmp(a));
     let ring_min = sorted.iter().take(2).sum::<u64>();
+    let slot = expert_slot_bytes(s);
     let floor = fixed
         + state_reserve
         + ring_min
-        + s.top_k * s.expert_bytes
+        + s.top_k * slot
         + head_chunk_rows * s.row_bytes
         + 64 * s.row_bytes
         + s.small;
     let model_bytes = s.model_bytes();
     let all_experts = s.experts_per_layer * s.moe_layers;
+    // A budget that holds everything still reads experts into arena slots, each a little
+    // larger than its expert.
+    let slot_slack = all_experts * (slot - s.expert_bytes);
     let resident = Plan {
         model_bytes,
         budget_bytes: None,
@@ -294,13 +311,19 @@ pub fn plan_states(
     // A resident plan: whatever the budget leaves beyond everything may lengthen the chunk.
     let resident_in = |budget: Option<u64>| {
         let spare = budget.map_or(u64::MAX, |b| {
-            b.saturating_sub(fixed + state_reserve + model_bytes)
+            b.saturating_sub(fixed + state_reserve + model_bytes + slot_slack)
         });
         let (chunk, extra) = prefill_chunk(s, budget, spare);
         Plan {
             budget_bytes: budget,
             fixed_bytes: fixed + extra,
             prefill_chunk: chunk,
+            // Under a budget the experts are read into the arena (one slot each).
+            expert_cache_bytes: if budget.is_some() {
+                all_experts * slot
+            } else {
+                resident.expert_cache_bytes
+            },
             ..resident.clone()
         }
     };
@@ -311,7 +334,7 @@ pub fn plan_states(
             if b < floor {
                 return Err(BelowFloor { budget: b, floor });
             }
-            let everything = fixed + state_reserve + model_bytes;
+            let everything = fixed + state_reserve + model_bytes + slot_slack;
             if b >= everything {
                 return Ok(resident_in(Some(b)));
             }
@@ -319,7 +342,7 @@ pub fn plan_states(
             // the cache; see RUNTIME §6.2.
             let (chunk, extra) = prefill_chunk(s, Some(b), b - floor);
             let spare = b - floor - extra;
-            let reserve_cache = s.top_k * s.expert_bytes;
+            let reserve_cache = s.top_k * slot;
             let trunk = spare + ring_min;
             (trunk, reserve_cache, b, chunk, extra)
         }
@@ -332,21 +355,18 @@ pub fn plan_states(
                     floor,
                 });
             }
-            if total >= fixed + state_reserve + model_bytes {
+            if total >= fixed + state_reserve + model_bytes + slot_slack {
                 return Ok(resident_in(Some(total)));
             }
             // Everything but the ring and the cache comes out of the cache's share first (a
             // trunk share that holds the trunk keeps holding it), then out of the trunk's.
-            let overhead = floor - ring_min - s.top_k * s.expert_bytes;
+            let overhead = floor - ring_min - s.top_k * slot;
             let avail = total - overhead;
-            let trunk_share = trunk.clamp(ring_min, avail - s.top_k * s.expert_bytes);
+            let trunk_share = trunk.clamp(ring_min, avail - s.top_k * slot);
             // A longer prefill chunk, paid from the cache's share.
             let cache_share = avail - trunk_share;
-            let (chunk, extra) = prefill_chunk(
-                s,
-                Some(total),
-                cache_share.saturating_sub(s.top_k * s.expert_bytes),
-            );
+            let (chunk, extra) =
+                prefill_chunk(s, Some(total), cache_share.saturating_sub(s.top_k * slot));
             (trunk_share, cache_share - extra, total, chunk, extra)
         }
     };
@@ -391,8 +411,7 @@ pub fn plan_states(
     // Whatever the trunk did not use goes to the cache.
     let trunk_used = pinned_bytes + ring_bytes + if head_resident { s.head } else { 0 };
     let cache_bytes = cache_budget + trunk_budget.saturating_sub(trunk_used);
-    let expert_slots =
-        (cache_bytes / s.expert_bytes.max(1)).clamp(s.top_k, all_experts.max(s.top_k));
+    let expert_slots = (cache_bytes / slot).clamp(s.top_k, all_experts.max(s.top_k));
     Ok(Plan {
         model_bytes,
         budget_bytes: Some(total),
@@ -402,7 +421,7 @@ pub fn plan_states(
         ring_slots,
         ring_bytes,
         expert_slots,
-        expert_cache_bytes: expert_slots * s.expert_bytes,
+        expert_cache_bytes: expert_slots * slot,
         embed_resident: false,
         head_resident,
         head_chunk_rows,

@@ -1,10 +1,13 @@
 //! Weight bytes read once and borrowed by the kernels: a [`Bytes`] is a range of one aligned,
 //! reference-counted allocation that a positioned read filled directly. The six tensors of an
 //! expert, or the tensors of a packed trunk layer, are ranges of the one allocation their read
-//! filled, so a streamed byte is written once (by the kernel's read) and never copied.
+//! filled, so a streamed byte is written once (by the kernel's read) and never copied. A
+//! routed expert's allocation is a slot of the expert arena ([`super::arena`]) when one is
+//! free.
 
 #![allow(unsafe_code)]
 
+use super::arena::{Arena, Slot};
 use std::mem::MaybeUninit;
 use std::sync::{Arc, Mutex};
 
@@ -18,13 +21,15 @@ pub const ALIGN: usize = 4096;
 
 /// One aligned allocation; `raw[base..base + len]` is the usable, initialised part. It goes
 /// back to its pool, if it came from one, when the last range of it is dropped. A slab can
-/// instead be a file mapping (`map`), whose bytes are `map[base..base + len]`.
+/// instead be a file mapping (`map`), whose bytes are `map[base..base + len]`, or an arena
+/// slot (`slot`), whose bytes are `slot[base..base + len]` and which goes back to its arena.
 struct Slab {
     raw: Vec<u8>,
     base: usize,
     len: usize,
     pool: Option<Arc<Pool>>,
     map: Option<Arc<super::mapped::MappedFile>>,
+    slot: Option<Slot>,
 }
 
 impl Drop for Slab {
@@ -104,9 +109,10 @@ impl Pool {
 
 impl Slab {
     fn bytes(&self) -> &[u8] {
-        match &self.map {
-            Some(m) => &m.as_slice()[self.base..self.base + self.len],
-            None => &self.raw[self.base..self.base + self.len],
+        match (&self.map, &self.slot) {
+            (Some(m), _) => &m.as_slice()[self.base..self.base + self.len],
+            (None, Some(s)) => &s.as_slice()[self.base..self.base + self.len],
+            (None, None) => &self.raw[self.base..self.base + self.len],
         }
     }
 }
@@ -144,6 +150,8 @@ pub struct Filling {
     base: usize,
     len: usize,
     pool: Option<Arc<Pool>>,
+    /// The arena slot being filled instead of `raw` (at its start: slots are aligned).
+    slot: Option<Slot>,
 }
 
 impl Filling {
@@ -164,6 +172,26 @@ impl Filling {
         Self::from_raw(raw, len, Some(Arc::clone(pool)))
     }
 
+    /// [`Filling::new`] in a free slot of `arena` (which goes back to it when the bytes are
+    /// dropped); a heap allocation, counted by the arena, when none is free or `len` does not
+    /// fit a slot.
+    #[must_use]
+    pub fn new_in_arena(len: usize, arena: &Arc<Arena>) -> Filling {
+        match arena.take().filter(|s| s.len() >= len) {
+            Some(slot) => Filling {
+                raw: Vec::new(),
+                base: 0,
+                len,
+                pool: None,
+                slot: Some(slot),
+            },
+            None => {
+                arena.count_fallback();
+                Filling::new(len)
+            }
+        }
+    }
+
     /// Lay out `len` bytes at an aligned address in `raw` (empty, capacity at least
     /// `len + ALIGN`).
     fn from_raw(mut raw: Vec<u8>, len: usize, pool: Option<Arc<Pool>>) -> Filling {
@@ -175,6 +203,7 @@ impl Filling {
             base,
             len,
             pool,
+            slot: None,
         }
     }
 
@@ -193,7 +222,10 @@ impl Filling {
     /// The area, uninitialised, for reads to write into.
     pub fn area(&mut self) -> &mut [MaybeUninit<u8>] {
         let len = self.len;
-        &mut self.raw.spare_capacity_mut()[..len]
+        match &mut self.slot {
+            Some(s) => &mut s.area()[..len],
+            None => &mut self.raw.spare_capacity_mut()[..len],
+        }
     }
 
     /// Finish after reads wrote bytes `0..filled` of the area: the rest is zeroed (a read
@@ -201,6 +233,24 @@ impl Filling {
     #[must_use]
     pub fn finish(mut self, filled: usize) -> Bytes {
         let len = self.len;
+        if let Some(mut slot) = self.slot.take() {
+            for b in &mut slot.area()[filled.min(len)..len] {
+                b.write(0);
+            }
+            let slab = Slab {
+                raw: Vec::new(),
+                base: 0,
+                len,
+                pool: None,
+                map: None,
+                slot: Some(slot),
+            };
+            return Bytes {
+                slab: Arc::new(slab),
+                start: 0,
+                len,
+            };
+        }
         for b in &mut self.raw.spare_capacity_mut()[filled.min(len)..len] {
             b.write(0);
         }
@@ -214,6 +264,7 @@ impl Filling {
             len,
             pool: self.pool.take(),
             map: None,
+            slot: None,
         };
         Bytes {
             slab: Arc::new(slab),
@@ -245,6 +296,7 @@ impl Bytes {
             len,
             pool: None,
             map: Some(Arc::clone(map)),
+            slot: None,
         };
         Some(Bytes {
             slab: Arc::new(slab),
@@ -299,6 +351,55 @@ impl Bytes {
     pub fn allocation_len(&self) -> usize {
         self.slab.len
     }
+
+    /// The arena slot these bytes live in, if they are in one.
+    #[must_use]
+    pub fn arena_slot(&self) -> Option<usize> {
+        self.slab.slot.as_ref().map(Slot::id)
+    }
+}
+
+/// After a smaller plan: when `parts` are ranges of one slot of `arena` that the plan
+/// retired, copy that slot's bytes into a free usable slot and return the same ranges of the
+/// copy (the caller drops the originals, which releases the retired slot). None when there
+/// is nothing to move (not one retired slot of `arena`) or no slot is free.
+#[must_use]
+pub fn rehome(parts: &[&Bytes], arena: &Arc<Arena>) -> Option<Vec<Bytes>> {
+    let first = parts.first()?;
+    let old = first.slab.slot.as_ref()?;
+    if !old.is_in(arena) || !arena.is_retired(old.id()) {
+        return None;
+    }
+    if !parts.iter().all(|p| Arc::ptr_eq(&p.slab, &first.slab)) {
+        return None;
+    }
+    let mut slot = arena.take()?;
+    let (base, len) = (first.slab.base, first.slab.len);
+    for (d, &s) in slot.area()[base..base + len]
+        .iter_mut()
+        .zip(&old.as_slice()[base..base + len])
+    {
+        d.write(s);
+    }
+    arena.count_moved();
+    let slab = Arc::new(Slab {
+        raw: Vec::new(),
+        base,
+        len,
+        pool: None,
+        map: None,
+        slot: Some(slot),
+    });
+    Some(
+        parts
+            .iter()
+            .map(|p| Bytes {
+                slab: Arc::clone(&slab),
+                start: p.start,
+                len: p.len,
+            })
+            .collect(),
+    )
 }
 
 /// Little-endian u16 values (BF16 weights) borrowed in place: always 2-byte aligned and of
@@ -318,6 +419,12 @@ impl U16s {
         } else {
             U16s(Bytes::copy_from(b.as_slice()))
         }
+    }
+
+    /// The bytes the values are read from.
+    #[must_use]
+    pub fn bytes(&self) -> &Bytes {
+        &self.0
     }
 
     /// Owned values.
@@ -419,6 +526,82 @@ mod tests {
         );
         pool.release();
         assert_eq!(pool.idle(), 0);
+    }
+
+    #[test]
+    fn expert_reads_fill_arena_slots_and_fall_back_when_none_is_free() {
+        let arena = Arena::new(2 * ALIGN);
+        arena.set_slots(2).unwrap();
+        let fill = |n: usize, v: u8| {
+            let mut f = Filling::new_in_arena(n, &arena);
+            for b in &mut f.area()[..n / 2] {
+                b.write(v);
+            }
+            f.finish(n / 2)
+        };
+        let a = fill(ALIGN, 1);
+        let b = fill(2 * ALIGN, 2);
+        assert_eq!(
+            (a.arena_slot().is_some(), b.arena_slot().is_some()),
+            (true, true)
+        );
+        assert_ne!(a.arena_slot(), b.arena_slot());
+        assert_eq!(a.as_ptr().align_offset(ALIGN), 0);
+        assert!(a[..ALIGN / 2].iter().all(|&x| x == 1) && a[ALIGN / 2..].iter().all(|&x| x == 0));
+        assert!(b[..ALIGN].iter().all(|&x| x == 2) && b[ALIGN..].iter().all(|&x| x == 0));
+        // Exhausted: the heap, counted.
+        let c = fill(ALIGN, 3);
+        assert!(c.arena_slot().is_none());
+        assert_eq!(c.as_ptr().align_offset(ALIGN), 0);
+        // Too large for a slot: the heap, counted.
+        drop(a);
+        let d = fill(3 * ALIGN, 4);
+        assert!(d.arena_slot().is_none());
+        assert_eq!(arena.stats().heap_fallbacks, 2);
+        // A range keeps its slot; dropping the last range gives it back.
+        let part = b.slice(ALIGN / 2, 16).unwrap();
+        let slot = b.arena_slot();
+        drop(b);
+        assert_eq!(arena.stats().in_use, 1);
+        assert_eq!(part.arena_slot(), slot);
+        drop(part);
+        assert_eq!(arena.stats().in_use, 0);
+        assert!(c[..ALIGN / 2].iter().all(|&x| x == 3));
+        assert!(d[..ALIGN * 3 / 2].iter().all(|&x| x == 4));
+    }
+
+    #[test]
+    fn rehome_moves_a_retired_slot_below_the_new_count() {
+        let arena = Arena::new(ALIGN);
+        arena.set_slots(3).unwrap();
+        let held: Vec<Bytes> = (0..3u8)
+            .map(|v| {
+                let mut f = Filling::new_in_arena(100, &arena);
+                for b in f.area() {
+                    b.write(v + 10);
+                }
+                f.finish(100)
+            })
+            .collect();
+        // Keep the expert in the top slot; free one below.
+        let top = held.iter().position(|b| b.arena_slot() == Some(2)).unwrap();
+        let low = (0..3).find(|&i| i != top).unwrap();
+        let mut held = held;
+        let kept = held.remove(top);
+        held.remove(if low > top { low - 1 } else { low });
+        arena.set_slots(2).unwrap();
+        assert!(arena.is_retired(2));
+        let parts = [kept.slice(0, 40).unwrap(), kept.slice(40, 60).unwrap()];
+        // Only retired slots move; the other one stays.
+        assert!(rehome(&[&held[0]], &arena).is_none());
+        let moved = rehome(&[&parts[0], &parts[1]], &arena).unwrap();
+        assert_eq!(&*moved[0], &*parts[0]);
+        assert_eq!(&*moved[1], &*parts[1]);
+        assert!(moved[0].arena_slot().unwrap() < 2);
+        assert_eq!(moved[0].arena_slot(), moved[1].arena_slot());
+        drop((kept, parts));
+        let s = arena.stats();
+        assert_eq!((s.in_use, s.moved), (2, 1), "{s:?}");
     }
 
     #[test]

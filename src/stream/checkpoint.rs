@@ -1,7 +1,8 @@
 //! Opening a checkpoint directory (single file, or shards through
 //! `model.safetensors.index.json`) and reading tensors with positioned reads.
 
-use super::bytes::{as_uninit, Bytes, Filling, Pool, U16s};
+use super::arena::Arena;
+use super::bytes::{as_uninit, Bytes, Filling, U16s};
 use super::index::{IndexError, TensorIndex, TensorInfo};
 use super::mapped::MappedFile;
 use super::safetensors::{header_len, parse_header, Dtype};
@@ -43,8 +44,8 @@ pub struct Checkpoint {
     /// refuses it), and whether direct reads on it have been given up.
     direct: Vec<Option<File>>,
     direct_off: Vec<std::sync::atomic::AtomicBool>,
-    /// Allocations of group reads (routed experts), reused once an expert is dropped.
-    group_pool: std::sync::OnceLock<std::sync::Arc<Pool>>,
+    /// The slots group reads (routed experts) land in, given back once an expert is dropped.
+    group_arena: std::sync::OnceLock<std::sync::Arc<Arena>>,
     /// Per shard: its length when opened, and its mapping once made (None: not mappable).
     lens: Vec<u64>,
     maps: Vec<std::sync::OnceLock<Option<std::sync::Arc<MappedFile>>>>,
@@ -364,7 +365,7 @@ impl Checkpoint {
             fault: FaultSlot::default(),
             direct: Vec::new(),
             direct_off: Vec::new(),
-            group_pool: std::sync::OnceLock::new(),
+            group_arena: std::sync::OnceLock::new(),
             lens: Vec::new(),
             maps: Vec::new(),
         };
@@ -714,7 +715,7 @@ impl Checkpoint {
             start.offset,
             end - start.offset,
             first,
-            self.group_pool.get(),
+            self.group_arena.get(),
         )?;
         let mut parts = Vec::with_capacity(infos.len());
         for (n, i) in infos {
@@ -863,31 +864,23 @@ impl Checkpoint {
         self.read_shared_in(shard, at, len, name, None)
     }
 
-    /// Keep up to `keep` freed allocations of group reads (experts) for the next ones, so a
-    /// streamed expert lands in memory that is already mapped. Set once; later calls do
-    /// nothing.
-    pub fn pool_group_reads(&self, keep: usize) {
-        let _ = self.group_pool.set(Pool::new(keep));
+    /// Read group reads (experts) into slots of `arena`, so a streamed expert lands in memory
+    /// that was faulted in when the plan was made. Set once; later calls do nothing.
+    pub fn read_groups_into(&self, arena: std::sync::Arc<Arena>) {
+        let _ = self.group_arena.set(arena);
     }
 
-    /// Free the idle allocations kept for group reads (after a smaller plan).
-    pub fn release_pooled(&self) {
-        if let Some(p) = self.group_pool.get() {
-            p.release();
-        }
-    }
-
-    /// [`Checkpoint::read_shared`] into an allocation from `pool` where one fits.
+    /// [`Checkpoint::read_shared`] into a slot of `arena` where one is free.
     fn read_shared_in(
         &self,
         shard: usize,
         at: u64,
         len: u64,
         name: &str,
-        pool: Option<&std::sync::Arc<Pool>>,
+        arena: Option<&std::sync::Arc<Arena>>,
     ) -> Result<Bytes, StreamError> {
-        let alloc = |n: usize| match pool {
-            Some(p) => Filling::new_in(n, p),
+        let alloc = |n: usize| match arena {
+            Some(a) => Filling::new_in_arena(n, a),
             None => Filling::new(n),
         };
         let err = |offset: u64, source: std::io::Error| StreamError::Read {

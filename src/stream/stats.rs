@@ -84,6 +84,8 @@ pub struct StatsSnapshot {
     pub spec_accepted: u64,
     /// Decoding steps (tokens whose logits a pass produced).
     pub spec_steps: u64,
+    /// The expert slot arena: slots, how they were faulted in, huge pages, heap fallbacks.
+    pub arena: super::arena::ArenaStats,
 }
 
 impl StatsSnapshot {

@@ -453,3 +453,103 @@ fn bench_reports_speed_next_to_its_floors() {
         "a streamed run reads per token"
     );
 }
+
+#[test]
+fn the_expert_arena_is_faulted_in_with_the_plan_and_follows_it_down() {
+    use k3::stream::arena::{Prefault, HUGE_PAGE};
+    let smaps = std::path::Path::new("/proc/self/smaps").exists();
+    let set = "tiny";
+    let o = json(&format!("{set}/oracle.json"));
+    let prompt = u32s(&o["prompt_ids"]);
+    let (resident, info) = open(set, BudgetRequest::Resident);
+    let want = generate(&resident, &prompt, 8, |_| {});
+    let sizes = info.sizes.clone();
+    let (floor, everything) = (info.plan.floor_bytes, sizes.model_bytes());
+    // Every expert held (in slots a little larger than the experts), then the floor.
+    let (m, _) = open(set, BudgetRequest::Total(floor + 4 * everything));
+    let st = m.streamer().expect("streamed");
+    let extra = budget::in_flight_slots(&sizes);
+    let a = st.stats().arena;
+    assert_eq!(a.slots, st.plan().expert_slots + extra, "{a:?}");
+    assert_eq!(a.slot_bytes, budget::expert_slot_bytes(&sizes));
+    assert_eq!(a.slot_bytes % 4096, 0);
+    assert_ne!(
+        a.prefault,
+        Prefault::None,
+        "the arena was not faulted in: {a:?}"
+    );
+    if smaps {
+        // Every slot is resident before the first token (nothing faults inside a pass).
+        assert!(a.resident_bytes >= a.slots * a.slot_bytes, "{a:?}");
+    }
+    let low = budget::plan(&sizes, BudgetRequest::Total(floor), 512, None).unwrap();
+    let got = generate(&m, &prompt, 8, |step| {
+        if step == 3 {
+            let a = st.stats().arena;
+            assert!(a.in_use > 0 && a.in_use <= a.slots, "{a:?}");
+            st.set_plan(low.clone()).unwrap();
+        }
+    });
+    for (a, b) in got.iter().zip(&want) {
+        assert_eq!(bits(a), bits(b), "a lowered budget changed a logit");
+    }
+    let b = st.stats().arena;
+    println!("arena before {a:?}\narena after a lowered budget {b:?}");
+    assert_eq!(b.slots, low.expert_slots + extra, "{b:?}");
+    assert!(b.in_use <= b.slots, "{b:?}");
+    assert_eq!(
+        b.heap_fallbacks, 0,
+        "an expert read missed the arena: {b:?}"
+    );
+    if smaps {
+        // The retired slots went back to the system when the plan was applied.
+        assert!(
+            b.resident_bytes <= b.slots * b.slot_bytes + HUGE_PAGE as u64,
+            "{b:?}"
+        );
+        assert!(b.resident_bytes < a.resident_bytes, "{a:?} -> {b:?}");
+    }
+}
+
+#[test]
+fn k3_run_reports_the_expert_arena() {
+    let dir = small().join("small");
+    let cfg = k3::engine::ModelConfig::load(&dir.join("config.json")).unwrap();
+    let top_k = cfg.num_experts_per_token as u64;
+    let plan = crate::common::run_ok(
+        crate::common::k3_command()
+            .arg("plan")
+            .arg(&dir)
+            .args(["--mem", "1000", "--json"]),
+    );
+    let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    let model = plan["model_bytes"].as_u64().unwrap();
+    let gb = format!("{}", (model / 3) as f64 / 1e9);
+    let out = crate::common::run_ok(crate::common::k3_command().arg("run").arg(&dir).args([
+        "--ids",
+        "1,2,3,4,5",
+        "--gen",
+        "3",
+        "--json",
+        "--mem",
+        &gb,
+    ]));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let j = &j["stats"];
+    let a = &j["expert_arena"];
+    println!("{a}");
+    assert_eq!(
+        a["slots"].as_u64().unwrap(),
+        j["expert_slots"].as_u64().unwrap() + 2 * top_k,
+        "{j}"
+    );
+    let how = a["prefault"].as_str().unwrap();
+    assert!(how == "populate" || how == "touch", "{a}");
+    assert_eq!(a["heap_fallbacks"], 0, "{a}");
+    let (slots, slot) = (
+        a["slots"].as_u64().unwrap(),
+        a["slot_bytes"].as_u64().unwrap(),
+    );
+    assert!(a["resident_bytes"].as_u64().unwrap() >= slots * slot, "{a}");
+    assert!(a["huge_page_bytes"].as_u64().unwrap() <= a["resident_bytes"].as_u64().unwrap());
+}

@@ -318,9 +318,9 @@ impl MoeScratch {
             );
         }
         self.used.clear();
-        for t in 0..n_tok {
-            let row = t * p.top_k..t * p.top_k + count[t];
-            self.used.extend_from_slice(&idx[row]);
+        for (t, &c) in count.iter().enumerate() {
+            self.used
+                .extend_from_slice(&idx[t * p.top_k..t * p.top_k + c]);
         }
         self.used.sort_unstable();
         self.used.dedup();

@@ -128,5 +128,63 @@ fn stream_read(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bf16_matvec, mxfp4_matvec, mxfp4_batch, stream_read);
+/// One eviction of the routed-expert cache, the scanning `LayerCycle` beside `CycleQueue`, at
+/// 1k and 64k slots: requests go round the released model's 92 MoE layers, 16 random experts
+/// each, and one iteration runs requests until one of them evicts.
+fn expert_eviction(c: &mut Criterion) {
+    use k3::stream::cache_policy::{
+        CycleQueue, ExpertKey, KeySpace, LayerCycle, Policy, SlotTable,
+    };
+    let mut s = 5u64;
+    let trace: Vec<ExpertKey> = (0..(1usize << 21))
+        .map(|i| ExpertKey::new(1 + ((i / 16) % 92) as u16, (lcg(&mut s) % 896) as u16))
+        .collect();
+    fn run<P: Policy>(t: &mut SlotTable<P>, trace: &[ExpertKey], at: &mut usize) {
+        let before = t.stats().evictions;
+        while t.stats().evictions == before {
+            let key = trace[*at % trace.len()];
+            let _ = t.access(key, *at as u64);
+            *at += 1;
+        }
+    }
+    let mut g = c.benchmark_group("expert_eviction");
+    g.sample_size(10).measurement_time(Duration::from_secs(3));
+    for slots in [1usize << 10, 1 << 16] {
+        let mut at = 0;
+        let mut scan = SlotTable::new(KeySpace::K3, slots, LayerCycle::new(KeySpace::K3));
+        while scan.occupied() < slots {
+            run_fill(&mut scan, &trace, &mut at);
+        }
+        g.bench_with_input(BenchmarkId::new("layer-cycle", slots), &slots, |b, _| {
+            b.iter(|| run(&mut scan, &trace, &mut at));
+        });
+        let mut at = 0;
+        let mut queue = SlotTable::new(KeySpace::K3, slots, CycleQueue::new(KeySpace::K3));
+        while queue.occupied() < slots {
+            run_fill(&mut queue, &trace, &mut at);
+        }
+        g.bench_with_input(BenchmarkId::new("cycle-queue", slots), &slots, |b, _| {
+            b.iter(|| run(&mut queue, &trace, &mut at));
+        });
+    }
+    g.finish();
+}
+
+fn run_fill<P: k3::stream::cache_policy::Policy>(
+    t: &mut k3::stream::cache_policy::SlotTable<P>,
+    trace: &[k3::stream::cache_policy::ExpertKey],
+    at: &mut usize,
+) {
+    let _ = t.access(trace[*at % trace.len()], *at as u64);
+    *at += 1;
+}
+
+criterion_group!(
+    benches,
+    bf16_matvec,
+    mxfp4_matvec,
+    mxfp4_batch,
+    stream_read,
+    expert_eviction
+);
 criterion_main!(benches);

@@ -17,7 +17,7 @@ use crate::kernels;
 use crate::stream::budget::{ModelSizes, Plan};
 use crate::stream::bytes::{Bytes, U16s};
 use crate::stream::cache_policy::{
-    ExpertKey, KeySpace, LayerCycle, Lookup, Lru, Policy, SlotState, SlotTable,
+    CycleQueue, ExpertKey, KeySpace, LayerCycle, Lookup, Lru, Policy, SlotState, SlotTable,
 };
 use crate::stream::checkpoint::io_pool;
 use crate::stream::stats::{LayerResidency, Residency, StatsSnapshot};
@@ -47,8 +47,9 @@ struct Counters {
 }
 
 /// The routed-expert cache: the slot table of `stream::cache_policy` (the bookkeeping whose
-/// hit rates the replay measures) driven by its replacement policy ([`LayerCycle`] by
-/// default, `K3_CACHE_POLICY=lru` for plain LRU), and the expert each slot holds. A miss
+/// hit rates the replay measures) driven by its replacement policy ([`CycleQueue`] by
+/// default, `K3_CACHE_POLICY=layer-cycle` or `lru` for the scanning ones), and the expert each
+/// slot holds. A miss
 /// reserves its slot before the read starts (never a victim while in flight); the read's
 /// bytes become the slot's expert when it completes.
 struct ExpertCache {
@@ -108,7 +109,8 @@ impl ExpertCache {
         let space = KeySpace::new(layers, experts);
         let policy: Box<dyn Policy + Send> = match std::env::var("K3_CACHE_POLICY").as_deref() {
             Ok("lru") => Box::new(Lru::new(space)),
-            _ => Box::new(LayerCycle::new(space)),
+            Ok("layer-cycle") => Box::new(LayerCycle::new(space)),
+            _ => Box::new(CycleQueue::new(space)),
         };
         let slots = slots.max(1);
         ExpertCache {

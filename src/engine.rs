@@ -10,6 +10,7 @@ pub mod mla;
 pub mod model;
 pub mod moe;
 pub mod residency;
+pub mod run_state;
 pub mod sampling;
 pub mod spec;
 pub mod state;
@@ -18,4 +19,5 @@ pub mod weights;
 
 pub use config::ModelConfig;
 pub use model::{Logits, Model, Rollback, Trace};
+pub use run_state::RunState;
 pub use state::{SeqState, Snapshot};

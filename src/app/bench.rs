@@ -190,7 +190,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let next = crate::kernels::argmax(&logits);
         history.push(next);
         let room = args.gen - i - 1;
-        logits = spec.advance(&model, &mut st, &history, next, room)?;
+        let step_logits = spec.advance(&model, &mut st, &history, next, room)?;
+        logits.clear();
+        logits.extend_from_slice(step_logits);
         steps.push((spec.stats().passes, ts.elapsed().as_secs_f64()));
     }
     spec.settle(&model, &mut st);

@@ -383,6 +383,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         None => None,
     };
     let mut state = SeqState::new(&model.cfg);
+    state.reserve(positions, &model.cfg);
     let t0 = Instant::now();
     // Prefill in the chunks the plan's activation reserve is sized for; only the last chunk's
     // distribution is needed.
@@ -456,7 +457,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         let ts = Instant::now();
         // Drafts never reach past the last position this run needs.
         let room = args.gen.saturating_sub(step + 2);
-        logits = spec.advance(&model, &mut state, &history, next, room)?;
+        let step_logits = spec.advance(&model, &mut state, &history, next, room)?;
+        logits.clear();
+        logits.extend_from_slice(step_logits);
         steps.push((spec.stats().passes, ts.elapsed().as_secs_f64()));
     }
     spec.settle(&model, &mut state);

@@ -10,24 +10,50 @@ use crate::kernels::{self, ops};
 /// Mix `sources` (each `[n_tok, d]`, oldest snapshot first, partial sum last) into `out`
 /// `[n_tok, d]`, scoring with `fold` `[d]`.
 pub fn aggregate(sources: &[&[f32]], fold: &[f32], eps: f32, d: usize, out: &mut [f32]) {
-    let n_tok = out.len() / d;
     let mut k = vec![0f32; d];
     let mut a = vec![0f32; sources.len()];
+    aggregate_with(
+        sources.len(),
+        |i| sources[i],
+        fold,
+        eps,
+        d,
+        out,
+        &mut k,
+        &mut a,
+    );
+}
+
+/// [`aggregate`] over `n_src` sources handed out by `source(i)`, with `k` (`d` long) and `a`
+/// (`n_src` long) as scratch.
+#[allow(clippy::too_many_arguments)]
+pub fn aggregate_with<'s>(
+    n_src: usize,
+    source: impl Fn(usize) -> &'s [f32],
+    fold: &[f32],
+    eps: f32,
+    d: usize,
+    out: &mut [f32],
+    k: &mut [f32],
+    a: &mut [f32],
+) {
+    let n_tok = out.len() / d;
+    let a = &mut a[..n_src];
     for t in 0..n_tok {
         let row = t * d..(t + 1) * d;
-        for (ai, src) in a.iter_mut().zip(sources) {
-            let v = &src[row.clone()];
+        for (i, ai) in a.iter_mut().enumerate() {
+            let v = &source(i)[row.clone()];
             let inv = ops::rms_inv(v, eps);
             for (kj, &vj) in k.iter_mut().zip(v) {
                 *kj = vj * inv;
             }
-            *ai = kernels::dot(&k, fold);
+            *ai = kernels::dot(k, fold);
         }
-        ops::softmax(&mut a);
+        ops::softmax(a);
         let o = &mut out[row.clone()];
         o.fill(0.0);
-        for (&ai, src) in a.iter().zip(sources) {
-            kernels::axpy(ai, &src[row.clone()], o);
+        for (i, &ai) in a.iter().enumerate() {
+            kernels::axpy(ai, &source(i)[row.clone()], o);
         }
     }
 }

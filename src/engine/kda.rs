@@ -2,7 +2,7 @@
 //! (MODEL.md §3.4). Tokens are processed strictly in order; heads run in parallel, each owning
 //! its slice of the recurrent state, so the result does not depend on the thread count.
 
-use super::tensor::Dense;
+use super::tensor::{fit, Dense};
 use crate::kernels::{self, ops};
 use rayon::prelude::*;
 
@@ -91,6 +91,7 @@ pub fn decay(z: &[f32], a_log: &[f32], dt_bias: &[f32], p: &KdaParams, alpha: &m
 ///
 /// `q, k, v, alpha` are `[n_tok, d]` for this head (q already scaled), `beta` is `[n_tok]`;
 /// `s` is `[d, d]` (key rows, value columns); returns `o` `[n_tok, d]`.
+#[must_use]
 pub fn recur_head(
     q: &[f32],
     k: &[f32],
@@ -100,10 +101,27 @@ pub fn recur_head(
     s: &mut [f32],
     d: usize,
 ) -> Vec<f32> {
-    let n_tok = beta.len();
-    let mut out = vec![0f32; n_tok * d];
-    let mut u = vec![0f32; d];
-    let mut w = vec![0f32; d];
+    let mut out = vec![0f32; beta.len() * d];
+    let mut uw = vec![0f32; 2 * d];
+    recur_head_into(q, k, v, alpha, beta, s, d, &mut out, &mut uw);
+    out
+}
+
+/// [`recur_head`] into `out` `[n_tok, d]` (overwritten), with `uw` (`2·d`) as scratch.
+#[allow(clippy::too_many_arguments)]
+pub fn recur_head_into(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    alpha: &[f32],
+    beta: &[f32],
+    s: &mut [f32],
+    d: usize,
+    out: &mut [f32],
+    uw: &mut [f32],
+) {
+    let (u, w) = uw.split_at_mut(d);
+    out.fill(0.0);
     for (t, (o, &bt)) in out.chunks_mut(d).zip(beta).enumerate() {
         let row = t * d..(t + 1) * d;
         let (qt, kt, vt, at) = (
@@ -118,41 +136,42 @@ pub fn recur_head(
             for x in si.iter_mut() {
                 *x *= ai;
             }
-            kernels::axpy(ki, si, &mut u);
+            kernels::axpy(ki, si, u);
         }
         // c: delta write S += k (β (v − u))ᵀ; d: o = Sᵀ q̂ from the updated state.
-        for ((wj, &vj), &uj) in w.iter_mut().zip(vt).zip(&u) {
+        for ((wj, &vj), &uj) in w.iter_mut().zip(vt).zip(u.iter()) {
             *wj = bt * (vj - uj);
         }
         for ((si, &ki), &qi) in s.chunks_mut(d).zip(kt).zip(qt) {
-            kernels::axpy(ki, &w, si);
+            kernels::axpy(ki, w, si);
             kernels::axpy(qi, si, o);
         }
     }
-    out
 }
 
-/// Split `[n_tok, heads·d]` into per-head `[n_tok, d]` buffers.
-fn per_head(x: &[f32], n_tok: usize, heads: usize, d: usize) -> Vec<Vec<f32>> {
-    (0..heads)
-        .map(|h| {
-            let mut v = Vec::with_capacity(n_tok * d);
-            for t in 0..n_tok {
-                let base = t * heads * d + h * d;
-                v.extend_from_slice(&x[base..base + d]);
-            }
-            v
-        })
-        .collect()
+/// Copy `[n_tok, heads·d]` into per-head `[heads][n_tok, d]` order.
+fn per_head_into(x: &[f32], n_tok: usize, heads: usize, d: usize, out: &mut [f32]) {
+    for h in 0..heads {
+        for t in 0..n_tok {
+            let src = t * heads * d + h * d;
+            let dst = (h * n_tok + t) * d;
+            out[dst..dst + d].copy_from_slice(&x[src..src + d]);
+        }
+    }
 }
 
-/// Causal conv + SiLU over a chunk, advancing `state`.
-fn conv_chunk(x: &[f32], w: &[f32], state: &mut [f32], kernel: usize, width: usize) -> Vec<f32> {
-    let mut out = vec![0f32; x.len()];
+/// Causal conv + SiLU over a chunk into `out`, advancing `state`.
+fn conv_chunk(
+    x: &[f32],
+    w: &[f32],
+    state: &mut [f32],
+    kernel: usize,
+    width: usize,
+    out: &mut [f32],
+) {
     for (xt, ot) in x.chunks(width).zip(out.chunks_mut(width)) {
         ops::shortconv_step(xt, w, state, kernel, ot);
     }
-    out
 }
 
 /// What one KDA block consumed per position of a chunk, kept so that the state after any
@@ -238,6 +257,63 @@ impl KdaRecord {
     }
 }
 
+/// The buffers one KDA block needs, reused between calls: after the first call of a given
+/// chunk length, a call allocates nothing (unless it records).
+#[derive(Clone, Debug, Default)]
+pub struct KdaScratch {
+    /// `[3][n_tok, P]` q, k, v projections before the convolution.
+    raw: [Vec<f32>; 3],
+    /// `[3][n_tok, P]` after the convolution (q, k normalised, q scaled).
+    conv: [Vec<f32>; 3],
+    /// `[n_tok, heads]` write strengths.
+    beta: Vec<f32>,
+    /// `[n_tok, head_dim]` and `[n_tok, P]`: the decay's low-rank path.
+    fa: Vec<f32>,
+    z: Vec<f32>,
+    /// `[n_tok, P]` output gate logits.
+    gate: Vec<f32>,
+    /// `[n_tok, P]` decays.
+    alpha: Vec<f32>,
+    /// `[4][heads][n_tok, head_dim]` q, k, v, α per head.
+    heads: [Vec<f32>; 4],
+    /// `[heads][n_tok]` β per head.
+    beta_h: Vec<f32>,
+    /// `[heads][n_tok, head_dim]` recurrence outputs.
+    outs: Vec<f32>,
+    /// `[heads][2·head_dim]` recurrence scratch.
+    uw: Vec<f32>,
+    /// `[n_tok, P]` gated, normalised outputs before `o_proj`.
+    o: Vec<f32>,
+}
+
+impl KdaScratch {
+    /// Bytes the buffers hold (their capacity).
+    #[must_use]
+    pub fn bytes(&self) -> usize {
+        let f = |v: &Vec<f32>| v.capacity() * 4;
+        self.raw
+            .iter()
+            .chain(&self.conv)
+            .chain(&self.heads)
+            .map(f)
+            .sum::<usize>()
+            + [
+                &self.beta,
+                &self.fa,
+                &self.z,
+                &self.gate,
+                &self.alpha,
+                &self.beta_h,
+                &self.outs,
+                &self.uw,
+                &self.o,
+            ]
+            .into_iter()
+            .map(f)
+            .sum::<usize>()
+    }
+}
+
 /// One KDA block over a chunk: `x` `[n_tok, hidden]` (normalised input) → `[n_tok, hidden]`.
 #[must_use]
 pub fn forward(w: &KdaWeights, p: &KdaParams, x: &[f32], state: &mut KdaState) -> Vec<f32> {
@@ -255,27 +331,50 @@ pub fn forward_recorded(
     state: &mut KdaState,
     record: Option<&mut Option<KdaRecord>>,
 ) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    forward_into(w, p, x, state, record, &mut KdaScratch::default(), &mut out);
+    out
+}
+
+/// [`forward_recorded`] into `out` `[n_tok, hidden]` with the buffers of `sc`.
+pub fn forward_into(
+    w: &KdaWeights,
+    p: &KdaParams,
+    x: &[f32],
+    state: &mut KdaState,
+    record: Option<&mut Option<KdaRecord>>,
+    sc: &mut KdaScratch,
+    out: &mut [f32],
+) {
     let mut scratch = record.is_some().then(|| state.clone());
     let state = scratch.as_mut().unwrap_or(state);
     let (heads, d) = (p.heads, p.head_dim);
     let width = heads * d;
     let n_tok = x.len() / w.q_proj.cols;
-    let recording = record.is_some();
-    let raw = [w.q_proj.apply(x), w.k_proj.apply(x), w.v_proj.apply(x)];
-    let mut q = conv_chunk(&raw[0], &w.q_conv, &mut state.conv[0], p.kernel, width);
-    let mut k = conv_chunk(&raw[1], &w.k_conv, &mut state.conv[1], p.kernel, width);
-    let v = conv_chunk(&raw[2], &w.v_conv, &mut state.conv[2], p.kernel, width);
-    let raw = if recording {
-        Some(raw)
-    } else {
-        drop(raw);
-        None
-    };
-    let beta: Vec<f32> = w.b_proj.apply(x).into_iter().map(ops::sigmoid).collect();
-    let z = w.f_b.apply(&w.f_a.apply(x));
-    let gate = w.g_proj.apply(x);
+    let nw = n_tok * width;
+    let [rq, rk, rv] = &mut sc.raw;
+    let (rq, rk, rv) = (fit(rq, nw), fit(rk, nw), fit(rv, nw));
+    w.q_proj.apply_into(x, rq);
+    w.k_proj.apply_into(x, rk);
+    w.v_proj.apply_into(x, rv);
+    let [cq, ck, cv] = &mut sc.conv;
+    let (q, k, v) = (fit(cq, nw), fit(ck, nw), fit(cv, nw));
+    conv_chunk(rq, &w.q_conv, &mut state.conv[0], p.kernel, width, q);
+    conv_chunk(rk, &w.k_conv, &mut state.conv[1], p.kernel, width, k);
+    conv_chunk(rv, &w.v_conv, &mut state.conv[2], p.kernel, width, v);
+    let beta = fit(&mut sc.beta, n_tok * heads);
+    w.b_proj.apply_into(x, beta);
+    for b in beta.iter_mut() {
+        *b = ops::sigmoid(*b);
+    }
+    let fa = fit(&mut sc.fa, n_tok * w.f_a.rows);
+    w.f_a.apply_into(x, fa);
+    let z = fit(&mut sc.z, nw);
+    w.f_b.apply_into(fa, z);
+    let gate = fit(&mut sc.gate, nw);
+    w.g_proj.apply_into(x, gate);
     let q_scale = 1.0 / (d as f32).sqrt();
-    let mut alpha = vec![0f32; n_tok * width];
+    let alpha = fit(&mut sc.alpha, nw);
     for t in 0..n_tok {
         let row = t * width..(t + 1) * width;
         for h in 0..heads {
@@ -288,43 +387,65 @@ pub fn forward_recorded(
         }
         decay(&z[row.clone()], &w.a_log, &w.dt_bias, p, &mut alpha[row]);
     }
-    if let (Some(slot), Some(raw)) = (record, raw) {
+    if let Some(slot) = record {
         *slot = Some(KdaRecord {
-            raw,
-            q: q.clone(),
-            k: k.clone(),
-            v: v.clone(),
-            alpha: alpha.clone(),
-            beta: beta.clone(),
+            raw: [rq.to_vec(), rk.to_vec(), rv.to_vec()],
+            q: q.to_vec(),
+            k: k.to_vec(),
+            v: v.to_vec(),
+            alpha: alpha.to_vec(),
+            beta: beta.to_vec(),
             heads,
         });
     }
-    let (qh, kh, vh, ah) = (
-        per_head(&q, n_tok, heads, d),
-        per_head(&k, n_tok, heads, d),
-        per_head(&v, n_tok, heads, d),
-        per_head(&alpha, n_tok, heads, d),
-    );
-    let outs: Vec<Vec<f32>> = state
+    let [hq, hk, hv, ha] = &mut sc.heads;
+    let (qh, kh, vh, ah) = (fit(hq, nw), fit(hk, nw), fit(hv, nw), fit(ha, nw));
+    per_head_into(q, n_tok, heads, d, qh);
+    per_head_into(k, n_tok, heads, d, kh);
+    per_head_into(v, n_tok, heads, d, vh);
+    per_head_into(alpha, n_tok, heads, d, ah);
+    let bh = fit(&mut sc.beta_h, n_tok * heads);
+    for h in 0..heads {
+        for t in 0..n_tok {
+            bh[h * n_tok + t] = beta[t * heads + h];
+        }
+    }
+    let outs = fit(&mut sc.outs, nw);
+    let uw = fit(&mut sc.uw, heads * 2 * d);
+    let (qh, kh, vh, ah, bh) = (&*qh, &*kh, &*vh, &*ah, &*bh);
+    let per = n_tok * d;
+    state
         .s
         .par_chunks_mut(d * d)
+        .zip(outs.par_chunks_mut(per.max(1)))
+        .zip(uw.par_chunks_mut(2 * d))
         .enumerate()
-        .map(|(h, s)| {
-            let b: Vec<f32> = (0..n_tok).map(|t| beta[t * heads + h]).collect();
-            recur_head(&qh[h], &kh[h], &vh[h], &ah[h], &b, s, d)
-        })
-        .collect();
+        .for_each(|(h, ((s, o), uw))| {
+            let r = h * per..(h + 1) * per;
+            let b = &bh[h * n_tok..(h + 1) * n_tok];
+            recur_head_into(
+                &qh[r.clone()],
+                &kh[r.clone()],
+                &vh[r.clone()],
+                &ah[r],
+                b,
+                s,
+                d,
+                o,
+                uw,
+            );
+        });
     // Head-wise RMSNorm, then the sigmoid gate, then the output projection.
-    let mut o = vec![0f32; n_tok * width];
+    let o = fit(&mut sc.o, nw);
     for t in 0..n_tok {
-        for (h, oh) in outs.iter().enumerate() {
+        for h in 0..heads {
             let dst = &mut o[t * width + h * d..t * width + (h + 1) * d];
-            dst.copy_from_slice(&oh[t * d..(t + 1) * d]);
+            dst.copy_from_slice(&outs[h * per + t * d..h * per + (t + 1) * d]);
             ops::rmsnorm(dst, &w.o_norm, p.rms_eps);
         }
     }
-    for (oi, &g) in o.iter_mut().zip(&gate) {
+    for (oi, &g) in o.iter_mut().zip(gate.iter()) {
         *oi *= ops::sigmoid(g);
     }
-    w.o_proj.apply(&o)
+    w.o_proj.apply_into(o, out);
 }

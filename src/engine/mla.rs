@@ -6,7 +6,7 @@
 //! `((W_Kᵀ q_nope)·c + q_rope·r) / sqrt(nope + rope)` and reads `W_V (Σ a·c)`. Each (token, head)
 //! pair is computed independently, in parallel, with a fixed order inside.
 
-use super::tensor::Dense;
+use super::tensor::{fit, Dense};
 use crate::kernels::{self, ops};
 use rayon::prelude::*;
 
@@ -56,64 +56,115 @@ impl MlaParams {
     }
 }
 
+/// The buffers one MLA block needs, reused between calls: after the first call of a given
+/// chunk length and context, a call allocates nothing.
+#[derive(Clone, Debug, Default)]
+pub struct MlaScratch {
+    /// `[n_tok, q_lora]` and `[n_tok, heads·(nope+rope)]`: the query path.
+    cq: Vec<f32>,
+    q: Vec<f32>,
+    /// `[n_tok, kv_lora + rope]` this chunk's latent rows.
+    kv: Vec<f32>,
+    /// `[n_tok, heads·v]` the output gate logits.
+    gate: Vec<f32>,
+    /// `[heads][2·kv_lora + context]` per head: absorbed query, context latent, scores.
+    head: Vec<f32>,
+    /// `[n_tok, heads·v]` attention outputs.
+    o: Vec<f32>,
+}
+
+impl MlaScratch {
+    /// Bytes the buffers hold (their capacity).
+    #[must_use]
+    pub fn bytes(&self) -> usize {
+        [&self.cq, &self.q, &self.kv, &self.gate, &self.head, &self.o]
+            .into_iter()
+            .map(|v| v.capacity() * 4)
+            .sum()
+    }
+}
+
 /// Append this chunk's latent `[c ‖ r]` rows to `cache`; returns the gated attention output
 /// `[n_tok, hidden]` for `x` `[n_tok, hidden]`.
 #[must_use]
 pub fn forward(w: &MlaWeights, p: &MlaParams, x: &[f32], cache: &mut Vec<f32>) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    forward_into(w, p, x, cache, &mut MlaScratch::default(), &mut out);
+    out
+}
+
+/// [`forward`] into `out` `[n_tok, hidden]` with the buffers of `sc`. Tokens are taken in
+/// order, the heads of one token in parallel.
+pub fn forward_into(
+    w: &MlaWeights,
+    p: &MlaParams,
+    x: &[f32],
+    cache: &mut Vec<f32>,
+    sc: &mut MlaScratch,
+    out: &mut [f32],
+) {
     let n_tok = x.len() / w.q_a.cols;
     let cw = p.cache_width();
     let qh = p.nope + p.rope;
-    let mut cq = w.q_a.apply(x);
+    let cq = fit(&mut sc.cq, n_tok * w.q_a.rows);
+    w.q_a.apply_into(x, cq);
     for row in cq.chunks_mut(w.q_a.rows) {
         ops::rmsnorm(row, &w.q_a_norm, p.lora_eps);
     }
-    let q = w.q_b.apply(&cq);
-    let mut kv = w.kv_a.apply(x);
+    let q = fit(&mut sc.q, n_tok * w.q_b.rows);
+    w.q_b.apply_into(cq, q);
+    let kv = fit(&mut sc.kv, n_tok * cw);
+    w.kv_a.apply_into(x, kv);
     for row in kv.chunks_mut(cw) {
         ops::rmsnorm(&mut row[..p.kv_lora], &w.kv_a_norm, p.lora_eps);
     }
     let n_past = cache.len() / cw;
-    cache.extend_from_slice(&kv);
-    let cache: &[f32] = cache;
+    cache.extend_from_slice(kv);
     let scale = 1.0 / (qh as f32).sqrt();
     let ow = p.heads * p.v;
-    let head_out: Vec<Vec<f32>> = (0..n_tok * p.heads)
-        .into_par_iter()
-        .map(|th| {
-            let (t, h) = (th / p.heads, th % p.heads);
-            let qv = &q[t * p.heads * qh + h * qh..t * p.heads * qh + (h + 1) * qh];
-            let (q_nope, q_rope) = qv.split_at(p.nope);
-            // Absorbed query: W_Kᵀ q_nope (kv_lora wide).
-            let mut q_abs = vec![0f32; p.kv_lora];
-            for (dd, &qd) in q_nope.iter().enumerate() {
-                w.kv_b.row_axpy(h * (p.nope + p.v) + dd, qd, &mut q_abs);
-            }
-            let n_ctx = n_past + t + 1;
-            let mut a: Vec<f32> = (0..n_ctx)
-                .map(|tau| {
+    // Score room for as many positions as the cache has room for, so that decoding within
+    // the cache's capacity never regrows this buffer.
+    let per_head = 2 * p.kv_lora + (n_past + n_tok).max(cache.capacity() / cw.max(1));
+    let head = fit(&mut sc.head, p.heads * per_head);
+    let o = fit(&mut sc.o, n_tok * ow);
+    let q: &[f32] = q;
+    let cache: &[f32] = cache;
+    for t in 0..n_tok {
+        let n_ctx = n_past + t + 1;
+        o[t * ow..(t + 1) * ow]
+            .par_chunks_mut(p.v)
+            .zip(head.par_chunks_mut(per_head))
+            .enumerate()
+            .for_each(|(h, (ho, buf))| {
+                let qv = &q[t * p.heads * qh + h * qh..t * p.heads * qh + (h + 1) * qh];
+                let (q_nope, q_rope) = qv.split_at(p.nope);
+                let (q_abs, rest) = buf.split_at_mut(p.kv_lora);
+                let (ctx, a) = rest.split_at_mut(p.kv_lora);
+                let a = &mut a[..n_ctx];
+                // Absorbed query: W_Kᵀ q_nope (kv_lora wide).
+                q_abs.fill(0.0);
+                for (dd, &qd) in q_nope.iter().enumerate() {
+                    w.kv_b.row_axpy(h * (p.nope + p.v) + dd, qd, q_abs);
+                }
+                for (tau, at) in a.iter_mut().enumerate() {
                     let row = &cache[tau * cw..(tau + 1) * cw];
                     let (c, r) = row.split_at(p.kv_lora);
-                    (kernels::dot(&q_abs, c) + kernels::dot(q_rope, r)) * scale
-                })
-                .collect();
-            ops::softmax(&mut a);
-            let mut ctx = vec![0f32; p.kv_lora];
-            for (tau, &at) in a.iter().enumerate() {
-                kernels::axpy(at, &cache[tau * cw..tau * cw + p.kv_lora], &mut ctx);
-            }
-            (0..p.v)
-                .map(|j| w.kv_b.row_dot(h * (p.nope + p.v) + p.nope + j, &ctx))
-                .collect()
-        })
-        .collect();
-    let gate = w.g_proj.apply(x);
-    let mut o = vec![0f32; n_tok * ow];
-    for (th, ho) in head_out.iter().enumerate() {
-        let (t, h) = (th / p.heads, th % p.heads);
-        o[t * ow + h * p.v..t * ow + (h + 1) * p.v].copy_from_slice(ho);
+                    *at = (kernels::dot(q_abs, c) + kernels::dot(q_rope, r)) * scale;
+                }
+                ops::softmax(a);
+                ctx.fill(0.0);
+                for (tau, &at) in a.iter().enumerate() {
+                    kernels::axpy(at, &cache[tau * cw..tau * cw + p.kv_lora], ctx);
+                }
+                for (j, oj) in ho.iter_mut().enumerate() {
+                    *oj = w.kv_b.row_dot(h * (p.nope + p.v) + p.nope + j, ctx);
+                }
+            });
     }
-    for (oi, &g) in o.iter_mut().zip(&gate) {
+    let gate = fit(&mut sc.gate, n_tok * w.g_proj.rows);
+    w.g_proj.apply_into(x, gate);
+    for (oi, &g) in o.iter_mut().zip(gate.iter()) {
         *oi *= ops::sigmoid(g);
     }
-    w.o_proj.apply(&o)
+    w.o_proj.apply_into(o, out);
 }

@@ -12,10 +12,11 @@ use super::config::ModelConfig;
 use super::kda;
 pub use super::layer::{kda_params, mla_params, moe_params, Attention, FeedForward, Layer};
 use super::mla;
-use super::moe::{self, MoeParams, MoeWeights, Routing};
+use super::moe::{self, MoeParams, MoeScratch, MoeWeights, Routing};
 use super::residency::Streamer;
+use super::run_state::RunState;
 use super::state::{LayerState, SeqState};
-use super::tensor::Dense;
+use super::tensor::{fit, Dense};
 use crate::kernels::{self, ops};
 use crate::stream::StreamError;
 use std::sync::Arc;
@@ -38,18 +39,17 @@ pub enum Weights {
 }
 
 impl Weights {
-    /// Embedding rows of `tokens`, `[n_tok, hidden]`.
-    fn embed(&self, tokens: &[u32], d: usize) -> Result<Vec<f32>, StreamError> {
+    /// Embedding rows of `tokens` into `x` `[n_tok, hidden]`.
+    fn embed_into(&self, tokens: &[u32], d: usize, x: &mut [f32]) -> Result<(), StreamError> {
         match self {
             Weights::Resident { embed, .. } => {
-                let mut x = vec![0f32; tokens.len() * d];
                 for (row, &id) in x.chunks_mut(d).zip(tokens) {
                     embed.row_into(id as usize, row);
                 }
-                Ok(x)
             }
-            Weights::Streamed(st) => st.embed_rows(tokens),
+            Weights::Streamed(st) => x.copy_from_slice(&st.embed_rows(tokens)?),
         }
+        Ok(())
     }
 
     /// Layer `il`'s non-expert weights.
@@ -60,30 +60,47 @@ impl Weights {
         }
     }
 
-    /// Layer `il`'s MoE block over `h`, with its routed experts from wherever they live.
-    fn moe(
+    /// Layer `il`'s MoE block over `h` into `out`, with its routed experts from wherever they
+    /// live; the routing decisions when `want_routing`.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_into(
         &self,
         il: usize,
         m: &MoeWeights,
         p: &MoeParams,
         h: &[f32],
-    ) -> Result<(Vec<f32>, Routing), StreamError> {
+        sc: &mut MoeScratch,
+        out: &mut [f32],
+        want_routing: bool,
+    ) -> Result<Option<Routing>, StreamError> {
         match self {
-            Weights::Resident { .. } => Ok(moe::forward(m, p, h)),
-            Weights::Streamed(st) => st.moe(il, m, p, h),
+            Weights::Resident { .. } => {
+                moe::forward_into(m, p, h, sc, out);
+                Ok(want_routing.then(|| sc.routing()))
+            }
+            Weights::Streamed(st) => {
+                let (y, r) = st.moe(il, m, p, h)?;
+                out.copy_from_slice(&y);
+                Ok(want_routing.then_some(r))
+            }
         }
     }
 
-    /// Logits of `rows` `[n, hidden]`, `[n, vocab]`.
-    fn head(&self, rows: &[f32], vocab: usize, d: usize) -> Result<Vec<f32>, StreamError> {
+    /// Logits of `rows` `[n, hidden]` into `logits` `[n, vocab]`.
+    fn head_into(
+        &self,
+        rows: &[f32],
+        vocab: usize,
+        d: usize,
+        logits: &mut [f32],
+    ) -> Result<(), StreamError> {
         match self {
             Weights::Resident { lm_head, .. } => {
-                let mut logits = vec![0f32; rows.len() / d * vocab];
-                kernels::matmul(lm_head.view(), vocab, d, rows, &mut logits);
-                Ok(logits)
+                kernels::matmul(lm_head.view(), vocab, d, rows, logits);
             }
-            Weights::Streamed(st) => st.head(rows),
+            Weights::Streamed(st) => logits.copy_from_slice(&st.head(rows)?),
         }
+        Ok(())
     }
 }
 
@@ -147,92 +164,145 @@ impl Rollback {
     }
 }
 
-/// Per-chunk AttnRes bookkeeping: block snapshots and the running partial sum.
-struct Residuals {
-    blocks: Vec<Vec<f32>>,
-    partial: Option<Vec<f32>>,
-}
-
-impl Residuals {
-    fn mix(&self, fold: &[f32], eps: f32, d: usize, n: usize) -> Vec<f32> {
-        let mut srcs: Vec<&[f32]> = self.blocks.iter().map(Vec::as_slice).collect();
-        if let Some(p) = &self.partial {
-            srcs.push(p);
+/// Mix the block snapshots `blocks` (`n_blocks` of `out.len()` floats each) and the partial
+/// sum (when there is one) into `out`, scoring with `fold`.
+#[allow(clippy::too_many_arguments)]
+fn mix_into(
+    blocks: &[f32],
+    n_blocks: usize,
+    partial: Option<&[f32]>,
+    fold: &[f32],
+    eps: f32,
+    d: usize,
+    out: &mut [f32],
+    k: &mut Vec<f32>,
+    a: &mut Vec<f32>,
+) {
+    let n = out.len();
+    let n_src = n_blocks + usize::from(partial.is_some());
+    let last = partial.unwrap_or(&[]);
+    let source = |i: usize| {
+        if i < n_blocks {
+            &blocks[i * n..(i + 1) * n]
+        } else {
+            last
         }
-        let mut out = vec![0f32; n];
-        attnres::aggregate(&srcs, fold, eps, d, &mut out);
-        out
-    }
-
-    fn add(&mut self, a: Vec<f32>) {
-        match &mut self.partial {
-            None => self.partial = Some(a),
-            Some(p) => {
-                for (x, y) in p.iter_mut().zip(&a) {
-                    *x += y;
-                }
-            }
-        }
-    }
+    };
+    attnres::aggregate_with(n_src, source, fold, eps, d, out, fit(k, d), fit(a, n_src));
 }
 
 impl Layer {
-    /// One decoder layer (MODEL.md §3.3) over a chunk. `h` is the previous layer's returned
-    /// partial sum (the embedding at layer 0).
+    /// One decoder layer (MODEL.md §3.3) over a chunk, on the residual stream kept in `run`:
+    /// its partial sum is the previous layer's (the embedding at layer 0). Returns the routing
+    /// decisions when `want_routing` and the layer routes.
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         il: usize,
         cfg: &ModelConfig,
-        res: &mut Residuals,
+        run: &mut RunState,
         state: &mut LayerState,
         weights: &Weights,
         record: Option<&mut Option<kda::KdaRecord>>,
+        want_routing: bool,
     ) -> Result<Option<Routing>, StreamError> {
         let d = cfg.hidden_size;
         let eps = cfg.rms_norm_eps;
-        let p_in = res.partial.take().unwrap_or_default();
-        let n = p_in.len();
+        let RunState {
+            len,
+            blocks,
+            n_blocks,
+            partial,
+            has_partial,
+            h,
+            branch,
+            mix_k,
+            mix_a,
+            kda: kda_sc,
+            mla: mla_sc,
+            moe: moe_sc,
+            ..
+        } = run;
+        let n = *len;
+        let (h, partial) = (&mut h[..n], &mut partial[..n]);
+        let branch = fit(branch, n);
         // 1–3: pre-attention mix (skipped while no snapshot exists), then the block boundary.
-        let mut h = if res.blocks.is_empty() {
-            p_in.clone()
+        if *n_blocks == 0 {
+            h.copy_from_slice(partial);
         } else {
-            res.partial = Some(p_in.clone());
-            let mixed = res.mix(&self.attn_res_fold, eps, d, n);
-            res.partial = None;
-            mixed
-        };
+            let fold = &self.attn_res_fold;
+            mix_into(
+                blocks,
+                *n_blocks,
+                Some(partial),
+                fold,
+                eps,
+                d,
+                h,
+                mix_k,
+                mix_a,
+            );
+        }
         if cfg.is_block_start(il) {
-            res.blocks.push(p_in);
-            res.partial = None;
-        } else {
-            res.partial = Some(p_in);
+            let nb = *n_blocks;
+            fit(blocks, (nb + 1) * n)[nb * n..].copy_from_slice(partial);
+            *n_blocks += 1;
+            *has_partial = false;
         }
         // 4–6: attention on the normalised mix, added to the partial sum.
         for row in h.chunks_mut(d) {
             ops::rmsnorm(row, &self.input_norm, eps);
         }
-        let a = match (&self.attn, state) {
+        match (&self.attn, state) {
             (Attention::Kda(w), LayerState::Kda(s)) => {
-                kda::forward_recorded(w, &kda_params(cfg), &h, s, record)
+                kda::forward_into(w, &kda_params(cfg), h, s, record, kda_sc, branch);
             }
-            (Attention::Mla(w), LayerState::Mla(c)) => mla::forward(w, &mla_params(cfg), &h, c),
+            (Attention::Mla(w), LayerState::Mla(c)) => {
+                mla::forward_into(w, &mla_params(cfg), h, c, mla_sc, branch);
+            }
             _ => unreachable!("layer state kind is built from the same layer map"),
-        };
-        res.add(a);
+        }
+        add(partial, has_partial, branch);
         // 7–10: pre-FFN mix (always), FFN, added to the partial sum.
-        let mut h = res.mix(&self.mlp_res_fold, eps, d, n);
+        mix_into(
+            blocks,
+            *n_blocks,
+            Some(partial),
+            &self.mlp_res_fold,
+            eps,
+            d,
+            h,
+            mix_k,
+            mix_a,
+        );
         for row in h.chunks_mut(d) {
             ops::rmsnorm(row, &self.post_norm, eps);
         }
-        let (f, routing) = match &self.ffn {
-            FeedForward::Dense(m) => (m.forward(&h, cfg.situ_beta, cfg.situ_linear_beta), None),
+        let routing = match &self.ffn {
+            FeedForward::Dense(m) => {
+                m.forward_into(h, cfg.situ_beta, cfg.situ_linear_beta, moe_sc, branch);
+                None
+            }
             FeedForward::Moe(m) => {
-                let (y, r) = weights.moe(il, m, &moe_params(cfg), &h)?;
-                (y, Some(r))
+                let p = moe_params(cfg);
+                weights.moe_into(il, m, &p, h, moe_sc, branch, want_routing)?
             }
         };
-        res.add(f);
+        add(partial, has_partial, branch);
         Ok(routing)
+    }
+}
+
+/// Add a block's output to the partial sum (which it becomes, bit for bit, when there is
+/// none).
+fn add(partial: &mut [f32], has_partial: &mut bool, x: &[f32]) {
+    if *has_partial {
+        for (p, v) in partial.iter_mut().zip(x) {
+            *p += v;
+        }
+    } else {
+        partial.copy_from_slice(x);
+        *has_partial = true;
     }
 }
 
@@ -251,6 +321,23 @@ impl Model {
         self.forward_traced(state, tokens, want, None)
     }
 
+    /// [`Model::forward`] with the buffers of `run`, kept by the caller between calls: the
+    /// logits are written into `run` and borrowed from it. A decoding step after the first
+    /// allocates nothing when the weights are resident.
+    ///
+    /// # Panics
+    /// If a token id is not below the vocabulary size (callers validate ids first).
+    pub fn forward_run<'r>(
+        &self,
+        state: &mut SeqState,
+        run: &'r mut RunState,
+        tokens: &[u32],
+        want: Logits,
+    ) -> Result<&'r [f32], StreamError> {
+        self.forward_impl(state, run, tokens, want, None, None)?;
+        Ok(run.logits())
+    }
+
     /// [`Model::forward`] that also records per-layer outputs and routing into `trace`.
     ///
     /// A read failure leaves `state` untouched only up to the failing layer: callers restore a
@@ -262,7 +349,9 @@ impl Model {
         want: Logits,
         trace: Option<&mut Trace>,
     ) -> Result<Vec<f32>, StreamError> {
-        self.forward_impl(state, tokens, want, trace, None)
+        let mut run = RunState::new();
+        self.forward_impl(state, &mut run, tokens, want, trace, None)?;
+        Ok(take_logits(run))
     }
 
     /// Run a chunk that may be only partly kept (speculative verification): the logits of
@@ -277,9 +366,17 @@ impl Model {
     ) -> Result<(Vec<f32>, Rollback), StreamError> {
         let base = state.n_pos;
         let mut records: Vec<Option<kda::KdaRecord>> = vec![None; state.layers.len()];
-        let logits = self.forward_impl(state, tokens, Logits::All, None, Some(&mut records))?;
+        let mut run = RunState::new();
+        self.forward_impl(
+            state,
+            &mut run,
+            tokens,
+            Logits::All,
+            None,
+            Some(&mut records),
+        )?;
         Ok((
-            logits,
+            take_logits(run),
             Rollback {
                 base,
                 len: tokens.len(),
@@ -288,19 +385,37 @@ impl Model {
         ))
     }
 
+    /// The forward pass, run on a thread of the rayon pool (the caller's, or the global one):
+    /// the kernels' parallel loops then start from inside the pool, which hands them out
+    /// without allocating, where a call from outside queues each one through the pool's
+    /// shared queue.
     fn forward_impl(
         &self,
         state: &mut SeqState,
+        run: &mut RunState,
+        tokens: &[u32],
+        want: Logits,
+        trace: Option<&mut Trace>,
+        records: Option<&mut Vec<Option<kda::KdaRecord>>>,
+    ) -> Result<(), StreamError> {
+        rayon::scope(|_| self.forward_chunk(state, run, tokens, want, trace, records))
+    }
+
+    fn forward_chunk(
+        &self,
+        state: &mut SeqState,
+        run: &mut RunState,
         tokens: &[u32],
         want: Logits,
         mut trace: Option<&mut Trace>,
         mut records: Option<&mut Vec<Option<kda::KdaRecord>>>,
-    ) -> Result<Vec<f32>, StreamError> {
+    ) -> Result<(), StreamError> {
         let cfg = &self.cfg;
         let d = cfg.hidden_size;
         let n_tok = tokens.len();
+        run.n_logits = 0;
         if n_tok == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
         for &id in tokens {
             assert!(
@@ -308,35 +423,68 @@ impl Model {
                 "token id {id} outside the vocabulary"
             );
         }
-        let x = self.weights.embed(tokens, d)?;
-        let mut res = Residuals {
-            blocks: Vec::new(),
-            partial: Some(x),
-        };
+        let n = n_tok * d;
+        run.len = n;
+        fit(&mut run.h, n);
+        self.weights
+            .embed_into(tokens, d, fit(&mut run.partial, n))?;
+        run.has_partial = true;
+        run.n_blocks = 0;
+        let want_routing = trace.is_some();
         for (il, ls) in state.layers.iter_mut().enumerate() {
             let layer = self.weights.layer(il)?;
             let record = records.as_deref_mut().map(|r| &mut r[il]);
-            let routing = layer.forward(il, cfg, &mut res, ls, &self.weights, record)?;
+            let routing = layer.forward(il, cfg, run, ls, &self.weights, record, want_routing)?;
             drop(layer);
             if let Some(t) = trace.as_deref_mut() {
-                t.layer_out.push(res.partial.clone().unwrap_or_default());
+                t.layer_out.push(run.partial[..n].to_vec());
                 t.routing.push(routing.unwrap_or_default());
             }
         }
         state.n_pos += n_tok;
-        let mut h = res.mix(&self.out_res_fold, cfg.rms_norm_eps, d, n_tok * d);
+        let eps = cfg.rms_norm_eps;
+        let RunState {
+            blocks,
+            n_blocks,
+            partial,
+            has_partial,
+            h,
+            mix_k,
+            mix_a,
+            logits,
+            n_logits,
+            ..
+        } = run;
+        let h = &mut h[..n];
+        let partial = has_partial.then_some(&partial[..n]);
+        mix_into(
+            blocks,
+            *n_blocks,
+            partial,
+            &self.out_res_fold,
+            eps,
+            d,
+            h,
+            mix_k,
+            mix_a,
+        );
         for row in h.chunks_mut(d) {
-            ops::rmsnorm(row, &self.norm, cfg.rms_norm_eps);
+            ops::rmsnorm(row, &self.norm, eps);
         }
         if let Some(t) = trace {
-            t.final_hidden.clone_from(&h);
+            t.final_hidden.clear();
+            t.final_hidden.extend_from_slice(h);
         }
         let rows: &[f32] = match want {
-            Logits::None => return Ok(Vec::new()),
+            Logits::None => return Ok(()),
             Logits::Last => &h[(n_tok - 1) * d..],
-            Logits::All => &h,
+            Logits::All => h,
         };
-        self.weights.head(rows, cfg.vocab_size, d)
+        let len = rows.len() / d * cfg.vocab_size;
+        self.weights
+            .head_into(rows, cfg.vocab_size, d, fit(logits, len))?;
+        *n_logits = len;
+        Ok(())
     }
 
     /// Leave `state`, given to [`Model::forward_verify`] with `rollback`'s chunk, after the
@@ -373,4 +521,11 @@ impl Model {
             Weights::Resident { .. } => None,
         }
     }
+}
+
+/// The logits a [`RunState`] holds, as an owned vector.
+fn take_logits(mut run: RunState) -> Vec<f32> {
+    let mut v = std::mem::take(&mut run.logits);
+    v.truncate(run.n_logits);
+    v
 }

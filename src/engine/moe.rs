@@ -5,7 +5,7 @@
 //! is accumulated in top-k order, RMS-normalised once, and projected up; the shared experts run on
 //! the full-width input and are added unweighted.
 
-use super::tensor::{Dense, Matrix};
+use super::tensor::{fit, Dense, Matrix};
 use crate::kernels::{self, ops};
 use std::sync::Arc;
 
@@ -65,58 +65,118 @@ pub struct MoeParams {
 /// in descending biased-score order.
 #[must_use]
 pub fn route(logits: &[f32], bias: &[f32], p: &MoeParams) -> (Vec<usize>, Vec<f32>) {
-    let scores: Vec<f32> = logits.iter().map(|&l| ops::sigmoid(l)).collect();
-    let choice: Vec<f32> = scores.iter().zip(bias).map(|(&s, &b)| s + b).collect();
-    let mut taken = vec![false; scores.len()];
-    let mut idx = Vec::with_capacity(p.top_k);
+    let mut sc = RouteScratch::default();
+    let mut idx = vec![0; p.top_k];
+    let mut weights = vec![0f32; p.top_k];
+    let n = route_into(logits, bias, p, &mut sc, &mut idx, &mut weights);
+    idx.truncate(n);
+    weights.truncate(n);
+    (idx, weights)
+}
+
+/// Buffers of [`route_into`], reused between calls.
+#[derive(Clone, Debug, Default)]
+pub struct RouteScratch {
+    scores: Vec<f32>,
+    choice: Vec<f32>,
+    taken: Vec<bool>,
+}
+
+/// [`route`] into `idx` and `weights` (each at least `top_k` long); returns how many experts
+/// were chosen (`top_k`, or fewer when there are fewer experts).
+pub fn route_into(
+    logits: &[f32],
+    bias: &[f32],
+    p: &MoeParams,
+    sc: &mut RouteScratch,
+    idx: &mut [usize],
+    weights: &mut [f32],
+) -> usize {
+    sc.scores.clear();
+    sc.scores.extend(logits.iter().map(|&l| ops::sigmoid(l)));
+    sc.choice.clear();
+    sc.choice
+        .extend(sc.scores.iter().zip(bias).map(|(&s, &b)| s + b));
+    sc.taken.clear();
+    sc.taken.resize(sc.scores.len(), false);
+    let mut n = 0;
     for _ in 0..p.top_k {
         let mut best: Option<usize> = None;
-        for (e, &c) in choice.iter().enumerate() {
-            if !taken[e] && best.is_none_or(|b| c > choice[b]) {
+        for (e, &c) in sc.choice.iter().enumerate() {
+            if !sc.taken[e] && best.is_none_or(|b| c > sc.choice[b]) {
                 best = Some(e);
             }
         }
         let Some(b) = best else { break };
-        taken[b] = true;
-        idx.push(b);
+        sc.taken[b] = true;
+        idx[n] = b;
+        n += 1;
     }
-    let mut weights: Vec<f32> = idx.iter().map(|&e| scores[e]).collect();
+    let weights = &mut weights[..n];
+    for (w, &e) in weights.iter_mut().zip(&idx[..n]) {
+        *w = sc.scores[e];
+    }
     if p.renormalize && p.top_k > 1 {
         let sum: f32 = weights.iter().sum();
         let inv = 1.0 / (sum + 1e-20);
-        for w in &mut weights {
+        for w in weights.iter_mut() {
             *w *= inv;
         }
     }
-    for w in &mut weights {
+    for w in weights.iter_mut() {
         *w *= p.scaling;
     }
-    (idx, weights)
+    n
 }
 
 /// A matrix applied to a batch of vectors.
 trait Apply {
-    fn apply_batch(&self, x: &[f32]) -> Vec<f32>;
+    fn out_rows(&self) -> usize;
+    fn apply_batch_into(&self, x: &[f32], y: &mut [f32]);
 }
 
 impl Apply for Matrix {
-    fn apply_batch(&self, x: &[f32]) -> Vec<f32> {
-        self.apply(x)
+    fn out_rows(&self) -> usize {
+        self.rows()
+    }
+
+    fn apply_batch_into(&self, x: &[f32], y: &mut [f32]) {
+        self.apply_into(x, y);
     }
 }
 
 impl Apply for Dense {
-    fn apply_batch(&self, x: &[f32]) -> Vec<f32> {
-        self.apply(x)
+    fn out_rows(&self) -> usize {
+        self.rows
+    }
+
+    fn apply_batch_into(&self, x: &[f32], y: &mut [f32]) {
+        self.apply_into(x, y);
     }
 }
 
-/// `down(SiTU(gate x, up x))` for a batch.
-fn situ_glu_mlp<M: Apply>(gate: &M, up: &M, down: &M, x: &[f32], b1: f32, b2: f32) -> Vec<f32> {
-    let mut g = gate.apply_batch(x);
-    let u = up.apply_batch(x);
-    ops::situ_inplace(&mut g, &u, b1, b2);
-    down.apply_batch(&g)
+/// `down(SiTU(gate x, up x))` for a batch `x` `[n_tok, in]` into `out` `[n_tok, down rows]`,
+/// with `g` and `u` as the intermediate buffers.
+#[allow(clippy::too_many_arguments)]
+fn situ_glu_into<M: Apply>(
+    gate: &M,
+    up: &M,
+    down: &M,
+    x: &[f32],
+    b1: f32,
+    b2: f32,
+    g: &mut Vec<f32>,
+    u: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let n_tok = out.len() / down.out_rows().max(1);
+    let inter = gate.out_rows();
+    let g = fit(g, n_tok * inter);
+    let u = fit(u, n_tok * up.out_rows());
+    gate.apply_batch_into(x, g);
+    up.apply_batch_into(x, u);
+    ops::situ_inplace(g, u, b1, b2);
+    down.apply_batch_into(g, out);
 }
 
 /// Dense SiTU MLP (layer 0) weights.
@@ -134,12 +194,215 @@ impl DenseMlp {
     /// `down(SiTU(gate x, up x))` for `x` `[n_tok, hidden]`.
     #[must_use]
     pub fn forward(&self, x: &[f32], beta1: f32, beta2: f32) -> Vec<f32> {
-        situ_glu_mlp(&self.gate, &self.up, &self.down, x, beta1, beta2)
+        let n_tok = x.len() / self.gate.cols;
+        let mut out = vec![0f32; n_tok * self.down.rows];
+        self.forward_into(x, beta1, beta2, &mut MoeScratch::default(), &mut out);
+        out
+    }
+
+    /// [`DenseMlp::forward`] into `out` `[n_tok, hidden]`, its intermediates in `sc`.
+    pub fn forward_into(
+        &self,
+        x: &[f32],
+        beta1: f32,
+        beta2: f32,
+        sc: &mut MoeScratch,
+        out: &mut [f32],
+    ) {
+        situ_glu_into(
+            &self.gate, &self.up, &self.down, x, beta1, beta2, &mut sc.g, &mut sc.u, out,
+        );
     }
 }
 
 /// Routing decisions of a chunk: per token, experts and weights.
 pub type Routing = Vec<(Vec<usize>, Vec<f32>)>;
+
+/// The buffers one MoE block (or dense MLP) needs, reused between calls: after the first call
+/// of a given chunk length, a call allocates nothing.
+#[derive(Clone, Debug, Default)]
+pub struct MoeScratch {
+    /// `[n_tok, n_expert]` router logits.
+    logits: Vec<f32>,
+    route: RouteScratch,
+    /// `[n_tok, top_k]` chosen experts and their weights; `count[t]` of each row are valid.
+    idx: Vec<usize>,
+    weights: Vec<f32>,
+    count: Vec<usize>,
+    top_k: usize,
+    /// Experts in use, in id order.
+    used: Vec<usize>,
+    /// `(token, slot)` pairs that chose the expert being computed.
+    users: Vec<(usize, usize)>,
+    /// `[n_tok, latent]` the projected-down input.
+    z: Vec<f32>,
+    /// `[users, latent]` its rows for one expert, and that expert's outputs.
+    zs: Vec<f32>,
+    ye: Vec<f32>,
+    /// SiTU intermediates.
+    g: Vec<f32>,
+    u: Vec<f32>,
+    /// `[n_tok, top_k, latent]` each (token, slot)'s expert output.
+    outs: Vec<f32>,
+    /// `[n_tok, latent]` the weighted routed aggregate.
+    agg: Vec<f32>,
+    /// `[n_tok, hidden]` the shared experts' output.
+    shared: Vec<f32>,
+    n_tok: usize,
+    latent: usize,
+    hidden: usize,
+    /// Whether `z` and `shared` hold this call's values.
+    shared_done: bool,
+}
+
+impl MoeScratch {
+    /// Bytes the buffers hold (their capacity).
+    #[must_use]
+    pub fn bytes(&self) -> usize {
+        let f = [
+            &self.logits,
+            &self.weights,
+            &self.z,
+            &self.zs,
+            &self.ye,
+            &self.g,
+            &self.u,
+            &self.outs,
+            &self.agg,
+            &self.shared,
+        ]
+        .into_iter()
+        .map(|v| v.capacity() * 4)
+        .sum::<usize>();
+        let r = &self.route;
+        f + (r.scores.capacity() + r.choice.capacity()) * 4
+            + r.taken.capacity()
+            + (self.idx.capacity() + self.count.capacity() + self.used.capacity())
+                * std::mem::size_of::<usize>()
+            + self.users.capacity() * 2 * std::mem::size_of::<usize>()
+    }
+
+    /// The routing decisions of the last call, as an owned value.
+    #[must_use]
+    pub fn routing(&self) -> Routing {
+        (0..self.n_tok)
+            .map(|t| {
+                let row = t * self.top_k..t * self.top_k + self.count[t];
+                (self.idx[row.clone()].to_vec(), self.weights[row].to_vec())
+            })
+            .collect()
+    }
+
+    /// Route the chunk `x` and list the experts it uses.
+    fn prepare(&mut self, w: &MoeWeights, p: &MoeParams, x: &[f32]) {
+        let hidden = w.gate.cols;
+        let n_tok = x.len() / hidden;
+        let n_exp = w.gate.rows;
+        let latent = w.down.rows;
+        (self.n_tok, self.latent, self.hidden, self.top_k) = (n_tok, latent, hidden, p.top_k);
+        self.shared_done = false;
+        let logits = fit(&mut self.logits, n_tok * n_exp);
+        w.gate.apply_into(x, logits);
+        let idx = fit(&mut self.idx, n_tok * p.top_k);
+        let weights = fit(&mut self.weights, n_tok * p.top_k);
+        let count = fit(&mut self.count, n_tok);
+        for t in 0..n_tok {
+            let row = t * p.top_k..(t + 1) * p.top_k;
+            count[t] = route_into(
+                &logits[t * n_exp..(t + 1) * n_exp],
+                &w.bias,
+                p,
+                &mut self.route,
+                &mut idx[row.clone()],
+                &mut weights[row],
+            );
+        }
+        self.used.clear();
+        for (t, &c) in count.iter().enumerate() {
+            self.used
+                .extend_from_slice(&idx[t * p.top_k..t * p.top_k + c]);
+        }
+        self.used.sort_unstable();
+        self.used.dedup();
+    }
+
+    /// Work that needs no routed expert: the latent projection and the shared experts.
+    fn shared_and_latent(&mut self, w: &MoeWeights, p: &MoeParams, x: &[f32]) {
+        if self.shared_done {
+            return;
+        }
+        self.shared_done = true;
+        let z = fit(&mut self.z, self.n_tok * self.latent);
+        w.down.apply_into(x, z);
+        let shared = fit(&mut self.shared, self.n_tok * self.hidden);
+        situ_glu_into(
+            &w.shared_gate,
+            &w.shared_up,
+            &w.shared_down,
+            x,
+            p.beta1,
+            p.beta2,
+            &mut self.g,
+            &mut self.u,
+            shared,
+        );
+    }
+
+    /// Routed expert `e` over the tokens that chose it, into their (token, slot) outputs.
+    fn run_expert(&mut self, e: usize, ex: &Expert, p: &MoeParams) {
+        let (latent, top_k) = (self.latent, self.top_k);
+        self.users.clear();
+        for t in 0..self.n_tok {
+            let row = &self.idx[t * top_k..t * top_k + self.count[t]];
+            if let Some(j) = row.iter().position(|&i| i == e) {
+                self.users.push((t, j));
+            }
+        }
+        let n = self.users.len();
+        let zs = fit(&mut self.zs, n * latent);
+        for (zr, &(t, _)) in zs.chunks_mut(latent).zip(&self.users) {
+            zr.copy_from_slice(&self.z[t * latent..(t + 1) * latent]);
+        }
+        let ye = fit(&mut self.ye, n * latent);
+        situ_glu_into(
+            &ex.w1,
+            &ex.w3,
+            &ex.w2,
+            zs,
+            p.beta1,
+            p.beta2,
+            &mut self.g,
+            &mut self.u,
+            ye,
+        );
+        let outs = fit(&mut self.outs, self.n_tok * top_k * latent);
+        for (yr, &(t, j)) in ye.chunks(latent).zip(&self.users) {
+            let at = (t * top_k + j) * latent;
+            outs[at..at + latent].copy_from_slice(yr);
+        }
+    }
+
+    /// Sum each token's expert outputs in top-k order, normalise, project up and add the
+    /// shared experts: `out` `[n_tok, hidden]`.
+    fn finish(&mut self, w: &MoeWeights, p: &MoeParams, out: &mut [f32]) {
+        let (latent, top_k) = (self.latent, self.top_k);
+        let agg = fit(&mut self.agg, self.n_tok * latent);
+        let outs = fit(&mut self.outs, self.n_tok * top_k * latent);
+        for (t, ut) in agg.chunks_mut(latent).enumerate() {
+            ut.fill(0.0);
+            for j in 0..self.count[t] {
+                let at = (t * top_k + j) * latent;
+                // Every selected (token, slot) was filled by the loop over experts.
+                kernels::axpy(self.weights[t * top_k + j], &outs[at..at + latent], ut);
+            }
+            ops::rmsnorm(ut, &w.norm, p.rms_eps);
+        }
+        w.up.apply_into(agg, out);
+        for (a, b) in out.iter_mut().zip(&self.shared) {
+            *a += b;
+        }
+    }
+}
 
 /// A group of experts being fetched: `(position in the ids asked for, expert)` in whatever
 /// order they become available.
@@ -155,26 +418,6 @@ pub trait ExpertSource {
     fn start<'s>(&'s self, ids: &[usize]) -> Arrivals<'s, Self::Error>;
 }
 
-/// Experts held in memory, handed out in the order asked.
-struct Held<'a>(&'a [Arc<Expert>]);
-
-impl ExpertSource for Held<'_> {
-    type Error = std::convert::Infallible;
-
-    fn group(&self) -> usize {
-        usize::MAX
-    }
-
-    fn start<'s>(&'s self, ids: &[usize]) -> Arrivals<'s, Self::Error> {
-        let got: Vec<_> = ids
-            .iter()
-            .enumerate()
-            .map(|(k, &e)| Ok((k, Arc::clone(&self.0[e]))))
-            .collect();
-        Box::new(got.into_iter())
-    }
-}
-
 /// One MoE block over `x` `[n_tok, hidden]` with the experts held in `w`; also returns the
 /// routing decisions.
 ///
@@ -182,10 +425,31 @@ impl ExpertSource for Held<'_> {
 /// If `w.experts` does not hold every routed expert.
 #[must_use]
 pub fn forward(w: &MoeWeights, p: &MoeParams, x: &[f32]) -> (Vec<f32>, Routing) {
-    match forward_with(w, p, x, &Held(&w.experts)) {
-        Ok(r) => r,
-        Err(never) => match never {},
+    let mut sc = MoeScratch::default();
+    let mut y = vec![0f32; x.len()];
+    forward_into(w, p, x, &mut sc, &mut y);
+    (y, sc.routing())
+}
+
+/// [`forward`] into `out` `[n_tok, hidden]` with the buffers of `sc`, where the routing is
+/// left ([`MoeScratch::routing`]).
+///
+/// # Panics
+/// If `w.experts` does not hold every routed expert.
+pub fn forward_into(
+    w: &MoeWeights,
+    p: &MoeParams,
+    x: &[f32],
+    sc: &mut MoeScratch,
+    out: &mut [f32],
+) {
+    sc.prepare(w, p, x);
+    sc.shared_and_latent(w, p, x);
+    for i in 0..sc.used.len() {
+        let e = sc.used[i];
+        sc.run_expert(e, &w.experts[e], p);
     }
+    sc.finish(w, p, out);
 }
 
 /// One MoE block whose routed experts come from `source`, asked for at most `group()` at a
@@ -198,74 +462,20 @@ pub fn forward_with<S: ExpertSource + ?Sized>(
     x: &[f32],
     source: &S,
 ) -> Result<(Vec<f32>, Routing), S::Error> {
-    let hidden = w.gate.cols;
-    let n_tok = x.len() / hidden;
-    let n_exp = w.gate.rows;
-    let logits = w.gate.apply(x);
-    let routing: Routing = logits.chunks(n_exp).map(|l| route(l, &w.bias, p)).collect();
-    let latent = w.down.rows;
-    // Experts in use, in id order; each runs once over the tokens that chose it.
-    let mut used: Vec<usize> = routing
-        .iter()
-        .flat_map(|(idx, _)| idx.iter().copied())
-        .collect();
-    used.sort_unstable();
-    used.dedup();
-    let mut outs: Vec<Vec<Vec<f32>>> = routing
-        .iter()
-        .map(|(idx, _)| vec![Vec::new(); idx.len()])
-        .collect();
-    let shared = || {
-        situ_glu_mlp(
-            &w.shared_gate,
-            &w.shared_up,
-            &w.shared_down,
-            x,
-            p.beta1,
-            p.beta2,
-        )
-    };
-    let mut ys: Option<Vec<f32>> = None;
-    let mut z: Option<Vec<f32>> = None;
+    let mut sc = MoeScratch::default();
+    sc.prepare(w, p, x);
+    let used = std::mem::take(&mut sc.used);
     for ids in used.chunks(source.group().max(1)) {
         let arrivals = source.start(ids);
         // Work that needs no routed expert, done while the first group's reads are in flight.
-        let z = z.get_or_insert_with(|| w.down.apply(x));
-        if ys.is_none() {
-            ys = Some(shared());
-        }
+        sc.shared_and_latent(w, p, x);
         for got in arrivals {
             let (k, ex) = got?;
-            let e = ids[k];
-            let users: Vec<(usize, usize)> = routing
-                .iter()
-                .enumerate()
-                .filter_map(|(t, (idx, _))| idx.iter().position(|&i| i == e).map(|j| (t, j)))
-                .collect();
-            let mut zs = Vec::with_capacity(users.len() * latent);
-            for &(t, _) in &users {
-                zs.extend_from_slice(&z[t * latent..(t + 1) * latent]);
-            }
-            let y = situ_glu_mlp(&ex.w1, &ex.w3, &ex.w2, &zs, p.beta1, p.beta2);
-            for (n, &(t, j)) in users.iter().enumerate() {
-                outs[t][j] = y[n * latent..(n + 1) * latent].to_vec();
-            }
+            sc.run_expert(ids[k], &ex, p);
         }
     }
-    let ys = ys.unwrap_or_else(shared);
-    let mut u = vec![0f32; n_tok * latent];
-    for t in 0..n_tok {
-        let ut = &mut u[t * latent..(t + 1) * latent];
-        for (j, &wj) in routing[t].1.iter().enumerate() {
-            // Every selected (token, slot) was filled by the loop over experts above.
-            debug_assert_eq!(outs[t][j].len(), latent);
-            kernels::axpy(wj, &outs[t][j], ut);
-        }
-        ops::rmsnorm(ut, &w.norm, p.rms_eps);
-    }
-    let mut y = w.up.apply(&u);
-    for (a, b) in y.iter_mut().zip(&ys) {
-        *a += b;
-    }
-    Ok((y, routing))
+    sc.shared_and_latent(w, p, x);
+    let mut y = vec![0f32; x.len()];
+    sc.finish(w, p, &mut y);
+    Ok((y, sc.routing()))
 }

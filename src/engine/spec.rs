@@ -20,6 +20,7 @@
 //! of passes of each length, and stops drafting when it does not pay.
 
 use super::model::{Logits, Model, Rollback};
+use super::run_state::RunState;
 use super::state::SeqState;
 use crate::stream::StreamError;
 use std::collections::VecDeque;
@@ -358,6 +359,10 @@ pub struct Speculator {
     open: Option<Verified>,
     stats: SpecStats,
     draft: Vec<u32>,
+    /// The buffers of the single-token passes, kept between steps.
+    run: RunState,
+    /// The logits handed out last when they came from a verified chunk.
+    current: Vec<f32>,
 }
 
 impl std::fmt::Debug for Speculator {
@@ -386,6 +391,8 @@ impl Speculator {
             open: None,
             stats: SpecStats::default(),
             draft: Vec::with_capacity(MAX_DRAFT),
+            run: RunState::new(),
+            current: Vec::new(),
         }
     }
 
@@ -401,12 +408,6 @@ impl Speculator {
         self.stats
     }
 
-    /// Feed `next` (just sampled; `history` ends with it) to the model and return the logits
-    /// that follow it. `room` is how many positions past `next` the state may take (the
-    /// context limit): drafts are never longer.
-    ///
-    /// # Errors
-    /// A weight read failed; `state` may be partly advanced (restore a snapshot).
     /// The drafted token expected at the position being sampled now, while a verified chunk
     /// is open (for speculative sampling that preserves the distribution).
     #[must_use]
@@ -414,6 +415,13 @@ impl Speculator {
         self.open.as_ref()?.queue.front().map(|(id, _)| *id)
     }
 
+    /// Feed `next` (just sampled; `history` ends with it) to the model and return the logits
+    /// that follow it, borrowed from the speculator until its next call. `room` is how many
+    /// positions past `next` the state may take (the context limit): drafts are never longer.
+    /// A pass without a draft reuses the speculator's run state and allocates nothing.
+    ///
+    /// # Errors
+    /// A weight read failed; `state` may be partly advanced (restore a snapshot).
     pub fn advance(
         &mut self,
         model: &Model,
@@ -421,7 +429,7 @@ impl Speculator {
         history: &[u32],
         next: u32,
         room: usize,
-    ) -> Result<Vec<f32>, StreamError> {
+    ) -> Result<&[f32], StreamError> {
         self.stats.steps += 1;
         if let Some(v) = self.open.as_mut() {
             if v.queue.front().is_some_and(|(id, _)| *id == next) {
@@ -431,7 +439,8 @@ impl Speculator {
                 if v.queue.is_empty() {
                     self.close(model, state);
                 }
-                return Ok(logits);
+                self.current = logits;
+                return Ok(&self.current);
             }
             self.close(model, state);
         }
@@ -444,7 +453,7 @@ impl Speculator {
         self.stats.passes += 1;
         let t = Instant::now();
         if self.draft.is_empty() {
-            let logits = model.forward(state, &[next], Logits::Last)?;
+            let logits = model.forward_run(state, &mut self.run, &[next], Logits::Last)?;
             self.governor.observe(0, 0, 0, t.elapsed().as_secs_f64());
             return Ok(logits);
         }
@@ -465,7 +474,8 @@ impl Speculator {
             drafted: self.draft.len(),
             seconds: t.elapsed().as_secs_f64(),
         });
-        Ok(first)
+        self.current = first;
+        Ok(&self.current)
     }
 
     /// Cut the state back to the tokens actually consumed (call before leaving the decoding

@@ -43,6 +43,17 @@ impl SeqState {
         SeqState { n_pos: 0, layers }
     }
 
+    /// Make room in the MLA latent caches for `positions` positions in all, so that decoding
+    /// up to there never reallocates a cache (a clone still holds only what is used).
+    pub fn reserve(&mut self, positions: usize, cfg: &ModelConfig) {
+        let cw = mla_params(cfg).cache_width();
+        for l in &mut self.layers {
+            if let LayerState::Mla(c) = l {
+                c.reserve(positions.saturating_mul(cw).saturating_sub(c.len()));
+            }
+        }
+    }
+
     /// Floats the MLA latent cache holds per position and MLA layer.
     #[must_use]
     pub fn mla_floats_per_position(cfg: &ModelConfig) -> usize {

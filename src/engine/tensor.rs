@@ -50,8 +50,13 @@ impl Dense {
     pub fn apply(&self, x: &[f32]) -> Vec<f32> {
         let n_tok = x.len() / self.cols;
         let mut y = vec![0f32; n_tok * self.rows];
-        kernels::matmul(self.view(), self.rows, self.cols, x, &mut y);
+        self.apply_into(x, &mut y);
         y
+    }
+
+    /// [`Dense::apply`] into `y` `[n_tok, rows]` (overwritten).
+    pub fn apply_into(&self, x: &[f32], y: &mut [f32]) {
+        kernels::matmul(self.view(), self.rows, self.cols, x, y);
     }
 
     /// Dot product of row `r` with `x`.
@@ -123,20 +128,44 @@ impl Matrix {
     /// `y[t] = W x[t]` for a batch.
     #[must_use]
     pub fn apply(&self, x: &[f32]) -> Vec<f32> {
+        let n_tok = x.len() / self.cols();
+        let mut y = vec![0f32; n_tok * self.rows()];
+        self.apply_into(x, &mut y);
+        y
+    }
+
+    /// Input features.
+    #[must_use]
+    pub fn cols(&self) -> usize {
         match self {
-            Matrix::Dense(d) => d.apply(x),
+            Matrix::Dense(d) => d.cols,
+            Matrix::Mxfp4(m) => m.cols,
+        }
+    }
+
+    /// [`Matrix::apply`] into `y` `[n_tok, rows]` (overwritten).
+    pub fn apply_into(&self, x: &[f32], y: &mut [f32]) {
+        match self {
+            Matrix::Dense(d) => d.apply_into(x, y),
             Matrix::Mxfp4(m) => {
-                let n_tok = x.len() / m.cols;
-                let mut y = vec![0f32; n_tok * m.rows];
                 let view = Mxfp4Matrix {
                     packed: &m.packed,
                     scales: &m.scales,
                     rows: m.rows,
                     cols: m.cols,
                 };
-                kernels::matmul_mxfp4(&view, x, &mut y);
-                y
+                kernels::matmul_mxfp4(&view, x, y);
             }
         }
     }
+}
+
+/// The first `n` elements of `buf`, grown (never shrunk) to hold them: a reusable buffer
+/// whose contents the caller overwrites. It allocates only when `n` exceeds every earlier
+/// request.
+pub fn fit<T: Clone + Default>(buf: &mut Vec<T>, n: usize) -> &mut [T] {
+    if buf.len() < n {
+        buf.resize(n, T::default());
+    }
+    &mut buf[..n]
 }

@@ -911,14 +911,17 @@ impl<'a> Session<'a> {
             let step = self
                 .spec
                 .advance(self.model, &mut self.state, &history, next, room);
-            logits = match step {
-                Ok(l) => l,
+            match step {
+                Ok(l) => {
+                    logits.clear();
+                    logits.extend_from_slice(l);
+                }
                 Err(e) => {
                     self.spec.abandon();
                     self.drop_live_state();
                     return Err(e.into());
                 }
-            };
+            }
             self.tokens.push(next);
             self.positions.store(self.tokens.len(), Ordering::Relaxed);
         };

@@ -121,7 +121,8 @@ fn generate(
         }
         logits = spec
             .advance(m, &mut st, &history, next, n - step - 2)
-            .unwrap();
+            .unwrap()
+            .to_vec();
     }
     spec.settle(m, &mut st);
     // The state covers exactly the fed tokens: everything but the last sampled id.
@@ -223,7 +224,8 @@ fn a_right_draft_is_used_and_a_wrong_one_is_not() {
             history.push(next);
             logits = spec
                 .advance(&m, &mut st, &history, next, 18 - step)
-                .unwrap();
+                .unwrap()
+                .to_vec();
         }
         spec.settle(&m, &mut st);
         spec.stats()

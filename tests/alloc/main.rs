@@ -1,0 +1,177 @@
+//! Allocations of a decoding step on the resident path: after a few warm-up steps have sized
+//! the run state's buffers, a step allocates nothing, on any thread.
+//!
+//! The counting allocator (`stats_alloc`) counts every thread of the process, rayon's workers
+//! included, so a step that moved an allocation onto a worker would still be caught. The
+//! tests of this binary take turns (a lock), and nothing else runs while one measures.
+#![allow(clippy::unwrap_used)]
+
+use k3::engine::spec::{SpecMode, Speculator};
+use k3::engine::{Logits, Model, RunState, SeqState};
+use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
+use std::alloc::System;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+#[global_allocator]
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+/// One measurement at a time: the counts are process-wide.
+static TURN: Mutex<()> = Mutex::new(());
+
+/// Warm-up steps before counting, and steps counted.
+const WARM: usize = 3;
+const STEPS: usize = 128;
+/// What a step called from outside the rayon pool may allocate: each forward call hands one
+/// job to the pool through its shared queue, which takes a fresh block every 63 jobs (a
+/// count that does not depend on the model's size, depth or context). Called from inside the
+/// pool, a step allocates nothing at all.
+const OUTSIDE_THE_POOL: usize = STEPS / 32;
+/// Positions the states reserve: the prompt and every step.
+const POSITIONS: usize = 5 + WARM + STEPS;
+
+fn fixture(set: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(set)
+}
+
+fn prompt(m: &Model) -> Vec<u32> {
+    let v = m.cfg.vocab_size as u32;
+    (0..5u32).map(|i| (7 + 13 * i) % v).collect()
+}
+
+/// Allocations (fresh and regrown) made while `f` runs, on every thread.
+fn allocations(f: impl FnOnce()) -> usize {
+    let region = Region::new(GLOBAL);
+    f();
+    let c = region.change();
+    c.allocations + c.reallocations
+}
+
+/// Decode greedily with a kept run state; returns the allocations of the counted steps and
+/// the logits of every step (warm-up and counted).
+fn decode_run_state(m: &Model) -> (usize, Vec<Vec<f32>>) {
+    let mut st = SeqState::new(&m.cfg);
+    st.reserve(POSITIONS, &m.cfg);
+    let mut run = RunState::new();
+    let mut seen = Vec::new();
+    let mut next = k3::kernels::argmax(
+        m.forward_run(&mut st, &mut run, &prompt(m), Logits::Last)
+            .unwrap(),
+    );
+    seen.push(run.logits().to_vec());
+    for _ in 0..WARM {
+        next = k3::kernels::argmax(
+            m.forward_run(&mut st, &mut run, &[next], Logits::Last)
+                .unwrap(),
+        );
+        seen.push(run.logits().to_vec());
+    }
+    let mut counted = vec![0f32; STEPS * m.cfg.vocab_size];
+    let n = allocations(|| {
+        for row in counted.chunks_mut(m.cfg.vocab_size) {
+            let l = m
+                .forward_run(&mut st, &mut run, &[next], Logits::Last)
+                .unwrap();
+            row.copy_from_slice(l);
+            next = k3::kernels::argmax(l);
+        }
+    });
+    seen.extend(counted.chunks(m.cfg.vocab_size).map(<[f32]>::to_vec));
+    (n, seen)
+}
+
+/// The same greedy decode through the allocating API: the oracle for the logits.
+fn decode_plain(m: &Model) -> Vec<Vec<f32>> {
+    let mut st = SeqState::new(&m.cfg);
+    let mut logits = m.forward(&mut st, &prompt(m), Logits::Last).unwrap();
+    let mut seen = vec![logits.clone()];
+    for _ in 0..WARM + STEPS {
+        let next = k3::kernels::argmax(&logits);
+        logits = m.forward(&mut st, &[next], Logits::Last).unwrap();
+        seen.push(logits.clone());
+    }
+    seen
+}
+
+fn bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    rows.iter()
+        .map(|r| r.iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
+
+#[test]
+fn a_resident_decoding_step_allocates_nothing() {
+    let _turn = TURN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    // Two shapes (6 and 9 layers, different widths, block sizes and expert counts): the count
+    // does not depend on any of them.
+    for set in ["tiny", "tiny2"] {
+        let m = Model::load(&fixture(set)).unwrap();
+        let (n, seen) = decode_run_state(&m);
+        assert!(
+            n <= OUTSIDE_THE_POOL,
+            "{set}: {n} allocations in {STEPS} decoding steps"
+        );
+        assert_eq!(
+            bits(&seen),
+            bits(&decode_plain(&m)),
+            "{set}: the run state changed a bit of the logits"
+        );
+    }
+}
+
+#[test]
+fn a_step_on_two_worker_threads_allocates_nothing() {
+    let _turn = TURN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let m = Model::load(&fixture("tiny2")).unwrap();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let (n, seen) = pool.install(|| decode_run_state(&m));
+    assert_eq!(
+        n, 0,
+        "{n} allocations in {STEPS} decoding steps on two threads"
+    );
+    assert_eq!(bits(&seen), bits(&decode_plain(&m)));
+}
+
+#[test]
+fn a_speculator_step_without_a_draft_allocates_nothing() {
+    let _turn = TURN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let m = Model::load(&fixture("tiny")).unwrap();
+    let mut st = SeqState::new(&m.cfg);
+    st.reserve(POSITIONS, &m.cfg);
+    let mut spec = Speculator::new(SpecMode::Off);
+    let mut history = prompt(&m);
+    history.reserve(WARM + STEPS + 1);
+    let mut logits = m.forward(&mut st, &history, Logits::Last).unwrap();
+    let mut step = |history: &mut Vec<u32>, logits: &mut Vec<f32>| {
+        let next = k3::kernels::argmax(logits);
+        history.push(next);
+        let l = spec.advance(&m, &mut st, history, next, POSITIONS).unwrap();
+        logits.clear();
+        logits.extend_from_slice(l);
+    };
+    for _ in 0..WARM {
+        step(&mut history, &mut logits);
+    }
+    let n = allocations(|| {
+        for _ in 0..STEPS {
+            step(&mut history, &mut logits);
+        }
+    });
+    assert!(
+        n <= OUTSIDE_THE_POOL,
+        "{n} allocations in {STEPS} speculator steps"
+    );
+    let want = decode_plain(&m);
+    assert_eq!(bits(&[logits]), bits(&want[WARM + STEPS..]));
+}

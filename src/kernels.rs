@@ -341,15 +341,12 @@ pub fn matmul_with(isa: Isa, w: DenseRef<'_>, rows: usize, cols: usize, x: &[f32
             .for_each(|(ci, out)| fill(ci, out));
         return;
     }
-    let mut tmp = vec![0f32; rows * n_tok];
-    tmp.par_chunks_mut(per_task * n_tok)
-        .enumerate()
-        .for_each(|(ci, out)| fill(ci, out));
-    for r in 0..rows {
-        for t in 0..n_tok {
-            y[t * rows + r] = tmp[r * n_tok + t];
-        }
-    }
+    with_scratch(rows * n_tok, |tmp| {
+        tmp.par_chunks_mut(per_task * n_tok)
+            .enumerate()
+            .for_each(|(ci, out)| fill(ci, out));
+        transpose_into(tmp, rows, n_tok, y);
+    });
 }
 
 /// Products of one MXFP4 matrix with a batch of vectors: `x` `[n_tok, cols]`, `y`
@@ -433,10 +430,33 @@ pub fn matmul_mxfp4_with(isa: Isa, w: &Mxfp4Matrix<'_>, x: &[f32], y: &mut [f32]
             .for_each(|(ci, out)| fill(ci * per_task, out));
         return;
     }
-    let mut tmp = vec![0f32; rows * n_tok];
-    tmp.par_chunks_mut(per_task * n_tok)
-        .enumerate()
-        .for_each(|(ci, out)| fill(ci * per_task, out));
+    with_scratch(rows * n_tok, |tmp| {
+        tmp.par_chunks_mut(per_task * n_tok)
+            .enumerate()
+            .for_each(|(ci, out)| fill(ci * per_task, out));
+        transpose_into(tmp, rows, n_tok, y);
+    });
+}
+
+thread_local! {
+    /// The calling thread's buffer for the row-major products of a batch.
+    static SCRATCH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// Run `f` on `n` floats of the calling thread's scratch buffer (contents unspecified), kept
+/// between calls so that a batch allocates nothing once the buffer is large enough. A nested
+/// call on the same thread (a task stolen while `f` waits) gets a buffer of its own.
+fn with_scratch(n: usize, f: impl FnOnce(&mut [f32])) {
+    let mut buf = SCRATCH.take();
+    if buf.len() < n {
+        buf.resize(n, 0.0);
+    }
+    f(&mut buf[..n]);
+    SCRATCH.set(buf);
+}
+
+/// `y[t·rows + r] = tmp[r·n_tok + t]`.
+fn transpose_into(tmp: &[f32], rows: usize, n_tok: usize, y: &mut [f32]) {
     for r in 0..rows {
         for t in 0..n_tok {
             y[t * rows + r] = tmp[r * n_tok + t];

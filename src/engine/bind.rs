@@ -640,12 +640,15 @@ pub fn model_sizes(cfg: &ModelConfig, ck: &Checkpoint) -> crate::stream::budget:
         state_bytes: kda_layer * (cfg.num_hidden_layers as u64 - n_mla),
         kv_per_position: n_mla * super::state::SeqState::mla_floats_per_position(cfg) as u64 * 4,
         kda_layer_state: if n_mla < cfg.num_hidden_layers as u64 {
-            kda_layer
+            // The copy a chunk is computed on, and the replay's scratch.
+            kda_layer + (2 * kp.heads * kp.head_dim) as u64 * 4
         } else {
             0
         },
-        kda_record_per_position: (cfg.num_hidden_layers as u64 - n_mla)
+        // Every KDA layer's record, and the replay's outputs (one layer at a time).
+        kda_record_per_position: ((cfg.num_hidden_layers as u64 - n_mla)
             * super::kda::KdaRecord::floats_per_position(&kp) as u64
+            + (kp.heads * kp.head_dim) as u64)
             * 4,
         hidden: cfg.hidden_size as u64,
         vocab: cfg.vocab_size as u64,

@@ -57,7 +57,7 @@ pub struct KdaParams {
 }
 
 /// Carried state of one KDA layer.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct KdaState {
     /// `[heads, head_dim (key), head_dim (value)]` recurrent matrices.
     pub s: Vec<f32>,
@@ -176,34 +176,47 @@ fn conv_chunk(
 
 /// What one KDA block consumed per position of a chunk, kept so that the state after any
 /// prefix of the chunk can be built from the state before it without the weights
-/// ([`KdaRecord::replay`]): the pre-convolution q/k/v rows (for the conv windows) and the
-/// inputs of the recurrence (normalised q and k, v, the decay α and the write strength β).
-#[derive(Clone, Debug)]
+/// ([`KdaRecord::replay`]): the pre-convolution q/k/v rows (for the conv windows), the inputs
+/// of the recurrence per head (normalised q and k, v, the decay α and the write strength β).
+/// A record is refilled in place by the next chunk, so a caller that keeps it allocates
+/// nothing once it has seen its longest chunk.
+#[derive(Clone, Debug, Default)]
 pub struct KdaRecord {
     /// `[3][n_tok, P]` projected q, k, v before the convolution.
     raw: [Vec<f32>; 3],
-    /// `[n_tok, P]` each: the recurrence's q (scaled), k, v and α.
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    alpha: Vec<f32>,
-    /// `[n_tok, heads]`.
+    /// `[4][heads][n_tok, head_dim]` the recurrence's q (scaled), k, v and α, head by head.
+    per_head: [Vec<f32>; 4],
+    /// `[heads][n_tok]` β, head by head.
     beta: Vec<f32>,
-    /// Heads.
-    heads: usize,
+    /// Positions recorded.
+    n_tok: usize,
+}
+
+/// The buffers [`KdaRecord::replay`] computes in, shared by the layers of a rollback.
+#[derive(Clone, Debug, Default)]
+pub struct ReplayScratch {
+    /// `[heads][keep, head_dim]` recurrence outputs and `[heads][2·head_dim]` its scratch.
+    outs: Vec<f32>,
+    uw: Vec<f32>,
+}
+
+/// `dst` := `src`, reusing `dst`'s buffers.
+fn refill(dst: &mut Vec<f32>, src: &[f32]) {
+    dst.clear();
+    dst.extend_from_slice(src);
 }
 
 impl KdaRecord {
     /// Positions recorded.
     #[must_use]
     pub fn len(&self) -> usize {
-        self.beta.len() / self.heads.max(1)
+        self.n_tok
     }
 
     /// Whether nothing was recorded.
     #[must_use]
     pub fn is_empty(&self) -> bool {
-        self.beta.is_empty()
+        self.n_tok == 0
     }
 
     /// Floats a record holds per position (`7·P + heads`), for the memory plan.
@@ -214,8 +227,15 @@ impl KdaRecord {
 
     /// Advance `state` (the state before the recorded chunk) over the chunk's first `keep`
     /// positions by running the same recurrence steps on the recorded inputs: bit for bit the
-    /// state a forward pass over only those positions leaves.
-    pub fn replay(&self, p: &KdaParams, keep: usize, state: &mut KdaState) {
+    /// state a forward pass over only those positions leaves. `scratch` is reused between
+    /// calls (the recurrence's outputs, which are dropped).
+    pub fn replay(
+        &self,
+        p: &KdaParams,
+        keep: usize,
+        state: &mut KdaState,
+        scratch: &mut ReplayScratch,
+    ) {
         assert!(keep <= self.len(), "cannot keep more than the chunk");
         let (heads, d) = (p.heads, p.head_dim);
         let width = heads * d;
@@ -231,27 +251,33 @@ impl KdaRecord {
                 }
             }
         }
-        let rows = |x: &[f32], h: usize| -> Vec<f32> {
-            let mut v = Vec::with_capacity(keep * d);
-            for t in 0..keep {
-                v.extend_from_slice(&x[t * width + h * d..t * width + (h + 1) * d]);
-            }
-            v
-        };
+        if keep == 0 {
+            return;
+        }
+        let n = self.n_tok;
+        let per = n * d;
+        let [qh, kh, vh, ah] = &self.per_head;
+        let bh = &self.beta;
+        let outs = fit(&mut scratch.outs, heads * keep * d);
+        let uw = fit(&mut scratch.uw, heads * 2 * d);
         state
             .s
             .par_chunks_mut(d * d)
+            .zip(outs.par_chunks_mut(keep * d))
+            .zip(uw.par_chunks_mut(2 * d))
             .enumerate()
-            .for_each(|(h, s)| {
-                let b: Vec<f32> = (0..keep).map(|t| self.beta[t * heads + h]).collect();
-                let _ = recur_head(
-                    &rows(&self.q, h),
-                    &rows(&self.k, h),
-                    &rows(&self.v, h),
-                    &rows(&self.alpha, h),
-                    &b,
+            .for_each(|(h, ((s, o), uw))| {
+                let r = h * per..h * per + keep * d;
+                recur_head_into(
+                    &qh[r.clone()],
+                    &kh[r.clone()],
+                    &vh[r.clone()],
+                    &ah[r],
+                    &bh[h * n..h * n + keep],
                     s,
                     d,
+                    o,
+                    uw,
                 );
             });
     }
@@ -284,6 +310,8 @@ pub struct KdaScratch {
     uw: Vec<f32>,
     /// `[n_tok, P]` gated, normalised outputs before `o_proj`.
     o: Vec<f32>,
+    /// The copy of the state a recorded chunk is computed on.
+    state: KdaState,
 }
 
 impl KdaScratch {
@@ -307,8 +335,10 @@ impl KdaScratch {
                 &self.outs,
                 &self.uw,
                 &self.o,
+                &self.state.s,
             ]
             .into_iter()
+            .chain(&self.state.conv)
             .map(f)
             .sum::<usize>()
     }
@@ -346,8 +376,18 @@ pub fn forward_into(
     sc: &mut KdaScratch,
     out: &mut [f32],
 ) {
-    let mut scratch = record.is_some().then(|| state.clone());
-    let state = scratch.as_mut().unwrap_or(state);
+    // Recording, the chunk is computed on a scratch copy of the state and `state` is left as
+    // it was.
+    let record = record.map(|slot| slot.get_or_insert_with(KdaRecord::default));
+    let mut copy = record.is_some().then(|| {
+        let mut c = std::mem::take(&mut sc.state);
+        c.s.clone_from(&state.s);
+        for (dst, src) in c.conv.iter_mut().zip(&state.conv) {
+            dst.clone_from(src);
+        }
+        c
+    });
+    let state = copy.as_mut().unwrap_or(state);
     let (heads, d) = (p.heads, p.head_dim);
     let width = heads * d;
     let n_tok = x.len() / w.q_proj.cols;
@@ -387,17 +427,6 @@ pub fn forward_into(
         }
         decay(&z[row.clone()], &w.a_log, &w.dt_bias, p, &mut alpha[row]);
     }
-    if let Some(slot) = record {
-        *slot = Some(KdaRecord {
-            raw: [rq.to_vec(), rk.to_vec(), rv.to_vec()],
-            q: q.to_vec(),
-            k: k.to_vec(),
-            v: v.to_vec(),
-            alpha: alpha.to_vec(),
-            beta: beta.to_vec(),
-            heads,
-        });
-    }
     let [hq, hk, hv, ha] = &mut sc.heads;
     let (qh, kh, vh, ah) = (fit(hq, nw), fit(hk, nw), fit(hv, nw), fit(ha, nw));
     per_head_into(q, n_tok, heads, d, qh);
@@ -409,6 +438,16 @@ pub fn forward_into(
         for t in 0..n_tok {
             bh[h * n_tok + t] = beta[t * heads + h];
         }
+    }
+    if let Some(r) = record {
+        for (dst, src) in r.raw.iter_mut().zip([&*rq, &*rk, &*rv]) {
+            refill(dst, src);
+        }
+        for (dst, src) in r.per_head.iter_mut().zip([&*qh, &*kh, &*vh, &*ah]) {
+            refill(dst, src);
+        }
+        refill(&mut r.beta, bh);
+        r.n_tok = n_tok;
     }
     let outs = fit(&mut sc.outs, nw);
     let uw = fit(&mut sc.uw, heads * 2 * d);
@@ -435,6 +474,9 @@ pub fn forward_into(
                 uw,
             );
         });
+    if let Some(c) = copy {
+        sc.state = c;
+    }
     // Head-wise RMSNorm, then the sigmoid gate, then the output projection.
     let o = fit(&mut sc.o, nw);
     for t in 0..n_tok {

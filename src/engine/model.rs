@@ -139,8 +139,9 @@ pub struct Trace {
     pub final_hidden: Vec<f32>,
 }
 
-/// What [`Model::forward_verify`] kept to cut its chunk back ([`Model::roll_back`]).
-#[derive(Debug)]
+/// What [`Model::forward_verify`] kept to cut its chunk back ([`Model::roll_back`]). One
+/// kept by the caller is refilled in place by each verification pass.
+#[derive(Debug, Default)]
 pub struct Rollback {
     /// Positions before the chunk.
     base: usize,
@@ -148,6 +149,8 @@ pub struct Rollback {
     len: usize,
     /// Per layer: the KDA record (None for MLA layers).
     records: Vec<Option<kda::KdaRecord>>,
+    /// What the replay computes in.
+    scratch: kda::ReplayScratch,
 }
 
 impl Rollback {
@@ -364,25 +367,38 @@ impl Model {
         state: &mut SeqState,
         tokens: &[u32],
     ) -> Result<(Vec<f32>, Rollback), StreamError> {
-        let base = state.n_pos;
-        let mut records: Vec<Option<kda::KdaRecord>> = vec![None; state.layers.len()];
         let mut run = RunState::new();
+        let mut rollback = Rollback::default();
+        self.forward_verify_run(state, &mut run, tokens, &mut rollback)?;
+        Ok((take_logits(run), rollback))
+    }
+
+    /// [`Model::forward_verify`] with buffers kept by the caller: the logits of every position
+    /// are written into `run` and borrowed from it, and `rollback` is refilled in place. A
+    /// pass after one at least as long allocates nothing when the weights are resident.
+    ///
+    /// # Errors
+    /// A weight read failed; `state` may be partly advanced and `rollback` is empty.
+    pub fn forward_verify_run<'r>(
+        &self,
+        state: &mut SeqState,
+        run: &'r mut RunState,
+        tokens: &[u32],
+        rollback: &mut Rollback,
+    ) -> Result<&'r [f32], StreamError> {
+        rollback.base = state.n_pos;
+        rollback.len = 0;
+        rollback.records.resize_with(state.layers.len(), || None);
         self.forward_impl(
             state,
-            &mut run,
+            run,
             tokens,
             Logits::All,
             None,
-            Some(&mut records),
+            Some(&mut rollback.records),
         )?;
-        Ok((
-            take_logits(run),
-            Rollback {
-                base,
-                len: tokens.len(),
-                records,
-            },
-        ))
+        rollback.len = tokens.len();
+        Ok(run.logits())
     }
 
     /// The forward pass, run on a thread of the rayon pool (the caller's, or the global one):
@@ -494,7 +510,7 @@ impl Model {
     ///
     /// # Panics
     /// If `keep` exceeds the chunk or `state` was not advanced by exactly that chunk.
-    pub fn roll_back(&self, state: &mut SeqState, rollback: &Rollback, keep: usize) {
+    pub fn roll_back(&self, state: &mut SeqState, rollback: &mut Rollback, keep: usize) {
         assert!(keep <= rollback.len, "cannot keep more than the chunk");
         assert_eq!(
             state.n_pos,
@@ -503,14 +519,22 @@ impl Model {
         );
         let kp = kda_params(&self.cfg);
         let cw = mla_params(&self.cfg).cache_width();
-        for (ls, rec) in state.layers.iter_mut().zip(&rollback.records) {
-            match (ls, rec) {
-                (LayerState::Mla(cache), _) => cache.truncate((rollback.base + keep) * cw),
-                (LayerState::Kda(s), Some(r)) => r.replay(&kp, keep, s),
-                (LayerState::Kda(_), None) => unreachable!("every KDA layer records"),
+        let base = rollback.base;
+        let Rollback {
+            records, scratch, ..
+        } = rollback;
+        // On a thread of the pool, as the forward pass runs, so the replay's parallel loops
+        // start without queueing.
+        rayon::scope(|_| {
+            for (ls, rec) in state.layers.iter_mut().zip(records.iter()) {
+                match (ls, rec) {
+                    (LayerState::Mla(cache), _) => cache.truncate((base + keep) * cw),
+                    (LayerState::Kda(s), Some(r)) => r.replay(&kp, keep, s, scratch),
+                    (LayerState::Kda(_), None) => unreachable!("every KDA layer records"),
+                }
             }
-        }
-        state.n_pos = rollback.base + keep;
+        });
+        state.n_pos = base + keep;
     }
 
     /// The streamer, when the model reads its weights under a memory plan.

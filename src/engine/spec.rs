@@ -23,7 +23,6 @@ use super::model::{Logits, Model, Rollback};
 use super::run_state::RunState;
 use super::state::SeqState;
 use crate::stream::StreamError;
-use std::collections::VecDeque;
 use std::time::Instant;
 
 /// Longest draft (tokens proposed per pass); the memory plan reserves room for it.
@@ -340,14 +339,12 @@ impl Governor {
     }
 }
 
-/// A pass whose later rows are still being handed out.
+/// A pass whose later rows are still being handed out: the draft is the speculator's
+/// `draft`, the rows the logits in its run state.
 struct Verified {
-    rollback: Rollback,
-    /// The drafted ids and the logits after each, in order, not yet consumed.
-    queue: VecDeque<(u32, Vec<f32>)>,
-    /// Positions of the chunk consumed so far (the first is the token that started it).
+    /// Positions of the chunk consumed so far (the first is the token that started it), so
+    /// also the row handed out last.
     kept: usize,
-    drafted: usize,
     seconds: f64,
 }
 
@@ -358,11 +355,15 @@ pub struct Speculator {
     drafter: Box<dyn Drafter>,
     open: Option<Verified>,
     stats: SpecStats,
+    /// The draft of the open pass (or of the one about to run).
     draft: Vec<u32>,
-    /// The buffers of the single-token passes, kept between steps.
+    /// The buffers of every pass, kept between steps; a verified chunk's rows stay in its
+    /// logits while they are handed out.
     run: RunState,
-    /// The logits handed out last when they came from a verified chunk.
-    current: Vec<f32>,
+    /// The open pass's rollback, refilled by each verification.
+    rollback: Rollback,
+    /// The chunk of the pass about to run.
+    chunk: Vec<u32>,
 }
 
 impl std::fmt::Debug for Speculator {
@@ -392,7 +393,8 @@ impl Speculator {
             stats: SpecStats::default(),
             draft: Vec::with_capacity(MAX_DRAFT),
             run: RunState::new(),
-            current: Vec::new(),
+            rollback: Rollback::default(),
+            chunk: Vec::with_capacity(MAX_DRAFT + 1),
         }
     }
 
@@ -412,7 +414,8 @@ impl Speculator {
     /// is open (for speculative sampling that preserves the distribution).
     #[must_use]
     pub fn proposal(&self) -> Option<u32> {
-        self.open.as_ref()?.queue.front().map(|(id, _)| *id)
+        let v = self.open.as_ref()?;
+        self.draft.get(v.kept - 1).copied()
     }
 
     /// Feed `next` (just sampled; `history` ends with it) to the model and return the logits
@@ -431,16 +434,16 @@ impl Speculator {
         room: usize,
     ) -> Result<&[f32], StreamError> {
         self.stats.steps += 1;
+        let vocab = model.cfg.vocab_size;
         if let Some(v) = self.open.as_mut() {
-            if v.queue.front().is_some_and(|(id, _)| *id == next) {
-                let (_, logits) = v.queue.pop_front().expect("front checked");
+            if self.draft.get(v.kept - 1) == Some(&next) {
+                let row = v.kept;
                 v.kept += 1;
                 self.stats.accepted += 1;
-                if v.queue.is_empty() {
+                if v.kept > self.draft.len() {
                     self.close(model, state);
                 }
-                self.current = logits;
-                return Ok(&self.current);
+                return Ok(&self.run.logits()[row * vocab..(row + 1) * vocab]);
             }
             self.close(model, state);
         }
@@ -457,25 +460,17 @@ impl Speculator {
             self.governor.observe(0, 0, 0, t.elapsed().as_secs_f64());
             return Ok(logits);
         }
-        let mut chunk = Vec::with_capacity(1 + self.draft.len());
-        chunk.push(next);
-        chunk.extend_from_slice(&self.draft);
-        let (all, rollback) = model.forward_verify(state, &chunk)?;
-        let vocab = model.cfg.vocab_size;
-        let mut rows = all.chunks_exact(vocab).map(<[f32]>::to_vec);
-        let first = rows.next().expect("one row per chunk token");
-        let queue = self.draft.iter().copied().zip(rows).collect();
+        self.chunk.clear();
+        self.chunk.push(next);
+        self.chunk.extend_from_slice(&self.draft);
+        model.forward_verify_run(state, &mut self.run, &self.chunk, &mut self.rollback)?;
         self.stats.draft_passes += 1;
         self.stats.proposed += self.draft.len() as u64;
         self.open = Some(Verified {
-            rollback,
-            queue,
             kept: 1,
-            drafted: self.draft.len(),
             seconds: t.elapsed().as_secs_f64(),
         });
-        self.current = first;
-        Ok(&self.current)
+        Ok(&self.run.logits()[..vocab])
     }
 
     /// Cut the state back to the tokens actually consumed (call before leaving the decoding
@@ -495,12 +490,13 @@ impl Speculator {
     fn close(&mut self, model: &Model, state: &mut SeqState) {
         if let Some(v) = self.open.take() {
             let t = Instant::now();
-            model.roll_back(state, &v.rollback, v.kept);
+            model.roll_back(state, &mut self.rollback, v.kept);
             let seconds = v.seconds + t.elapsed().as_secs_f64();
             let used = v.kept - 1;
+            let drafted = self.draft.len();
             // Proposals evaluated: the used ones and the one that failed (if any did).
-            let tried = (used + 1).min(v.drafted);
-            self.governor.observe(v.drafted, tried, used, seconds);
+            let tried = (used + 1).min(drafted);
+            self.governor.observe(drafted, tried, used, seconds);
         }
     }
 }

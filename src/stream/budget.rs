@@ -31,9 +31,11 @@ pub struct ModelSizes {
     pub state_bytes: u64,
     /// Carried state per position (MLA latent cache).
     pub kv_per_position: u64,
-    /// What a speculative verification pass records per position to roll back (KDA layers).
+    /// What a speculative verification pass records per position to roll back (KDA layers),
+    /// and what its rollback computes in per position.
     pub kda_record_per_position: u64,
-    /// Carried state of one KDA layer (the scratch copy a verification pass computes on).
+    /// Carried state of one KDA layer (the scratch copy a verification pass computes on) and
+    /// the rollback's fixed scratch.
     pub kda_layer_state: u64,
     /// Hidden width.
     pub hidden: u64,
@@ -240,8 +242,9 @@ fn fixed_overhead(s: &ModelSizes) -> u64 {
 pub const SPEC_MAX_DRAFT: usize = 8;
 
 /// Memory of one speculative verification pass beyond a prefill chunk's: the scratch copy of a
-/// KDA layer's state it computes on, what each of its positions records for the rollback, and
-/// its logits (each row kept once more until it is used).
+/// KDA layer's state it computes on, what each of its positions records for the rollback and
+/// what the rollback computes in, and its logits (counted twice: the chunk's rows, which the
+/// speculator hands out in place, and the copy a caller may take of the row in use).
 #[must_use]
 pub fn spec_reserve(s: &ModelSizes) -> u64 {
     let tokens = SPEC_MAX_DRAFT as u64 + 1;
@@ -468,8 +471,8 @@ mod tests {
             row_bytes: 14_336,
             state_bytes: 464_633_856,
             kv_per_position: 24 * 576 * 4,
-            kda_record_per_position: 69 * (7 * 12_288 + 96) * 4,
-            kda_layer_state: 464_633_856 / 69,
+            kda_record_per_position: (69 * (7 * 12_288 + 96) + 12_288) * 4,
+            kda_layer_state: 464_633_856 / 69 + 2 * 12_288 * 4,
             hidden: 7168,
             vocab: 163_840,
         }

@@ -175,3 +175,91 @@ fn a_speculator_step_without_a_draft_allocates_nothing() {
     let want = decode_plain(&m);
     assert_eq!(bits(&[logits]), bits(&want[WARM + STEPS..]));
 }
+
+/// Proposes the serial greedy continuation with one token changed at a place that moves with
+/// the position (or none), so that verification passes are kept in full, in part, or not at
+/// all.
+struct Oracle {
+    /// The serial greedy ids: `ids[j]` follows the prompt and `ids[..j]`.
+    ids: Vec<u32>,
+    prompt: usize,
+    vocab: u32,
+}
+
+impl k3::engine::spec::Drafter for Oracle {
+    fn propose(&mut self, history: &[u32], max: usize, out: &mut Vec<u32>) {
+        let j = history.len() - self.prompt;
+        let wrong = (history.len() / 2) % 5;
+        for (i, &id) in self.ids[j..].iter().take(max).enumerate() {
+            out.push(if i == wrong {
+                (id + 1) % self.vocab
+            } else {
+                id
+            });
+        }
+    }
+}
+
+#[test]
+fn a_speculator_step_with_drafts_allocates_nothing() {
+    let _turn = TURN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    for set in ["tiny", "tiny2"] {
+        let m = Model::load(&fixture(set)).unwrap();
+        let want = decode_plain(&m);
+        let ids: Vec<u32> = want.iter().map(|l| k3::kernels::argmax(l)).collect();
+        // Longer warm-up: the longest chunk and every kind of rollback have been seen.
+        let (warm, steps) = (24, STEPS - 24);
+        let drafter = Oracle {
+            ids: ids.clone(),
+            prompt: prompt(&m).len(),
+            vocab: m.cfg.vocab_size as u32,
+        };
+        let mut spec = Speculator::with_drafter(SpecMode::Fixed(4), Box::new(drafter));
+        let mut st = SeqState::new(&m.cfg);
+        st.reserve(POSITIONS + 8, &m.cfg);
+        let mut history = prompt(&m);
+        let n_prompt = history.len();
+        history.reserve(POSITIONS);
+        let mut seen = vec![m.forward(&mut st, &history, Logits::Last).unwrap()];
+        let mut counted = vec![0f32; steps * m.cfg.vocab_size];
+        let n = pool.install(|| {
+            let mut step = |history: &mut Vec<u32>, out: &mut [f32]| {
+                let next = ids[history.len() - n_prompt];
+                history.push(next);
+                let l = spec.advance(&m, &mut st, history, next, POSITIONS).unwrap();
+                out.copy_from_slice(l);
+            };
+            for _ in 0..warm {
+                let mut row = vec![0f32; m.cfg.vocab_size];
+                step(&mut history, &mut row);
+                seen.push(row);
+            }
+            allocations(|| {
+                for row in counted.chunks_mut(m.cfg.vocab_size) {
+                    step(&mut history, row);
+                }
+            })
+        });
+        seen.extend(counted.chunks(m.cfg.vocab_size).map(<[f32]>::to_vec));
+        let stats = spec.stats();
+        assert!(
+            stats.draft_passes > 8 && stats.accepted > 8 && stats.accepted < stats.proposed,
+            "{set}: drafts were not verified and rejected in part: {stats:?}"
+        );
+        assert_eq!(
+            n, 0,
+            "{set}: {n} allocations in {steps} speculative steps on two threads"
+        );
+        assert_eq!(
+            bits(&seen),
+            bits(&want[..=warm + steps]),
+            "{set}: speculation changed a bit of the logits"
+        );
+    }
+}

@@ -47,6 +47,43 @@ fn serial(m: &Model, state: &mut SeqState, ids: &[u32]) -> Vec<Vec<f32>> {
 }
 
 #[test]
+fn kept_buffers_refilled_by_pass_after_pass_leave_the_serial_state_bit_for_bit() {
+    // One run state and one rollback serve every pass, as in the decoding loop: chunks of
+    // different lengths, each kept in full, in part or not past its first token, so that no
+    // pass may read what an earlier, longer one left behind.
+    for set in ["tiny", "tiny2"] {
+        let m = open(set, BudgetRequest::Resident);
+        let full = u32s(&json(&format!("{set}/oracle.json"))["full_ids"]);
+        let mut run = k3::engine::RunState::new();
+        let mut rb = k3::engine::Rollback::default();
+        let mut st = SeqState::new(&m.cfg);
+        let mut want = SeqState::new(&m.cfg);
+        m.forward(&mut st, &full[..3], Logits::None).unwrap();
+        m.forward(&mut want, &full[..3], Logits::None).unwrap();
+        let mut pos = 3;
+        for (len, keep) in [(6, 2), (2, 2), (9, 9), (4, 1), (7, 5), (3, 0), (5, 5)] {
+            let chunk = &full[pos..pos + len];
+            let want_rows = serial(&m, &mut want.clone(), chunk);
+            let all = m
+                .forward_verify_run(&mut st, &mut run, chunk, &mut rb)
+                .unwrap();
+            let v = m.cfg.vocab_size;
+            for (i, row) in all.chunks(v).enumerate() {
+                assert_eq!(bits(row), bits(&want_rows[i]), "{set}: len {len}, row {i}");
+            }
+            m.roll_back(&mut st, &mut rb, keep);
+            m.forward(&mut want, &chunk[..keep], Logits::None).unwrap();
+            assert_eq!(
+                state_bits(&st),
+                state_bits(&want),
+                "{set}: len {len}, keep {keep}"
+            );
+            pos += keep;
+        }
+    }
+}
+
+#[test]
 fn a_rolled_back_chunk_leaves_the_serial_state_bit_for_bit() {
     for set in ["tiny", "tiny2"] {
         let m = open(set, BudgetRequest::Resident);
@@ -58,12 +95,12 @@ fn a_rolled_back_chunk_leaves_the_serial_state_bit_for_bit() {
         let want_logits = serial(&m, &mut s, chunk);
         for keep in 0..=chunk.len() {
             let mut st = base.clone();
-            let (all, rb) = m.forward_verify(&mut st, chunk).unwrap();
+            let (all, mut rb) = m.forward_verify(&mut st, chunk).unwrap();
             let v = m.cfg.vocab_size;
             for (i, row) in all.chunks(v).enumerate() {
                 assert_eq!(bits(row), bits(&want_logits[i]), "{set}: row {i}");
             }
-            m.roll_back(&mut st, &rb, keep);
+            m.roll_back(&mut st, &mut rb, keep);
             let mut want = base.clone();
             m.forward(&mut want, &chunk[..keep], Logits::None).unwrap();
             assert_eq!(state_bits(&st), state_bits(&want), "{set}: keep {keep}");

@@ -1,5 +1,6 @@
 //! Allocations of a decoding step on the resident path: after a few warm-up steps have sized
-//! the run state's buffers, a step allocates nothing, on any thread.
+//! the run state's buffers, a step allocates nothing, on any thread; nor does a speculative
+//! step with drafts verified and rolled back, nor a prefill chunk.
 //!
 //! The counting allocator (`stats_alloc`) counts every thread of the process, rayon's workers
 //! included, so a step that moved an allocation onto a worker would still be caught. The
@@ -260,6 +261,50 @@ fn a_speculator_step_with_drafts_allocates_nothing() {
             bits(&seen),
             bits(&want[..=warm + steps]),
             "{set}: speculation changed a bit of the logits"
+        );
+    }
+}
+
+#[test]
+fn a_prefill_chunk_allocates_nothing_once_the_buffers_are_sized() {
+    let _turn = TURN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    for set in ["tiny", "tiny2"] {
+        let m = Model::load(&fixture(set)).unwrap();
+        let v = m.cfg.vocab_size as u32;
+        let ids: Vec<u32> = (0..64u32).map(|i| (3 + 29 * i) % v).collect();
+        // Four chunks of 16 on one state size the buffers (the attention scores grow with the
+        // context); the same four on a second state are counted.
+        let mut states = [SeqState::new(&m.cfg), SeqState::new(&m.cfg)];
+        for st in &mut states {
+            st.reserve(ids.len(), &m.cfg);
+        }
+        let [first, second] = &mut states;
+        let mut run = RunState::new();
+        let mut last = Vec::new();
+        let n = pool.install(|| {
+            for c in ids.chunks(16) {
+                m.forward_run(first, &mut run, c, Logits::Last).unwrap();
+            }
+            allocations(|| {
+                for c in ids.chunks(16) {
+                    m.forward_run(second, &mut run, c, Logits::Last).unwrap();
+                }
+            })
+        });
+        last.extend_from_slice(run.logits());
+        assert_eq!(n, 0, "{set}: {n} allocations in four prefill chunks");
+        let mut plain = SeqState::new(&m.cfg);
+        let want = m.forward(&mut plain, &ids, Logits::Last).unwrap();
+        assert_eq!(
+            bits(&[last]),
+            bits(&[want]),
+            "{set}: chunked prefill changed a bit"
         );
     }
 }

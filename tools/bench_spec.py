@@ -7,7 +7,7 @@ decode seconds per token, the ratio of serial to it (tokens/s speed-up), tokens 
 acceptance and bytes read per generated token. The generated ids of every run must be equal;
 the script fails otherwise.
 
-    tools/bench_spec.py --k3 target/release/k3 [--model DIR] --prompt-file P \
+    tools/bench_spec.py --k3 target/release/k3 [--model DIR] (--prompt-file P | --ids 1,2,3) \
         [--mem GB] [--gen N] [--rounds R] [--modes auto,4]
 """
 
@@ -31,8 +31,11 @@ def run(args, mode):
     cmd = [args.k3, "run"]
     if args.model:
         cmd.append(args.model)
-    cmd += ["--prompt-file", args.prompt_file, "--gen", str(args.gen), "--json",
-            "--spec", mode]
+    if args.ids:
+        cmd += ["--ids", args.ids]
+    else:
+        cmd += ["--prompt-file", args.prompt_file]
+    cmd += ["--gen", str(args.gen), "--json", "--spec", mode]
     if args.mem:
         cmd += ["--mem", args.mem]
     drop_caches()
@@ -44,7 +47,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--k3", required=True)
     p.add_argument("--model")
-    p.add_argument("--prompt-file", required=True)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt-file")
+    prompt.add_argument("--ids", help="prompt token ids, comma-separated")
     p.add_argument("--mem")
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)

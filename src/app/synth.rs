@@ -43,6 +43,12 @@ pub struct SynthArgs {
     /// Seed of the weights: the same seed writes byte-identical files.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Write a checkpoint whose continuation repeats: every id continues with the next id of
+    /// its run of N consecutive ids, cyclically (the output head is the embedding, rows
+    /// permuted; the projections into the residual stream are damped). For measuring
+    /// speculative decoding on text that repeats. Not for the sparse `k3` shape.
+    #[arg(long, value_name = "N")]
+    pub cycle: Option<usize>,
 }
 
 impl From<SynthError> for Error {
@@ -60,16 +66,32 @@ impl From<SynthError> for Error {
 /// Run `k3 synth`.
 pub fn run(args: &SynthArgs) -> Result<()> {
     let shape = Shape::from(args.shape);
+    let mut dims = shape.dims();
+    if let Some(n) = args.cycle {
+        if dims.sparse {
+            return Err(Error::Usage(format!(
+                "--cycle needs the weights written out; the {} shape is a sparse replica",
+                shape.name()
+            )));
+        }
+        if n < 2 || n > dims.vocab() {
+            return Err(Error::Usage(format!(
+                "--cycle {n}: a cycle has from 2 to {} ids (the vocabulary)",
+                dims.vocab()
+            )));
+        }
+        dims.cycle = Some(n);
+    }
     let bar = ByteBar::new(format!("k3 synth {}", shape.name()));
     let start = Instant::now();
     let progress = |done: u64, total: u64| bar.update(done, total);
-    let result = synth::write(shape, &args.out_dir, args.seed, &progress);
+    let result = synth::write_dims(shape, &dims, &args.out_dir, args.seed, &progress);
     bar.finish();
     let s = result?;
     let d = &s.dims;
     eprintln!(
         "k3 synth: wrote {} (seed {}) to {}: hidden {}, {} layers, {} experts top-{}, vocab {}; \
-         {} shards, {} tensors, {:.1} MB of tensors, {:.1} MB on disk{}, in {:.1} s",
+         {} shards, {} tensors, {:.1} MB of tensors, {:.1} MB on disk{}{}, in {:.1} s",
         shape.name(),
         s.seed,
         args.out_dir.display(),
@@ -83,6 +105,9 @@ pub fn run(args: &SynthArgs) -> Result<()> {
         s.tensor_bytes as f64 / 1e6,
         s.disk_bytes as f64 / 1e6,
         if d.sparse { " (sparse)" } else { "" },
+        d.cycle
+            .map(|n| format!("; each id continues with the next of its cycle of {n}"))
+            .unwrap_or_default(),
         start.elapsed().as_secs_f64()
     );
     Ok(())

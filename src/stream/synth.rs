@@ -139,6 +139,7 @@ impl Shape {
                 block: 3,
                 full_attn: vec![4, 8, 12, 13],
                 sparse: false,
+                cycle: None,
             },
             Shape::Small => Dims {
                 hidden: 512,
@@ -164,6 +165,7 @@ impl Shape {
                 block: 6,
                 full_attn: k3_layer_map(25),
                 sparse: false,
+                cycle: None,
             },
             Shape::Bench => Dims {
                 hidden: 2048,
@@ -189,6 +191,7 @@ impl Shape {
                 block: 6,
                 full_attn: k3_layer_map(21),
                 sparse: false,
+                cycle: None,
             },
             Shape::K3 => Dims {
                 hidden: 7168,
@@ -214,6 +217,7 @@ impl Shape {
                 block: 12,
                 full_attn: k3_layer_map(93),
                 sparse: true,
+                cycle: None,
             },
         }
     }
@@ -275,6 +279,13 @@ pub struct Dims {
     pub full_attn: Vec<usize>,
     /// Whether data regions are left as holes (the `k3` replica).
     pub sparse: bool,
+    /// A checkpoint whose continuation repeats: every id continues with the next id of its
+    /// cycle of this many ids ([`Dims::successor`]). The output head is the embedding with
+    /// its rows permuted along the cycles, and the projections back into the residual stream
+    /// are damped by [`CYCLE_DAMP`], so that the last position's hidden state is its own
+    /// embedding to within a small error and the greedy choice is its successor. `None`: the
+    /// ordinary random checkpoint.
+    pub cycle: Option<usize>,
 }
 
 impl Dims {
@@ -295,7 +306,37 @@ impl Dims {
     pub fn kda_width(&self) -> usize {
         self.kda_heads * self.kda_head_dim
     }
+
+    /// The id a cycled checkpoint continues `id` with: ids are cut into runs of
+    /// `cycle` consecutive ids (the last run may be shorter), and each run is a cycle
+    /// `a → a+1 → … → a+cycle−1 → a`. Without a cycle, `id` itself.
+    #[must_use]
+    pub fn successor(&self, id: usize) -> usize {
+        self.cycle
+            .map_or(id, |p| cycle_successor(id, p, self.vocab()))
+    }
+
+    /// The scale of a projection back into the residual stream (`c` as drawn, damped in a
+    /// cycled checkpoint).
+    fn out_scale(&self, c: f32) -> f32 {
+        if self.cycle.is_some() {
+            c * CYCLE_DAMP
+        } else {
+            c
+        }
+    }
 }
+
+/// [`Dims::successor`] for cycles of `cycle` ids in a vocabulary of `vocab`.
+fn cycle_successor(id: usize, cycle: usize, vocab: usize) -> usize {
+    let cycle = cycle.max(1);
+    let start = id / cycle * cycle;
+    let len = cycle.min(vocab - start);
+    start + (id - start + 1) % len
+}
+
+/// How much a cycled checkpoint damps the projections back into the residual stream.
+pub const CYCLE_DAMP: f32 = 1.0 / 1024.0;
 
 /// What a finished write produced.
 #[derive(Clone, Debug)]
@@ -466,6 +507,9 @@ enum Init {
     Mx { std: f32 },
     /// Zeros (placeholder tensors; never generated for the sparse replica).
     Zero,
+    /// The output head of a cycled checkpoint: row `j` is the embedding row of the id that
+    /// `j` succeeds ([`Dims::successor`]), so the head scores each id's successor highest.
+    CycledHead { cycle: usize },
 }
 
 /// One tensor of a shard.
@@ -625,7 +669,12 @@ fn layer_specs(d: &Dims, l: usize) -> Vec<Spec> {
             scale::KV_B,
         );
         b.mat("self_attn.g_proj.weight", mh * d.v_dim, h, scale::GATE);
-        b.mat("self_attn.o_proj.weight", h, mh * d.v_dim, scale::PROJ);
+        b.mat(
+            "self_attn.o_proj.weight",
+            h,
+            mh * d.v_dim,
+            d.out_scale(scale::PROJ),
+        );
     } else {
         let (p, dk, k) = (d.kda_width(), d.kda_head_dim, d.conv_kernel);
         for x in ["q", "k", "v"] {
@@ -660,13 +709,13 @@ fn layer_specs(d: &Dims, l: usize) -> Vec<Spec> {
         b.mat("self_attn.b_proj.weight", d.kda_heads, h, scale::BETA);
         b.mat("self_attn.g_proj.weight", p, h, scale::GATE);
         b.gain("self_attn.o_norm.weight", dk, Dtype::F32);
-        b.mat("self_attn.o_proj.weight", h, p, scale::PROJ);
+        b.mat("self_attn.o_proj.weight", h, p, d.out_scale(scale::PROJ));
     }
     if l == 0 {
         let di = d.dense_inter;
         b.mat("mlp.gate_proj.weight", di, h, scale::DENSE_GATE_UP);
         b.mat("mlp.up_proj.weight", di, h, scale::DENSE_GATE_UP);
-        b.mat("mlp.down_proj.weight", h, di, scale::PROJ);
+        b.mat("mlp.down_proj.weight", h, di, d.out_scale(scale::PROJ));
     } else {
         let (lat, inter, sh) = (d.latent, d.expert_inter, d.shared * d.expert_inter);
         b.mat("block_sparse_moe.gate.weight", d.experts, h, scale::ROUTER);
@@ -691,7 +740,7 @@ fn layer_specs(d: &Dims, l: usize) -> Vec<Spec> {
             "block_sparse_moe.routed_expert_up_proj.weight",
             h,
             lat,
-            scale::PROJ,
+            d.out_scale(scale::PROJ),
         );
         b.mat(
             "block_sparse_moe.shared_experts.gate_proj.weight",
@@ -709,7 +758,7 @@ fn layer_specs(d: &Dims, l: usize) -> Vec<Spec> {
             "block_sparse_moe.shared_experts.down_proj.weight",
             h,
             sh,
-            scale::PROJ,
+            d.out_scale(scale::PROJ),
         );
         for e in 0..d.experts {
             let p = format!("block_sparse_moe.experts.{e}.");
@@ -734,7 +783,16 @@ fn model_specs(d: &Dims) -> Vec<Spec> {
             std: scale::EMBED_STD,
         },
     );
-    b.mat("lm_head.weight", v, h, scale::LM_HEAD);
+    if let Some(cycle) = d.cycle {
+        b.push(
+            "lm_head.weight",
+            Dtype::Bf16,
+            &[v, h],
+            Init::CycledHead { cycle },
+        );
+    } else {
+        b.mat("lm_head.weight", v, h, scale::LM_HEAD);
+    }
     b.gain("model.norm.weight", h, Dtype::Bf16);
     b.gain("model.output_attn_res_norm.weight", h, Dtype::Bf16);
     b.mat("model.output_attn_res_proj.weight", 1, h, scale::RES_PROJ);
@@ -952,6 +1010,26 @@ fn gen_dense(seed: u64, s: &Spec) -> Vec<u8> {
             };
             for (o, v) in out.chunks_exact_mut(es).zip(vals) {
                 put(o, v);
+            }
+        }
+        Init::CycledHead { cycle } => {
+            let (v, h) = (s.shape[0] as usize, s.shape[1] as usize);
+            let embed = Spec {
+                name: s
+                    .name
+                    .replace("lm_head.weight", "model.embed_tokens.weight"),
+                dtype: s.dtype,
+                shape: s.shape.clone(),
+                init: Init::Normal {
+                    mean: 0.0,
+                    std: scale::EMBED_STD,
+                },
+            };
+            let rows = gen_dense(seed, &embed);
+            let row = h * es;
+            for from in 0..v {
+                let to = cycle_successor(from, cycle, v);
+                out[to * row..(to + 1) * row].copy_from_slice(&rows[from * row..(from + 1) * row]);
             }
         }
         Init::Zero | Init::Mx { .. } => {}
@@ -1505,6 +1583,17 @@ pub fn write(
     seed: u64,
     progress: &dyn Fn(u64, u64),
 ) -> Result<Summary, SynthError> {
+    write_dims(shape, &shape.dims(), out_dir, seed, progress)
+}
+
+/// [`write`] with the dimensions of `shape` changed (a cycled checkpoint: [`Dims::cycle`]).
+pub fn write_dims(
+    shape: Shape,
+    d: &Dims,
+    out_dir: &Path,
+    seed: u64,
+    progress: &dyn Fn(u64, u64),
+) -> Result<Summary, SynthError> {
     let exists = |p: &Path| SynthError::Exists {
         path: p.to_path_buf(),
     };
@@ -1527,8 +1616,7 @@ pub fn write(
         std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
     }
     std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
-    let d = shape.dims();
-    let result = write_into(shape, &d, &tmp, seed, progress).and_then(|s| {
+    let result = write_into(shape, d, &tmp, seed, progress).and_then(|s| {
         std::fs::rename(&tmp, out_dir).map_err(io_err(out_dir))?;
         if let Some(parent) = out_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
             if let Ok(f) = File::open(parent) {
@@ -1548,6 +1636,61 @@ pub fn write(
 mod tests {
     use super::*;
     use crate::kernels::mxfp4::E2M1;
+
+    #[test]
+    fn a_cycled_head_is_the_embedding_with_each_row_moved_to_its_successor() {
+        let mut d = Shape::Tiny.dims();
+        d.cycle = Some(24);
+        // Runs of 24 ids, each a cycle; 512 ids leave a last run of 8.
+        assert_eq!(
+            (d.successor(0), d.successor(23), d.successor(24)),
+            (1, 0, 25)
+        );
+        assert_eq!(
+            (d.successor(503), d.successor(504), d.successor(511)),
+            (480, 505, 504)
+        );
+        let mut hit = vec![false; d.vocab()];
+        for id in 0..d.vocab() {
+            let s = d.successor(id);
+            assert!(!hit[s], "{s} is the successor of two ids");
+            hit[s] = true;
+        }
+        let specs = model_specs(&d);
+        let find = |suffix: &str| specs.iter().find(|s| s.name.ends_with(suffix)).unwrap();
+        let embed = gen_dense(7, find("embed_tokens.weight"));
+        let head = gen_dense(7, find("lm_head.weight"));
+        let row = d.hidden * 2;
+        for id in 0..d.vocab() {
+            let to = d.successor(id);
+            assert_eq!(
+                head[to * row..(to + 1) * row],
+                embed[id * row..(id + 1) * row],
+                "row {to}"
+            );
+        }
+        // The projections into the residual stream are damped, the others are not.
+        let std = |specs: &[Spec], name: &str| match specs.iter().find(|s| s.name.ends_with(name)) {
+            Some(Spec {
+                init: Init::Normal { std, .. },
+                ..
+            }) => *std,
+            _ => panic!("{name}"),
+        };
+        let plain = layer_specs(&Shape::Tiny.dims(), 2);
+        let damped = layer_specs(&d, 2);
+        for name in [
+            "self_attn.o_proj.weight",
+            "shared_experts.down_proj.weight",
+            "routed_expert_up_proj.weight",
+        ] {
+            assert_eq!(std(&damped, name), std(&plain, name) * CYCLE_DAMP, "{name}");
+        }
+        assert_eq!(
+            std(&damped, "self_attn.q_proj.weight"),
+            std(&plain, "self_attn.q_proj.weight")
+        );
+    }
 
     #[test]
     fn quantisation_rule() {

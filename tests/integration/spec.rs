@@ -462,3 +462,96 @@ fn distribution_preserving_speculation_is_seeded_greedy_exact_and_needs_a_fixed_
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("fixed draft length"));
 }
+
+/// `k3 run --json` on `args`: generated ids, the `spec` object and the stats.
+fn run_json(args: &[&str]) -> serde_json::Value {
+    let out = run_ok(k3_command().arg("run").args(args).arg("--json"));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn on_a_checkpoint_that_repeats_drafts_are_used_and_each_token_reads_less() {
+    // A cycled checkpoint continues every id with the next of its run of 64; given one whole
+    // run, its reply quotes the prompt. Streamed below its size, speculation must give the
+    // serial ids, use nearly every draft, and read fewer bytes per token (the trunk once per
+    // pass instead of once per token).
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cyc");
+    run_ok(
+        k3_command()
+            .args(["synth", "small"])
+            .arg(&dir)
+            .args(["--cycle", "64"]),
+    );
+    let d = dir.to_str().unwrap();
+    let prompt: Vec<String> = (64..128).map(|i: u32| i.to_string()).collect();
+    let prompt = prompt.join(",");
+    let plan = run_ok(k3_command().arg("plan").arg(&dir).args(["--json"]));
+    let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    let model = plan["model_bytes"].as_u64().unwrap();
+    let base = vec![
+        d,
+        "--ids",
+        prompt.as_str(),
+        "--gen",
+        "40",
+        "--temperature",
+        "0",
+    ];
+    let serial = run_json(&[base.clone(), vec!["--spec", "off"]].concat());
+    let want: Vec<u64> = (0..40).map(|i| 64 + i % 64).collect();
+    let got: Vec<u64> = serial["generated_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(got, want, "the cycled checkpoint does not quote its cycle");
+    for budget in [None, Some(model / 3)] {
+        let gb = budget.map(|b| format!("{}", b as f64 / 1e9));
+        let mem: Vec<&str> = gb.iter().flat_map(|g| ["--mem", g.as_str()]).collect();
+        let off = run_json(&[base.clone(), vec!["--spec", "off"], mem.clone()].concat());
+        for spec in ["auto", "8"] {
+            let j = run_json(&[base.clone(), vec!["--spec", spec], mem.clone()].concat());
+            assert_eq!(
+                j["generated_ids"], serial["generated_ids"],
+                "--spec {spec} {mem:?}"
+            );
+            if spec == "8" {
+                let st = &j["spec"];
+                assert!(
+                    st["acceptance"].as_f64().unwrap() > 0.9
+                        && st["tokens_per_pass"].as_f64().unwrap() > 4.0,
+                    "{mem:?}: {st}"
+                );
+                if budget.is_some() {
+                    let per =
+                        |j: &serde_json::Value| j["spec"]["bytes_read_per_token"].as_f64().unwrap();
+                    assert!(
+                        per(&j) < 0.5 * per(&off),
+                        "{mem:?}: {} bytes per token speculating, {} serially",
+                        per(&j),
+                        per(&off)
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_cycle_is_refused_where_it_cannot_be_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (shape, n) in [("k3", "16"), ("tiny", "1"), ("tiny", "100000")] {
+        let out = k3_command()
+            .args(["synth", shape])
+            .arg(tmp.path().join(format!("{shape}-{n}")))
+            .args(["--cycle", n])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{shape} --cycle {n}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--cycle"), "{err}");
+        assert!(!tmp.path().join(format!("{shape}-{n}")).exists());
+    }
+}

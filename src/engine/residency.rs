@@ -38,7 +38,7 @@ pub const DEFAULT_PREFETCH: usize = 16;
 
 /// A predicted read starts only while fewer reads than this are in flight
 /// (`K3_PREFETCH_DEPTH=N`).
-pub const DEFAULT_PREFETCH_DEPTH: usize = 4;
+pub const DEFAULT_PREFETCH_DEPTH: usize = 3;
 
 /// Counters of what was read and how long the engine waited.
 #[derive(Debug, Default)]

@@ -270,10 +270,20 @@ pub fn small() -> &'static std::path::Path {
 
 /// `k3 run` on `small` with extra flags: (generated ids, dumped logits, peak RSS).
 fn run_small(extra: &[&str]) -> (serde_json::Value, Vec<u8>, u64) {
+    let (ids, logits, peak, _) = run_small_env(extra, &[]);
+    (ids, logits, peak)
+}
+
+/// [`run_small`] with environment variables set; also the `--json` stats.
+fn run_small_env(
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (serde_json::Value, Vec<u8>, u64, serde_json::Value) {
     let dir = small().join("small");
     let dump = tempfile::NamedTempFile::new().unwrap();
     let out = crate::common::run_ok(
         crate::common::k3_command()
+            .envs(env.iter().copied())
             .arg("run")
             .arg(&dir)
             .args([
@@ -293,7 +303,51 @@ fn run_small(extra: &[&str]) -> (serde_json::Value, Vec<u8>, u64) {
         j["generated_ids"].clone(),
         std::fs::read(dump.path()).unwrap(),
         peak,
+        j["stats"].clone(),
     )
+}
+
+#[test]
+fn k3_run_with_and_without_prefetch_gives_the_same_bits_inside_the_budget() {
+    let plan = crate::common::run_ok(
+        crate::common::k3_command()
+            .arg("plan")
+            .arg(small().join("small"))
+            .args(["--mem", "1000", "--json"]),
+    );
+    let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    let model = plan["model_bytes"].as_u64().unwrap();
+    let mut read_ahead = 0;
+    for budget in [model / 4, model / 2] {
+        let gb = format!("{}", budget as f64 / 1e9);
+        let mem = ["--mem", gb.as_str()];
+        let (ids, logits, _, off) = run_small_env(&mem, &[("K3_PREFETCH", "0")]);
+        assert_eq!(off["prefetch_reads"], 0, "{off}");
+        for depth in ["1", "4"] {
+            let env = [("K3_PREFETCH_DEPTH", depth)];
+            let (got_ids, got_logits, peak, st) = run_small_env(&mem, &env);
+            assert_eq!(got_ids, ids, "budget {budget}, depth {depth}");
+            assert!(
+                got_logits == logits,
+                "logits differ at {budget}, depth {depth}"
+            );
+            assert!(peak <= budget, "peak RSS {peak} above the budget {budget}");
+            let reads = st["prefetch_reads"].as_u64().unwrap();
+            assert!(st["prefetch_used"].as_u64().unwrap() <= reads, "{st}");
+            let acc = st["prediction_accuracy_by_rank"].as_array().unwrap();
+            if st["predictions"].as_u64().unwrap() > 0 {
+                assert!(!acc.is_empty(), "{st}");
+            }
+            assert!(
+                acc.iter()
+                    .all(|a| (0.0..=1.0).contains(&a.as_f64().unwrap())),
+                "{st}"
+            );
+            println!("small at {budget} B, depth {depth}: {st}");
+            read_ahead += reads;
+        }
+    }
+    assert!(read_ahead > 0, "nothing was read ahead by default");
 }
 
 #[test]

@@ -233,6 +233,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 "used": st.prefetch_used,
                 "predicted": st.predicted,
                 "predicted_right": st.predicted_right,
+                "cancelled": st.prefetch_cancelled,
+                "accuracy_by_rank": st.prediction_accuracy_by_rank(),
             })
         }),
         "generated_ids": &history[prompt.len()..],

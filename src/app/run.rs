@@ -296,6 +296,12 @@ fn run_stats(model: &Model, info: &crate::engine::weights::LoadInfo) -> serde_js
         o.insert("prefetch_used".into(), st.prefetch_used.into());
         o.insert("predicted".into(), st.predicted.into());
         o.insert("predicted_right".into(), st.predicted_right.into());
+        o.insert("prefetch_cancelled".into(), st.prefetch_cancelled.into());
+        o.insert("predictions".into(), st.predictions.into());
+        o.insert(
+            "prediction_accuracy_by_rank".into(),
+            st.prediction_accuracy_by_rank().into(),
+        );
         if let Ok(a) = serde_json::to_value(&st.arena) {
             o.insert("expert_arena".into(), a);
         }

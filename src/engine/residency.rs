@@ -32,6 +32,14 @@ use std::time::Instant;
 
 type LayerResult = Result<Arc<Layer>, StreamError>;
 
+/// How many of the next layer's predicted experts are queued for reading ahead while decoding,
+/// the most likely first (`K3_PREFETCH=N`; 0 turns prefetching off).
+pub const DEFAULT_PREFETCH: usize = 16;
+
+/// A predicted read starts only while fewer reads than this are in flight
+/// (`K3_PREFETCH_DEPTH=N`).
+pub const DEFAULT_PREFETCH_DEPTH: usize = 3;
+
 /// Counters of what was read and how long the engine waited.
 #[derive(Debug, Default)]
 struct Counters {
@@ -45,6 +53,12 @@ struct Counters {
     prefetch_used: AtomicU64,
     predicted: AtomicU64,
     predicted_right: AtomicU64,
+    /// Predictions checked against their layer's routing.
+    predictions: AtomicU64,
+    /// Per rank of a prediction (the most likely first): how often its layer chose it.
+    right_by_rank: Mutex<Vec<u64>>,
+    /// Predicted reads dropped from the queue before they started.
+    prefetch_cancelled: AtomicU64,
 }
 
 /// The routed-expert cache: the slot table of `stream::cache_policy` (the bookkeeping whose
@@ -215,6 +229,13 @@ impl ExpertCache {
             }
         }
         out
+    }
+
+    /// A queued prefetch into `slot` that will not be read: the slot is free again.
+    fn cancel_prefetch(&mut self, slot: usize) {
+        self.prefetched[slot] = false;
+        self.waiting.remove(&slot);
+        self.fail(slot);
     }
 
     /// A prefetch into `slot` completed: file it and hand it to the requests waiting for it.
@@ -453,6 +474,126 @@ impl std::fmt::Debug for Ring {
     }
 }
 
+/// Predicted reads waiting for the disk to be idle, and the reads in flight.
+#[derive(Debug, Default)]
+struct PrefetchState {
+    /// Predicted reads not started, the most likely first: (layer, expert, reserved slot).
+    queued: VecDeque<(usize, usize, usize)>,
+    /// Reads a layer asked for that have not completed (queued on the I/O threads or running).
+    demand: usize,
+    /// Predicted reads started and not completed.
+    in_flight: usize,
+}
+
+/// Reads of experts predicted for the next layer, in a low-priority queue behind the reads
+/// layers ask for: one starts only while fewer than `depth` reads of either kind are in flight,
+/// so the disk reads predictions only when it would otherwise idle and a wrong one delays a
+/// layer's own reads by at most part of one read. When a layer's routing is known, the queued
+/// predictions are dropped before its reads are issued.
+struct Prefetcher {
+    ck: Arc<Checkpoint>,
+    cfg: Arc<ModelConfig>,
+    resident: Arc<Mutex<Resident>>,
+    counters: Arc<Counters>,
+    expert_bytes: u64,
+    /// Predicted reads may start while fewer reads than this are in flight.
+    depth: std::sync::atomic::AtomicUsize,
+    state: Mutex<PrefetchState>,
+    /// Told when the last predicted read in flight completes.
+    idle: std::sync::Condvar,
+}
+
+impl std::fmt::Debug for Prefetcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prefetcher")
+            .field("depth", &self.depth.load(Ordering::Relaxed))
+            .field("state", &*lock(&self.state))
+            .finish()
+    }
+}
+
+impl Prefetcher {
+    /// Queue predicted reads (reserved slots of `cache`) behind those queued already.
+    fn enqueue(&self, reads: impl IntoIterator<Item = (usize, usize, usize)>) {
+        lock(&self.state).queued.extend(reads);
+    }
+
+    /// Drop every queued predicted read, freeing its slot in `cache`.
+    fn cancel_queued(&self, cache: &mut ExpertCache) {
+        let dropped: Vec<_> = lock(&self.state).queued.drain(..).collect();
+        for &(_, _, slot) in &dropped {
+            cache.cancel_prefetch(slot);
+        }
+        self.counters
+            .prefetch_cancelled
+            .fetch_add(dropped.len() as u64, Ordering::Relaxed);
+    }
+
+    /// A layer's own read is issued.
+    fn demand_started(&self) {
+        lock(&self.state).demand += 1;
+    }
+
+    /// A layer's own read completed: predicted reads may use the disk if it goes idle.
+    fn demand_done(self: &Arc<Self>) {
+        lock(&self.state).demand -= 1;
+        self.pump();
+    }
+
+    /// Start queued predicted reads, the most likely first, while the disk has room for them.
+    fn pump(self: &Arc<Self>) {
+        let Some(pool) = io_pool() else { return };
+        let depth = self.depth.load(Ordering::Relaxed);
+        loop {
+            let next = {
+                let mut s = lock(&self.state);
+                if s.demand + s.in_flight >= depth {
+                    return;
+                }
+                let Some(next) = s.queued.pop_front() else {
+                    return;
+                };
+                s.in_flight += 1;
+                next
+            };
+            let me = Arc::clone(self);
+            pool.spawn(move || me.read(next));
+        }
+    }
+
+    /// Read one predicted expert into its reserved slot.
+    fn read(self: &Arc<Self>, (il, e, slot): (usize, usize, usize)) {
+        self.counters.prefetch_reads.fetch_add(1, Ordering::Relaxed);
+        let result = load_expert(&self.ck, &self.cfg, il, e);
+        if result.is_ok() {
+            self.counters
+                .expert_bytes
+                .fetch_add(self.expert_bytes, Ordering::Relaxed);
+        }
+        lock(&self.resident).cache.complete_prefetch(slot, result);
+        {
+            let mut s = lock(&self.state);
+            s.in_flight -= 1;
+            if s.in_flight == 0 {
+                self.idle.notify_all();
+            }
+        }
+        self.pump();
+    }
+
+    /// Drop the queued predicted reads and wait for those in flight (before a plan change).
+    fn quiesce(&self) {
+        self.cancel_queued(&mut lock(&self.resident).cache);
+        let mut s = lock(&self.state);
+        while s.in_flight > 0 {
+            s = self
+                .idle
+                .wait(s)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
+}
+
 /// Weights read from a checkpoint under a memory plan.
 #[derive(Debug)]
 pub struct Streamer {
@@ -467,8 +608,8 @@ pub struct Streamer {
     /// How many of the next layer's predicted experts (the most likely first) are read
     /// ahead (`K3_PREFETCH=N`; 0 turns it off).
     prefetch: std::sync::atomic::AtomicUsize,
-    /// Prefetch reads in flight (a plan change waits for them).
-    prefetching: Arc<(Mutex<u64>, std::sync::Condvar)>,
+    /// Predicted reads, behind the layers' own.
+    prefetcher: Arc<Prefetcher>,
     /// Pinned layers and the output head are taken in place from mappings of the shards
     /// (off with `K3_MMAP=0`); streamed layers and experts are always read.
     mapped: bool,
@@ -642,30 +783,47 @@ impl Streamer {
         // Streamed experts are read into the arena's slots; `set_plan` sizes it.
         let arena = Arena::new(budget::expert_slot_bytes(&sizes) as usize);
         ck.read_groups_into(Arc::clone(&arena));
+        let cfg_arc = Arc::new(cfg.clone());
+        let resident = Arc::new(Mutex::new(Resident {
+            plan: plan.clone(),
+            pinned: vec![None; n],
+            head: None,
+            cache: ExpertCache::new(plan.expert_slots as usize, n, n_exp),
+        }));
+        let counters = Arc::new(Counters::default());
+        let env = |name: &str, default: usize| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(default)
+        };
+        let prefetcher = Arc::new(Prefetcher {
+            ck: Arc::clone(&ck),
+            cfg: Arc::clone(&cfg_arc),
+            resident: Arc::clone(&resident),
+            counters: Arc::clone(&counters),
+            expert_bytes: sizes.expert_bytes,
+            depth: std::sync::atomic::AtomicUsize::new(env(
+                "K3_PREFETCH_DEPTH",
+                DEFAULT_PREFETCH_DEPTH,
+            )),
+            state: Mutex::new(PrefetchState::default()),
+            idle: std::sync::Condvar::new(),
+        });
         let st = Streamer {
-            cfg_arc: Arc::new(cfg.clone()),
+            cfg_arc,
             cfg,
             ck,
             trunk,
             sizes,
-            resident: Arc::new(Mutex::new(Resident {
-                plan: plan.clone(),
-                pinned: vec![None; n],
-                head: None,
-                cache: ExpertCache::new(plan.expert_slots as usize, n, n_exp),
-            })),
+            resident,
             ring: Mutex::new(Ring {
                 tx,
                 pending: VecDeque::new(),
             }),
-            counters: Arc::new(Counters::default()),
-            prefetch: std::sync::atomic::AtomicUsize::new(
-                std::env::var("K3_PREFETCH")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(0),
-            ),
-            prefetching: Arc::new((Mutex::new(0), std::sync::Condvar::new())),
+            counters,
+            prefetch: std::sync::atomic::AtomicUsize::new(env("K3_PREFETCH", DEFAULT_PREFETCH)),
+            prefetcher,
             mapped,
             arena,
         };
@@ -673,10 +831,18 @@ impl Streamer {
         Ok(st)
     }
 
-    /// Read up to `n` of the next layer's predicted experts ahead of it while decoding (0:
-    /// off, the default; `K3_PREFETCH=N` sets it at start). Tokens do not depend on it.
+    /// Read up to `n` of the next layer's predicted experts ahead of it while decoding, the
+    /// most likely first (0: off; [`DEFAULT_PREFETCH`] unless `K3_PREFETCH=N` says otherwise).
+    /// Tokens do not depend on it.
     pub fn set_prefetch(&self, n: usize) {
         self.prefetch.store(n, Ordering::Relaxed);
+    }
+
+    /// Let a predicted read start only while fewer than `depth` reads are in flight (0: none
+    /// starts, predictions stay queued until their layer drops them; [`DEFAULT_PREFETCH_DEPTH`]
+    /// unless `K3_PREFETCH_DEPTH=N` says otherwise). Tokens do not depend on it.
+    pub fn set_prefetch_depth(&self, depth: usize) {
+        self.prefetcher.depth.store(depth, Ordering::Relaxed);
     }
 
     /// The plan in force.
@@ -707,17 +873,9 @@ impl Streamer {
     /// or shrink the expert cache. Nothing else changes; the next tokens are those an
     /// unchanged run produces.
     pub fn set_plan(&self, plan: Plan) -> Result<(), StreamError> {
-        // Reads ahead of a layer that never came (a wrong prediction) finish first, so every
-        // slot can be resized.
-        {
-            let (n, cv) = &*self.prefetching;
-            let mut n = lock(n);
-            while *n > 0 {
-                n = cv
-                    .wait(n)
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-            }
-        }
+        // Queued predictions are dropped and those being read finish first, so every slot can
+        // be resized.
+        self.prefetcher.quiesce();
         let mut r = lock(&self.resident);
         let mut shrinks = plan.expert_slots < r.plan.expert_slots;
         for (il, slot) in r.pinned.iter_mut().enumerate() {
@@ -893,15 +1051,11 @@ impl Streamer {
         let (sources, used) = {
             let mut r = lock(&self.resident);
             let c = &mut r.cache;
+            // The routing is known: predictions not started yet give way to its reads.
+            self.prefetcher.cancel_queued(c);
             if let Some((pl, predicted)) = c.prediction.take() {
                 if pl == il {
-                    let right = predicted.iter().filter(|e| ids.contains(e)).count();
-                    self.counters
-                        .predicted
-                        .fetch_add(predicted.len() as u64, Ordering::Relaxed);
-                    self.counters
-                        .predicted_right
-                        .fetch_add(right as u64, Ordering::Relaxed);
+                    self.note_prediction(&predicted, ids);
                 }
             }
             c.request(il, ids, &tx)
@@ -947,12 +1101,36 @@ impl Streamer {
         }
     }
 
+    /// Count how many of the experts `predicted` for a layer (the most likely first) its
+    /// routing chose (`ids`), in all and per rank.
+    fn note_prediction(&self, predicted: &[usize], ids: &[usize]) {
+        let c = &self.counters;
+        let mut by_rank = lock(&c.right_by_rank);
+        if by_rank.len() < predicted.len() {
+            by_rank.resize(predicted.len(), 0);
+        }
+        let mut right = 0;
+        for (n, e) in by_rank.iter_mut().zip(predicted) {
+            if ids.contains(e) {
+                *n += 1;
+                right += 1;
+            }
+        }
+        c.predictions.fetch_add(1, Ordering::Relaxed);
+        c.predicted
+            .fetch_add(predicted.len() as u64, Ordering::Relaxed);
+        c.predicted_right.fetch_add(right, Ordering::Relaxed);
+    }
+
     /// Read expert `e` of layer `il` on an I/O thread; the result goes to `tx` as the
     /// request's `k`-th expert, for `slot`.
     fn spawn_read(&self, il: usize, k: usize, e: usize, slot: Option<usize>, tx: &Sender<Arrival>) {
         let (ck, cfg, tx) = (Arc::clone(&self.ck), Arc::clone(&self.cfg_arc), tx.clone());
+        let pf = Arc::clone(&self.prefetcher);
+        pf.demand_started();
         let job = move || {
             let result = load_expert(&ck, &cfg, il, e).map(Box::new);
+            pf.demand_done();
             let _ = tx.send(Arrival::Read { k, slot, result });
         };
         match io_pool() {
@@ -963,13 +1141,20 @@ impl Streamer {
     }
 
     /// Predict the routed experts of the MoE layer after `il` from this layer's FFN input `x`
-    /// (one token) through that layer's router, and read the ones not cached into the cache
-    /// ahead of time. Only a prefetch: the next layer still asks for exactly the experts its
-    /// own routing picks, so a wrong prediction costs bandwidth, never a different bit.
-    fn prefetch_after(&self, il: usize, x: &[f32]) {
+    /// (one token) through that layer's router, and queue reads of the most likely ones not
+    /// cached, behind this layer's own reads (they start when the disk would idle; the next
+    /// layer drops those not started). Only a prefetch: the next layer still asks for exactly
+    /// the experts its own routing picks, so a wrong prediction costs bandwidth, never a
+    /// different bit.
+    pub fn prefetch_after(&self, il: usize, x: &[f32]) {
         let j = il + 1;
         let n = self.prefetch.load(Ordering::Relaxed);
-        if n == 0 || j >= self.cfg.num_hidden_layers || self.cfg.is_dense(j) {
+        if n == 0
+            || j >= self.cfg.num_hidden_layers
+            || self.cfg.is_dense(j)
+            || x.len() != self.cfg.hidden_size
+            || io_pool().is_none()
+        {
             return;
         }
         // The next layer's router is at hand only when it is pinned.
@@ -981,36 +1166,15 @@ impl Streamer {
         };
         let p = super::layer::moe_params(&self.cfg);
         let (ids, _) = moe::route(&m.gate.apply(x), &m.bias, &p);
-        let reads = {
+        {
             let mut r = lock(&self.resident);
             let n = n.min(ids.len());
-            r.cache.prediction = Some((j, ids.clone()));
-            r.cache.reserve_prefetch(j, &ids[..n])
-        };
-        self.counters
-            .prefetch_reads
-            .fetch_add(reads.len() as u64, Ordering::Relaxed);
-        *lock(&self.prefetching.0) += reads.len() as u64;
-        for (e, slot) in reads {
-            let (ck, cfg) = (Arc::clone(&self.ck), Arc::clone(&self.cfg_arc));
-            let (resident, counters) = (Arc::clone(&self.resident), Arc::clone(&self.counters));
-            let pending = Arc::clone(&self.prefetching);
-            let bytes = self.sizes.expert_bytes;
-            let job = move || {
-                let result = load_expert(&ck, &cfg, j, e);
-                if result.is_ok() {
-                    counters.expert_bytes.fetch_add(bytes, Ordering::Relaxed);
-                }
-                lock(&resident).cache.complete_prefetch(slot, result);
-                let (n, cv) = &*pending;
-                *lock(n) -= 1;
-                cv.notify_all();
-            };
-            match io_pool() {
-                Some(pool) => pool.spawn(job),
-                None => job(),
-            }
+            let reads = r.cache.reserve_prefetch(j, &ids[..n]);
+            r.cache.prediction = Some((j, ids));
+            self.prefetcher
+                .enqueue(reads.into_iter().map(|(e, slot)| (j, e, slot)));
         }
+        self.prefetcher.pump();
     }
 
     /// The MoE block of layer `il` with experts from the cache.
@@ -1120,6 +1284,9 @@ impl Streamer {
             prefetch_used: c.prefetch_used.load(Ordering::Relaxed),
             predicted: c.predicted.load(Ordering::Relaxed),
             predicted_right: c.predicted_right.load(Ordering::Relaxed),
+            predictions: c.predictions.load(Ordering::Relaxed),
+            predicted_right_by_rank: lock(&c.right_by_rank).clone(),
+            prefetch_cancelled: c.prefetch_cancelled.load(Ordering::Relaxed),
             arena: self.arena.stats(),
             ..StatsSnapshot::default()
         }

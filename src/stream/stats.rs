@@ -70,6 +70,12 @@ pub struct StatsSnapshot {
     pub predicted: u64,
     /// Of those, the ones the next layer chose.
     pub predicted_right: u64,
+    /// Predictions made and checked against their layer's routing.
+    pub predictions: u64,
+    /// Per rank of a prediction (the most likely first): how many times its layer chose it.
+    pub predicted_right_by_rank: Vec<u64>,
+    /// Predicted reads dropped before they started (their layer's routing came first).
+    pub prefetch_cancelled: u64,
     /// Positions the session holds.
     pub positions: u64,
     /// Most positions the session may hold.
@@ -97,6 +103,17 @@ impl StatsSnapshot {
         } else {
             self.spec_steps as f64 / self.spec_passes as f64
         }
+    }
+
+    /// Per rank of a prediction, the fraction of predictions whose layer chose that expert
+    /// (empty before any prediction).
+    #[must_use]
+    pub fn prediction_accuracy_by_rank(&self) -> Vec<f64> {
+        let n = self.predictions.max(1) as f64;
+        self.predicted_right_by_rank
+            .iter()
+            .map(|&r| r as f64 / n)
+            .collect()
     }
 
     /// Hits over lookups (1.0 when nothing was looked up).

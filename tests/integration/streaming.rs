@@ -86,14 +86,133 @@ fn prefetching_predicted_experts_changes_no_token() {
             }
             let s = st.stats();
             println!(
-                "{set}: prefetch {n}: {} read ahead, {} used; {} of {} predicted right",
-                s.prefetch_reads, s.prefetch_used, s.predicted_right, s.predicted
+                "{set}: prefetch {n}: {} read ahead, {} used, {} dropped; {} of {} predicted right",
+                s.prefetch_reads,
+                s.prefetch_used,
+                s.prefetch_cancelled,
+                s.predicted_right,
+                s.predicted
             );
             assert!(s.prefetch_used <= s.prefetch_reads, "{s:?}");
             read_ahead += s.prefetch_reads;
         }
     }
     assert!(read_ahead > 0, "no expert was read ahead");
+}
+
+/// Per-rank prediction counts agree with the totals: each rank is right at most once per
+/// prediction, and the ranks add up to the experts predicted right.
+fn check_prediction_counts(s: &k3::stream::stats::StatsSnapshot) {
+    let by_rank = &s.predicted_right_by_rank;
+    assert_eq!(by_rank.iter().sum::<u64>(), s.predicted_right, "{s:?}");
+    assert!(by_rank.iter().all(|&r| r <= s.predictions), "{s:?}");
+    assert!(s.predicted_right <= s.predicted, "{s:?}");
+    let acc = s.prediction_accuracy_by_rank();
+    assert!(acc.iter().all(|a| (0.0..=1.0).contains(a)), "{acc:?}");
+}
+
+#[test]
+fn the_prefetch_queue_changes_no_bit_at_any_budget_or_depth() {
+    let mut read_ahead = 0;
+    let mut dropped = 0;
+    for set in ["tiny", "tiny2"] {
+        let o = json(&format!("{set}/oracle.json"));
+        let prompt = u32s(&o["prompt_ids"]);
+        let (resident, info) = open(set, BudgetRequest::Resident);
+        let want = generate(&resident, &prompt, 10, |_| {});
+        let (floor, everything) = (info.plan.floor_bytes, info.sizes.model_bytes());
+        for total in [floor, floor + everything / 4, floor + everything / 2] {
+            let (off, _) = open(set, BudgetRequest::Total(total));
+            off.streamer().unwrap().set_prefetch(0);
+            let got_off = generate(&off, &prompt, 10, |_| {});
+            assert_eq!(off.streamer().unwrap().stats().prefetch_reads, 0);
+            // Depth 0 queues every prediction and starts none; 1 starts one only on an idle
+            // disk; 64 lets predictions start beside a layer's own reads.
+            for depth in [0, 1, 4, 64] {
+                let (m, _) = open(set, BudgetRequest::Total(total));
+                let st = m.streamer().unwrap();
+                st.set_prefetch(16);
+                st.set_prefetch_depth(depth);
+                let got = generate(&m, &prompt, 10, |_| {});
+                for ((a, b), c) in got.iter().zip(&got_off).zip(&want) {
+                    assert_eq!(bits(a), bits(b), "{set} at {total} B, depth {depth}");
+                    assert_eq!(bits(a), bits(c), "{set} at {total} B, depth {depth}");
+                }
+                let s = st.stats();
+                check_prediction_counts(&s);
+                if depth == 0 {
+                    assert_eq!(s.prefetch_reads, 0, "depth 0 started a read: {s:?}");
+                }
+                read_ahead += s.prefetch_reads;
+                dropped += s.prefetch_cancelled;
+            }
+        }
+    }
+    assert!(read_ahead > 0, "no expert was read ahead");
+    assert!(dropped > 0, "no queued prediction was ever dropped");
+}
+
+#[test]
+fn a_lowered_budget_with_predictions_queued_or_in_flight_is_exact() {
+    for set in ["tiny", "tiny2"] {
+        let o = json(&format!("{set}/oracle.json"));
+        let prompt = u32s(&o["prompt_ids"]);
+        let (resident, info) = open(set, BudgetRequest::Resident);
+        let want = generate(&resident, &prompt, 12, |_| {});
+        let (floor, everything) = (info.plan.floor_bytes, info.sizes.model_bytes());
+        // The layers whose next layer is pinned: a prediction for it can be made.
+        let before_in = |pinned: &[bool]| {
+            (0..pinned.len() - 1)
+                .filter(|&l| pinned[l + 1])
+                .collect::<Vec<_>>()
+        };
+        // The least budget (in eighths of the model above the floor) that pins such a layer.
+        let total = (1..8)
+            .map(|k| floor + everything * k / 8)
+            .find(|&t| {
+                let p = budget::plan(&info.sizes, BudgetRequest::Total(t), 512, None).unwrap();
+                !before_in(&p.pinned).is_empty()
+            })
+            .expect("a budget that pins a layer after another");
+        let (m, _) = open(set, BudgetRequest::Total(total));
+        let st = m.streamer().unwrap();
+        st.set_prefetch(16);
+        let before = || before_in(&st.plan().pinned);
+        let d = m.cfg.hidden_size;
+        let x: Vec<f32> = (0..d).map(|i| (i as f32 * 0.37).sin()).collect();
+        let lower = |total| budget::plan(&info.sizes, BudgetRequest::Total(total), 512, None);
+        let got = generate(&m, &prompt, 12, |step| match step {
+            3 => {
+                // Everything predicted stays queued, then the plan shrinks under it.
+                st.set_prefetch_depth(0);
+                let dropped = st.stats().prefetch_cancelled;
+                for l in before() {
+                    st.prefetch_after(l, &x);
+                }
+                st.set_plan(lower((floor + total) / 2).unwrap()).unwrap();
+                let s = st.stats();
+                assert!(
+                    s.prefetch_cancelled > dropped,
+                    "{set}: nothing was queued: {s:?}"
+                );
+            }
+            7 => {
+                // Predicted reads start at once and are in flight as the plan shrinks.
+                st.set_prefetch_depth(64);
+                for l in before() {
+                    st.prefetch_after(l, &x);
+                }
+                st.set_plan(lower(floor).unwrap()).unwrap();
+            }
+            _ => {}
+        });
+        for (a, b) in got.iter().zip(&want) {
+            assert_eq!(bits(a), bits(b), "{set}");
+        }
+        let s = st.stats();
+        check_prediction_counts(&s);
+        assert!(s.prefetch_used <= s.prefetch_reads, "{s:?}");
+    }
 }
 
 #[test]
@@ -151,10 +270,20 @@ pub fn small() -> &'static std::path::Path {
 
 /// `k3 run` on `small` with extra flags: (generated ids, dumped logits, peak RSS).
 fn run_small(extra: &[&str]) -> (serde_json::Value, Vec<u8>, u64) {
+    let (ids, logits, peak, _) = run_small_env(extra, &[]);
+    (ids, logits, peak)
+}
+
+/// [`run_small`] with environment variables set; also the `--json` stats.
+fn run_small_env(
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (serde_json::Value, Vec<u8>, u64, serde_json::Value) {
     let dir = small().join("small");
     let dump = tempfile::NamedTempFile::new().unwrap();
     let out = crate::common::run_ok(
         crate::common::k3_command()
+            .envs(env.iter().copied())
             .arg("run")
             .arg(&dir)
             .args([
@@ -174,7 +303,51 @@ fn run_small(extra: &[&str]) -> (serde_json::Value, Vec<u8>, u64) {
         j["generated_ids"].clone(),
         std::fs::read(dump.path()).unwrap(),
         peak,
+        j["stats"].clone(),
     )
+}
+
+#[test]
+fn k3_run_with_and_without_prefetch_gives_the_same_bits_inside_the_budget() {
+    let plan = crate::common::run_ok(
+        crate::common::k3_command()
+            .arg("plan")
+            .arg(small().join("small"))
+            .args(["--mem", "1000", "--json"]),
+    );
+    let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    let model = plan["model_bytes"].as_u64().unwrap();
+    let mut read_ahead = 0;
+    for budget in [model / 4, model / 2] {
+        let gb = format!("{}", budget as f64 / 1e9);
+        let mem = ["--mem", gb.as_str()];
+        let (ids, logits, _, off) = run_small_env(&mem, &[("K3_PREFETCH", "0")]);
+        assert_eq!(off["prefetch_reads"], 0, "{off}");
+        for depth in ["1", "4"] {
+            let env = [("K3_PREFETCH_DEPTH", depth)];
+            let (got_ids, got_logits, peak, st) = run_small_env(&mem, &env);
+            assert_eq!(got_ids, ids, "budget {budget}, depth {depth}");
+            assert!(
+                got_logits == logits,
+                "logits differ at {budget}, depth {depth}"
+            );
+            assert!(peak <= budget, "peak RSS {peak} above the budget {budget}");
+            let reads = st["prefetch_reads"].as_u64().unwrap();
+            assert!(st["prefetch_used"].as_u64().unwrap() <= reads, "{st}");
+            let acc = st["prediction_accuracy_by_rank"].as_array().unwrap();
+            if st["predictions"].as_u64().unwrap() > 0 {
+                assert!(!acc.is_empty(), "{st}");
+            }
+            assert!(
+                acc.iter()
+                    .all(|a| (0.0..=1.0).contains(&a.as_f64().unwrap())),
+                "{st}"
+            );
+            println!("small at {budget} B, depth {depth}: {st}");
+            read_ahead += reads;
+        }
+    }
+    assert!(read_ahead > 0, "nothing was read ahead by default");
 }
 
 #[test]

@@ -194,6 +194,65 @@ fn mix_into(
     attnres::aggregate_with(n_src, source, fold, eps, d, out, fit(k, d), fit(a, n_src));
 }
 
+/// While decoding one token: queue reads of the experts MoE layer `j` will most likely route
+/// to, predicted from its FFN input as it would be without its attention (the AttnRes mix of
+/// the residual stream after layer `j - 1`, normalised), when `j`'s weights are at hand. The
+/// mix is written into `run.h` (and, at a block boundary, the snapshot `j` is about to take
+/// into `run.blocks`), both of which `j` overwrites with the same values or its own before
+/// reading them, so nothing computed changes.
+fn predict_next(j: usize, cfg: &ModelConfig, run: &mut RunState, st: &Streamer) {
+    let Some(next) = st.next_pinned(j) else {
+        return;
+    };
+    let d = cfg.hidden_size;
+    let RunState {
+        len,
+        blocks,
+        n_blocks,
+        partial,
+        has_partial,
+        h,
+        mix_k,
+        mix_a,
+        ..
+    } = run;
+    let n = *len;
+    if n != d || !*has_partial {
+        return;
+    }
+    let (h, partial) = (&mut h[..n], &partial[..n]);
+    let nb = *n_blocks;
+    if cfg.is_block_start(j) {
+        // `j` snapshots the partial sum as a block and has no partial sum until its attention.
+        fit(blocks, (nb + 1) * n)[nb * n..].copy_from_slice(partial);
+        mix_into(
+            blocks,
+            nb + 1,
+            None,
+            &next.mlp_res_fold,
+            cfg.rms_norm_eps,
+            d,
+            h,
+            mix_k,
+            mix_a,
+        );
+    } else {
+        mix_into(
+            blocks,
+            nb,
+            Some(partial),
+            &next.mlp_res_fold,
+            cfg.rms_norm_eps,
+            d,
+            h,
+            mix_k,
+            mix_a,
+        );
+    }
+    ops::rmsnorm(h, &next.post_norm, cfg.rms_norm_eps);
+    st.prefetch_next(j, h);
+}
+
 impl Layer {
     /// One decoder layer (MODEL.md §3.3) over a chunk, on the residual stream kept in `run`:
     /// its partial sum is the previous layer's (the embedding at layer 0). Returns the routing
@@ -452,6 +511,11 @@ impl Model {
             let record = records.as_deref_mut().map(|r| &mut r[il]);
             let routing = layer.forward(il, cfg, run, ls, &self.weights, record, want_routing)?;
             drop(layer);
+            if let Weights::Streamed(st) = &self.weights {
+                if n_tok == 1 {
+                    predict_next(il + 1, cfg, run, st);
+                }
+            }
             if let Some(t) = trace.as_deref_mut() {
                 t.layer_out.push(run.partial[..n].to_vec());
                 t.routing.push(routing.unwrap_or_default());

@@ -36,6 +36,10 @@ type LayerResult = Result<Arc<Layer>, StreamError>;
 /// the most likely first (`K3_PREFETCH=N`; 0 turns prefetching off).
 pub const DEFAULT_PREFETCH: usize = 16;
 
+/// Reads of a prediction made from a layer's output (the next layer's input but for its
+/// attention) may start while fewer reads than this are in flight (`K3_PREFETCH_LATE_DEPTH=N`):
+/// that prediction is nearly always right, so it is read as if it were the layer's own.
+pub const DEFAULT_PREFETCH_LATE_DEPTH: usize = 16;
 /// A predicted read starts only while fewer reads than this are in flight
 /// (`K3_PREFETCH_DEPTH=N`).
 pub const DEFAULT_PREFETCH_DEPTH: usize = 3;
@@ -483,6 +487,8 @@ struct PrefetchState {
     demand: usize,
     /// Predicted reads started and not completed.
     in_flight: usize,
+    /// The queue holds a prediction from a layer's output: `late_depth` applies, not `depth`.
+    late: bool,
 }
 
 /// Reads of experts predicted for the next layer, in a low-priority queue behind the reads
@@ -498,6 +504,8 @@ struct Prefetcher {
     expert_bytes: u64,
     /// Predicted reads may start while fewer reads than this are in flight.
     depth: std::sync::atomic::AtomicUsize,
+    /// The same for a prediction from a layer's output.
+    late_depth: std::sync::atomic::AtomicUsize,
     state: Mutex<PrefetchState>,
     /// Told when the last predicted read in flight completes.
     idle: std::sync::Condvar,
@@ -513,14 +521,21 @@ impl std::fmt::Debug for Prefetcher {
 }
 
 impl Prefetcher {
-    /// Queue predicted reads (reserved slots of `cache`) behind those queued already.
-    fn enqueue(&self, reads: impl IntoIterator<Item = (usize, usize, usize)>) {
-        lock(&self.state).queued.extend(reads);
+    /// Queue predicted reads (reserved slots of `cache`) behind those queued already; `late`
+    /// when they come from a layer's output.
+    fn enqueue(&self, reads: impl IntoIterator<Item = (usize, usize, usize)>, late: bool) {
+        let mut s = lock(&self.state);
+        s.queued.extend(reads);
+        s.late |= late;
     }
 
     /// Drop every queued predicted read, freeing its slot in `cache`.
     fn cancel_queued(&self, cache: &mut ExpertCache) {
-        let dropped: Vec<_> = lock(&self.state).queued.drain(..).collect();
+        let dropped: Vec<_> = {
+            let mut s = lock(&self.state);
+            s.late = false;
+            s.queued.drain(..).collect()
+        };
         for &(_, _, slot) in &dropped {
             cache.cancel_prefetch(slot);
         }
@@ -543,11 +558,14 @@ impl Prefetcher {
     /// Start queued predicted reads, the most likely first, while the disk has room for them.
     fn pump(self: &Arc<Self>) {
         let Some(pool) = io_pool() else { return };
-        let depth = self.depth.load(Ordering::Relaxed);
+        let (depth, late_depth) = (
+            self.depth.load(Ordering::Relaxed),
+            self.late_depth.load(Ordering::Relaxed),
+        );
         loop {
             let next = {
                 let mut s = lock(&self.state);
-                if s.demand + s.in_flight >= depth {
+                if s.demand + s.in_flight >= if s.late { late_depth } else { depth } {
                     return;
                 }
                 let Some(next) = s.queued.pop_front() else {
@@ -610,6 +628,8 @@ pub struct Streamer {
     prefetch: std::sync::atomic::AtomicUsize,
     /// Predicted reads, behind the layers' own.
     prefetcher: Arc<Prefetcher>,
+    /// Whether the next layer's experts are also predicted from a layer's FFN input.
+    early: std::sync::atomic::AtomicBool,
     /// Pinned layers and the output head are taken in place from mappings of the shards
     /// (off with `K3_MMAP=0`); streamed layers and experts are always read.
     mapped: bool,
@@ -807,6 +827,10 @@ impl Streamer {
                 "K3_PREFETCH_DEPTH",
                 DEFAULT_PREFETCH_DEPTH,
             )),
+            late_depth: std::sync::atomic::AtomicUsize::new(env(
+                "K3_PREFETCH_LATE_DEPTH",
+                DEFAULT_PREFETCH_LATE_DEPTH,
+            )),
             state: Mutex::new(PrefetchState::default()),
             idle: std::sync::Condvar::new(),
         });
@@ -824,6 +848,7 @@ impl Streamer {
             counters,
             prefetch: std::sync::atomic::AtomicUsize::new(env("K3_PREFETCH", DEFAULT_PREFETCH)),
             prefetcher,
+            early: std::sync::atomic::AtomicBool::new(env("K3_PREFETCH_EARLY", 1) != 0),
             mapped,
             arena,
         };
@@ -843,6 +868,19 @@ impl Streamer {
     /// unless `K3_PREFETCH_DEPTH=N` says otherwise). Tokens do not depend on it.
     pub fn set_prefetch_depth(&self, depth: usize) {
         self.prefetcher.depth.store(depth, Ordering::Relaxed);
+    }
+
+    /// The same for the reads of a prediction made from a layer's output
+    /// ([`DEFAULT_PREFETCH_LATE_DEPTH`] unless `K3_PREFETCH_LATE_DEPTH=N` says otherwise).
+    pub fn set_prefetch_late_depth(&self, depth: usize) {
+        self.prefetcher.late_depth.store(depth, Ordering::Relaxed);
+    }
+
+    /// Whether the early prediction (from a layer's FFN input, before its experts) is made
+    /// (`K3_PREFETCH_EARLY=0` turns it off; the prediction from the layer's output is made
+    /// either way).
+    pub fn set_prefetch_early(&self, on: bool) {
+        self.early.store(on, Ordering::Relaxed);
     }
 
     /// The plan in force.
@@ -1147,7 +1185,36 @@ impl Streamer {
     /// the experts its own routing picks, so a wrong prediction costs bandwidth, never a
     /// different bit.
     pub fn prefetch_after(&self, il: usize, x: &[f32]) {
-        let j = il + 1;
+        if self.early.load(Ordering::Relaxed) {
+            self.predict(il + 1, x, false);
+        }
+    }
+
+    /// The next layer's weights when they are at hand (pinned): the prediction from a
+    /// layer's output needs its mixing vector, norm and router.
+    #[must_use]
+    pub fn next_pinned(&self, j: usize) -> Option<Arc<Layer>> {
+        if self.prefetch.load(Ordering::Relaxed) == 0
+            || j >= self.cfg.num_hidden_layers
+            || self.cfg.is_dense(j)
+            || io_pool().is_none()
+        {
+            return None;
+        }
+        lock(&self.resident).pinned[j].clone()
+    }
+
+    /// Predict the routed experts of MoE layer `j` from `x`, its FFN input as it would be
+    /// without its attention (computed from the previous layer's output, see
+    /// [`Streamer::next_pinned`]). It replaces the earlier prediction from the previous
+    /// layer's FFN input: the queued reads of that one are dropped, and this one's are read
+    /// like the layer's own (up to `K3_PREFETCH_LATE_DEPTH` in flight), since the attention
+    /// rarely moves the routing. Only a prefetch, as [`Streamer::prefetch_after`].
+    pub fn prefetch_next(&self, j: usize, x: &[f32]) {
+        self.predict(j, x, true);
+    }
+
+    fn predict(&self, j: usize, x: &[f32], late: bool) {
         let n = self.prefetch.load(Ordering::Relaxed);
         if n == 0
             || j >= self.cfg.num_hidden_layers
@@ -1157,7 +1224,7 @@ impl Streamer {
         {
             return;
         }
-        // The next layer's router is at hand only when it is pinned.
+        // The layer's router is at hand only when it is pinned.
         let Some(next) = lock(&self.resident).pinned[j].clone() else {
             return;
         };
@@ -1168,11 +1235,14 @@ impl Streamer {
         let (ids, _) = moe::route(&m.gate.apply(x), &m.bias, &p);
         {
             let mut r = lock(&self.resident);
+            if late {
+                self.prefetcher.cancel_queued(&mut r.cache);
+            }
             let n = n.min(ids.len());
             let reads = r.cache.reserve_prefetch(j, &ids[..n]);
             r.cache.prediction = Some((j, ids));
             self.prefetcher
-                .enqueue(reads.into_iter().map(|(e, slot)| (j, e, slot)));
+                .enqueue(reads.into_iter().map(|(e, slot)| (j, e, slot)), late);
         }
         self.prefetcher.pump();
     }

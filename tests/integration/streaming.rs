@@ -115,6 +115,7 @@ fn check_prediction_counts(s: &k3::stream::stats::StatsSnapshot) {
 fn the_prefetch_queue_changes_no_bit_at_any_budget_or_depth() {
     let mut read_ahead = 0;
     let mut dropped = 0;
+    let mut predicted_late = 0;
     for set in ["tiny", "tiny2"] {
         let o = json(&format!("{set}/oracle.json"));
         let prompt = u32s(&o["prompt_ids"]);
@@ -127,22 +128,37 @@ fn the_prefetch_queue_changes_no_bit_at_any_budget_or_depth() {
             let got_off = generate(&off, &prompt, 10, |_| {});
             assert_eq!(off.streamer().unwrap().stats().prefetch_reads, 0);
             // Depth 0 queues every prediction and starts none; 1 starts one only on an idle
-            // disk; 64 lets predictions start beside a layer's own reads.
-            for depth in [0, 1, 4, 64] {
+            // disk; 64 lets predictions start beside a layer's own reads. The prediction
+            // from a layer's output gets its own depth, and the earlier one from the layer's
+            // FFN input is made or not.
+            for (depth, late, early) in
+                [(0, 0, true), (1, 1, false), (4, 16, true), (64, 64, false)]
+            {
                 let (m, _) = open(set, BudgetRequest::Total(total));
                 let st = m.streamer().unwrap();
                 st.set_prefetch(16);
                 st.set_prefetch_depth(depth);
+                st.set_prefetch_late_depth(late);
+                st.set_prefetch_early(early);
                 let got = generate(&m, &prompt, 10, |_| {});
+                let what = format!("{set} at {total} B, depth {depth}/{late}, early {early}");
                 for ((a, b), c) in got.iter().zip(&got_off).zip(&want) {
-                    assert_eq!(bits(a), bits(b), "{set} at {total} B, depth {depth}");
-                    assert_eq!(bits(a), bits(c), "{set} at {total} B, depth {depth}");
+                    assert_eq!(bits(a), bits(b), "{what}");
+                    assert_eq!(bits(a), bits(c), "{what}");
                 }
                 let s = st.stats();
                 check_prediction_counts(&s);
                 if depth == 0 {
                     assert_eq!(s.prefetch_reads, 0, "depth 0 started a read: {s:?}");
                 }
+                // A layer after a pinned MoE layer's predecessor is predicted from that
+                // layer's output at every decoding step, early prediction or not.
+                let pinned = &st.plan().pinned;
+                let after_pinned = (1..pinned.len())
+                    .filter(|&j| pinned[j] && !m.cfg.is_dense(j))
+                    .count() as u64;
+                assert_eq!(s.predictions, after_pinned * 10, "{what}: {s:?}");
+                predicted_late += after_pinned;
                 read_ahead += s.prefetch_reads;
                 dropped += s.prefetch_cancelled;
             }
@@ -150,6 +166,10 @@ fn the_prefetch_queue_changes_no_bit_at_any_budget_or_depth() {
     }
     assert!(read_ahead > 0, "no expert was read ahead");
     assert!(dropped > 0, "no queued prediction was ever dropped");
+    assert!(
+        predicted_late > 0,
+        "no budget pinned a MoE layer to predict"
+    );
 }
 
 #[test]

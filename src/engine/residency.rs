@@ -487,8 +487,28 @@ struct PrefetchState {
     demand: usize,
     /// Predicted reads started and not completed.
     in_flight: usize,
-    /// The queue holds a prediction from a layer's output: `late_depth` applies, not `depth`.
-    late: bool,
+    /// How many reads at the front of the queue come from a prediction made from a layer's
+    /// output at a rank that has been right at least half the time: `late_depth` applies to
+    /// them, `depth` to the rest.
+    eager: usize,
+}
+
+/// Predictions counted before per-rank accuracy decides which late reads are eager (until
+/// then all are).
+const EAGER_AFTER: u64 = 8;
+
+/// How many of a prediction's leading ranks have been right at least half the time, given how
+/// often each rank was right (`right_by_rank`) over `predictions` predictions; every rank
+/// until [`EAGER_AFTER`] predictions are counted. A read of such a rank is expected to save
+/// more of the layer's time than a wrong one costs it.
+fn eager_ranks(right_by_rank: &[u64], predictions: u64) -> usize {
+    if predictions < EAGER_AFTER {
+        return usize::MAX;
+    }
+    right_by_rank
+        .iter()
+        .take_while(|&&r| 2 * r >= predictions)
+        .count()
 }
 
 /// Reads of experts predicted for the next layer, in a low-priority queue behind the reads
@@ -521,19 +541,21 @@ impl std::fmt::Debug for Prefetcher {
 }
 
 impl Prefetcher {
-    /// Queue predicted reads (reserved slots of `cache`) behind those queued already; `late`
-    /// when they come from a layer's output.
-    fn enqueue(&self, reads: impl IntoIterator<Item = (usize, usize, usize)>, late: bool) {
+    /// Queue predicted reads (reserved slots of `cache`) behind those queued already; the
+    /// first `eager` of them may start under `late_depth` (when the queue was empty).
+    fn enqueue(&self, reads: Vec<(usize, usize, usize)>, eager: usize) {
         let mut s = lock(&self.state);
+        if s.queued.is_empty() {
+            s.eager = eager.min(reads.len());
+        }
         s.queued.extend(reads);
-        s.late |= late;
     }
 
     /// Drop every queued predicted read, freeing its slot in `cache`.
     fn cancel_queued(&self, cache: &mut ExpertCache) {
         let dropped: Vec<_> = {
             let mut s = lock(&self.state);
-            s.late = false;
+            s.eager = 0;
             s.queued.drain(..).collect()
         };
         for &(_, _, slot) in &dropped {
@@ -565,12 +587,13 @@ impl Prefetcher {
         loop {
             let next = {
                 let mut s = lock(&self.state);
-                if s.demand + s.in_flight >= if s.late { late_depth } else { depth } {
+                if s.demand + s.in_flight >= if s.eager > 0 { late_depth } else { depth } {
                     return;
                 }
                 let Some(next) = s.queued.pop_front() else {
                     return;
                 };
+                s.eager = s.eager.saturating_sub(1);
                 s.in_flight += 1;
                 next
             };
@@ -1208,8 +1231,10 @@ impl Streamer {
     /// without its attention (computed from the previous layer's output, see
     /// [`Streamer::next_pinned`]). It replaces the earlier prediction from the previous
     /// layer's FFN input: the queued reads of that one are dropped, and this one's are read
-    /// like the layer's own (up to `K3_PREFETCH_LATE_DEPTH` in flight), since the attention
-    /// rarely moves the routing. Only a prefetch, as [`Streamer::prefetch_after`].
+    /// like the layer's own (up to `K3_PREFETCH_LATE_DEPTH` in flight) at the ranks that have
+    /// been right at least half the time, since the attention rarely moves the routing; the
+    /// other ranks wait for an idle disk as the first prediction's do. Only a prefetch, as
+    /// [`Streamer::prefetch_after`].
     pub fn prefetch_next(&self, j: usize, x: &[f32]) {
         self.predict(j, x, true);
     }
@@ -1233,6 +1258,15 @@ impl Streamer {
         };
         let p = super::layer::moe_params(&self.cfg);
         let (ids, _) = moe::route(&m.gate.apply(x), &m.bias, &p);
+        let eager = if late {
+            let c = &self.counters;
+            eager_ranks(
+                &lock(&c.right_by_rank),
+                c.predictions.load(Ordering::Relaxed),
+            )
+        } else {
+            0
+        };
         {
             let mut r = lock(&self.resident);
             if late {
@@ -1240,9 +1274,14 @@ impl Streamer {
             }
             let n = n.min(ids.len());
             let reads = r.cache.reserve_prefetch(j, &ids[..n]);
+            // Reads come in rank order; those of the eager ranks lead.
+            let n_eager = reads
+                .iter()
+                .take_while(|(e, _)| ids.iter().position(|i| i == e) < Some(eager))
+                .count();
             r.cache.prediction = Some((j, ids));
-            self.prefetcher
-                .enqueue(reads.into_iter().map(|(e, slot)| (j, e, slot)), late);
+            let reads = reads.into_iter().map(|(e, slot)| (j, e, slot)).collect();
+            self.prefetcher.enqueue(reads, n_eager);
         }
         self.prefetcher.pump();
     }
@@ -1360,5 +1399,21 @@ impl Streamer {
             arena: self.arena.stats(),
             ..StatsSnapshot::default()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::eager_ranks;
+
+    #[test]
+    fn the_leading_ranks_right_at_least_half_the_time_are_eager() {
+        // Too few predictions to judge: every rank.
+        assert_eq!(eager_ranks(&[0, 0], 3), usize::MAX);
+        // Ranks 1 and 2 right at least half of 10 times, rank 3 not; rank 4 does not count
+        // after a rank that fell short.
+        assert_eq!(eager_ranks(&[10, 5, 4, 9], 10), 2);
+        assert_eq!(eager_ranks(&[4, 10], 10), 0);
+        assert_eq!(eager_ranks(&[10, 10, 10], 10), 3);
     }
 }

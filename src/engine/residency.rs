@@ -37,9 +37,11 @@ type LayerResult = Result<Arc<Layer>, StreamError>;
 pub const DEFAULT_PREFETCH: usize = 16;
 
 /// Reads of a prediction made from a layer's output (the next layer's input but for its
-/// attention) may start while fewer reads than this are in flight (`K3_PREFETCH_LATE_DEPTH=N`):
-/// that prediction is nearly always right, so it is read as if it were the layer's own.
+/// attention), at the ranks that have been right at least half the time, may start while
+/// fewer reads than this are in flight (`K3_PREFETCH_LATE_DEPTH=N`): they are read as if they
+/// were the layer's own.
 pub const DEFAULT_PREFETCH_LATE_DEPTH: usize = 16;
+
 /// A predicted read starts only while fewer reads than this are in flight
 /// (`K3_PREFETCH_DEPTH=N`).
 pub const DEFAULT_PREFETCH_DEPTH: usize = 3;

@@ -222,34 +222,26 @@ fn predict_next(j: usize, cfg: &ModelConfig, run: &mut RunState, st: &Streamer) 
     }
     let (h, partial) = (&mut h[..n], &partial[..n]);
     let nb = *n_blocks;
-    if cfg.is_block_start(j) {
+    let (n_src, last) = if cfg.is_block_start(j) {
         // `j` snapshots the partial sum as a block and has no partial sum until its attention.
         fit(blocks, (nb + 1) * n)[nb * n..].copy_from_slice(partial);
-        mix_into(
-            blocks,
-            nb + 1,
-            None,
-            &next.mlp_res_fold,
-            cfg.rms_norm_eps,
-            d,
-            h,
-            mix_k,
-            mix_a,
-        );
+        (nb + 1, None)
     } else {
-        mix_into(
-            blocks,
-            nb,
-            Some(partial),
-            &next.mlp_res_fold,
-            cfg.rms_norm_eps,
-            d,
-            h,
-            mix_k,
-            mix_a,
-        );
-    }
-    ops::rmsnorm(h, &next.post_norm, cfg.rms_norm_eps);
+        (nb, Some(partial))
+    };
+    let eps = cfg.rms_norm_eps;
+    mix_into(
+        blocks,
+        n_src,
+        last,
+        &next.mlp_res_fold,
+        eps,
+        d,
+        h,
+        mix_k,
+        mix_a,
+    );
+    ops::rmsnorm(h, &next.post_norm, eps);
     st.prefetch_next(j, h);
 }
 

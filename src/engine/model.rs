@@ -242,7 +242,7 @@ fn predict_next(j: usize, cfg: &ModelConfig, run: &mut RunState, st: &Streamer) 
         mix_a,
     );
     ops::rmsnorm(h, &next.post_norm, eps);
-    st.prefetch_next(j, h);
+    st.prefetch_next(j, &next, h);
 }
 
 impl Layer {

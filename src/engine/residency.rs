@@ -1210,13 +1210,17 @@ impl Streamer {
     /// the experts its own routing picks, so a wrong prediction costs bandwidth, never a
     /// different bit.
     pub fn prefetch_after(&self, il: usize, x: &[f32]) {
-        if self.early.load(Ordering::Relaxed) {
-            self.predict(il + 1, x, false);
+        if !self.early.load(Ordering::Relaxed) || x.len() != self.cfg.hidden_size {
+            return;
+        }
+        if let Some(next) = self.next_pinned(il + 1) {
+            self.predict(il + 1, &next, x, false);
         }
     }
 
-    /// The next layer's weights when they are at hand (pinned): the prediction from a
-    /// layer's output needs its mixing vector, norm and router.
+    /// MoE layer `j`'s weights when a prediction for it can be made: prefetch is on and the
+    /// layer is at hand (pinned), since a prediction needs its router (and the one from a
+    /// layer's output its mixing vector and norm).
     #[must_use]
     pub fn next_pinned(&self, j: usize) -> Option<Arc<Layer>> {
         if self.prefetch.load(Ordering::Relaxed) == 0
@@ -1229,32 +1233,22 @@ impl Streamer {
         lock(&self.resident).pinned[j].clone()
     }
 
-    /// Predict the routed experts of MoE layer `j` from `x`, its FFN input as it would be
-    /// without its attention (computed from the previous layer's output, see
-    /// [`Streamer::next_pinned`]). It replaces the earlier prediction from the previous
+    /// Predict the routed experts of MoE layer `j` (`next`, from [`Streamer::next_pinned`])
+    /// from `x`, its FFN input as it would be without its attention (computed from the
+    /// previous layer's output). It replaces the earlier prediction from the previous
     /// layer's FFN input: the queued reads of that one are dropped, and this one's are read
     /// like the layer's own (up to `K3_PREFETCH_LATE_DEPTH` in flight) at the ranks that have
     /// been right at least half the time, since the attention rarely moves the routing; the
     /// other ranks wait for an idle disk as the first prediction's do. Only a prefetch, as
     /// [`Streamer::prefetch_after`].
-    pub fn prefetch_next(&self, j: usize, x: &[f32]) {
-        self.predict(j, x, true);
+    pub fn prefetch_next(&self, j: usize, next: &Layer, x: &[f32]) {
+        self.predict(j, next, x, true);
     }
 
-    fn predict(&self, j: usize, x: &[f32], late: bool) {
+    /// Route `x` through MoE layer `j`'s router (`next`) and queue reads of the most likely
+    /// experts not cached; `late` for a prediction from the previous layer's output.
+    fn predict(&self, j: usize, next: &Layer, x: &[f32], late: bool) {
         let n = self.prefetch.load(Ordering::Relaxed);
-        if n == 0
-            || j >= self.cfg.num_hidden_layers
-            || self.cfg.is_dense(j)
-            || x.len() != self.cfg.hidden_size
-            || io_pool().is_none()
-        {
-            return;
-        }
-        // The layer's router is at hand only when it is pinned.
-        let Some(next) = lock(&self.resident).pinned[j].clone() else {
-            return;
-        };
         let FeedForward::Moe(m) = &next.ffn else {
             return;
         };
@@ -1277,9 +1271,10 @@ impl Streamer {
             let n = n.min(ids.len());
             let reads = r.cache.reserve_prefetch(j, &ids[..n]);
             // Reads come in rank order; those of the eager ranks lead.
+            let eager_ids = &ids[..eager.min(n)];
             let n_eager = reads
                 .iter()
-                .take_while(|(e, _)| ids.iter().position(|i| i == e) < Some(eager))
+                .take_while(|(e, _)| eager_ids.contains(e))
                 .count();
             r.cache.prediction = Some((j, ids));
             let reads = reads.into_iter().map(|(e, slot)| (j, e, slot)).collect();

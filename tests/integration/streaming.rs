@@ -29,13 +29,23 @@ fn open(set: &str, req: BudgetRequest) -> (Model, k3::engine::weights::LoadInfo)
     Model::open(&fixture(set), req, 512).unwrap()
 }
 
+/// A fixture's prompt, the logits of `n` greedy steps after it with the whole model resident,
+/// and the resident load's information (sizes and floor).
+fn serial_reference(
+    set: &str,
+    n: usize,
+) -> (Vec<u32>, Vec<Vec<f32>>, k3::engine::weights::LoadInfo) {
+    let o = json(&format!("{set}/oracle.json"));
+    let prompt = u32s(&o["prompt_ids"]);
+    let (resident, info) = open(set, BudgetRequest::Resident);
+    let want = generate(&resident, &prompt, n, |_| {});
+    (prompt, want, info)
+}
+
 #[test]
 fn every_budget_gives_the_same_logits() {
     for set in ["tiny", "tiny2"] {
-        let o = json(&format!("{set}/oracle.json"));
-        let prompt = u32s(&o["prompt_ids"]);
-        let (resident, info) = open(set, BudgetRequest::Resident);
-        let want = generate(&resident, &prompt, 12, |_| {});
+        let (prompt, want, info) = serial_reference(set, 12);
         let floor = info.plan.floor_bytes;
         let everything = info.sizes.model_bytes();
         for total in [floor, floor + everything / 2, floor + everything / 4] {
@@ -65,10 +75,7 @@ fn every_budget_gives_the_same_logits() {
 fn prefetching_predicted_experts_changes_no_token() {
     let mut read_ahead = 0;
     for set in ["tiny", "tiny2"] {
-        let o = json(&format!("{set}/oracle.json"));
-        let prompt = u32s(&o["prompt_ids"]);
-        let (resident, info) = open(set, BudgetRequest::Resident);
-        let want = generate(&resident, &prompt, 12, |_| {});
+        let (prompt, want, info) = serial_reference(set, 12);
         let (floor, everything) = (info.plan.floor_bytes, info.sizes.model_bytes());
         for (total, n) in [(floor + everything / 2, 2), (floor + everything / 3, 16)] {
             let (m, _) = open(set, BudgetRequest::Total(total));
@@ -117,10 +124,7 @@ fn the_prefetch_queue_changes_no_bit_at_any_budget_or_depth() {
     let mut dropped = 0;
     let mut predicted_late = 0;
     for set in ["tiny", "tiny2"] {
-        let o = json(&format!("{set}/oracle.json"));
-        let prompt = u32s(&o["prompt_ids"]);
-        let (resident, info) = open(set, BudgetRequest::Resident);
-        let want = generate(&resident, &prompt, 10, |_| {});
+        let (prompt, want, info) = serial_reference(set, 10);
         let (floor, everything) = (info.plan.floor_bytes, info.sizes.model_bytes());
         for total in [floor, floor + everything / 4, floor + everything / 2] {
             let (off, _) = open(set, BudgetRequest::Total(total));
@@ -175,10 +179,7 @@ fn the_prefetch_queue_changes_no_bit_at_any_budget_or_depth() {
 #[test]
 fn a_lowered_budget_with_predictions_queued_or_in_flight_is_exact() {
     for set in ["tiny", "tiny2"] {
-        let o = json(&format!("{set}/oracle.json"));
-        let prompt = u32s(&o["prompt_ids"]);
-        let (resident, info) = open(set, BudgetRequest::Resident);
-        let want = generate(&resident, &prompt, 12, |_| {});
+        let (prompt, want, info) = serial_reference(set, 12);
         let (floor, everything) = (info.plan.floor_bytes, info.sizes.model_bytes());
         // The layers whose next layer is pinned: a prediction for it can be made.
         let before_in = |pinned: &[bool]| {
@@ -238,10 +239,7 @@ fn a_lowered_budget_with_predictions_queued_or_in_flight_is_exact() {
 #[test]
 fn a_plan_change_between_tokens_changes_no_token() {
     let set = "tiny";
-    let o = json(&format!("{set}/oracle.json"));
-    let prompt = u32s(&o["prompt_ids"]);
-    let (resident, info) = open(set, BudgetRequest::Resident);
-    let want = generate(&resident, &prompt, 16, |_| {});
+    let (prompt, want, info) = serial_reference(set, 16);
     let sizes = info.sizes.clone();
     let floor = info.plan.floor_bytes;
     let (m, _) = open(set, BudgetRequest::Total(floor));
@@ -652,10 +650,7 @@ fn the_expert_arena_is_faulted_in_with_the_plan_and_follows_it_down() {
     use k3::stream::arena::{Prefault, HUGE_PAGE};
     let smaps = std::path::Path::new("/proc/self/smaps").exists();
     let set = "tiny";
-    let o = json(&format!("{set}/oracle.json"));
-    let prompt = u32s(&o["prompt_ids"]);
-    let (resident, info) = open(set, BudgetRequest::Resident);
-    let want = generate(&resident, &prompt, 8, |_| {});
+    let (prompt, want, info) = serial_reference(set, 8);
     let sizes = info.sizes.clone();
     let (floor, everything) = (info.plan.floor_bytes, sizes.model_bytes());
     // Every expert held (in slots a little larger than the experts), then the floor.

@@ -182,6 +182,23 @@ fn mix_into(
     a: &mut Vec<f32>,
 ) {
     let n = out.len();
+    mix_rows_into(blocks, n, n_blocks, partial, fold, eps, d, out, k, a);
+}
+
+/// [`mix_into`] of the leading `out.len() / d` tokens of sources `n` floats long.
+#[allow(clippy::too_many_arguments)]
+fn mix_rows_into(
+    blocks: &[f32],
+    n: usize,
+    n_blocks: usize,
+    partial: Option<&[f32]>,
+    fold: &[f32],
+    eps: f32,
+    d: usize,
+    out: &mut [f32],
+    k: &mut Vec<f32>,
+    a: &mut Vec<f32>,
+) {
     let n_src = n_blocks + usize::from(partial.is_some());
     let last = partial.unwrap_or(&[]);
     let source = |i: usize| {
@@ -194,12 +211,14 @@ fn mix_into(
     attnres::aggregate_with(n_src, source, fold, eps, d, out, fit(k, d), fit(a, n_src));
 }
 
-/// While decoding one token: queue reads of the experts MoE layer `j` will most likely route
-/// to, predicted from its FFN input as it would be without its attention (the AttnRes mix of
-/// the residual stream after layer `j - 1`, normalised), when `j`'s weights are at hand. The
-/// mix is written into `run.h` (and, at a block boundary, the snapshot `j` is about to take
-/// into `run.blocks`), both of which `j` overwrites with the same values or its own before
-/// reading them, so nothing computed changes.
+/// Queue reads of the experts MoE layer `j` will most likely route to, predicted from its FFN
+/// input as it would be without its attention (the AttnRes mix of the residual stream after
+/// layer `j - 1`, normalised), when `j`'s weights are at hand: for a decoding step's token, or
+/// for the leading tokens of a multi-token pass (a prefill chunk, a speculative verification),
+/// whose reads then run during `j`'s attention. The mix is written into `run.h` (and, at a
+/// block boundary, the snapshot `j` is about to take into `run.blocks`), both of which `j`
+/// overwrites with the same values or its own before reading them, so nothing computed
+/// changes.
 fn predict_next(j: usize, cfg: &ModelConfig, run: &mut RunState, st: &Streamer) {
     let Some(next) = st.next_pinned(j) else {
         return;
@@ -217,10 +236,12 @@ fn predict_next(j: usize, cfg: &ModelConfig, run: &mut RunState, st: &Streamer) 
         ..
     } = run;
     let n = *len;
-    if n != d || !*has_partial {
+    if n == 0 || n % d != 0 || !*has_partial {
         return;
     }
-    let (h, partial) = (&mut h[..n], &partial[..n]);
+    // The tokens the prediction is made for: the mix of the others is not needed.
+    let rows = st.prediction_rows(n / d);
+    let (h, partial) = (&mut h[..rows * d], &partial[..n]);
     let nb = *n_blocks;
     let (n_src, last) = if cfg.is_block_start(j) {
         // `j` snapshots the partial sum as a block and has no partial sum until its attention.
@@ -230,8 +251,9 @@ fn predict_next(j: usize, cfg: &ModelConfig, run: &mut RunState, st: &Streamer) 
         (nb, Some(partial))
     };
     let eps = cfg.rms_norm_eps;
-    mix_into(
+    mix_rows_into(
         blocks,
+        n,
         n_src,
         last,
         &next.mlp_res_fold,
@@ -241,8 +263,10 @@ fn predict_next(j: usize, cfg: &ModelConfig, run: &mut RunState, st: &Streamer) 
         mix_k,
         mix_a,
     );
-    ops::rmsnorm(h, &next.post_norm, eps);
-    st.prefetch_next(j, &next, h);
+    for row in h.chunks_mut(d) {
+        ops::rmsnorm(row, &next.post_norm, eps);
+    }
+    st.prefetch_next(j, &next, h, n / d);
 }
 
 impl Layer {
@@ -504,9 +528,7 @@ impl Model {
             let routing = layer.forward(il, cfg, run, ls, &self.weights, record, want_routing)?;
             drop(layer);
             if let Weights::Streamed(st) = &self.weights {
-                if n_tok == 1 {
-                    predict_next(il + 1, cfg, run, st);
-                }
+                predict_next(il + 1, cfg, run, st);
             }
             if let Some(t) = trace.as_deref_mut() {
                 t.layer_out.push(run.partial[..n].to_vec());

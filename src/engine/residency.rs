@@ -1214,7 +1214,7 @@ impl Streamer {
             return;
         }
         if let Some(next) = self.next_pinned(il + 1) {
-            self.predict(il + 1, &next, x, false);
+            self.predict(il + 1, &next, x, false, true);
         }
     }
 
@@ -1241,19 +1241,56 @@ impl Streamer {
     /// been right at least half the time, since the attention rarely moves the routing; the
     /// other ranks wait for an idle disk as the first prediction's do. Only a prefetch, as
     /// [`Streamer::prefetch_after`].
-    pub fn prefetch_next(&self, j: usize, next: &Layer, x: &[f32]) {
-        self.predict(j, next, x, true);
+    ///
+    /// `x` holds the leading [`Streamer::prediction_rows`] of the pass's `n_tok` tokens.
+    pub fn prefetch_next(&self, j: usize, next: &Layer, x: &[f32], n_tok: usize) {
+        self.predict(j, next, x, true, n_tok == 1);
     }
 
-    /// Route `x` through MoE layer `j`'s router (`next`) and queue reads of the most likely
-    /// experts not cached; `late` for a prediction from the previous layer's output.
-    fn predict(&self, j: usize, next: &Layer, x: &[f32], late: bool) {
+    /// Most reads a prediction for a multi-token pass queues: half the cache, so that a wrong
+    /// one cannot evict more than half of what is cached.
+    fn chunk_prediction_reads(&self) -> usize {
+        lock(&self.resident).cache.slots() / 2
+    }
+
+    /// How many of a pass's `n_tok` tokens a prediction is made for (the leading ones): the
+    /// token of a decoding step, and for a multi-token pass enough tokens that their routes
+    /// together are likely to fill [`Streamer::chunk_prediction_reads`] (twice as many
+    /// choices as reads, since the tokens share experts), so the router is not run twice for
+    /// a long chunk.
+    #[must_use]
+    pub fn prediction_rows(&self, n_tok: usize) -> usize {
+        if n_tok <= 1 {
+            return n_tok;
+        }
+        let top_k = self.cfg.num_experts_per_token.max(1);
+        (2 * self.chunk_prediction_reads())
+            .div_ceil(top_k)
+            .clamp(1, n_tok)
+    }
+
+    /// Route `x` (one or more tokens) through MoE layer `j`'s router (`next`) and queue reads
+    /// of the most likely experts not cached; `late` for a prediction from the previous
+    /// layer's output, `single` when `x` is a whole one-token pass (then the prediction is
+    /// scored against the layer's routing).
+    ///
+    /// One token: its experts in rank order, up to `K3_PREFETCH` of them, those of the eager
+    /// ranks leading. Several tokens: every expert their eager ranks choose (up to
+    /// `K3_PREFETCH` ranks), each once, lowest id first, at most
+    /// [`Streamer::chunk_prediction_reads`], all eager: a pass asks for its experts in that
+    /// order, a cache-full group at a time, so these are the ones its first group reads.
+    fn predict(&self, j: usize, next: &Layer, x: &[f32], late: bool, single: bool) {
         let n = self.prefetch.load(Ordering::Relaxed);
         let FeedForward::Moe(m) = &next.ffn else {
             return;
         };
         let p = super::layer::moe_params(&self.cfg);
-        let (ids, _) = moe::route(&m.gate.apply(x), &m.bias, &p);
+        let n_exp = self.cfg.num_experts;
+        let logits = m.gate.apply(x);
+        let routes: Vec<Vec<usize>> = logits
+            .chunks(n_exp)
+            .map(|l| moe::route(l, &m.bias, &p).0)
+            .collect();
         let eager = if late {
             let c = &self.counters;
             eager_ranks(
@@ -1263,20 +1300,45 @@ impl Streamer {
         } else {
             0
         };
+        let (ids, n_lead) = if single {
+            let ids: Vec<usize> = routes
+                .first()
+                .map_or_else(Vec::new, |r| r.iter().take(n).copied().collect());
+            let lead = eager.min(ids.len());
+            (ids, lead)
+        } else {
+            let mut chosen = vec![false; n_exp];
+            for &e in routes.iter().flat_map(|r| r.iter().take(n.min(eager))) {
+                chosen[e] = true;
+            }
+            let ids: Vec<usize> = (0..n_exp)
+                .filter(|&e| chosen[e])
+                .take(self.chunk_prediction_reads())
+                .collect();
+            let lead = ids.len();
+            (ids, lead)
+        };
         {
             let mut r = lock(&self.resident);
             if late {
                 self.prefetcher.cancel_queued(&mut r.cache);
             }
-            let n = n.min(ids.len());
-            let reads = r.cache.reserve_prefetch(j, &ids[..n]);
-            // Reads come in rank order; those of the eager ranks lead.
-            let eager_ids = &ids[..eager.min(n)];
-            let n_eager = reads
-                .iter()
-                .take_while(|(e, _)| eager_ids.contains(e))
-                .count();
-            r.cache.prediction = Some((j, ids));
+            let reads = r.cache.reserve_prefetch(j, &ids);
+            // Reads keep the order of `ids`; those of the eager ranks lead.
+            let n_eager = if n_lead == ids.len() {
+                reads.len()
+            } else {
+                let eager_ids = &ids[..n_lead];
+                reads
+                    .iter()
+                    .take_while(|(e, _)| eager_ids.contains(e))
+                    .count()
+            };
+            r.cache.prediction = if single {
+                routes.into_iter().next().map(|ids| (j, ids))
+            } else {
+                None
+            };
             let reads = reads.into_iter().map(|(e, slot)| (j, e, slot)).collect();
             self.prefetcher.enqueue(reads, n_eager);
         }

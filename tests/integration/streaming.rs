@@ -107,6 +107,61 @@ fn prefetching_predicted_experts_changes_no_token() {
     assert!(read_ahead > 0, "no expert was read ahead");
 }
 
+#[test]
+fn a_prompt_pass_reads_the_next_layers_predicted_experts_ahead_and_changes_no_bit() {
+    let (mut queued, mut used) = (0, 0);
+    for set in ["tiny", "tiny2"] {
+        let o = json(&format!("{set}/oracle.json"));
+        let prompt = u32s(&o["prompt_ids"]);
+        assert!(
+            prompt.len() > 1,
+            "{set}: the prompt is one pass of several tokens"
+        );
+        let (resident, info) = open(set, BudgetRequest::Resident);
+        let want = resident
+            .forward(&mut SeqState::new(&resident.cfg), &prompt, Logits::All)
+            .unwrap();
+        let (floor, everything) = (info.plan.floor_bytes, info.sizes.model_bytes());
+        for total in [floor + everything / 4, floor + everything / 2] {
+            // Late depth 0 queues every read and starts none (the layer's routing drops
+            // them); 64 starts them beside the layer's own reads.
+            for late in [0, 64] {
+                let (m, _) = open(set, BudgetRequest::Total(total));
+                let st = m.streamer().unwrap();
+                st.set_prefetch(16);
+                st.set_prefetch_depth(late.min(3));
+                st.set_prefetch_late_depth(late);
+                let got = m
+                    .forward(&mut SeqState::new(&m.cfg), &prompt, Logits::All)
+                    .unwrap();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{set} at {total} B, late depth {late}"
+                );
+                let s = st.stats();
+                // A multi-token pass's prediction is not scored per rank.
+                assert_eq!(s.predictions, 0, "{s:?}");
+                if late == 0 {
+                    assert_eq!(s.prefetch_reads, 0, "{s:?}");
+                }
+                assert!(s.prefetch_used <= s.prefetch_reads, "{s:?}");
+                let pinned = &st.plan().pinned;
+                if (1..pinned.len()).any(|j| pinned[j] && !m.cfg.is_dense(j)) {
+                    assert!(s.prefetch_reads + s.prefetch_cancelled > 0, "{set}: {s:?}");
+                }
+                queued += s.prefetch_reads + s.prefetch_cancelled;
+                used += s.prefetch_used;
+            }
+        }
+    }
+    assert!(queued > 0, "no prompt pass predicted a layer's experts");
+    assert!(
+        used > 0,
+        "no expert read ahead of a prompt pass's layer was used"
+    );
+}
+
 /// Per-rank prediction counts agree with the totals: each rank is right at most once per
 /// prediction, and the ranks add up to the experts predicted right.
 fn check_prediction_counts(s: &k3::stream::stats::StatsSnapshot) {

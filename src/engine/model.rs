@@ -167,27 +167,11 @@ impl Rollback {
     }
 }
 
-/// Mix the block snapshots `blocks` (`n_blocks` of `out.len()` floats each) and the partial
-/// sum (when there is one) into `out`, scoring with `fold`.
+/// Mix the block snapshots `blocks` (`n_blocks` of `n` floats each) and the partial sum (when
+/// there is one, `n` floats) into `out`, for its `out.len() / d` leading tokens, scoring with
+/// `fold`.
 #[allow(clippy::too_many_arguments)]
 fn mix_into(
-    blocks: &[f32],
-    n_blocks: usize,
-    partial: Option<&[f32]>,
-    fold: &[f32],
-    eps: f32,
-    d: usize,
-    out: &mut [f32],
-    k: &mut Vec<f32>,
-    a: &mut Vec<f32>,
-) {
-    let n = out.len();
-    mix_rows_into(blocks, n, n_blocks, partial, fold, eps, d, out, k, a);
-}
-
-/// [`mix_into`] of the leading `out.len() / d` tokens of sources `n` floats long.
-#[allow(clippy::too_many_arguments)]
-fn mix_rows_into(
     blocks: &[f32],
     n: usize,
     n_blocks: usize,
@@ -251,7 +235,7 @@ fn predict_next(j: usize, cfg: &ModelConfig, run: &mut RunState, st: &Streamer) 
         (nb, Some(partial))
     };
     let eps = cfg.rms_norm_eps;
-    mix_rows_into(
+    mix_into(
         blocks,
         n,
         n_src,
@@ -311,6 +295,7 @@ impl Layer {
             let fold = &self.attn_res_fold;
             mix_into(
                 blocks,
+                n,
                 *n_blocks,
                 Some(partial),
                 fold,
@@ -344,6 +329,7 @@ impl Layer {
         // 7–10: pre-FFN mix (always), FFN, added to the partial sum.
         mix_into(
             blocks,
+            n,
             *n_blocks,
             Some(partial),
             &self.mlp_res_fold,
@@ -553,6 +539,7 @@ impl Model {
         let partial = has_partial.then_some(&partial[..n]);
         mix_into(
             blocks,
+            n,
             *n_blocks,
             partial,
             &self.out_res_fold,

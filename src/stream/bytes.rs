@@ -143,6 +143,43 @@ impl Default for Bytes {
     }
 }
 
+/// Allocations at least this large are backed by transparent huge pages where the system
+/// allows it.
+const HUGE_FROM: usize = 4 << 20;
+
+/// An empty vector with room for `cap` bytes. From [`HUGE_FROM`] up, its 2 MiB-aligned interior
+/// is advised into transparent huge pages (THP in `madvise` mode backs only advised ranges).
+/// A direct read pins its destination pages and hands the device one segment per physically
+/// contiguous run, so a read into 4 KiB pages is split into many small requests: measured on
+/// the streamed `k3mini-2048` trunk (`--mem 1`), 1.49–1.75 s/token on ordinary pages against
+/// 0.96–1.07 on huge pages, with the same bytes read. Where THP is off the advice is refused
+/// or ignored and the pages are ordinary.
+fn large_allocation(cap: usize) -> Vec<u8> {
+    let v: Vec<u8> = Vec::with_capacity(cap);
+    #[cfg(target_os = "linux")]
+    if let Some((lo, hi)) = huge_interior(v.as_ptr() as usize, v.capacity()) {
+        // SAFETY: `lo..hi` lies inside the vector's allocation (`huge_interior`), which is
+        // mapped and owned by `v`; MADV_HUGEPAGE only changes how the kernel backs those
+        // pages, never their contents or the mapping's extent.
+        let _ = unsafe {
+            rustix::mm::madvise(lo as *mut _, hi - lo, rustix::mm::Advice::LinuxHugepage)
+        };
+    }
+    v
+}
+
+/// The whole huge pages inside the allocation of `cap` bytes at `start`, from [`HUGE_FROM`]
+/// bytes up.
+fn huge_interior(start: usize, cap: usize) -> Option<(usize, usize)> {
+    use super::arena::HUGE_PAGE;
+    if cap < HUGE_FROM {
+        return None;
+    }
+    let lo = start.checked_next_multiple_of(HUGE_PAGE)?;
+    let hi = start.checked_add(cap)? / HUGE_PAGE * HUGE_PAGE;
+    (hi > lo).then_some((lo, hi))
+}
+
 /// An allocation being filled by reads: `len` bytes starting at an [`ALIGN`]-aligned
 /// address, none of them initialised until a read or [`Filling::zero_from`] writes them.
 pub struct Filling {
@@ -159,7 +196,7 @@ impl Filling {
     /// at most `ALIGN − 1` bytes excepted).
     #[must_use]
     pub fn new(len: usize) -> Filling {
-        Self::from_raw(Vec::with_capacity(len + ALIGN), len, None)
+        Self::from_raw(large_allocation(len + ALIGN), len, None)
     }
 
     /// [`Filling::new`] in an allocation from `pool` when one fits; the allocation goes back
@@ -168,7 +205,7 @@ impl Filling {
     pub fn new_in(len: usize, pool: &Arc<Pool>) -> Filling {
         let raw = pool
             .take(len + ALIGN)
-            .unwrap_or_else(|| Vec::with_capacity(len + ALIGN));
+            .unwrap_or_else(|| large_allocation(len + ALIGN));
         Self::from_raw(raw, len, Some(Arc::clone(pool)))
     }
 
@@ -478,6 +515,50 @@ pub(crate) fn as_uninit(buf: &mut [u8]) -> &mut [MaybeUninit<u8>] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_large_allocation_advises_only_whole_huge_pages_inside_it() {
+        const H: usize = 2 << 20;
+        assert_eq!(
+            huge_interior(H + 16, HUGE_FROM - 1),
+            None,
+            "below the threshold"
+        );
+        // An unaligned start: the interior begins at the next huge page, ends at the last.
+        assert_eq!(huge_interior(H + 16, 8 * H), Some((2 * H, 9 * H)));
+        assert_eq!(huge_interior(4 * H, 3 * H), Some((4 * H, 7 * H)));
+        // Less than one whole huge page inside.
+        assert_eq!(
+            huge_interior(H + 4096, HUGE_FROM - 4096 + H - 8192),
+            Some((2 * H, 3 * H))
+        );
+        assert_eq!(huge_interior(usize::MAX - H, 8 * H), None, "no overflow");
+        for start in [4096usize, H - 1, H, 3 * H + 4096 * 7] {
+            for cap in [HUGE_FROM, HUGE_FROM + 1, 5 * H + 12_345, 64 * H] {
+                if let Some((lo, hi)) = huge_interior(start, cap) {
+                    assert!(lo >= start && hi <= start + cap && lo < hi);
+                    assert_eq!((lo % H, hi % H), (0, 0));
+                    assert!(
+                        lo - start < H && start + cap - hi < H,
+                        "every whole page taken"
+                    );
+                }
+            }
+        }
+        // Read into such an allocation: the bytes are what was written, nothing zeroed.
+        let n = HUGE_FROM + 12_345;
+        let mut f = Filling::new(n);
+        for (i, b) in f.area().iter_mut().enumerate() {
+            b.write((i % 251) as u8);
+        }
+        let b = f.finish(n);
+        assert_eq!(b.len(), n);
+        assert!(b
+            .as_slice()
+            .iter()
+            .enumerate()
+            .all(|(i, &v)| v == (i % 251) as u8));
+    }
 
     #[test]
     fn filling_is_aligned_and_finish_zeroes_the_unread_tail() {

@@ -235,6 +235,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 "predicted_right": st.predicted_right,
                 "cancelled": st.prefetch_cancelled,
                 "accuracy_by_rank": st.prediction_accuracy_by_rank(),
+                "early_accuracy_by_rank": st.early_prediction_accuracy_by_rank(),
             })
         }),
         "generated_ids": &history[prompt.len()..],

@@ -302,6 +302,11 @@ fn run_stats(model: &Model, info: &crate::engine::weights::LoadInfo) -> serde_js
             "prediction_accuracy_by_rank".into(),
             st.prediction_accuracy_by_rank().into(),
         );
+        o.insert("early_predictions".into(), st.early_predictions.into());
+        o.insert(
+            "early_prediction_accuracy_by_rank".into(),
+            st.early_prediction_accuracy_by_rank().into(),
+        );
         if let Ok(a) = serde_json::to_value(&st.arena) {
             o.insert("expert_arena".into(), a);
         }

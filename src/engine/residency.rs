@@ -63,6 +63,9 @@ struct Counters {
     predictions: AtomicU64,
     /// Per rank of a prediction (the most likely first): how often its layer chose it.
     right_by_rank: Mutex<Vec<u64>>,
+    /// The same two for the early predictions (from the previous layer's FFN input).
+    early_predictions: AtomicU64,
+    early_right_by_rank: Mutex<Vec<u64>>,
     /// Predicted reads dropped from the queue before they started.
     prefetch_cancelled: AtomicU64,
 }
@@ -84,6 +87,8 @@ struct ExpertCache {
     prefetched: Vec<bool>,
     /// The last prediction: (layer, experts).
     prediction: Option<(usize, Vec<usize>)>,
+    /// The last early prediction (from the previous layer's FFN input): (layer, experts).
+    early_prediction: Option<(usize, Vec<usize>)>,
 }
 
 /// A completed read, sent to the request that waits for it.
@@ -142,6 +147,7 @@ impl ExpertCache {
             waiting: HashMap::new(),
             prefetched: vec![false; slots],
             prediction: None,
+            early_prediction: None,
         }
     }
 
@@ -513,6 +519,22 @@ fn eager_ranks(right_by_rank: &[u64], predictions: u64) -> usize {
         .count()
 }
 
+/// Count, per rank of `predicted` (the most likely first), whether the layer's routing chose
+/// it (`ids`), into `by_rank`; returns how many it chose.
+fn score_by_rank(by_rank: &mut Vec<u64>, predicted: &[usize], ids: &[usize]) -> u64 {
+    if by_rank.len() < predicted.len() {
+        by_rank.resize(predicted.len(), 0);
+    }
+    let mut right = 0;
+    for (n, e) in by_rank.iter_mut().zip(predicted) {
+        if ids.contains(e) {
+            *n += 1;
+            right += 1;
+        }
+    }
+    right
+}
+
 /// Reads of experts predicted for the next layer, in a low-priority queue behind the reads
 /// layers ask for: one starts only while fewer than `depth` reads of either kind are in flight,
 /// so the disk reads predictions only when it would otherwise idle and a wrong one delays a
@@ -873,7 +895,7 @@ impl Streamer {
             counters,
             prefetch: std::sync::atomic::AtomicUsize::new(env("K3_PREFETCH", DEFAULT_PREFETCH)),
             prefetcher,
-            early: std::sync::atomic::AtomicBool::new(env("K3_PREFETCH_EARLY", 1) != 0),
+            early: std::sync::atomic::AtomicBool::new(env("K3_PREFETCH_EARLY", 0) != 0),
             mapped,
             arena,
         };
@@ -902,8 +924,11 @@ impl Streamer {
     }
 
     /// Whether the early prediction (from a layer's FFN input, before its experts) is made
-    /// (`K3_PREFETCH_EARLY=0` turns it off; the prediction from the layer's output is made
-    /// either way).
+    /// (off by default, `K3_PREFETCH_EARLY=1` turns it on; the prediction from the layer's
+    /// output is made either way). Where the disk is the bottleneck its wrong reads cost more
+    /// than its right ones save: on k3mini-2048 at `--mem 4` it read 0.2 GB more per token
+    /// (all 16 ranks) and was slower, and still slower reading only the ranks it gets right
+    /// at least half the time.
     pub fn set_prefetch_early(&self, on: bool) {
         self.early.store(on, Ordering::Relaxed);
     }
@@ -1121,6 +1146,13 @@ impl Streamer {
                     self.note_prediction(&predicted, ids);
                 }
             }
+            if let Some((pl, predicted)) = c.early_prediction.take() {
+                if pl == il {
+                    let c = &self.counters;
+                    score_by_rank(&mut lock(&c.early_right_by_rank), &predicted, ids);
+                    c.early_predictions.fetch_add(1, Ordering::Relaxed);
+                }
+            }
             c.request(il, ids, &tx)
         };
         self.counters
@@ -1168,17 +1200,7 @@ impl Streamer {
     /// routing chose (`ids`), in all and per rank.
     fn note_prediction(&self, predicted: &[usize], ids: &[usize]) {
         let c = &self.counters;
-        let mut by_rank = lock(&c.right_by_rank);
-        if by_rank.len() < predicted.len() {
-            by_rank.resize(predicted.len(), 0);
-        }
-        let mut right = 0;
-        for (n, e) in by_rank.iter_mut().zip(predicted) {
-            if ids.contains(e) {
-                *n += 1;
-                right += 1;
-            }
-        }
+        let right = score_by_rank(&mut lock(&c.right_by_rank), predicted, ids);
         c.predictions.fetch_add(1, Ordering::Relaxed);
         c.predicted
             .fetch_add(predicted.len() as u64, Ordering::Relaxed);
@@ -1206,7 +1228,8 @@ impl Streamer {
     /// Predict the routed experts of the MoE layer after `il` from this layer's FFN input `x`
     /// (one token) through that layer's router, and queue reads of the most likely ones not
     /// cached, behind this layer's own reads (they start when the disk would idle; the next
-    /// layer drops those not started). Only a prefetch: the next layer still asks for exactly
+    /// layer drops those not started): those of the ranks this prediction has got right at
+    /// least half the time (every rank for its first 8). Only a prefetch: the next layer still asks for exactly
     /// the experts its own routing picks, so a wrong prediction costs bandwidth, never a
     /// different bit.
     pub fn prefetch_after(&self, il: usize, x: &[f32]) {
@@ -1291,8 +1314,8 @@ impl Streamer {
             .chunks(n_exp)
             .map(|l| moe::route(l, &m.bias, &p).0)
             .collect();
+        let c = &self.counters;
         let eager = if late {
-            let c = &self.counters;
             eager_ranks(
                 &lock(&c.right_by_rank),
                 c.predictions.load(Ordering::Relaxed),
@@ -1301,9 +1324,19 @@ impl Streamer {
             0
         };
         let (ids, n_lead) = if single {
+            // An early prediction reads only the ranks it has got right at least half the
+            // time: on a disk that is busy, a wrong read delays the layers' own.
+            let take = if late {
+                n
+            } else {
+                n.min(eager_ranks(
+                    &lock(&c.early_right_by_rank),
+                    c.early_predictions.load(Ordering::Relaxed),
+                ))
+            };
             let ids: Vec<usize> = routes
                 .first()
-                .map_or_else(Vec::new, |r| r.iter().take(n).copied().collect());
+                .map_or_else(Vec::new, |r| r.iter().take(take).copied().collect());
             let lead = eager.min(ids.len());
             (ids, lead)
         } else {
@@ -1334,11 +1367,17 @@ impl Streamer {
                     .take_while(|(e, _)| eager_ids.contains(e))
                     .count()
             };
-            r.cache.prediction = if single {
+            // Scored against the layer's routing over every rank, read or not.
+            let scored = if single {
                 routes.into_iter().next().map(|ids| (j, ids))
             } else {
                 None
             };
+            if late {
+                r.cache.prediction = scored;
+            } else {
+                r.cache.early_prediction = scored;
+            }
             let reads = reads.into_iter().map(|(e, slot)| (j, e, slot)).collect();
             self.prefetcher.enqueue(reads, n_eager);
         }
@@ -1454,6 +1493,8 @@ impl Streamer {
             predicted_right: c.predicted_right.load(Ordering::Relaxed),
             predictions: c.predictions.load(Ordering::Relaxed),
             predicted_right_by_rank: lock(&c.right_by_rank).clone(),
+            early_predictions: c.early_predictions.load(Ordering::Relaxed),
+            early_predicted_right_by_rank: lock(&c.early_right_by_rank).clone(),
             prefetch_cancelled: c.prefetch_cancelled.load(Ordering::Relaxed),
             arena: self.arena.stats(),
             ..StatsSnapshot::default()

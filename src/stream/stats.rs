@@ -74,6 +74,11 @@ pub struct StatsSnapshot {
     pub predictions: u64,
     /// Per rank of a prediction (the most likely first): how many times its layer chose it.
     pub predicted_right_by_rank: Vec<u64>,
+    /// Early predictions (from the previous layer's FFN input, before its experts) checked
+    /// against their layer's routing.
+    pub early_predictions: u64,
+    /// Per rank of an early prediction: how many times its layer chose it.
+    pub early_predicted_right_by_rank: Vec<u64>,
     /// Predicted reads dropped before they started (their layer's routing came first).
     pub prefetch_cancelled: u64,
     /// Positions the session holds.
@@ -94,6 +99,12 @@ pub struct StatsSnapshot {
     pub arena: super::arena::ArenaStats,
 }
 
+/// Per rank, how often it was right out of `n` predictions.
+fn accuracy(right_by_rank: &[u64], n: u64) -> Vec<f64> {
+    let n = n.max(1) as f64;
+    right_by_rank.iter().map(|&r| r as f64 / n).collect()
+}
+
 impl StatsSnapshot {
     /// Decoding steps per forward pass (1.0 without speculation; 0 before any).
     #[must_use]
@@ -109,11 +120,13 @@ impl StatsSnapshot {
     /// (empty before any prediction).
     #[must_use]
     pub fn prediction_accuracy_by_rank(&self) -> Vec<f64> {
-        let n = self.predictions.max(1) as f64;
-        self.predicted_right_by_rank
-            .iter()
-            .map(|&r| r as f64 / n)
-            .collect()
+        accuracy(&self.predicted_right_by_rank, self.predictions)
+    }
+
+    /// [`StatsSnapshot::prediction_accuracy_by_rank`] of the early predictions.
+    #[must_use]
+    pub fn early_prediction_accuracy_by_rank(&self) -> Vec<f64> {
+        accuracy(&self.early_predicted_right_by_rank, self.early_predictions)
     }
 
     /// Hits over lookups (1.0 when nothing was looked up).

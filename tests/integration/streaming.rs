@@ -217,6 +217,19 @@ fn the_prefetch_queue_changes_no_bit_at_any_budget_or_depth() {
                     .filter(|&j| pinned[j] && !m.cfg.is_dense(j))
                     .count() as u64;
                 assert_eq!(s.predictions, after_pinned * 10, "{what}: {s:?}");
+                // The early prediction, made only when on from a MoE layer's FFN input, is
+                // scored on its own.
+                let after_moe = (1..pinned.len())
+                    .filter(|&j| pinned[j] && !m.cfg.is_dense(j) && !m.cfg.is_dense(j - 1))
+                    .count() as u64;
+                let early_made = if early { after_moe * 10 } else { 0 };
+                assert_eq!(s.early_predictions, early_made, "{what}: {s:?}");
+                assert!(
+                    s.early_predicted_right_by_rank
+                        .iter()
+                        .all(|&r| r <= s.early_predictions),
+                    "{what}: {s:?}"
+                );
                 predicted_late += after_pinned;
                 read_ahead += s.prefetch_reads;
                 dropped += s.prefetch_cancelled;
@@ -253,6 +266,7 @@ fn a_lowered_budget_with_predictions_queued_or_in_flight_is_exact() {
         let (m, _) = open(set, BudgetRequest::Total(total));
         let st = m.streamer().unwrap();
         st.set_prefetch(16);
+        st.set_prefetch_early(true);
         let before = || before_in(&st.plan().pinned);
         let d = m.cfg.hidden_size;
         let x: Vec<f32> = (0..d).map(|i| (i as f32 * 0.37).sin()).collect();

@@ -1229,9 +1229,9 @@ impl Streamer {
     /// (one token) through that layer's router, and queue reads of the most likely ones not
     /// cached, behind this layer's own reads (they start when the disk would idle; the next
     /// layer drops those not started): those of the ranks this prediction has got right at
-    /// least half the time (every rank for its first 8). Only a prefetch: the next layer still asks for exactly
-    /// the experts its own routing picks, so a wrong prediction costs bandwidth, never a
-    /// different bit.
+    /// least half the time (every rank for its first 8). Only a prefetch: the next layer still
+    /// asks for exactly the experts its own routing picks, so a wrong prediction costs
+    /// bandwidth, never a different bit.
     pub fn prefetch_after(&self, il: usize, x: &[f32]) {
         if !self.early.load(Ordering::Relaxed) || x.len() != self.cfg.hidden_size {
             return;

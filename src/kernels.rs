@@ -11,6 +11,13 @@
 //! path (a request the CPU cannot honour falls back to the best available one), and
 //! [`set_isa`] switches at run time, which the tests use to compare paths inside one process.
 //!
+//! A one-token product walks its matrix in one of two [`RowOrder`]s: four rows at a time with
+//! the next four rows' lines requested ahead, or one row after another left to the hardware
+//! prefetcher. Every row is reduced the same way in both, so the order changes speed only; which
+//! is faster depends on the machine (measured: one row at a time streamed 33 GB/s on two AMD EPYC
+//! vCPUs where four rows with prefetch streamed 23), so by default the first products time both
+//! and the faster is kept (`K3_ROW_ORDER=fours|single` fixes one).
+//!
 //! Reduction order of a dot product of length n (F32 or BF16 weights, F32 activations):
 //! 16 lanes, element i of each full 16-block accumulated into lane i mod 16 with an fma; lanes
 //! combined as `b[k]=a[k]+a[k+8]`, `c[k]=b[k]+b[k+4]`, `d[k]=c[k]+c[k+2]`, `s=d[0]+d[1]`; then
@@ -28,8 +35,9 @@ pub mod ops;
 mod x86;
 
 use rayon::prelude::*;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 pub use mxfp4::{Mxfp4Matrix, E2M1};
 
@@ -141,6 +149,15 @@ impl DenseRef<'_> {
         }
     }
 
+    /// Bytes of the stored elements.
+    #[must_use]
+    pub fn bytes(&self) -> usize {
+        match self {
+            DenseRef::F32(w) => std::mem::size_of_val(*w),
+            DenseRef::Bf16(w) => std::mem::size_of_val(*w),
+        }
+    }
+
     /// Whether the matrix holds no element.
     #[must_use]
     pub fn is_empty(&self) -> bool {
@@ -210,6 +227,131 @@ pub fn axpy_with(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 => x86::axpy_f32_avx2(a, &x[..n], &mut y[..n]),
         _ => generic::axpy_f32(a, &x[..n], &mut y[..n]),
+    }
+}
+
+/// How a one-token dense product walks the matrix (see the module documentation). The results
+/// are the same bits either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowOrder {
+    /// Four rows at a time through the 4-row kernel, which requests the next four rows' lines
+    /// while it computes (software prefetch).
+    Fours,
+    /// One row after another through the single-row kernel, left to the hardware prefetcher.
+    Single,
+}
+
+impl RowOrder {
+    /// Short lowercase name, as accepted by `K3_ROW_ORDER`.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            RowOrder::Fours => "fours",
+            RowOrder::Single => "single",
+        }
+    }
+}
+
+const ORDER_UNSET: u8 = 0;
+const ORDER_PROBING: u8 = 1;
+const ORDER_FOURS: u8 = 2;
+const ORDER_SINGLE: u8 = 3;
+static ROW_ORDER: AtomicU8 = AtomicU8::new(ORDER_UNSET);
+
+/// Products over at least this many weight bytes are timed while the order is being chosen
+/// (smaller ones stay in cache or are dominated by the fork-join).
+const PROBE_MIN_BYTES: usize = 1 << 20;
+/// Timed products per order before the faster is kept.
+const PROBE_CALLS: u64 = 96;
+
+/// What the probe has measured: per order, products timed, nanoseconds and weight bytes.
+struct Probe {
+    turn: AtomicU64,
+    calls: [AtomicU64; 2],
+    nanos: [AtomicU64; 2],
+    bytes: [AtomicU64; 2],
+}
+
+static PROBE: Probe = Probe {
+    turn: AtomicU64::new(0),
+    calls: [AtomicU64::new(0), AtomicU64::new(0)],
+    nanos: [AtomicU64::new(0), AtomicU64::new(0)],
+    bytes: [AtomicU64::new(0), AtomicU64::new(0)],
+};
+
+fn order_code(o: RowOrder) -> u8 {
+    match o {
+        RowOrder::Fours => ORDER_FOURS,
+        RowOrder::Single => ORDER_SINGLE,
+    }
+}
+
+/// The row order kept, or `None` while the first products are still timing both.
+#[must_use]
+pub fn row_order() -> Option<RowOrder> {
+    match ROW_ORDER.load(Ordering::Relaxed) {
+        ORDER_FOURS => Some(RowOrder::Fours),
+        ORDER_SINGLE => Some(RowOrder::Single),
+        ORDER_PROBING => None,
+        _ => {
+            let fixed = match std::env::var("K3_ROW_ORDER").ok().as_deref() {
+                Some("fours" | "4") => Some(RowOrder::Fours),
+                Some("single" | "1") => Some(RowOrder::Single),
+                _ => None,
+            };
+            set_row_order(fixed);
+            fixed
+        }
+    }
+}
+
+/// Fix the row order for the whole process, or (`None`) time both again and keep the faster.
+/// Results do not depend on it; only speed does.
+pub fn set_row_order(order: Option<RowOrder>) {
+    for i in 0..2 {
+        PROBE.calls[i].store(0, Ordering::Relaxed);
+        PROBE.nanos[i].store(0, Ordering::Relaxed);
+        PROBE.bytes[i].store(0, Ordering::Relaxed);
+    }
+    ROW_ORDER.store(order.map_or(ORDER_PROBING, order_code), Ordering::Relaxed);
+}
+
+/// The order for the next one-token product over `bytes` of weights, and whether to time it.
+fn next_order(bytes: usize) -> (RowOrder, bool) {
+    if let Some(o) = row_order() {
+        return (o, false);
+    }
+    let o = if PROBE.turn.fetch_add(1, Ordering::Relaxed).is_multiple_of(2) {
+        RowOrder::Fours
+    } else {
+        RowOrder::Single
+    };
+    (o, bytes >= PROBE_MIN_BYTES)
+}
+
+/// Record a timed product; once both orders have [`PROBE_CALLS`], keep the one that streamed
+/// more bytes per second.
+fn note_probe(order: RowOrder, bytes: usize, took: Duration) {
+    let i = usize::from(order == RowOrder::Single);
+    PROBE.nanos[i].fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+    PROBE.bytes[i].fetch_add(bytes as u64, Ordering::Relaxed);
+    PROBE.calls[i].fetch_add(1, Ordering::Relaxed);
+    let calls = [0, 1].map(|i| PROBE.calls[i].load(Ordering::Relaxed));
+    if calls.iter().all(|&c| c >= PROBE_CALLS) {
+        // Seconds per byte, compared without division: nanos[0]/bytes[0] vs nanos[1]/bytes[1].
+        let [n0, n1] = [0, 1].map(|i| u128::from(PROBE.nanos[i].load(Ordering::Relaxed)));
+        let [b0, b1] = [0, 1].map(|i| u128::from(PROBE.bytes[i].load(Ordering::Relaxed)));
+        let keep = if n1 * b0 < n0 * b1 {
+            RowOrder::Single
+        } else {
+            RowOrder::Fours
+        };
+        let _ = ROW_ORDER.compare_exchange(
+            ORDER_PROBING,
+            order_code(keep),
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
     }
 }
 
@@ -292,7 +434,7 @@ pub fn matmul_with(isa: Isa, w: DenseRef<'_>, rows: usize, cols: usize, x: &[f32
     };
     // One task owns `per_task` consecutive rows and writes them as [rows, n_tok] (row-major
     // per task) into `tmp`; a transpose afterwards yields [n_tok, rows].
-    let fill = |ci: usize, out: &mut [f32]| {
+    let fill = |ci: usize, out: &mut [f32], order: RowOrder| {
         let base = ci * per_task;
         let n_rows = out.len() / n_tok;
         // Blocks of four tokens, where a kernel takes four rows against four vectors at once.
@@ -321,7 +463,7 @@ pub fn matmul_with(isa: Isa, w: DenseRef<'_>, rows: usize, cols: usize, x: &[f32
         for t in t0..n_tok {
             let xt = &x[t * cols..(t + 1) * cols];
             let mut k = 0;
-            while k + 4 <= n_rows {
+            while order == RowOrder::Fours && k + 4 <= n_rows {
                 let Some(v) = dot4_rows(isa, w, base + k, cols, xt) else {
                     break;
                 };
@@ -336,15 +478,25 @@ pub fn matmul_with(isa: Isa, w: DenseRef<'_>, rows: usize, cols: usize, x: &[f32
         }
     };
     if n_tok == 1 {
+        // The generic path has no 4-row kernel: every row goes through the single-row one.
+        let (order, timed) = if isa == Isa::Generic {
+            (RowOrder::Single, false)
+        } else {
+            next_order(w.bytes())
+        };
+        let t0 = timed.then(Instant::now);
         y.par_chunks_mut(per_task)
             .enumerate()
-            .for_each(|(ci, out)| fill(ci, out));
+            .for_each(|(ci, out)| fill(ci, out, order));
+        if let Some(t0) = t0 {
+            note_probe(order, w.bytes(), t0.elapsed());
+        }
         return;
     }
     with_scratch(rows * n_tok, |tmp| {
         tmp.par_chunks_mut(per_task * n_tok)
             .enumerate()
-            .for_each(|(ci, out)| fill(ci, out));
+            .for_each(|(ci, out)| fill(ci, out, RowOrder::Fours));
         transpose_into(tmp, rows, n_tok, y);
     });
 }

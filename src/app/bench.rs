@@ -245,6 +245,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "io_floor_seconds_per_token": io_floor,
         "ratio_to_memory_floor": decode_s / mem_floor,
         "ratio_to_io_floor": io_floor.filter(|f| *f > 0.0).map(|f| decode_s / f),
+        "kernels": super::run::kernels_json(),
     });
     if args.json {
         println!("{j}");
@@ -261,6 +262,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         info.plan.n_pinned(),
         info.plan.pinned.len(),
         info.plan.expert_slots
+    );
+    println!(
+        "kernels              {}, one-token rows {}",
+        crate::kernels::isa().name(),
+        crate::kernels::row_order().map_or("still being timed", crate::kernels::RowOrder::name)
     );
     println!(
         "prefill              {:.1} tokens/s ({} tokens)",

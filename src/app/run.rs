@@ -92,6 +92,14 @@ pub enum SpecSampling {
 /// Seed of the acceptance stream of distribution-preserving speculation, from the run's seed.
 const ACCEPT_STREAM: u64 = 0x5350_4543_4143_4350;
 
+/// The kernel path and the one-token row order in use (`"probing"` until it is chosen).
+pub(crate) fn kernels_json() -> serde_json::Value {
+    serde_json::json!({
+        "isa": crate::kernels::isa().name(),
+        "row_order": crate::kernels::row_order().map_or("probing", crate::kernels::RowOrder::name),
+    })
+}
+
 /// Median seconds per generated token, where a speculative pass's time is shared equally by
 /// the tokens it yielded: `steps` holds (pass number, seconds) per decoding step.
 #[must_use]
@@ -509,6 +517,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "bytes_read": load_bytes + model.streamer().map_or(0, |s| s.stats().disk_bytes_read),
             "stats": run_stats(&model, &info),
             "spec": spec_json(spec_mode, &spec.stats(), decode_read, generated.len().saturating_sub(1)),
+            "kernels": kernels_json(),
         });
         println!("{j}");
     } else {

@@ -397,3 +397,43 @@ fn answer_now_closes_the_thinking_channel_and_the_model_answers() {
     // into the next reply.
     assert!(!flag.load(std::sync::atomic::Ordering::Relaxed));
 }
+
+/// `k3 run` gives the same tokens and the same logits, bit for bit, whichever row order the
+/// one-token products walk (fixed by `K3_ROW_ORDER`, or left to the probe), and reports it.
+#[test]
+fn the_row_order_of_one_token_products_changes_no_token_and_no_logit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let mut seen: Option<(serde_json::Value, Vec<u8>)> = None;
+    for order in ["fours", "single", "auto"] {
+        let dump = tmp.path().join(format!("logits-{order}.f32"));
+        let out = crate::common::run_ok(
+            crate::common::k3_command()
+                .args(["run", "--prompt", "The capital of Peru is", "--gen", "24"])
+                .args(["--spec", "off", "--json", "--dump-logits"])
+                .arg(&dump)
+                .env("K3_CACHE_DIR", &cache)
+                .env("K3_ROW_ORDER", order),
+        );
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let reported = j["kernels"]["row_order"].as_str().unwrap().to_string();
+        if order == "auto" {
+            assert!(
+                ["fours", "single", "probing"].contains(&reported.as_str()),
+                "{reported}"
+            );
+        } else if j["kernels"]["isa"] != "generic" {
+            assert_eq!(reported, order);
+        }
+        let logits = std::fs::read(&dump).unwrap();
+        assert_eq!(logits.len(), 24 * 4352 * 4, "{order}: one row per step");
+        let ids = j["generated_ids"].clone();
+        match &seen {
+            None => seen = Some((ids, logits)),
+            Some((want_ids, want_logits)) => {
+                assert_eq!(&ids, want_ids, "{order}: tokens");
+                assert!(&logits == want_logits, "{order}: logits differ");
+            }
+        }
+    }
+}

@@ -355,6 +355,63 @@ fn note_probe(order: RowOrder, bytes: usize, took: Duration) {
     }
 }
 
+/// Number of whole rows of `width` floats, `stride` apart, that `len` floats hold.
+fn rows_held(len: usize, stride: usize, width: usize) -> usize {
+    if len < width {
+        0
+    } else {
+        (len - width) / stride.max(1) + 1
+    }
+}
+
+/// Attention scores of one query against cached rows `stride` floats apart:
+/// `out[t] = (dot(qa, row_t[..qa.len()]) + dot(qr, row_t[qa.len()..stride])) · scale` for every
+/// `t < out.len()` that `rows` holds, each `dot` the fixed-order [`dot`], so every score is
+/// bitwise what those calls give. One call per query and head instead of two per position.
+pub fn scores(qa: &[f32], qr: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+    scores_with(isa(), qa, qr, rows, stride, scale, out);
+}
+
+/// [`scores`] on an explicit path.
+pub fn scores_with(
+    isa: Isa,
+    qa: &[f32],
+    qr: &[f32],
+    rows: &[f32],
+    stride: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let stride = stride.max(qa.len());
+    let n = out.len().min(rows_held(rows.len(), stride, stride));
+    let out = &mut out[..n];
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => x86::scores_avx512(qa, qr, rows, stride, scale, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => x86::scores_avx2(qa, qr, rows, stride, scale, out),
+        _ => generic::scores(qa, qr, rows, stride, scale, out),
+    }
+}
+
+/// `y[j] ← y[j] + Σ_t a[t]·rows[t·stride + j]`, one fma per row and element in row order, for
+/// every `t < a.len()` that `rows` holds: bitwise what [`axpy`] gives called row after row,
+/// with `y` kept in registers across the rows.
+pub fn axpy_rows(a: &[f32], rows: &[f32], stride: usize, y: &mut [f32]) {
+    axpy_rows_with(isa(), a, rows, stride, y);
+}
+
+/// [`axpy_rows`] on an explicit path.
+pub fn axpy_rows_with(isa: Isa, a: &[f32], rows: &[f32], stride: usize, y: &mut [f32]) {
+    let stride = stride.max(y.len());
+    let n = a.len().min(rows_held(rows.len(), stride, y.len()));
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => x86::axpy_rows_avx2(&a[..n], rows, stride, y),
+        _ => generic::axpy_rows(&a[..n], rows, stride, y),
+    }
+}
+
 /// Minimum number of weight elements one parallel task should cover.
 const MIN_TASK_ELEMS: usize = 1 << 16;
 

@@ -146,16 +146,11 @@ pub fn forward_into(
                 for (dd, &qd) in q_nope.iter().enumerate() {
                     w.kv_b.row_axpy(h * (p.nope + p.v) + dd, qd, q_abs);
                 }
-                for (tau, at) in a.iter_mut().enumerate() {
-                    let row = &cache[tau * cw..(tau + 1) * cw];
-                    let (c, r) = row.split_at(p.kv_lora);
-                    *at = (kernels::dot(q_abs, c) + kernels::dot(q_rope, r)) * scale;
-                }
+                // Per position: (q_abs·c + q_rope·r)·scale, then ctx = Σ a_τ c_τ in order.
+                kernels::scores(q_abs, q_rope, &cache[..n_ctx * cw], cw, scale, a);
                 ops::softmax(a);
                 ctx.fill(0.0);
-                for (tau, &at) in a.iter().enumerate() {
-                    kernels::axpy(at, &cache[tau * cw..tau * cw + p.kv_lora], ctx);
-                }
+                kernels::axpy_rows(a, &cache[..n_ctx * cw], cw, ctx);
                 for (j, oj) in ho.iter_mut().enumerate() {
                     *oj = w.kv_b.row_dot(h * (p.nope + p.v) + p.nope + j, ctx);
                 }

@@ -43,6 +43,24 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// Attention scores over rows `stride` apart (see [`crate::kernels::scores`]); `rows` holds
+/// `out.len()` rows and `stride ≥ qa.len()`.
+pub fn scores(qa: &[f32], qr: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+    for (t, o) in out.iter_mut().enumerate() {
+        let (c, r) = rows[t * stride..(t + 1) * stride].split_at(qa.len());
+        let nr = qr.len().min(r.len());
+        *o = (dot_f32(qa, c) + dot_f32(&qr[..nr], &r[..nr])) * scale;
+    }
+}
+
+/// `y ← y + Σ_t a[t]·rows[t]` row after row (see [`crate::kernels::axpy_rows`]); `rows` holds
+/// `a.len()` rows of at least `y.len()` floats, `stride` apart.
+pub fn axpy_rows(a: &[f32], rows: &[f32], stride: usize, y: &mut [f32]) {
+    for (t, &at) in a.iter().enumerate() {
+        axpy_f32(at, &rows[t * stride..t * stride + y.len()], y);
+    }
+}
+
 /// Dot product of a BF16 row with an f32 vector.
 #[must_use]
 pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {

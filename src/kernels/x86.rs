@@ -64,6 +64,23 @@ avx512_wrapper!(
     dot_bf16_avx512, dot_bf16_avx512_impl, (w: &[u16], x: &[f32]) -> f32, dot_bf16_avx2
 );
 avx2_wrapper!(
+    /// Attention scores over cached rows, AVX2.
+    scores_avx2, scores_avx2_impl,
+    (qa: &[f32], qr: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) -> (),
+    super::generic::scores
+);
+avx512_wrapper!(
+    /// Attention scores over cached rows, AVX-512.
+    scores_avx512, scores_avx512_impl,
+    (qa: &[f32], qr: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) -> (),
+    scores_avx2
+);
+avx2_wrapper!(
+    /// `y ← y + Σ a[t]·rows[t]`, AVX2.
+    axpy_rows_avx2, axpy_rows_avx2_impl, (a: &[f32], rows: &[f32], stride: usize, y: &mut [f32]) -> (),
+    super::generic::axpy_rows
+);
+avx2_wrapper!(
     /// `y ← a·x + y`, AVX2.
     axpy_f32_avx2, axpy_f32_avx2_impl, (a: f32, x: &[f32], y: &mut [f32]) -> (),
     super::generic::axpy_f32
@@ -215,6 +232,118 @@ unsafe fn dot_bf16_avx512_impl(w: &[u16], x: &[f32]) -> f32 {
         s = super::bf16_to_f32(w[k]).mul_add(x[k], s);
     }
     s
+}
+
+/// Scores of one query against `out.len()` rows `stride` apart, each two
+/// [`dot_f32_avx2_impl`] calls, as the generic twin computes them.
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scores_avx2_impl(
+    qa: &[f32],
+    qr: &[f32],
+    rows: &[f32],
+    stride: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    for (t, o) in out.iter_mut().enumerate() {
+        let (c, r) = rows[t * stride..(t + 1) * stride].split_at(qa.len());
+        // SAFETY: AVX2 and FMA are available (this function's own requirement).
+        *o = unsafe { dot_f32_avx2_impl(qa, c) + dot_f32_avx2_impl(qr, r) } * scale;
+    }
+}
+
+/// As [`scores_avx2_impl`] through [`dot_f32_avx512_impl`].
+///
+/// # Safety
+/// AVX-512F, AVX2 and FMA must be available.
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn scores_avx512_impl(
+    qa: &[f32],
+    qr: &[f32],
+    rows: &[f32],
+    stride: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    for (t, o) in out.iter_mut().enumerate() {
+        let (c, r) = rows[t * stride..(t + 1) * stride].split_at(qa.len());
+        // SAFETY: AVX-512F, AVX2 and FMA are available (this function's own requirement).
+        *o = unsafe { dot_f32_avx512_impl(qa, c) + dot_f32_avx512_impl(qr, r) } * scale;
+    }
+}
+
+/// Rows of `y` kept in registers per block.
+const AXPY_ROWS_BLOCK: usize = 64;
+/// Rows of the source walked per tile, so that a wide `y` revisits them from L2.
+const AXPY_ROWS_TILE: usize = 64;
+
+/// `y ← y + Σ_t a[t]·rows[t]`: for each tile of rows, each 64-float block of `y` is loaded
+/// into registers, gets one fma per row in row order and is stored back; the `y.len() mod 8`
+/// last elements get scalar fmas in the same order. Every element therefore sees the same
+/// fma sequence as row-after-row [`axpy_f32_avx2_impl`] calls give it.
+///
+/// # Safety
+/// AVX2 and FMA must be available; `rows` must hold `a.len()` rows of `y.len()` floats,
+/// `stride` apart (the safe wrapper's caller checks it).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy_rows_avx2_impl(a: &[f32], rows: &[f32], stride: usize, y: &mut [f32]) {
+    let w = y.len();
+    let full = w - w % 8;
+    assert!(
+        a.is_empty() || rows.len() >= (a.len() - 1) * stride + w,
+        "axpy_rows: rows"
+    );
+    let (pr, py) = (rows.as_ptr(), y.as_mut_ptr());
+    for t0 in (0..a.len()).step_by(AXPY_ROWS_TILE) {
+        let tile = &a[t0..(t0 + AXPY_ROWS_TILE).min(a.len())];
+        let mut b0 = 0;
+        while b0 < full {
+            let nv = ((full - b0) / 8).min(AXPY_ROWS_BLOCK / 8);
+            // SAFETY: b0 + 8·nv ≤ full ≤ w = y.len(); row t's floats [b0, b0 + 8·nv) are at
+            // t·stride + b0 + … < (a.len() − 1)·stride + w ≤ rows.len() (asserted above).
+            unsafe {
+                if nv == AXPY_ROWS_BLOCK / 8 {
+                    let mut acc = [_mm256_setzero_ps(); AXPY_ROWS_BLOCK / 8];
+                    for (v, r) in acc.iter_mut().enumerate() {
+                        *r = _mm256_loadu_ps(py.add(b0 + 8 * v));
+                    }
+                    for (j, &at) in tile.iter().enumerate() {
+                        let av = _mm256_set1_ps(at);
+                        let p = pr.add((t0 + j) * stride + b0);
+                        for (v, r) in acc.iter_mut().enumerate() {
+                            *r = _mm256_fmadd_ps(av, _mm256_loadu_ps(p.add(8 * v)), *r);
+                        }
+                    }
+                    for (v, r) in acc.iter().enumerate() {
+                        _mm256_storeu_ps(py.add(b0 + 8 * v), *r);
+                    }
+                } else {
+                    for (j, &at) in tile.iter().enumerate() {
+                        let av = _mm256_set1_ps(at);
+                        let p = pr.add((t0 + j) * stride + b0);
+                        for v in 0..nv {
+                            let q = py.add(b0 + 8 * v);
+                            let r = _mm256_fmadd_ps(
+                                av,
+                                _mm256_loadu_ps(p.add(8 * v)),
+                                _mm256_loadu_ps(q),
+                            );
+                            _mm256_storeu_ps(q, r);
+                        }
+                    }
+                }
+            }
+            b0 += 8 * nv;
+        }
+        for k in full..w {
+            for (j, &at) in tile.iter().enumerate() {
+                y[k] = at.mul_add(rows[(t0 + j) * stride + k], y[k]);
+            }
+        }
+    }
 }
 
 /// # Safety

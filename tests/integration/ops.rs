@@ -15,8 +15,9 @@ use k3::engine::tensor::{Dense, DenseData, Matrix};
 use k3::kernels::mxfp4::{element, E2M1};
 use k3::kernels::ops::{rmsnorm, shortconv_step, situ_glu};
 use k3::kernels::{
-    axpy_with, bf16_to_f32, detected_isa, dot_bf16_with, dot_with, f32_to_bf16, matmul_mxfp4_with,
-    matmul_with, row_order, set_row_order, DenseRef, Isa, Mxfp4Matrix, RowOrder,
+    axpy_rows_with, axpy_with, bf16_to_f32, detected_isa, dot_bf16_with, dot_with, f32_to_bf16,
+    matmul_mxfp4_with, matmul_with, row_order, scores_with, set_row_order, DenseRef, Isa,
+    Mxfp4Matrix, RowOrder,
 };
 use serde_json::Value;
 use std::sync::OnceLock;
@@ -1317,5 +1318,53 @@ fn one_token_products_are_bitwise_equal_in_both_row_orders_and_the_probe_settles
             row_order().is_some(),
             "the probe kept no order after 400 timed products"
         );
+    }
+}
+
+/// The attention kernels over cached rows give, on every path, bitwise what the per-position
+/// calls give: `scores` = two `dot`s times the scale per row, `axpy_rows` = `axpy` row after row
+/// (widths with and without a tail of fewer than 8, and more rows than one tile).
+#[test]
+fn attention_scores_and_weighted_rows_equal_the_per_position_calls_on_every_path() {
+    let mut rng = Rng(0xa77e_0001);
+    for (la, lr, n_rows) in [
+        (64usize, 32usize, 150usize),
+        (37, 11, 70),
+        (512, 64, 9),
+        (16, 0, 1),
+    ] {
+        let stride = la + lr;
+        let rows = rng.vec(n_rows * stride);
+        let qa = rng.vec(la);
+        let qr = rng.vec(lr);
+        let scale = 0.125f32;
+        for &isa in &paths() {
+            let mut got = vec![0f32; n_rows];
+            scores_with(isa, &qa, &qr, &rows, stride, scale, &mut got);
+            for (t, &g) in got.iter().enumerate() {
+                let row = &rows[t * stride..(t + 1) * stride];
+                let want =
+                    (dot_with(isa, &qa, &row[..la]) + dot_with(isa, &qr, &row[la..])) * scale;
+                assert_eq!(
+                    g.to_bits(),
+                    want.to_bits(),
+                    "scores {la}+{lr} {isa:?} row {t}"
+                );
+            }
+            for width in [la, la.min(7), la.saturating_sub(3).max(1)] {
+                let a = rng.vec(n_rows);
+                let y0 = rng.vec(width);
+                let mut want = y0.clone();
+                for (t, &at) in a.iter().enumerate() {
+                    axpy_with(isa, at, &rows[t * stride..t * stride + width], &mut want);
+                }
+                let mut y = y0.clone();
+                axpy_rows_with(isa, &a, &rows, stride, &mut y);
+                assert!(
+                    first_bit_diff(&y, &want).is_none(),
+                    "axpy_rows width {width} stride {stride} rows {n_rows} {isa:?}"
+                );
+            }
+        }
     }
 }

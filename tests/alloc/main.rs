@@ -3,8 +3,11 @@
 //! step with drafts verified and rolled back, nor a prefill chunk.
 //!
 //! The counting allocator (`stats_alloc`) counts every thread of the process, rayon's workers
-//! included, so a step that moved an allocation onto a worker would still be caught. The
-//! tests of this binary take turns (a lock), and nothing else runs while one measures.
+//! included, so a step that moved an allocation onto a worker would still be caught. For the
+//! same reason this binary has no test harness (`harness = false` in Cargo.toml): libtest's
+//! main thread allocates while tests run (its "has been running for over 60 seconds" notice
+//! fires on a slow machine), and it would be counted. `main` runs the tests one after another
+//! on its own thread, and nothing else runs while one measures.
 #![allow(clippy::unwrap_used)]
 
 use k3::engine::spec::{SpecMode, Speculator};
@@ -12,13 +15,9 @@ use k3::engine::{Logits, Model, RunState, SeqState};
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 use std::alloc::System;
 use std::path::PathBuf;
-use std::sync::Mutex;
 
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
-
-/// One measurement at a time: the counts are process-wide.
-static TURN: Mutex<()> = Mutex::new(());
 
 /// Warm-up steps before counting, and steps counted.
 const WARM: usize = 3;
@@ -102,11 +101,7 @@ fn bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
         .collect()
 }
 
-#[test]
 fn a_resident_decoding_step_allocates_nothing() {
-    let _turn = TURN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
     // Two shapes (6 and 9 layers, different widths, block sizes and expert counts): the count
     // does not depend on any of them.
     for set in ["tiny", "tiny2"] {
@@ -124,11 +119,7 @@ fn a_resident_decoding_step_allocates_nothing() {
     }
 }
 
-#[test]
 fn a_step_on_two_worker_threads_allocates_nothing() {
-    let _turn = TURN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let m = Model::load(&fixture("tiny2")).unwrap();
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(2)
@@ -142,11 +133,7 @@ fn a_step_on_two_worker_threads_allocates_nothing() {
     assert_eq!(bits(&seen), bits(&decode_plain(&m)));
 }
 
-#[test]
 fn a_speculator_step_without_a_draft_allocates_nothing() {
-    let _turn = TURN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let m = Model::load(&fixture("tiny")).unwrap();
     let mut st = SeqState::new(&m.cfg);
     st.reserve(POSITIONS, &m.cfg);
@@ -201,11 +188,7 @@ impl k3::engine::spec::Drafter for Oracle {
     }
 }
 
-#[test]
 fn a_speculator_step_with_drafts_allocates_nothing() {
-    let _turn = TURN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(2)
         .build()
@@ -265,11 +248,7 @@ fn a_speculator_step_with_drafts_allocates_nothing() {
     }
 }
 
-#[test]
 fn a_prefill_chunk_allocates_nothing_once_the_buffers_are_sized() {
-    let _turn = TURN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(2)
         .build()
@@ -307,4 +286,66 @@ fn a_prefill_chunk_allocates_nothing_once_the_buffers_are_sized() {
             "{set}: chunked prefill changed a bit"
         );
     }
+}
+
+/// The tests, in the order they run.
+const TESTS: &[(&str, fn())] = &[
+    (
+        "a_resident_decoding_step_allocates_nothing",
+        a_resident_decoding_step_allocates_nothing,
+    ),
+    (
+        "a_step_on_two_worker_threads_allocates_nothing",
+        a_step_on_two_worker_threads_allocates_nothing,
+    ),
+    (
+        "a_speculator_step_without_a_draft_allocates_nothing",
+        a_speculator_step_without_a_draft_allocates_nothing,
+    ),
+    (
+        "a_speculator_step_with_drafts_allocates_nothing",
+        a_speculator_step_with_drafts_allocates_nothing,
+    ),
+    (
+        "a_prefill_chunk_allocates_nothing_once_the_buffers_are_sized",
+        a_prefill_chunk_allocates_nothing_once_the_buffers_are_sized,
+    ),
+];
+
+/// Runs every test whose name contains one of the arguments that are not flags (all of them
+/// when there is none) and none named by `--skip`, one after another; `--list` lists them as
+/// libtest does. A failing test panics, which ends the process with a failing status.
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    // libtest's flags that take a value; `--skip`'s value names tests to leave out.
+    const VALUED: &[&str] = &["--test-threads", "--format", "--color", "--logfile", "-Z"];
+    let (mut filters, mut skips) = (Vec::new(), Vec::new());
+    let mut it = args.iter().map(String::as_str);
+    while let Some(a) = it.next() {
+        if a == "--skip" {
+            skips.extend(it.next());
+        } else if VALUED.contains(&a) {
+            it.next();
+        } else if !a.starts_with('-') {
+            filters.push(a);
+        }
+    }
+    let chosen = TESTS.iter().filter(|(name, _)| {
+        (filters.is_empty() || filters.iter().any(|f| name.contains(f)))
+            && !skips.iter().any(|s| name.contains(s))
+    });
+    if args.iter().any(|a| a == "--list") {
+        for (name, _) in chosen {
+            println!("{name}: test");
+        }
+        return;
+    }
+    let mut ran = 0;
+    for (name, test) in chosen {
+        print!("test {name} ... ");
+        test();
+        println!("ok");
+        ran += 1;
+    }
+    println!("\ntest result: ok. {ran} passed; 0 failed");
 }

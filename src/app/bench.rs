@@ -180,6 +180,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut logits = model.forward(&mut st, &prompt, Logits::Last)?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let read0 = read_now();
+    let cpu_before = crate::stream::stats::CpuTicks::now();
     let t1 = Instant::now();
     let mut steps = Vec::with_capacity(args.gen);
     let spec_mode = args.spec.or_env_off();
@@ -196,6 +197,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         steps.push((spec.stats().passes, ts.elapsed().as_secs_f64()));
     }
     spec.settle(&model, &mut st);
+    let steal = super::run::steal_since(cpu_before);
     let decode_s = t1.elapsed().as_secs_f64() / args.gen as f64;
     let median_s = super::run::median_per_token(&steps);
     let read_per_tok = (read_now() - read0) as f64 / args.gen as f64;
@@ -246,6 +248,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "ratio_to_memory_floor": decode_s / mem_floor,
         "ratio_to_io_floor": io_floor.filter(|f| *f > 0.0).map(|f| decode_s / f),
         "kernels": super::run::kernels_json(),
+        "cpu_steal_fraction": steal,
     });
     if args.json {
         println!("{j}");
@@ -309,6 +312,17 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             decode_s / f
         ),
         _ => println!("I/O floor            none (nothing read per token)"),
+    }
+    if let Some(f) = steal {
+        println!(
+            "cpu steal            {:.1}% of the machine's CPU time while decoding{}",
+            100.0 * f,
+            if f >= super::run::STEAL_NOTE {
+                ": a hypervisor ran other work on these CPUs, so the times above vary with it"
+            } else {
+                ""
+            }
+        );
     }
     Ok(())
 }

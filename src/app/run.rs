@@ -6,6 +6,7 @@ use crate::engine::spec::{SpecMode, SpecStats, Speculator};
 use crate::engine::{Model, SeqState};
 use crate::session::chat::PREFILL_CHUNK;
 use crate::session::tokenizer::{Tokenizer, Utf8Stream};
+use crate::stream::stats::CpuTicks;
 use crate::{Error, Result};
 use clap::Args;
 use std::io::Write;
@@ -91,6 +92,18 @@ pub enum SpecSampling {
 
 /// Seed of the acceptance stream of distribution-preserving speculation, from the run's seed.
 const ACCEPT_STREAM: u64 = 0x5350_4543_4143_4350;
+
+/// Stolen CPU time, as a fraction, from which `k3 run` and `k3 bench` say that the host
+/// disturbed their figures.
+pub const STEAL_NOTE: f64 = 0.05;
+
+/// The fraction of the machine's CPU time a hypervisor took away since `before` (None where
+/// `/proc/stat` is not there): timings taken while it is high say more about the host than
+/// about k3.
+#[must_use]
+pub fn steal_since(before: Option<CpuTicks>) -> Option<f64> {
+    CpuTicks::now()?.steal_fraction_since(&before?)
+}
 
 /// The kernel path and the one-token row order in use (`"probing"` until it is chosen).
 pub(crate) fn kernels_json() -> serde_json::Value {
@@ -440,6 +453,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let mut accept = crate::engine::sampling::Rng::from_seed(args.seed ^ ACCEPT_STREAM);
     let mut spec = Speculator::new(spec_mode);
     let read_before = model.streamer().map_or(0, |s| s.stats().disk_bytes_read);
+    let cpu_before = CpuTicks::now();
     for step in 0..args.gen {
         if let Some(w) = dump.as_mut() {
             let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -482,6 +496,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         steps.push((spec.stats().passes, ts.elapsed().as_secs_f64()));
     }
     spec.settle(&model, &mut state);
+    let steal = steal_since(cpu_before);
     let decode_read = model
         .streamer()
         .map_or(0, |s| s.stats().disk_bytes_read)
@@ -518,6 +533,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "stats": run_stats(&model, &info),
             "spec": spec_json(spec_mode, &spec.stats(), decode_read, generated.len().saturating_sub(1)),
             "kernels": kernels_json(),
+            "cpu_steal_fraction": steal,
         });
         println!("{j}");
     } else {
@@ -532,6 +548,12 @@ pub fn run(args: &RunArgs) -> Result<()> {
             median_s,
             peak as f64 / 1e6
         );
+        if let Some(f) = steal.filter(|&f| f >= STEAL_NOTE) {
+            eprintln!(
+                "k3: {:.0}% of the machine's CPU time was stolen while decoding (a hypervisor ran other work on these CPUs); the times vary with it",
+                100.0 * f
+            );
+        }
         let ss = spec.stats();
         if ss.proposed > 0 {
             eprintln!(

@@ -156,3 +156,93 @@ pub fn rss_bytes() -> (u64, u64) {
     };
     (field("VmRSS:"), field("VmHWM:"))
 }
+
+/// The machine's CPU time so far, in clock ticks, from the `cpu` line of `/proc/stat`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuTicks {
+    /// Time the hypervisor gave this machine's CPUs to something else while they had work.
+    pub steal: u64,
+    /// All of it: user, nice, system, idle, iowait, irq, softirq and steal.
+    pub total: u64,
+}
+
+impl CpuTicks {
+    /// Now, or None where `/proc/stat` cannot be read (not Linux).
+    #[must_use]
+    pub fn now() -> Option<Self> {
+        Self::parse(&std::fs::read_to_string("/proc/stat").ok()?)
+    }
+
+    /// The `cpu` line of a `/proc/stat` text (None if it has none, or fewer than the eight
+    /// fields through `steal`). Guest time is already counted in user time, so it is not added.
+    #[must_use]
+    pub fn parse(stat: &str) -> Option<Self> {
+        let line = stat
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some("cpu"))?;
+        let f: Vec<u64> = line
+            .split_whitespace()
+            .skip(1)
+            .take(8)
+            .map(str::parse)
+            .collect::<std::result::Result<_, _>>()
+            .ok()?;
+        (f.len() == 8).then(|| Self {
+            steal: f[7],
+            total: f.iter().sum(),
+        })
+    }
+
+    /// The fraction of the machine's CPU time stolen between `earlier` and `self` (None when
+    /// no time passed, or the counters went backwards).
+    #[must_use]
+    pub fn steal_fraction_since(&self, earlier: &Self) -> Option<f64> {
+        let total = self.total.checked_sub(earlier.total)?;
+        let steal = self.steal.checked_sub(earlier.steal)?;
+        (total > 0).then(|| steal as f64 / total as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CpuTicks;
+
+    const STAT: &str = "cpu  100 5 50 800 10 1 2 32 7 0\n\
+                        cpu0 50 2 25 400 5 0 1 16 3 0\n\
+                        intr 12345\n";
+
+    #[test]
+    fn the_cpu_line_gives_the_stolen_and_the_total_ticks() {
+        let t = CpuTicks::parse(STAT).expect("a cpu line");
+        assert_eq!(
+            t,
+            CpuTicks {
+                steal: 32,
+                total: 1000
+            }
+        );
+        // A kernel without the steal field, and a text without a cpu line, give nothing.
+        assert_eq!(CpuTicks::parse("cpu  1 2 3 4 5 6 7\n"), None);
+        assert_eq!(CpuTicks::parse("cpu0 1 2 3 4 5 6 7 8\n"), None);
+        assert_eq!(CpuTicks::parse("cpu  1 2 x 4 5 6 7 8\n"), None);
+    }
+
+    #[test]
+    fn the_steal_fraction_is_stolen_over_all_ticks_between_two_readings() {
+        let a = CpuTicks {
+            steal: 32,
+            total: 1000,
+        };
+        let b = CpuTicks {
+            steal: 82,
+            total: 1200,
+        };
+        assert_eq!(b.steal_fraction_since(&a), Some(0.25));
+        assert_eq!(a.steal_fraction_since(&a), None);
+        assert_eq!(a.steal_fraction_since(&b), None);
+        if cfg!(target_os = "linux") {
+            let now = CpuTicks::now().expect("/proc/stat on Linux");
+            assert!(now.total > 0 && now.steal <= now.total);
+        }
+    }
+}

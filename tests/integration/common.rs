@@ -130,3 +130,21 @@ pub fn demo_model() -> &'static std::path::Path {
         k3::app::demo::materialise_in(&scratch).unwrap()
     })
 }
+
+/// `cpu_steal_fraction` is a fraction of the machine's CPU time; it is null only where
+/// `/proc/stat` is not there, or where decoding ended within about one clock tick (10 ms), too
+/// soon for the counters to move.
+pub fn assert_steal_is_a_fraction(j: &serde_json::Value) {
+    let steal = &j["cpu_steal_fraction"];
+    if let Some(f) = steal.as_f64() {
+        assert!((0.0..=1.0).contains(&f), "cpu_steal_fraction: {steal}");
+        return;
+    }
+    assert!(steal.is_null(), "cpu_steal_fraction: {steal}");
+    let decoding = j["decode_seconds_per_token"].as_f64().unwrap_or(0.0)
+        * j["generated_ids"].as_array().map_or(0, Vec::len) as f64;
+    assert!(
+        !std::path::Path::new("/proc/stat").exists() || decoding < 0.05,
+        "no cpu_steal_fraction after {decoding} s of decoding"
+    );
+}

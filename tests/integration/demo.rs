@@ -425,6 +425,7 @@ fn the_row_order_of_one_token_products_changes_no_token_and_no_logit() {
         } else if j["kernels"]["isa"] != "generic" {
             assert_eq!(reported, order);
         }
+        crate::common::assert_steal_is_a_fraction(&j);
         let logits = std::fs::read(&dump).unwrap();
         assert_eq!(logits.len(), 24 * 4352 * 4, "{order}: one row per step");
         let ids = j["generated_ids"].clone();

@@ -712,6 +712,7 @@ fn bench_reports_speed_next_to_its_floors() {
         j["bytes_read_per_token"].as_f64().unwrap() > 0.0,
         "a streamed run reads per token"
     );
+    crate::common::assert_steal_is_a_fraction(&j);
 }
 
 #[test]

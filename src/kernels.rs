@@ -26,7 +26,8 @@
 //! Reduction order of an MXFP4 row: 8 lanes; per 32-group, element k goes to lane k mod 8
 //! (fma chain from zero, values in half units), the group's lanes are folded into 8 row
 //! accumulators with one fma by the group scale `2^(s-128)`, and the 8 accumulators are
-//! combined as `c[k]=a[k]+a[k+4]`, `d[k]=c[k]+c[k+2]`, `s=d[0]+d[1]`.
+//! combined as `c[k]=a[k]+a[k+4]`, `d[k]=c[k]+c[k+2]`, `s=d[0]+d[1]`. The AVX-512 path takes
+//! two rows per register (lanes 0–7 and 8–15), each lane doing what the AVX2 path's lane does.
 
 pub mod generic;
 pub mod mxfp4;
@@ -601,9 +602,15 @@ pub fn matmul_mxfp4_with(isa: Isa, w: &Mxfp4Matrix<'_>, x: &[f32], y: &mut [f32]
         let _ = (isa, w, r, xs, out);
         false
     }
-    // Rows of one task, each against every token: `out` is [rows of the task, n_tok].
+    // Rows of one task, each against every token: `out` is [rows of the task, n_tok]. On
+    // AVX-512, rows go two at a time (a row left over takes the one-row kernels).
     let fill = |base: usize, out: &mut [f32]| {
-        for (k, row_out) in out.chunks_mut(n_tok).enumerate() {
+        let paired = if isa == Isa::Avx512 {
+            rows2(w, base, n_tok, xt, out)
+        } else {
+            0
+        };
+        for (k, row_out) in out.chunks_mut(n_tok).enumerate().skip(paired) {
             let r = base + k;
             let mut t = 0;
             while t + 8 <= n_tok {
@@ -645,6 +652,64 @@ pub fn matmul_mxfp4_with(isa: Isa, w: &Mxfp4Matrix<'_>, x: &[f32], y: &mut [f32]
             .for_each(|(ci, out)| fill(ci * per_task, out));
         transpose_into(tmp, rows, n_tok, y);
     });
+}
+
+/// Rows `base, base+1, …` of `w` two at a time against every token, into `out` `[rows, n_tok]`
+/// (row-major), through the two-row AVX-512 kernel; returns how many rows it filled (all but
+/// a last odd one, or none where there is no such kernel). Every result equals the one-row
+/// kernel's bit for bit.
+fn rows2<'x>(
+    w: &Mxfp4Matrix<'_>,
+    base: usize,
+    n_tok: usize,
+    xt: impl Fn(usize) -> &'x [f32],
+    out: &mut [f32],
+) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        fn block<const N: usize>(
+            w: &Mxfp4Matrix<'_>,
+            r: usize,
+            xs: [&[f32]; N],
+            a: &mut [f32],
+            b: &mut [f32],
+        ) {
+            let v = x86::mxfp4_rows2_multi_avx512::<N>([w.row(r), w.row(r + 1)], xs);
+            for (j, [p, q]) in v.into_iter().enumerate() {
+                a[j] = p;
+                b[j] = q;
+            }
+        }
+        let pairs = out.len() / n_tok / 2;
+        for (i, two) in out.chunks_exact_mut(2 * n_tok).take(pairs).enumerate() {
+            let r = base + 2 * i;
+            let (a, b) = two.split_at_mut(n_tok);
+            let mut t = 0;
+            while t + 8 <= n_tok {
+                let xs = std::array::from_fn::<_, 8, _>(|j| xt(t + j));
+                block::<8>(w, r, xs, &mut a[t..t + 8], &mut b[t..t + 8]);
+                t += 8;
+            }
+            if t + 4 <= n_tok {
+                let xs = std::array::from_fn::<_, 4, _>(|j| xt(t + j));
+                block::<4>(w, r, xs, &mut a[t..t + 4], &mut b[t..t + 4]);
+                t += 4;
+            }
+            let (a, b) = (&mut a[t..], &mut b[t..]);
+            match n_tok - t {
+                3 => block::<3>(w, r, [xt(t), xt(t + 1), xt(t + 2)], a, b),
+                2 => block::<2>(w, r, [xt(t), xt(t + 1)], a, b),
+                1 => block::<1>(w, r, [xt(t)], a, b),
+                _ => {}
+            }
+        }
+        2 * pairs
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (w, base, n_tok, xt, out);
+        0
+    }
 }
 
 thread_local! {

@@ -477,6 +477,102 @@ pub(super) fn mxfp4_row_multi_avx2<const N: usize>(
     }
 }
 
+/// Two MXFP4 rows times `N` vectors, AVX-512: lanes 0–7 of every register carry row 0 and
+/// lanes 8–15 row 1, each lane with exactly the operations of the same lane of
+/// [`mxfp4_row_multi_avx2_impl`] (the group's four products in element order, then one FMA
+/// with the group's scale), so each result equals the one-row kernel's, bit for bit.
+///
+/// The nibbles are decoded without byte shuffles: the four bytes of a group's eighth `m`
+/// (elements `8m..8m+8`) are one dword, broadcast to the row's eight lanes, shifted right by
+/// `4·lane` and looked up in a 16-entry table by `vpermps` (which reads the low four bits of
+/// each index). The vector's eighth is broadcast to both halves.
+///
+/// # Safety
+/// AVX-512F, AVX2 and FMA must be available.
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn mxfp4_rows2_multi_avx512_impl<const N: usize>(
+    rows: [(&[u8], &[u8]); 2],
+    xs: [&[f32]; N],
+) -> [[f32; 2]; N] {
+    let mut n_group = rows
+        .iter()
+        .map(|(p, s)| s.len().min(p.len() / 16))
+        .min()
+        .unwrap_or(0);
+    for x in &xs {
+        n_group = n_group.min(x.len() / 32);
+    }
+    let lut = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, -0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0,
+    );
+    let shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    const HIGH: __mmask16 = 0xff00;
+    let mut acc = [_mm512_setzero_ps(); N];
+    let [p0, p1] = rows.map(|(p, _)| p.as_ptr());
+    let [s0, s1] = rows.map(|(_, s)| s);
+    let px = xs.map(<[f32]>::as_ptr);
+    // As in the AVX2 kernel: request the lines four rows ahead while these rows compute.
+    let ahead = 4 * rows[0].0.len();
+    for g in 0..n_group {
+        if g % 4 == 0 {
+            // A prefetch never faults; the addresses are computed with wrapping arithmetic and
+            // never dereferenced.
+            _mm_prefetch::<_MM_HINT_T0>(p0.wrapping_add(16 * g + ahead).cast());
+            _mm_prefetch::<_MM_HINT_T0>(p1.wrapping_add(16 * g + ahead).cast());
+        }
+        let sc = _mm512_mask_mov_ps(
+            _mm512_set1_ps(scale_half_units(s0[g])),
+            HIGH,
+            _mm512_set1_ps(scale_half_units(s1[g])),
+        );
+        // SAFETY: g < n_group, so bytes [16g, 16g+16) of both rows and floats [32g, 32g+32) of
+        // every x are in bounds; the dword reads are unaligned reads within those bytes.
+        unsafe {
+            let w = [0, 1, 2, 3].map(|m| {
+                let d0 = p0.add(16 * g + 4 * m).cast::<i32>().read_unaligned();
+                let d1 = p1.add(16 * g + 4 * m).cast::<i32>().read_unaligned();
+                let both = _mm512_mask_set1_epi32(_mm512_set1_epi32(d0), HIGH, d1);
+                _mm512_permutexvar_ps(_mm512_srlv_epi32(both, shifts), lut)
+            });
+            for t in 0..N {
+                let xg = px[t].add(32 * g);
+                let xv = |m: usize| {
+                    _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(
+                        xg.add(8 * m).cast::<f64>(),
+                    )))
+                };
+                let mut p = _mm512_mul_ps(w[0], xv(0));
+                p = _mm512_fmadd_ps(w[1], xv(1), p);
+                p = _mm512_fmadd_ps(w[2], xv(2), p);
+                p = _mm512_fmadd_ps(w[3], xv(3), p);
+                acc[t] = _mm512_fmadd_ps(p, sc, acc[t]);
+            }
+        }
+    }
+    let mut out = [[0f32; 2]; N];
+    for (o, a) in out.iter_mut().zip(acc) {
+        let mut lanes = [[0f32; 8]; 2];
+        // SAFETY: `lanes` is 16 contiguous floats.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr().cast(), a) };
+        *o = lanes.map(|l| fold8(&l));
+    }
+    out
+}
+
+/// Two MXFP4 rows times `N` vectors, AVX-512 (each result equals [`mxfp4_row_avx2`]'s).
+pub(super) fn mxfp4_rows2_multi_avx512<const N: usize>(
+    rows: [(&[u8], &[u8]); 2],
+    xs: [&[f32]; N],
+) -> [[f32; 2]; N] {
+    if has_avx512() {
+        // SAFETY: the CPU supports AVX-512F, AVX2 and FMA (checked just above).
+        unsafe { mxfp4_rows2_multi_avx512_impl::<N>(rows, xs) }
+    } else {
+        let [a, b] = rows.map(|(p, s)| mxfp4_row_multi_avx2::<N>(p, s, xs));
+        std::array::from_fn(|t| [a[t], b[t]])
+    }
+}
+
 /// Weights widened to f32 eight or sixteen at a time.
 pub(super) trait Elem: Copy {
     /// Widen one element.

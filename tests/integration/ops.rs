@@ -1243,6 +1243,74 @@ fn kernel_paths_bitwise() {
     println!("kernels: {n_cmp} path comparisons over widths {WIDTHS:?}, all bitwise equal");
 }
 
+/// MXFP4 products on every path equal the scalar twin's bit for bit: odd and even row counts
+/// (the AVX-512 kernel takes rows two at a time and leaves an odd one to the one-row kernel),
+/// widths of one to 56 groups, every scale byte (255 included, which contributes nothing),
+/// every nibble, batches of one to 19 vectors (each kernel width and remainder), and one to
+/// three threads (so tasks hold odd and even numbers of rows).
+#[test]
+fn mxfp4_products_are_bitwise_equal_on_every_path_row_pairing_batch_and_thread_count() {
+    let mut rng = Rng(0x4d58_3450_6169);
+    let isas = paths();
+    let mut n_cmp = 0usize;
+    for (rows, cols) in [
+        (1usize, 32usize),
+        (2, 64),
+        (3, 96),
+        (7, 1024),
+        (13, 160),
+        (64, 1792),
+        (37, 448),
+    ] {
+        let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next_u64() as u8).collect();
+        // Every scale byte appears (0..=255 cycled from a random start), so 255 and the
+        // extremes meet every nibble.
+        let start = rng.next_u64() as usize;
+        let scales: Vec<u8> = (0..rows * cols / 32)
+            .map(|i| {
+                if rows * cols / 32 >= 256 {
+                    ((start + i) % 256) as u8
+                } else {
+                    // Small matrices: scales near 127 keep products finite, with 0 and 255 in.
+                    [0u8, 255, 120, 127, 134, 140][(start + i) % 6]
+                }
+            })
+            .collect();
+        let m = Mxfp4Matrix::new(&packed, &scales, rows, cols).expect("geometry");
+        for n_tok in [1usize, 2, 3, 4, 5, 7, 8, 9, 12, 13, 16, 19] {
+            let x = rng.vec(n_tok * cols);
+            let mut want = vec![0f32; n_tok * rows];
+            for t in 0..n_tok {
+                matmul_mxfp4_with(
+                    Isa::Generic,
+                    &m,
+                    &x[t * cols..(t + 1) * cols],
+                    &mut want[t * rows..(t + 1) * rows],
+                );
+            }
+            for threads in [1usize, 2, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .expect("pool");
+                for &isa in &isas {
+                    let mut y = vec![0f32; n_tok * rows];
+                    pool.install(|| matmul_mxfp4_with(isa, &m, &x, &mut y));
+                    if let Some(i) = first_bit_diff(&y, &want) {
+                        panic!(
+                            "mxfp4 {rows}x{cols}, {n_tok} vectors, {threads} threads, {isa:?}: \
+                             [{i}] = {} against the scalar twin's {}",
+                            y[i], want[i]
+                        );
+                    }
+                    n_cmp += 1;
+                }
+            }
+        }
+    }
+    println!("mxfp4: {n_cmp} products on paths {isas:?}, all bitwise equal to the scalar twin");
+}
+
 /// A one-token product gives the same bits whichever row order walks the matrix, on every path,
 /// and each output is the single-row dot product; with the order left to the probe, timed
 /// products of both orders settle it.

@@ -288,28 +288,20 @@ fn a_prefill_chunk_allocates_nothing_once_the_buffers_are_sized() {
     }
 }
 
+/// `(name, function)` pairs, each name written once.
+macro_rules! tests {
+    ($($f:ident),* $(,)?) => {
+        &[$((stringify!($f), $f as fn())),*]
+    };
+}
+
 /// The tests, in the order they run.
-const TESTS: &[(&str, fn())] = &[
-    (
-        "a_resident_decoding_step_allocates_nothing",
-        a_resident_decoding_step_allocates_nothing,
-    ),
-    (
-        "a_step_on_two_worker_threads_allocates_nothing",
-        a_step_on_two_worker_threads_allocates_nothing,
-    ),
-    (
-        "a_speculator_step_without_a_draft_allocates_nothing",
-        a_speculator_step_without_a_draft_allocates_nothing,
-    ),
-    (
-        "a_speculator_step_with_drafts_allocates_nothing",
-        a_speculator_step_with_drafts_allocates_nothing,
-    ),
-    (
-        "a_prefill_chunk_allocates_nothing_once_the_buffers_are_sized",
-        a_prefill_chunk_allocates_nothing_once_the_buffers_are_sized,
-    ),
+const TESTS: &[(&str, fn())] = tests![
+    a_resident_decoding_step_allocates_nothing,
+    a_step_on_two_worker_threads_allocates_nothing,
+    a_speculator_step_without_a_draft_allocates_nothing,
+    a_speculator_step_with_drafts_allocates_nothing,
+    a_prefill_chunk_allocates_nothing_once_the_buffers_are_sized,
 ];
 
 /// Runs every test whose name contains one of the arguments that are not flags (all of them

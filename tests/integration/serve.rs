@@ -489,7 +489,16 @@ fn sigterm_finishes_the_request_in_progress_and_exits_0() {
     assert_eq!(last["choices"][0]["finish_reason"], "length", "{rest}");
     let status = s.child.wait().unwrap();
     assert_eq!(status.code(), Some(0));
-    let said: Vec<String> = s.stderr.try_iter().collect();
+    // Every line the server wrote: the reader thread forwards them until the pipe's end, which
+    // can come a moment after the exit.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut said = Vec::new();
+    while let Ok(line) = s
+        .stderr
+        .recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+    {
+        said.push(line);
+    }
     assert!(said.iter().any(|l| l.contains("stopped")), "{said:?}");
 }
 

@@ -318,9 +318,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "cpu steal            {:.1}% of the machine's CPU time while decoding{}",
             100.0 * f,
             if f >= super::run::STEAL_NOTE {
-                ": a hypervisor ran other work on these CPUs, so the times above vary with it"
+                format!(": {}", super::run::STEAL_MEANING)
             } else {
-                ""
+                String::new()
             }
         );
     }

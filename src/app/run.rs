@@ -97,6 +97,11 @@ const ACCEPT_STREAM: u64 = 0x5350_4543_4143_4350;
 /// disturbed their figures.
 pub const STEAL_NOTE: f64 = 0.05;
 
+/// What `k3 run` and `k3 bench` add to a timing taken while at least [`STEAL_NOTE`] of the
+/// CPU time was stolen.
+pub const STEAL_MEANING: &str =
+    "a hypervisor ran other work on these CPUs, so the times vary with it";
+
 /// The fraction of the machine's CPU time a hypervisor took away since `before` (None where
 /// `/proc/stat` is not there): timings taken while it is high say more about the host than
 /// about k3.
@@ -529,7 +534,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "decode_seconds_per_token": s_per_tok,
             "decode_median_seconds_per_token": median_s,
             "peak_rss_bytes": peak,
-            "bytes_read": load_bytes + model.streamer().map_or(0, |s| s.stats().disk_bytes_read),
+            // A streamed model's counter already holds the bytes its load read.
+            "bytes_read": model.streamer().map_or(load_bytes, |s| s.stats().disk_bytes_read),
             "stats": run_stats(&model, &info),
             "spec": spec_json(spec_mode, &spec.stats(), decode_read, generated.len().saturating_sub(1)),
             "kernels": kernels_json(),
@@ -550,7 +556,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
         if let Some(f) = steal.filter(|&f| f >= STEAL_NOTE) {
             eprintln!(
-                "k3: {:.0}% of the machine's CPU time was stolen while decoding (a hypervisor ran other work on these CPUs); the times vary with it",
+                "k3: {:.0}% of the machine's CPU time was stolen while decoding: {STEAL_MEANING}",
                 100.0 * f
             );
         }

@@ -811,3 +811,38 @@ fn k3_run_reports_the_expert_arena() {
     assert!(a["resident_bytes"].as_u64().unwrap() >= slots * slot, "{a}");
     assert!(a["huge_page_bytes"].as_u64().unwrap() <= a["resident_bytes"].as_u64().unwrap());
 }
+
+#[test]
+fn k3_run_json_counts_each_byte_read_once() {
+    let dir = small().join("small");
+    let on_disk: u64 = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum();
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let out = crate::common::run_ok(
+            crate::common::k3_command()
+                .arg("run")
+                .arg(&dir)
+                .args(["--ids", "1,2,3,4", "--gen", "2", "--json"])
+                .args(extra),
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    // Resident: the load is everything read, and no more than the files hold.
+    let resident = run(&[]);
+    let read = resident["bytes_read"].as_u64().unwrap();
+    assert_eq!(resident["stats"]["load_bytes_read"], read, "{resident}");
+    assert!(read > 0 && read <= on_disk, "{read} B read of {on_disk} B");
+    // Streamed: the streamer read the load, so its counter holds it already.
+    let model = resident["stats"]["model_bytes"].as_u64().unwrap();
+    let gb = format!("{}", (model / 4) as f64 / 1e9);
+    let streamed = run(&["--mem", &gb]);
+    let st = &streamed["stats"];
+    let (load, disk) = (
+        st["load_bytes_read"].as_u64().unwrap(),
+        st["disk_bytes_read"].as_u64().unwrap(),
+    );
+    assert!(load > 0 && disk > load, "{st}");
+    assert_eq!(streamed["bytes_read"].as_u64().unwrap(), disk, "{streamed}");
+}

@@ -183,11 +183,29 @@ fn mix_into(
     k: &mut Vec<f32>,
     a: &mut Vec<f32>,
 ) {
+    mix_from_into(blocks, n, 0, n_blocks, partial, fold, eps, d, out, k, a);
+}
+
+/// [`mix_into`] for the `out.len() / d` tokens from float `from` of each source on.
+#[allow(clippy::too_many_arguments)]
+fn mix_from_into(
+    blocks: &[f32],
+    n: usize,
+    from: usize,
+    n_blocks: usize,
+    partial: Option<&[f32]>,
+    fold: &[f32],
+    eps: f32,
+    d: usize,
+    out: &mut [f32],
+    k: &mut Vec<f32>,
+    a: &mut Vec<f32>,
+) {
     let n_src = n_blocks + usize::from(partial.is_some());
-    let last = partial.unwrap_or(&[]);
+    let last = partial.map_or(&[][..], |p| &p[from..]);
     let source = |i: usize| {
         if i < n_blocks {
-            &blocks[i * n..(i + 1) * n]
+            &blocks[i * n + from..(i + 1) * n]
         } else {
             last
         }
@@ -202,8 +220,12 @@ fn mix_into(
 /// whose reads then run during `j`'s attention. The mix is written into `run.h` (and, at a
 /// block boundary, the snapshot `j` is about to take into `run.blocks`), both of which `j`
 /// overwrites with the same values or its own before reading them, so nothing computed
-/// changes.
-fn predict_next(j: usize, cfg: &ModelConfig, run: &mut RunState, st: &Streamer) {
+/// changes. `finish` is what `j` computes after its attention: for the last token only, the
+/// prediction is made for that token, and for none, no prediction is made.
+fn predict_next(j: usize, cfg: &ModelConfig, run: &mut RunState, st: &Streamer, finish: Finish) {
+    if finish == Finish::None {
+        return;
+    }
     let Some(next) = st.next_pinned(j) else {
         return;
     };
@@ -223,8 +245,12 @@ fn predict_next(j: usize, cfg: &ModelConfig, run: &mut RunState, st: &Streamer) 
     if n == 0 || n % d != 0 || !*has_partial {
         return;
     }
-    // The tokens the prediction is made for: the mix of the others is not needed.
-    let rows = st.prediction_rows(n / d);
+    // The tokens the prediction is made for (the leading ones, or the last): the mix of the
+    // others is not needed.
+    let (rows, from, n_tok) = match finish {
+        Finish::Last => (1, n - d, 1),
+        _ => (st.prediction_rows(n / d), 0, n / d),
+    };
     let (h, partial) = (&mut h[..rows * d], &partial[..n]);
     let nb = *n_blocks;
     let (n_src, last) = if cfg.is_block_start(j) {
@@ -235,9 +261,10 @@ fn predict_next(j: usize, cfg: &ModelConfig, run: &mut RunState, st: &Streamer) 
         (nb, Some(partial))
     };
     let eps = cfg.rms_norm_eps;
-    mix_into(
+    mix_from_into(
         blocks,
         n,
+        from,
         n_src,
         last,
         &next.mlp_res_fold,
@@ -250,13 +277,40 @@ fn predict_next(j: usize, cfg: &ModelConfig, run: &mut RunState, st: &Streamer) 
     for row in h.chunks_mut(d) {
         ops::rmsnorm(row, &next.post_norm, eps);
     }
-    st.prefetch_next(j, &next, h, n / d);
+    st.prefetch_next(j, &next, h, n_tok);
+}
+
+/// What a layer computes after its attention. Nothing crosses positions there (MODEL.md
+/// §3.2, §3.9), and the carried state is complete once the attention has run, so the last
+/// layer of a pass finishes only the positions whose logits are asked for: its experts are
+/// then read for those positions alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Finish {
+    /// Every position (any layer but the last, or logits for every position, or a trace).
+    All,
+    /// The last position only.
+    Last,
+    /// No position (no logits are asked for).
+    None,
+}
+
+/// Keep only the last of the `n / d` positions of the residual stream: each of the
+/// `n_blocks` snapshots (`n` floats apart) and the partial sum is cut down to its last row,
+/// `d` floats apart.
+fn keep_last_row(blocks: &mut [f32], n_blocks: usize, partial: &mut [f32], n: usize, d: usize) {
+    // Each row moves down (b * d <= b * n + n - d), past the rows already moved and below
+    // those still to move.
+    for b in 0..n_blocks {
+        blocks.copy_within(b * n + n - d..(b + 1) * n, b * d);
+    }
+    partial.copy_within(n - d..n, 0);
 }
 
 impl Layer {
     /// One decoder layer (MODEL.md §3.3) over a chunk, on the residual stream kept in `run`:
     /// its partial sum is the previous layer's (the embedding at layer 0). Returns the routing
-    /// decisions when `want_routing` and the layer routes.
+    /// decisions when `want_routing` and the layer routes. After its attention it computes
+    /// the positions `finish` names; the residual stream in `run` is then cut down to them.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -267,6 +321,7 @@ impl Layer {
         weights: &Weights,
         record: Option<&mut Option<kda::KdaRecord>>,
         want_routing: bool,
+        finish: Finish,
     ) -> Result<Option<Routing>, StreamError> {
         let d = cfg.hidden_size;
         let eps = cfg.rms_norm_eps;
@@ -274,10 +329,10 @@ impl Layer {
             len,
             blocks,
             n_blocks,
-            partial,
+            partial: partial_buf,
             has_partial,
-            h,
-            branch,
+            h: h_buf,
+            branch: branch_buf,
             mix_k,
             mix_a,
             kda: kda_sc,
@@ -285,9 +340,9 @@ impl Layer {
             moe: moe_sc,
             ..
         } = run;
-        let n = *len;
-        let (h, partial) = (&mut h[..n], &mut partial[..n]);
-        let branch = fit(branch, n);
+        let mut n = *len;
+        let (h, partial) = (&mut h_buf[..n], &mut partial_buf[..n]);
+        let branch = fit(branch_buf, n);
         // 1–3: pre-attention mix (skipped while no snapshot exists), then the block boundary.
         if *n_blocks == 0 {
             h.copy_from_slice(partial);
@@ -326,6 +381,19 @@ impl Layer {
             _ => unreachable!("layer state kind is built from the same layer map"),
         }
         add(partial, has_partial, branch);
+        match finish {
+            Finish::All => {}
+            Finish::None => return Ok(None),
+            Finish::Last => {
+                if n > d {
+                    keep_last_row(blocks, *n_blocks, partial, n, d);
+                    n = d;
+                    *len = n;
+                }
+            }
+        }
+        let (h, partial) = (&mut h_buf[..n], &mut partial_buf[..n]);
+        let branch = fit(branch_buf, n);
         // 7–10: pre-FFN mix (always), FFN, added to the partial sum.
         mix_into(
             blocks,
@@ -508,13 +576,38 @@ impl Model {
         run.has_partial = true;
         run.n_blocks = 0;
         let want_routing = trace.is_some();
+        // The last layer finishes only the positions whose logits are asked for (all of them
+        // for a trace, which records every position's output).
+        let finish = match want {
+            _ if trace.is_some() => Finish::All,
+            Logits::All => Finish::All,
+            Logits::Last => Finish::Last,
+            Logits::None => Finish::None,
+        };
+        let n_layers = state.layers.len();
+        let finish_of = |il: usize| {
+            if il + 1 == n_layers {
+                finish
+            } else {
+                Finish::All
+            }
+        };
         for (il, ls) in state.layers.iter_mut().enumerate() {
             let layer = self.weights.layer(il)?;
             let record = records.as_deref_mut().map(|r| &mut r[il]);
-            let routing = layer.forward(il, cfg, run, ls, &self.weights, record, want_routing)?;
+            let routing = layer.forward(
+                il,
+                cfg,
+                run,
+                ls,
+                &self.weights,
+                record,
+                want_routing,
+                finish_of(il),
+            )?;
             drop(layer);
             if let Weights::Streamed(st) = &self.weights {
-                predict_next(il + 1, cfg, run, st);
+                predict_next(il + 1, cfg, run, st, finish_of(il + 1));
             }
             if let Some(t) = trace.as_deref_mut() {
                 t.layer_out.push(run.partial[..n].to_vec());
@@ -522,6 +615,11 @@ impl Model {
             }
         }
         state.n_pos += n_tok;
+        if finish == Finish::None {
+            return Ok(());
+        }
+        // The positions the last layer finished.
+        let n = run.len;
         let eps = cfg.rms_norm_eps;
         let RunState {
             blocks,
@@ -558,7 +656,7 @@ impl Model {
         }
         let rows: &[f32] = match want {
             Logits::None => return Ok(()),
-            Logits::Last => &h[(n_tok - 1) * d..],
+            Logits::Last => &h[n - d..],
             Logits::All => h,
         };
         let len = rows.len() / d * cfg.vocab_size;

@@ -255,3 +255,38 @@ fn scalar_and_simd_paths_agree_bitwise() {
     assert_eq!(bits(&simd), bits(&scalar));
     assert_eq!(bits(&simd), bits(&avx2));
 }
+
+/// The last layer finishes only the positions whose logits are asked for: the last position's
+/// logits of a pass are bit for bit the last row of every position's, and a pass that asks
+/// for none leaves the same state, from which decoding goes on the same.
+#[test]
+fn a_pass_that_asks_for_fewer_logits_gives_the_same_bits_and_state() {
+    for set in SETS {
+        let m = model_of(set);
+        let full = u32s(&oracle_of(set)["full_ids"]);
+        let v = m.cfg.vocab_size;
+        let (head, tail) = full.split_at(full.len() - 3);
+        let mut all_st = SeqState::new(&m.cfg);
+        let all = m.forward(&mut all_st, head, Logits::All).unwrap();
+        let mut last_st = SeqState::new(&m.cfg);
+        let last = m.forward(&mut last_st, head, Logits::Last).unwrap();
+        assert_eq!(bits(&last), bits(&all[all.len() - v..]), "{set}");
+        let mut none_st = SeqState::new(&m.cfg);
+        let none = m.forward(&mut none_st, head, Logits::None).unwrap();
+        assert!(none.is_empty(), "{set}");
+        assert_eq!(all_st, last_st, "{set}: carried state");
+        assert_eq!(all_st, none_st, "{set}: carried state");
+        // A pass of one position, and one of several: the same bits after each state.
+        let mut after = Vec::new();
+        for st in [&mut all_st, &mut last_st, &mut none_st] {
+            let one = m.forward(st, &tail[..1], Logits::Last).unwrap();
+            let rest = m.forward(st, &tail[1..], Logits::Last).unwrap();
+            after.push((bits(&one), bits(&rest)));
+        }
+        assert_eq!(after[0], after[1], "{set}");
+        assert_eq!(after[0], after[2], "{set}");
+        let mut whole = SeqState::new(&m.cfg);
+        let want = m.forward(&mut whole, &full, Logits::All).unwrap();
+        assert_eq!(after[0].1, bits(&want[want.len() - v..]), "{set}");
+    }
+}

@@ -846,3 +846,54 @@ fn k3_run_json_counts_each_byte_read_once() {
     assert!(load > 0 && disk > load, "{st}");
     assert_eq!(streamed["bytes_read"].as_u64().unwrap(), disk, "{streamed}");
 }
+
+/// A pass reads the last layer's experts only for the positions whose logits it is asked for:
+/// against a pass asking for every position's, one asking for the last position's asks the
+/// streamer for exactly the experts only the other positions route to, and one asking for
+/// none for all of the last layer's.
+#[test]
+fn the_last_layer_reads_experts_only_for_the_positions_asked_for() {
+    use std::collections::BTreeSet;
+    for set in ["tiny", "tiny2"] {
+        let o = json(&format!("{set}/oracle.json"));
+        let prompt = u32s(&o["prompt_ids"]);
+        let (resident, info) = open(set, BudgetRequest::Resident);
+        let mut trace = k3::engine::Trace::default();
+        resident
+            .forward_traced(
+                &mut SeqState::new(&resident.cfg),
+                &prompt,
+                Logits::All,
+                Some(&mut trace),
+            )
+            .unwrap();
+        let routes = trace.routing.last().unwrap();
+        assert_eq!(routes.len(), prompt.len(), "{set}: the last layer routes");
+        let union: BTreeSet<usize> = routes.iter().flat_map(|r| r.0.iter().copied()).collect();
+        let last: BTreeSet<usize> = routes.last().unwrap().0.iter().copied().collect();
+        assert!(
+            union.len() > last.len(),
+            "{set}: the other positions add experts"
+        );
+        let asked = |want: Logits| {
+            let (m, _) = open(set, BudgetRequest::Total(info.plan.floor_bytes));
+            let st = m.streamer().unwrap();
+            st.set_prefetch(0);
+            let logits = m
+                .forward(&mut SeqState::new(&m.cfg), &prompt, want)
+                .unwrap();
+            let s = st.stats();
+            (s.expert_hits + s.expert_misses, logits)
+        };
+        let (all, all_logits) = asked(Logits::All);
+        let (last_only, last_logits) = asked(Logits::Last);
+        let (none, _) = asked(Logits::None);
+        let v = resident.cfg.vocab_size;
+        assert_eq!(
+            bits(&last_logits),
+            bits(&all_logits[all_logits.len() - v..])
+        );
+        assert_eq!(all - last_only, (union.len() - last.len()) as u64, "{set}");
+        assert_eq!(all - none, union.len() as u64, "{set}");
+    }
+}

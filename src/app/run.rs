@@ -392,6 +392,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         )));
     }
     // The plan reserves carried state for exactly the positions this run holds.
+    let t_open = Instant::now();
     let (model, info) = Model::open_with(
         &model_dir,
         &crate::engine::weights::OpenOptions {
@@ -410,6 +411,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         e => e.into(),
     })?;
     let load_bytes = info.bytes_read;
+    let load_s = t_open.elapsed().as_secs_f64();
     let mut dump = match &args.dump_logits {
         Some(p) => Some(std::io::BufWriter::new(std::fs::File::create(p).map_err(
             |e| Error::Write {
@@ -430,12 +432,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         .max(1);
     let n_chunks = prompt.len().div_ceil(chunk_len);
     for (i, chunk) in prompt.chunks(chunk_len).enumerate() {
-        let want = if i + 1 == n_chunks {
-            Logits::Last
-        } else {
-            Logits::None
-        };
-        logits = model.forward(&mut state, chunk, want)?;
+        logits = model.forward(&mut state, chunk, Logits::for_chunk(i, n_chunks))?;
     }
     let prefill_s = t0.elapsed().as_secs_f64();
     let mut history = prompt.clone();
@@ -530,6 +527,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "prompt_ids": prompt,
             "generated_ids": generated,
             "text": text,
+            "load_seconds": load_s,
             "prefill_tokens_per_second": prefill_tps,
             "decode_seconds_per_token": s_per_tok,
             "decode_median_seconds_per_token": median_s,
@@ -546,7 +544,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         print!("{}", terminal_safe(&tail));
         println!();
         eprintln!(
-            "k3: {} prompt tokens at {:.1} tokens/s; {} generated at {:.4} s/token ({:.4} median); peak RSS {:.1} MB",
+            "k3: loaded in {load_s:.1} s; {} prompt tokens at {:.1} tokens/s; {} generated at {:.4} s/token ({:.4} median); peak RSS {:.1} MB",
             prompt.len(),
             prefill_tps,
             generated.len(),

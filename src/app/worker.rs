@@ -404,17 +404,16 @@ fn run(
     };
     let progress: std::sync::Arc<dyn Fn(u64, u64) + Send + Sync> = {
         let tx = std::sync::Mutex::new(tx.clone());
-        let last = std::sync::Mutex::new(None::<Instant>);
+        let bar = std::sync::Mutex::new(LoadProgress::default());
         std::sync::Arc::new(move |done, total| {
-            let mut last = last
+            let shown = bar
                 .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if done < total && last.is_some_and(|t| t.elapsed().as_secs_f64() < 0.1) {
-                return;
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .next(done, total, Instant::now());
+            if let Some((done, total)) = shown {
+                let tx = tx.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let _ = tx.send(EngineEvent::Loading { done, total });
             }
-            *last = Some(Instant::now());
-            let tx = tx.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let _ = tx.send(EngineEvent::Loading { done, total });
         })
     };
     let opts = crate::engine::weights::OpenOptions {
@@ -1798,6 +1797,38 @@ impl Ctx<'_> {
     }
 }
 
+/// What the loading bar is told as weight bytes are read: the most counted so far (several
+/// threads read at once, and their counts can arrive out of order, so it never moves back),
+/// at most every 0.1 s, the end once, and nothing after it (the checkpoint keeps counting
+/// the reads of streamed weights).
+#[derive(Default)]
+struct LoadProgress {
+    shown_at: Option<Instant>,
+    seen: u64,
+    finished: bool,
+}
+
+impl LoadProgress {
+    /// The `(done, total)` to show for a count of `done` of `total` at `now`, if any.
+    fn next(&mut self, done: u64, total: u64, now: Instant) -> Option<(u64, u64)> {
+        if self.finished {
+            return None;
+        }
+        self.seen = self.seen.max(done);
+        let end = self.seen >= total;
+        if !end
+            && self
+                .shown_at
+                .is_some_and(|t| now.duration_since(t).as_secs_f64() < 0.1)
+        {
+            return None;
+        }
+        self.shown_at = Some(now);
+        self.finished = end;
+        Some((self.seen, total))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::export_error;
@@ -1822,5 +1853,23 @@ mod tests {
         let e = std::fs::write(dir.path(), "x").expect_err("a folder");
         let msg = export_error(&folder, &e);
         assert!(msg.contains("is a folder"), "{msg}");
+    }
+
+    #[test]
+    fn the_loading_bar_never_moves_back_and_ends_once() {
+        use super::LoadProgress;
+        use std::time::{Duration, Instant};
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut p = LoadProgress::default();
+        assert_eq!(p.next(10, 100, at(0)), Some((10, 100)));
+        // Within 0.1 s: not shown.
+        assert_eq!(p.next(20, 100, at(50)), None);
+        // A count that arrives late shows the most seen so far.
+        assert_eq!(p.next(15, 100, at(200)), Some((20, 100)));
+        // The end is shown at once, however soon, and only once.
+        assert_eq!(p.next(100, 100, at(210)), Some((100, 100)));
+        assert_eq!(p.next(90, 100, at(500)), None);
+        assert_eq!(p.next(150, 100, at(900)), None);
     }
 }

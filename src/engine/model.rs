@@ -128,6 +128,19 @@ pub enum Logits {
     None,
 }
 
+impl Logits {
+    /// What chunk `i` of a prompt fed in `n_chunks` chunks asks for: the last position's
+    /// logits for the last chunk, whose distribution is sampled, and none before it.
+    #[must_use]
+    pub fn for_chunk(i: usize, n_chunks: usize) -> Logits {
+        if i + 1 == n_chunks {
+            Logits::Last
+        } else {
+            Logits::None
+        }
+    }
+}
+
 /// Optional per-layer observations of one forward call.
 #[derive(Clone, Debug, Default)]
 pub struct Trace {

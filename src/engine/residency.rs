@@ -691,6 +691,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// How many threads read the plan's resident weights at once: as many as the I/O pool has
+/// (`K3_IO_THREADS`, default 8), one where there is none.
+fn load_workers() -> usize {
+    io_pool().map_or(1, rayon::ThreadPool::current_num_threads)
+}
+
 /// Read one layer's non-expert weights.
 fn load_layer(
     ck: &Checkpoint,
@@ -1026,40 +1032,121 @@ impl Streamer {
     }
 
     /// Read the layers `to_pin` and, with `want_head`, the output head into the plan's
-    /// resident set.
+    /// resident set. They are read by up to [`load_workers`] threads at once, each taking the
+    /// next weight in order (the head first, the largest), so the device gets parallel reads
+    /// as the streamed experts do; what is read is the same, and where it goes does not
+    /// depend on which thread read it. The wall time is counted as I/O wait once. The first
+    /// failure (the lowest layer among those that failed) stops the others taking more, as
+    /// does [`Checkpoint::stop_loading`].
     fn load_planned(&self, to_pin: Vec<usize>, want_head: bool) -> Result<(), StreamError> {
-        for il in to_pin {
-            let t0 = Instant::now();
-            let layer = load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il, self.mapped)?;
-            self.note_io(t0, self.sizes.layer_trunk[il], &self.counters.trunk_bytes);
-            lock(&self.resident).pinned[il] = Some(layer);
-        }
-        if want_head {
-            let t0 = Instant::now();
-            let (info, data) = self.ck.read_maybe_mapped(names::LM_HEAD, self.mapped)?;
-            self.note_io(t0, info.n_bytes(), &self.counters.embed_head_bytes);
-            let (rows, cols) = (self.cfg.vocab_size, self.cfg.hidden_size);
-            let dense = match data {
-                crate::stream::TensorData::Bf16(v) => Dense {
-                    data: DenseData::Bf16(v),
-                    rows,
-                    cols,
-                },
-                crate::stream::TensorData::F32(v) => Dense {
-                    data: DenseData::F32(v),
-                    rows,
-                    cols,
-                },
-                crate::stream::TensorData::U8(_) => {
-                    return Err(StreamError::Unrepresentable {
-                        path: self.ck.dir().to_path_buf(),
-                        name: names::LM_HEAD.into(),
-                        reason: "U8 output head".into(),
-                    })
+        use std::sync::atomic::{AtomicBool, AtomicUsize};
+        // The jobs: None is the head.
+        let jobs: Vec<Option<usize>> = want_head
+            .then_some(None)
+            .into_iter()
+            .chain(to_pin.into_iter().map(Some))
+            .collect();
+        let (next, failed) = (AtomicUsize::new(0), AtomicBool::new(false));
+        let t0 = Instant::now();
+        let work = || -> Vec<(Option<usize>, StreamError)> {
+            let mut errors = Vec::new();
+            while !failed.load(Ordering::Relaxed) {
+                let Some(&job) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                    break;
+                };
+                if self.ck.loading_stopped() {
+                    failed.store(true, Ordering::Relaxed);
+                    errors.push((
+                        job,
+                        StreamError::Open {
+                            path: self.ck.dir().to_path_buf(),
+                            source: std::io::Error::other("loading was stopped"),
+                        },
+                    ));
+                    break;
                 }
-            };
-            lock(&self.resident).head = Some(Arc::new(dense));
+                let done = match job {
+                    Some(il) => self.pin_layer(il),
+                    None => self.pin_head(),
+                };
+                if let Err(e) = done {
+                    failed.store(true, Ordering::Relaxed);
+                    errors.push((job, e));
+                }
+            }
+            errors
+        };
+        let workers = load_workers().min(jobs.len());
+        let mut errors = if workers <= 1 {
+            work()
+        } else {
+            std::thread::scope(|sc| {
+                let handles: Vec<_> = (0..workers).map(|_| sc.spawn(work)).collect();
+                handles
+                    .into_iter()
+                    .flat_map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            vec![(
+                                None,
+                                StreamError::Unrepresentable {
+                                    path: self.ck.dir().to_path_buf(),
+                                    name: "the resident weights".into(),
+                                    reason: "the thread reading them failed".into(),
+                                },
+                            )]
+                        })
+                    })
+                    .collect()
+            })
+        };
+        self.counters
+            .io_wait_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        // The head (None) sorts first, then layers in order.
+        errors.sort_by_key(|(job, _)| *job);
+        match errors.into_iter().next() {
+            Some((_, e)) => Err(e),
+            None => Ok(()),
         }
+    }
+
+    /// Read layer `il`'s non-expert weights into the resident set.
+    fn pin_layer(&self, il: usize) -> Result<(), StreamError> {
+        let layer = load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il, self.mapped)?;
+        self.counters
+            .trunk_bytes
+            .fetch_add(self.sizes.layer_trunk[il], Ordering::Relaxed);
+        lock(&self.resident).pinned[il] = Some(layer);
+        Ok(())
+    }
+
+    /// Read the output head into the resident set.
+    fn pin_head(&self) -> Result<(), StreamError> {
+        let (info, data) = self.ck.read_maybe_mapped(names::LM_HEAD, self.mapped)?;
+        self.counters
+            .embed_head_bytes
+            .fetch_add(info.n_bytes(), Ordering::Relaxed);
+        let (rows, cols) = (self.cfg.vocab_size, self.cfg.hidden_size);
+        let dense = match data {
+            crate::stream::TensorData::Bf16(v) => Dense {
+                data: DenseData::Bf16(v),
+                rows,
+                cols,
+            },
+            crate::stream::TensorData::F32(v) => Dense {
+                data: DenseData::F32(v),
+                rows,
+                cols,
+            },
+            crate::stream::TensorData::U8(_) => {
+                return Err(StreamError::Unrepresentable {
+                    path: self.ck.dir().to_path_buf(),
+                    name: names::LM_HEAD.into(),
+                    reason: "U8 output head".into(),
+                })
+            }
+        };
+        lock(&self.resident).head = Some(Arc::new(dense));
         Ok(())
     }
 

@@ -192,30 +192,29 @@ impl Model {
             };
             return Ok((model, info));
         }
-        // Validate the whole graph without reading, then read what the plan keeps.
-        let mut check = Binder::new(&ck, false, true);
-        let ok = bind_model(&mut check, &cfg, false)?.is_some();
-        check.into_result()?;
-        if !ok {
-            return Err(BindError::one(dir, "incomplete graph").into());
-        }
-        let mut b = Binder::new(&ck, true, false);
-        let norm = b.vector(names::NORM, cfg.hidden_size)?;
-        let fold = b.fold(names::OUT_RES_NORM, names::OUT_RES_PROJ, cfg.hidden_size)?;
-        b.into_result()?;
-        let (Some(norm), Some(out_res_fold)) = (norm, fold) else {
-            return Err(BindError::one(dir, "final norm").into());
-        };
+        // Validate the whole graph (names, shapes, dtypes, nothing unclaimed: CPU work on
+        // the index, no weight read) while the plan's weights are read (I/O), and refuse the
+        // checkpoint with the validation's error when it fails, whatever the reading found.
         ck.set_drop_behind(true);
         ck.set_direct(opts.direct);
-        let streamer = Streamer::new(
-            cfg.clone(),
-            std::sync::Arc::new(ck),
-            trunk,
-            sizes.clone(),
-            plan.clone(),
-            opts.mapped,
-        )?;
+        let ck = std::sync::Arc::new(ck);
+        let (checked, streamer) = std::thread::scope(|sc| {
+            let check = sc.spawn(|| {
+                let checked = check_graph(&cfg, &ck);
+                if checked.is_err() {
+                    // Whatever is still to read would be thrown away.
+                    ck.stop_loading();
+                }
+                checked
+            });
+            let streamer = Self::open_streamed(&cfg, &ck, trunk, &sizes, &plan, opts.mapped);
+            let checked = check.join().unwrap_or_else(|_| {
+                Err(BindError::one(dir, "the thread validating the graph failed").into())
+            });
+            (checked, streamer)
+        });
+        checked?;
+        let (streamer, norm, out_res_fold) = streamer?;
         let info = LoadInfo {
             bytes_read: streamer.stats().disk_bytes_read,
             index_digest: digest,
@@ -229,6 +228,35 @@ impl Model {
             weights: Weights::Streamed(Box::new(streamer)),
         };
         Ok((model, info))
+    }
+
+    /// The final norm, the output AttnRes fold and a streamer holding what `plan` keeps
+    /// resident, read from `ck`.
+    fn open_streamed(
+        cfg: &ModelConfig,
+        ck: &std::sync::Arc<Checkpoint>,
+        trunk: Option<std::sync::Arc<Trunk>>,
+        sizes: &ModelSizes,
+        plan: &Plan,
+        mapped: bool,
+    ) -> Result<(Streamer, Vec<f32>, Vec<f32>), LoadError> {
+        let dir = ck.dir();
+        let mut b = Binder::new(ck, true, false);
+        let norm = b.vector(names::NORM, cfg.hidden_size)?;
+        let fold = b.fold(names::OUT_RES_NORM, names::OUT_RES_PROJ, cfg.hidden_size)?;
+        b.into_result()?;
+        let (Some(norm), Some(out_res_fold)) = (norm, fold) else {
+            return Err(BindError::one(dir, "final norm").into());
+        };
+        let streamer = Streamer::new(
+            cfg.clone(),
+            std::sync::Arc::clone(ck),
+            trunk,
+            sizes.clone(),
+            plan.clone(),
+            mapped,
+        )?;
+        Ok((streamer, norm, out_res_fold))
     }
 
     /// Bind an open checkpoint to `cfg`, reading every weight.

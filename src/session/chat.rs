@@ -327,16 +327,6 @@ pub const SNAPSHOTS: usize = 4;
 /// on it; it only sets how often progress is reported).
 pub const PREFILL_CHUNK: usize = 64;
 
-/// The logits chunk `i` of `n_chunks` is asked for: the last position's for the last chunk,
-/// whose distribution is sampled, and none before it.
-fn last_only(i: usize, n_chunks: usize) -> Logits {
-    if i + 1 == n_chunks {
-        Logits::Last
-    } else {
-        Logits::None
-    }
-}
-
 /// Length of the longest common prefix.
 fn lcp(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
@@ -461,7 +451,7 @@ impl<'a> Session<'a> {
         for (i, chunk) in ids.chunks(PREFILL_CHUNK).enumerate() {
             logits = self
                 .model
-                .forward(&mut self.state, chunk, last_only(i, n_chunks))?;
+                .forward(&mut self.state, chunk, Logits::for_chunk(i, n_chunks))?;
             self.tokens.extend_from_slice(chunk);
             self.positions.store(self.tokens.len(), Ordering::Relaxed);
             done += chunk.len();
@@ -1251,7 +1241,9 @@ impl<'a> Session<'a> {
         let mut logits = Vec::new();
         let n_chunks = ids.len().div_ceil(PREFILL_CHUNK);
         for (i, chunk) in ids.chunks(PREFILL_CHUNK).enumerate() {
-            logits = self.model.forward(state, chunk, last_only(i, n_chunks))?;
+            logits = self
+                .model
+                .forward(state, chunk, Logits::for_chunk(i, n_chunks))?;
             progress.0 += chunk.len();
             progress.1 = progress.1.max(progress.0);
             if let Some(f) = self.on_prefill.as_mut() {

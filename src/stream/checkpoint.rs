@@ -37,6 +37,8 @@ pub struct Checkpoint {
     /// Drop the page cache behind every read (streaming), so resident memory and disk
     /// figures are honest.
     drop_behind: std::sync::atomic::AtomicBool,
+    /// Set when what is being read is no longer wanted (see [`Checkpoint::stop_loading`]).
+    stopped: std::sync::atomic::AtomicBool,
     /// Positioned reads issued so far, and an injected fault (tests).
     reads: AtomicU64,
     fault: FaultSlot,
@@ -361,6 +363,7 @@ impl Checkpoint {
             bytes_read: AtomicU64::new(0),
             progress: None,
             drop_behind: std::sync::atomic::AtomicBool::new(false),
+            stopped: std::sync::atomic::AtomicBool::new(false),
             reads: AtomicU64::new(0),
             fault: FaultSlot::default(),
             direct: Vec::new(),
@@ -570,6 +573,19 @@ impl Checkpoint {
     /// Inject `fault` into the `n`-th positioned read from now on (counting reads since open).
     pub fn inject_fault(&self, n: u64, fault: Fault) {
         self.fault.arm(n, fault);
+    }
+
+    /// Tell a load in progress that its weights are no longer wanted (the checkpoint was
+    /// refused while they were read): loaders check [`Checkpoint::loading_stopped`] between
+    /// weights and give up. Reads already issued finish.
+    pub fn stop_loading(&self) {
+        self.stopped.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether [`Checkpoint::stop_loading`] was called.
+    #[must_use]
+    pub fn loading_stopped(&self) -> bool {
+        self.stopped.load(Ordering::Relaxed)
     }
 
     /// Positioned reads issued so far.

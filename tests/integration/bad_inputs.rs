@@ -23,8 +23,14 @@ pub(crate) fn shard(dir: &Path, k: usize) -> PathBuf {
 
 /// Run `k3 run DIR --ids 1,2 --gen 1`; returns (exit code, stderr).
 fn run_k3(dir: &Path) -> (i32, String) {
+    run_k3_with(dir, &[])
+}
+
+/// [`run_k3`] with `extra` arguments.
+fn run_k3_with(dir: &Path, extra: &[&str]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_k3"))
         .args(["run", dir.to_str().unwrap(), "--ids", "1,2", "--gen", "1"])
+        .args(extra)
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
@@ -152,6 +158,52 @@ fn missing_tensor_is_named() {
         "{err}"
     );
     assert!(err.contains("not used by the configured graph"), "{err}");
+}
+
+/// Under a budget the graph is validated while the plan's weights are read; a checkpoint it
+/// refuses is refused with the validation's message, whichever weight the reading failed on
+/// first, at every budget and in both read paths.
+#[test]
+fn a_refusal_under_a_budget_is_the_validations() {
+    let (_t, dir) = copy_tiny();
+    std::fs::remove_file(dir.join("model.safetensors.index.json")).unwrap();
+    let p = shard(&dir, 1);
+    let (mut h, data) = split(&p);
+    let a = "language_model.model.layers.2.self_attn.dt_bias";
+    let v = h.remove(a).unwrap();
+    h.insert(
+        "language_model.model.layers.2.self_attn.dt_bias_renamed".into(),
+        v,
+    );
+    join(&p, &h, &data);
+    let (code, resident) = run_k3(&dir);
+    assert_eq!(code, 3, "{resident}");
+    for mem in ["0.05", "1000"] {
+        for mapped in ["1", "0"] {
+            let out = Command::new(env!("CARGO_BIN_EXE_k3"))
+                .args(["run", dir.to_str().unwrap(), "--ids", "1,2", "--gen", "1"])
+                .args(["--mem", mem])
+                .env("K3_MMAP", mapped)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!err.contains("panicked"), "panic: {err}");
+            assert_eq!(out.status.code(), Some(3), "--mem {mem}: {err}");
+            // The loader alone would only miss the tensor; validation also names the
+            // unclaimed one.
+            assert!(
+                err.contains("missing tensor language_model.model.layers.2.self_attn.dt_bias")
+                    && err.contains("not used by the configured graph"),
+                "--mem {mem}, K3_MMAP={mapped}: {err}"
+            );
+        }
+    }
+    // The control: the same budgets load the intact checkpoint.
+    let (_t2, good) = copy_tiny();
+    for mem in ["0.05", "1000"] {
+        let (code, err) = run_k3_with(&good, &["--mem", mem]);
+        assert_eq!(code, 0, "--mem {mem}: {err}");
+    }
 }
 
 #[test]

@@ -897,3 +897,35 @@ fn the_last_layer_reads_experts_only_for_the_positions_asked_for() {
         assert_eq!(all - none, union.len() as u64, "{set}");
     }
 }
+
+/// A load told to stop (the checkpoint was refused while its weights were read) gives up
+/// before reading another weight and fails; the same load not stopped reads every pinned
+/// byte, and the plan's weights are all there.
+#[test]
+fn a_stopped_load_reads_nothing_more_and_fails() {
+    use k3::engine::residency::Streamer;
+    use k3::stream::Checkpoint;
+    use std::sync::Arc;
+    let dir = fixture("tiny");
+    let cfg = k3::engine::ModelConfig::load(&dir.join("config.json")).unwrap();
+    let open = || {
+        let ck = Checkpoint::open(&dir).unwrap();
+        let sizes = k3::engine::weights::model_sizes(&cfg, &ck);
+        let plan = budget::plan(&sizes, BudgetRequest::Total(1 << 40), 512, None).unwrap();
+        (Arc::new(ck), sizes, plan)
+    };
+    let (ck, sizes, plan) = open();
+    assert_eq!(plan.n_pinned(), cfg.num_hidden_layers, "everything pinned");
+    let whole = Streamer::new(cfg.clone(), Arc::clone(&ck), None, sizes, plan, true).unwrap();
+    let read = whole.stats().disk_bytes_read;
+    let sizes = whole.sizes();
+    let pinned: u64 = sizes.layer_trunk.iter().sum::<u64>() + sizes.head;
+    assert_eq!(read, pinned, "every pinned layer and the head, once");
+    let (ck, sizes, plan) = open();
+    ck.stop_loading();
+    let Err(e) = Streamer::new(cfg.clone(), Arc::clone(&ck), None, sizes, plan, true) else {
+        panic!("a stopped load succeeded");
+    };
+    assert!(e.to_string().contains("loading was stopped"), "{e}");
+    assert_eq!(ck.bytes_read(), 0, "nothing read after the stop");
+}

@@ -138,9 +138,10 @@ fn dtype_shape_mismatch_is_refused() {
     );
 }
 
-#[test]
-fn missing_tensor_is_named() {
-    let (_t, dir) = copy_tiny();
+/// A copy of the tiny checkpoint (no index file) whose layer 2 `dt_bias` is stored under
+/// another name: one tensor missing, one unclaimed.
+fn tiny_with_a_renamed_tensor() -> (tempfile::TempDir, PathBuf) {
+    let (t, dir) = copy_tiny();
     std::fs::remove_file(dir.join("model.safetensors.index.json")).unwrap();
     let p = shard(&dir, 1);
     let (mut h, data) = split(&p);
@@ -151,6 +152,12 @@ fn missing_tensor_is_named() {
         v,
     );
     join(&p, &h, &data);
+    (t, dir)
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    let (_t, dir) = tiny_with_a_renamed_tensor();
     let (code, err) = run_k3(&dir);
     assert_eq!(code, 3, "{err}");
     assert!(
@@ -165,17 +172,7 @@ fn missing_tensor_is_named() {
 /// first, at every budget and in both read paths.
 #[test]
 fn a_refusal_under_a_budget_is_the_validations() {
-    let (_t, dir) = copy_tiny();
-    std::fs::remove_file(dir.join("model.safetensors.index.json")).unwrap();
-    let p = shard(&dir, 1);
-    let (mut h, data) = split(&p);
-    let a = "language_model.model.layers.2.self_attn.dt_bias";
-    let v = h.remove(a).unwrap();
-    h.insert(
-        "language_model.model.layers.2.self_attn.dt_bias_renamed".into(),
-        v,
-    );
-    join(&p, &h, &data);
+    let (_t, dir) = tiny_with_a_renamed_tensor();
     let (code, resident) = run_k3(&dir);
     assert_eq!(code, 3, "{resident}");
     for mem in ["0.05", "1000"] {

@@ -59,9 +59,10 @@ pub enum Command {
     Plan(plan::PlanArgs),
     /// Measure prefill and decode speed under a budget, next to this machine's floors.
     ///
-    /// Floors: bytes read per token over the measured sequential read bandwidth, and bytes
-    /// touched per token over the measured memory bandwidth; each printed with the ratio of the
-    /// measured time to it.
+    /// Floors: bytes read per token over the read bandwidth the disk gives the engine's reads
+    /// (the best of expert-sized random and 4 and 16 MiB sequential reads, four in flight per
+    /// I/O thread, measured after the timed passes), and bytes touched per token over the
+    /// measured memory bandwidth; each printed with the ratio of the measured time to it.
     Bench(bench::BenchArgs),
     /// Serve the model over an OpenAI-compatible HTTP API (chat and raw completions, SSE
     /// streaming, tool calls, prefix reuse across requests, /metrics).

@@ -64,10 +64,75 @@ fn memory_bandwidth() -> f64 {
     (2 * n * 4) as f64 / best
 }
 
-/// Read bandwidth of the checkpoint's device as the engine reads it: 4 MiB `O_DIRECT` reads
-/// (buffered with the page cache dropped where direct reads are refused) spread over the
-/// largest shards, one stream per I/O thread, about 2 GB in all. Returns (bytes/s, direct).
-fn disk_bandwidth(dir: &Path) -> Option<(f64, bool)> {
+/// One way of reading the checkpoint's device that the bandwidth probe times.
+#[derive(Clone, Copy, Debug)]
+struct ReadPattern {
+    /// Bytes per read (a multiple of 4096, as `O_DIRECT` needs).
+    chunk: usize,
+    /// Each read at a random aligned offset of its shard (as routed experts are read), or
+    /// each one right after the last (as a packed trunk's layers are).
+    random: bool,
+}
+
+impl ReadPattern {
+    fn name(&self) -> String {
+        let kind = if self.random { "random" } else { "sequential" };
+        if self.chunk.is_multiple_of(1 << 20) {
+            format!("{kind} {} MiB", self.chunk >> 20)
+        } else {
+            format!("{kind} {} B", self.chunk)
+        }
+    }
+}
+
+/// What the disk probe measured: the best pattern's bytes/s (the floor), whether every read
+/// was direct, and every pattern's figure.
+struct DiskProbe {
+    best: f64,
+    direct: bool,
+    patterns: Vec<(String, f64)>,
+}
+
+/// Read bandwidth of the checkpoint's device as the engine reads it, with four reads in
+/// flight per I/O thread spread over the largest shards, in the ways the engine reads:
+/// expert-sized reads at random offsets (a routed expert is one read), and sequential 4 and
+/// 16 MiB reads (layers and packed trunks). `O_DIRECT` where the filesystem allows it,
+/// buffered with the file's cached pages dropped otherwise. The floor is the best pattern,
+/// as the external harness takes its best fio job.
+fn disk_bandwidth(dir: &Path, expert_bytes: u64) -> Option<DiskProbe> {
+    let align = crate::stream::checkpoint::DIRECT_ALIGN;
+    let expert = (expert_bytes > 0).then(|| ReadPattern {
+        chunk: (expert_bytes as usize)
+            .clamp(align, 16 << 20)
+            .div_ceil(align)
+            * align,
+        random: true,
+    });
+    let sequential = [4 << 20, 16 << 20].map(|chunk| ReadPattern {
+        chunk,
+        random: false,
+    });
+    let mut probe = DiskProbe {
+        best: 0.0,
+        direct: true,
+        patterns: Vec::new(),
+    };
+    for p in expert.into_iter().chain(sequential) {
+        if let Some((bw, direct)) = time_reads(dir, p, 1_000_000_000) {
+            probe.best = probe.best.max(bw);
+            probe.direct &= direct;
+            probe.patterns.push((p.name(), bw));
+        }
+    }
+    (!probe.patterns.is_empty()).then_some(probe)
+}
+
+/// The longest one pattern of the disk probe reads for.
+const MAX_PATTERN_TIME: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// Bytes/s of about `bytes` (or [`MAX_PATTERN_TIME`] of reads) read in `pattern` by four
+/// streams per I/O thread over the largest shards, and whether every stream read directly.
+fn time_reads(dir: &Path, pattern: ReadPattern, bytes: u64) -> Option<(f64, bool)> {
     use std::os::unix::fs::FileExt;
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     let mut shards: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
@@ -77,22 +142,25 @@ fn disk_bandwidth(dir: &Path) -> Option<(f64, bool)> {
         .filter_map(|e| Some((e.metadata().ok()?.len(), e.path())))
         .collect();
     shards.sort_by_key(|s| std::cmp::Reverse(s.0));
-    let pool = crate::stream::checkpoint::io_pool()?;
-    let streams = pool.current_num_threads().max(1);
+    // Four reads in flight per I/O thread: the floor is what the device gives parallel reads
+    // (the harness's best fio jobs keep 16 to 32 in flight), not what one queue gets.
+    let io_threads = crate::stream::checkpoint::io_pool()?.current_num_threads();
+    let streams = (4 * io_threads).clamp(1, 64);
     shards.truncate(streams);
-    let chunk = 4usize << 20;
-    let per_stream = 2_000_000_000 / streams as u64;
+    let chunk = pattern.chunk;
+    let per_stream = bytes / streams as u64;
     let total = AtomicU64::new(0);
     let all_direct = AtomicBool::new(true);
     let t = Instant::now();
+    let t = &t;
     let n_shards = shards.len().max(1);
-    pool.scope(|sc| {
+    std::thread::scope(|sc| {
         for k in 0..streams {
             let Some((len, path)) = shards.get(k % n_shards).cloned() else {
                 break;
             };
             let (total, all_direct) = (&total, &all_direct);
-            sc.spawn(move |_| {
+            sc.spawn(move || {
                 let direct = crate::stream::checkpoint::open_direct(&path);
                 all_direct.fetch_and(direct.is_some(), Ordering::Relaxed);
                 let Some(f) = direct.or_else(|| std::fs::File::open(&path).ok()) else {
@@ -100,12 +168,21 @@ fn disk_bandwidth(dir: &Path) -> Option<(f64, bool)> {
                 };
                 let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed);
                 let mut buf = crate::stream::checkpoint::AlignedBuf::new(chunk);
+                // Whole aligned reads that fit in the shard.
+                let span = len.saturating_sub(chunk as u64) / 4096;
                 // Streams sharing a shard start at different offsets.
-                let span = len / chunk as u64;
-                let mut at = (k / n_shards) as u64 * (span / 4).max(1) * chunk as u64;
+                let mut at = (k / n_shards) as u64 * (span / 4).max(1) * 4096;
+                let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ (k as u64 + 1);
                 let mut got = 0u64;
-                while got < per_stream && span > 0 {
-                    if at + chunk as u64 > len {
+                // Bytes or seconds, whichever runs out first (small reads are slow).
+                while got < per_stream && len >= chunk as u64 && t.elapsed() < MAX_PATTERN_TIME {
+                    if pattern.random {
+                        // xorshift64: a fixed sequence per stream.
+                        rng ^= rng << 13;
+                        rng ^= rng >> 7;
+                        rng ^= rng << 17;
+                        at = (rng % (span + 1)) * 4096;
+                    } else if at + chunk as u64 > len {
                         at = 0;
                     }
                     match f.read_at(buf.as_mut_slice(), at) {
@@ -144,7 +221,6 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "--gen and --prompt-len must be at least 1".into(),
         ));
     }
-    let disk_bw = disk_bandwidth(&args.model_dir);
     let req = args.budget.request(BudgetRequest::Resident)?;
     let t_open = Instant::now();
     let (model, info) = Model::open_with(
@@ -201,10 +277,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let decode_s = t1.elapsed().as_secs_f64() / args.gen as f64;
     let median_s = super::run::median_per_token(&steps);
     let read_per_tok = (read_now() - read0) as f64 / args.gen as f64;
-    // Peak RSS before the bandwidth probe, whose 256 MiB of buffers are not the engine's.
+    // Peak RSS before the bandwidth probes, whose buffers (256 MiB for the memory, up to
+    // 16 MiB per I/O thread for the disk) are not the engine's.
     let peak = rss_bytes().1;
     let mem_bw = memory_bandwidth();
     let sizes = &info.sizes;
+    // After the timed passes, so the engine's reads and the probe's do not share the disk.
+    let disk = disk_bandwidth(&args.model_dir, sizes.expert_bytes);
+    let disk_bw = disk.as_ref().map(|d| (d.best, d.direct));
     let touched = sizes.layer_trunk.iter().sum::<u64>() as f64
         + sizes.head as f64
         + (sizes.top_k * sizes.moe_layers * sizes.expert_bytes) as f64;
@@ -225,6 +305,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "memory_bandwidth_gb_per_s": mem_bw / 1e9,
         "disk_read_gb_per_s": disk_bw.map(|(b, _)| b / 1e9),
         "disk_probe_direct": disk_bw.map(|(_, d)| d),
+        "disk_probe_patterns": disk.as_ref().map(|d| {
+            d.patterns
+                .iter()
+                .map(|(name, bw)| serde_json::json!({"pattern": name, "gb_per_s": bw / 1e9}))
+                .collect::<Vec<_>>()
+        }),
         "trunk": args.budget.trunk.as_ref().map(|t| t.display().to_string()),
         "direct_io": model.streamer().map(|s| s.checkpoint().is_direct(0)),
         "trunk_direct_io": model.streamer().and_then(|s| s.trunk()).map(|t| t.is_direct()),
@@ -305,13 +391,24 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         decode_s / mem_floor
     );
     match (io_floor, disk_bw) {
-        (Some(f), Some((bw, direct))) if f > 0.0 => println!(
-            "I/O floor            {f:.4} s/token at {:.2} GB/s parallel {} reads; measured/floor {:.2}",
-            bw / 1e9,
-            if direct { "direct" } else { "buffered" },
-            decode_s / f
-        ),
-        _ => println!("I/O floor            none (nothing read per token)"),
+        (Some(f), Some((bw, direct))) if f > 0.0 => {
+            println!(
+                "I/O floor            {f:.4} s/token at {:.2} GB/s parallel {} reads; measured/floor {:.2}",
+                bw / 1e9,
+                if direct { "direct" } else { "buffered" },
+                decode_s / f
+            );
+            if let Some(d) = &disk {
+                let each: Vec<String> = d
+                    .patterns
+                    .iter()
+                    .map(|(name, bw)| format!("{name} {:.2}", bw / 1e9))
+                    .collect();
+                println!("disk probe           GB/s, best taken: {}", each.join(", "));
+            }
+        }
+        _ if read_per_tok == 0.0 => println!("I/O floor            none (nothing read per token)"),
+        _ => println!("I/O floor            not measured (the probe read nothing from the shards)"),
     }
     if let Some(f) = steal {
         println!(

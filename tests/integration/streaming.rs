@@ -712,6 +712,25 @@ fn bench_reports_speed_next_to_its_floors() {
         j["bytes_read_per_token"].as_f64().unwrap() > 0.0,
         "a streamed run reads per token"
     );
+    // The disk is probed the ways the engine reads, expert-sized random reads first (the
+    // fixture's shards are smaller than the sequential patterns' reads), and the floor is the
+    // best pattern.
+    let patterns = j["disk_probe_patterns"].as_array().expect("probed");
+    assert!(
+        patterns[0]["pattern"]
+            .as_str()
+            .unwrap()
+            .starts_with("random "),
+        "{patterns:?}"
+    );
+    let best = patterns
+        .iter()
+        .map(|p| p["gb_per_s"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    assert!(best > 0.0, "{patterns:?}");
+    assert_eq!(j["disk_read_gb_per_s"].as_f64(), Some(best));
+    let r = j["ratio_to_io_floor"].as_f64().unwrap_or(f64::NAN);
+    assert!(r.is_finite() && r > 0.0, "{}", j["ratio_to_io_floor"]);
     crate::common::assert_steal_is_a_fraction(&j);
 }
 

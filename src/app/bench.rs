@@ -94,9 +94,9 @@ struct DiskProbe {
 }
 
 /// Read bandwidth of the checkpoint's device as the engine reads it, with four reads in
-/// flight per I/O thread spread over the largest shards, in the ways the engine reads:
-/// expert-sized reads at random offsets (a routed expert is one read), and sequential 4 and
-/// 16 MiB reads (layers and packed trunks). `O_DIRECT` where the filesystem allows it,
+/// flight per I/O thread (fewer for large reads) over the largest shards, in the ways the
+/// engine reads: expert-sized reads at random offsets (a routed expert is one read), and
+/// sequential 4 and 16 MiB reads (layers and packed trunks). `O_DIRECT` where the filesystem allows it,
 /// buffered with the file's cached pages dropped otherwise. The floor is the best pattern,
 /// as the external harness takes its best fio job.
 fn disk_bandwidth(dir: &Path, expert_bytes: u64) -> Option<DiskProbe> {
@@ -127,11 +127,15 @@ fn disk_bandwidth(dir: &Path, expert_bytes: u64) -> Option<DiskProbe> {
     (!probe.patterns.is_empty()).then_some(probe)
 }
 
+/// The most memory the disk probe's read buffers take at once.
+const PROBE_BUFFERS: usize = 128 << 20;
+
 /// The longest one pattern of the disk probe reads for.
 const MAX_PATTERN_TIME: std::time::Duration = std::time::Duration::from_secs(3);
 
-/// Bytes/s of about `bytes` (or [`MAX_PATTERN_TIME`] of reads) read in `pattern` by four
-/// streams per I/O thread over the largest shards, and whether every stream read directly.
+/// Bytes/s of about `bytes` (or [`MAX_PATTERN_TIME`] of reads) read in `pattern` by up to
+/// four streams per I/O thread over the largest shards, and whether every stream read
+/// directly.
 fn time_reads(dir: &Path, pattern: ReadPattern, bytes: u64) -> Option<(f64, bool)> {
     use std::os::unix::fs::FileExt;
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -143,9 +147,12 @@ fn time_reads(dir: &Path, pattern: ReadPattern, bytes: u64) -> Option<(f64, bool
         .collect();
     shards.sort_by_key(|s| std::cmp::Reverse(s.0));
     // Four reads in flight per I/O thread: the floor is what the device gives parallel reads
-    // (the harness's best fio jobs keep 16 to 32 in flight), not what one queue gets.
+    // (the harness's best fio jobs keep 16 to 32 in flight), not what one queue gets. At most
+    // `PROBE_BUFFERS` of buffers in all, so large reads keep fewer in flight.
     let io_threads = crate::stream::checkpoint::io_pool()?.current_num_threads();
-    let streams = (4 * io_threads).clamp(1, 64);
+    let streams = (4 * io_threads)
+        .min(PROBE_BUFFERS / pattern.chunk)
+        .clamp(1, 64);
     shards.truncate(streams);
     let chunk = pattern.chunk;
     let per_stream = bytes / streams as u64;
@@ -171,7 +178,7 @@ fn time_reads(dir: &Path, pattern: ReadPattern, bytes: u64) -> Option<(f64, bool
                 // Whole aligned reads that fit in the shard.
                 let span = len.saturating_sub(chunk as u64) / 4096;
                 // Streams sharing a shard start at different offsets.
-                let mut at = (k / n_shards) as u64 * (span / 4).max(1) * 4096;
+                let mut at = ((k / n_shards) % 4) as u64 * (span / 4).max(1) * 4096;
                 let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ (k as u64 + 1);
                 let mut got = 0u64;
                 // Bytes or seconds, whichever runs out first (small reads are slow).
@@ -277,8 +284,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let decode_s = t1.elapsed().as_secs_f64() / args.gen as f64;
     let median_s = super::run::median_per_token(&steps);
     let read_per_tok = (read_now() - read0) as f64 / args.gen as f64;
-    // Peak RSS before the bandwidth probes, whose buffers (256 MiB for the memory, up to
-    // 16 MiB per I/O thread for the disk) are not the engine's.
+    // Peak RSS before the bandwidth probes, whose buffers (256 MiB for the memory, at most
+    // `PROBE_BUFFERS` for the disk) are not the engine's.
     let peak = rss_bytes().1;
     let mem_bw = memory_bandwidth();
     let sizes = &info.sizes;

@@ -179,16 +179,13 @@ fn time_reads(dir: &Path, pattern: ReadPattern, bytes: u64) -> Option<(f64, bool
                 let span = len.saturating_sub(chunk as u64) / 4096;
                 // Streams sharing a shard start at different offsets.
                 let mut at = ((k / n_shards) % 4) as u64 * (span / 4).max(1) * 4096;
-                let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ (k as u64 + 1);
+                // A fixed sequence of offsets per stream.
+                let mut rng = crate::engine::sampling::Rng::from_seed(k as u64 + 1);
                 let mut got = 0u64;
                 // Bytes or seconds, whichever runs out first (small reads are slow).
                 while got < per_stream && len >= chunk as u64 && t.elapsed() < MAX_PATTERN_TIME {
                     if pattern.random {
-                        // xorshift64: a fixed sequence per stream.
-                        rng ^= rng << 13;
-                        rng ^= rng >> 7;
-                        rng ^= rng << 17;
-                        at = (rng % (span + 1)) * 4096;
+                        at = (rng.next_u64() % (span + 1)) * 4096;
                     } else if at + chunk as u64 > len {
                         at = 0;
                     }

@@ -16,6 +16,7 @@ pub mod mapped;
 pub mod safetensors;
 pub mod stats;
 pub mod synth;
+pub mod trial;
 pub mod trunk;
 pub mod verify;
 pub mod weight_map;

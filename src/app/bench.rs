@@ -328,6 +328,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 "cancelled": st.prefetch_cancelled,
                 "accuracy_by_rank": st.prediction_accuracy_by_rank(),
                 "early_accuracy_by_rank": st.early_prediction_accuracy_by_rank(),
+                "early": st.early,
             })
         }),
         "generated_ids": &history[prompt.len()..],
@@ -386,6 +387,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         ss.accepted,
         ss.proposed
     );
+    if let Some(st) = model.streamer() {
+        println!("early prediction     {}", st.stats().early.describe());
+    }
     println!("peak RSS             {:.1} MB", peak as f64 / 1e6);
     println!(
         "memory floor         {:.4} s/token ({:.1} MB touched at {:.1} GB/s); measured/floor {:.2}",

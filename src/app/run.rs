@@ -333,6 +333,9 @@ fn run_stats(model: &Model, info: &crate::engine::weights::LoadInfo) -> serde_js
             "early_prediction_accuracy_by_rank".into(),
             st.early_prediction_accuracy_by_rank().into(),
         );
+        if let Ok(e) = serde_json::to_value(&st.early) {
+            o.insert("early_prediction".into(), e);
+        }
         if let Ok(a) = serde_json::to_value(&st.arena) {
             o.insert("expert_arena".into(), a);
         }

@@ -22,6 +22,7 @@ use crate::stream::cache_policy::{
 };
 use crate::stream::checkpoint::io_pool;
 use crate::stream::stats::{LayerResidency, Residency, StatsSnapshot};
+use crate::stream::trial::PairedTrial;
 use crate::stream::trunk::Trunk;
 use crate::stream::{Checkpoint, Dtype, StreamError};
 use std::collections::{HashMap, VecDeque};
@@ -675,14 +676,29 @@ pub struct Streamer {
     prefetch: std::sync::atomic::AtomicUsize,
     /// Predicted reads, behind the layers' own.
     prefetcher: Arc<Prefetcher>,
-    /// Whether the next layer's experts are also predicted from a layer's FFN input.
-    early: std::sync::atomic::AtomicBool,
+    /// Whether the next layer's experts are also predicted from a layer's FFN input: fixed,
+    /// or chosen per decoding step by timing steps with it off and on (`stream::trial`).
+    early: Mutex<PairedTrial>,
+    /// The setting of the decoding step under way.
+    early_now: std::sync::atomic::AtomicBool,
+    /// The first layer with routed experts: a pass reaching it begins a step.
+    first_moe: Option<usize>,
     /// Pinned layers and the output head are taken in place from mappings of the shards
     /// (off with `K3_MMAP=0`); streamed layers and experts are always read.
     mapped: bool,
     /// The memory of the expert cache: slots streamed experts are read into, faulted in when
     /// a plan is applied.
     arena: Arc<Arena>,
+}
+
+/// `K3_PREFETCH_EARLY`: `1`/`on` or `0`/`off` fix the early prediction; unset (or `auto`)
+/// leaves it to the trial.
+fn early_from_env() -> Option<bool> {
+    match std::env::var("K3_PREFETCH_EARLY").ok()?.trim() {
+        "1" | "on" => Some(true),
+        "0" | "off" => Some(false),
+        _ => None,
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -857,6 +873,7 @@ impl Streamer {
         let arena = Arena::new(budget::expert_slot_bytes(&sizes) as usize);
         ck.read_groups_into(Arc::clone(&arena));
         let cfg_arc = Arc::new(cfg.clone());
+        let first_moe = (0..n).find(|&il| !cfg.is_dense(il));
         let resident = Arc::new(Mutex::new(Resident {
             plan: plan.clone(),
             pinned: vec![None; n],
@@ -901,7 +918,9 @@ impl Streamer {
             counters,
             prefetch: std::sync::atomic::AtomicUsize::new(env("K3_PREFETCH", DEFAULT_PREFETCH)),
             prefetcher,
-            early: std::sync::atomic::AtomicBool::new(env("K3_PREFETCH_EARLY", 0) != 0),
+            early: Mutex::new(PairedTrial::new(early_from_env())),
+            early_now: std::sync::atomic::AtomicBool::new(false),
+            first_moe,
             mapped,
             arena,
         };
@@ -929,14 +948,45 @@ impl Streamer {
         self.prefetcher.late_depth.store(depth, Ordering::Relaxed);
     }
 
-    /// Whether the early prediction (from a layer's FFN input, before its experts) is made
-    /// (off by default, `K3_PREFETCH_EARLY=1` turns it on; the prediction from the layer's
-    /// output is made either way). Where the disk is the bottleneck its wrong reads cost more
-    /// than its right ones save: on k3mini-2048 at `--mem 4` it read 0.2 GB more per token
-    /// (all 16 ranks) and was slower, and still slower reading only the ranks it gets right
-    /// at least half the time.
-    pub fn set_prefetch_early(&self, on: bool) {
-        self.early.store(on, Ordering::Relaxed);
+    /// Whether the early prediction (from a layer's FFN input, before its experts) is made:
+    /// `Some` fixes it, `None` (the default; `K3_PREFETCH_EARLY=0` or `1` fixes it) times
+    /// decoding steps with it off and on and keeps the faster for a while (`stream::trial`).
+    /// The prediction from the layer's output is made either way. Where the disk waits for
+    /// the CPU the early reads fill its idle time; where the disk is the bottleneck its wrong
+    /// reads cost more than its right ones save. Tokens do not depend on it.
+    pub fn set_prefetch_early(&self, on: Option<bool>) {
+        lock(&self.early).set_fixed(on);
+        self.early_now.store(on.unwrap_or(false), Ordering::Relaxed);
+    }
+
+    /// A pass of `n_tok` tokens reaches MoE layer `il`: at the first one, a one-token pass
+    /// (a decoding step) begins a step of the early prediction's trial and takes its setting;
+    /// any other pass leaves the step under way untimed. The trial runs only where the early
+    /// prediction can read anything: prefetch on and some MoE layer after the first pinned.
+    fn note_pass(&self, il: usize, n_tok: usize) {
+        if Some(il) != self.first_moe {
+            return;
+        }
+        let can_predict = self.prefetch.load(Ordering::Relaxed) > 0
+            && io_pool().is_some()
+            && lock(&self.resident)
+                .pinned
+                .iter()
+                .enumerate()
+                .any(|(j, p)| j > il && p.is_some() && !self.cfg.is_dense(j));
+        // Taken after `resident` is released (`stats` takes the two in the other order).
+        let mut trial = lock(&self.early);
+        if n_tok != 1 {
+            trial.interrupt();
+            return;
+        }
+        let on = if can_predict || trial.fixed().is_some() {
+            trial.begin(Instant::now())
+        } else {
+            trial.interrupt();
+            false
+        };
+        self.early_now.store(on, Ordering::Relaxed);
     }
 
     /// The plan in force.
@@ -1320,7 +1370,7 @@ impl Streamer {
     /// asks for exactly the experts its own routing picks, so a wrong prediction costs
     /// bandwidth, never a different bit.
     pub fn prefetch_after(&self, il: usize, x: &[f32]) {
-        if !self.early.load(Ordering::Relaxed) || x.len() != self.cfg.hidden_size {
+        if !self.early_now.load(Ordering::Relaxed) || x.len() != self.cfg.hidden_size {
             return;
         }
         if let Some(next) = self.next_pinned(il + 1) {
@@ -1480,6 +1530,7 @@ impl Streamer {
         x: &[f32],
     ) -> Result<(Vec<f32>, Routing), StreamError> {
         let d = self.cfg.hidden_size;
+        self.note_pass(il, x.len() / d.max(1));
         let source = LayerExperts {
             st: self,
             il,
@@ -1583,6 +1634,7 @@ impl Streamer {
             early_predictions: c.early_predictions.load(Ordering::Relaxed),
             early_predicted_right_by_rank: lock(&c.early_right_by_rank).clone(),
             prefetch_cancelled: c.prefetch_cancelled.load(Ordering::Relaxed),
+            early: lock(&self.early).stats(),
             arena: self.arena.stats(),
             ..StatsSnapshot::default()
         }

@@ -81,6 +81,8 @@ pub struct StatsSnapshot {
     pub early_predicted_right_by_rank: Vec<u64>,
     /// Predicted reads dropped before they started (their layer's routing came first).
     pub prefetch_cancelled: u64,
+    /// Whether the early prediction is fixed or chosen by timing, and what the timing did.
+    pub early: super::trial::TrialStats,
     /// Positions the session holds.
     pub positions: u64,
     /// Most positions the session may hold.

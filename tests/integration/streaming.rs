@@ -178,6 +178,7 @@ fn the_prefetch_queue_changes_no_bit_at_any_budget_or_depth() {
     let mut read_ahead = 0;
     let mut dropped = 0;
     let mut predicted_late = 0;
+    let mut auto_timed = 0;
     for set in ["tiny", "tiny2"] {
         let (prompt, want, info) = serial_reference(set, 10);
         let (floor, everything) = (info.plan.floor_bytes, info.sizes.model_bytes());
@@ -190,9 +191,14 @@ fn the_prefetch_queue_changes_no_bit_at_any_budget_or_depth() {
             // disk; 64 lets predictions start beside a layer's own reads. The prediction
             // from a layer's output gets its own depth, and the earlier one from the layer's
             // FFN input is made or not.
-            for (depth, late, early) in
-                [(0, 0, true), (1, 1, false), (4, 16, true), (64, 64, false)]
-            {
+            // Or chosen by timing steps with it off and on (None, the default).
+            for (depth, late, early) in [
+                (0, 0, Some(true)),
+                (1, 1, Some(false)),
+                (4, 16, Some(true)),
+                (4, 16, None),
+                (64, 64, Some(false)),
+            ] {
                 let (m, _) = open(set, BudgetRequest::Total(total));
                 let st = m.streamer().unwrap();
                 st.set_prefetch(16);
@@ -200,7 +206,7 @@ fn the_prefetch_queue_changes_no_bit_at_any_budget_or_depth() {
                 st.set_prefetch_late_depth(late);
                 st.set_prefetch_early(early);
                 let got = generate(&m, &prompt, 10, |_| {});
-                let what = format!("{set} at {total} B, depth {depth}/{late}, early {early}");
+                let what = format!("{set} at {total} B, depth {depth}/{late}, early {early:?}");
                 for ((a, b), c) in got.iter().zip(&got_off).zip(&want) {
                     assert_eq!(bits(a), bits(b), "{what}");
                     assert_eq!(bits(a), bits(c), "{what}");
@@ -222,8 +228,19 @@ fn the_prefetch_queue_changes_no_bit_at_any_budget_or_depth() {
                 let after_moe = (1..pinned.len())
                     .filter(|&j| pinned[j] && !m.cfg.is_dense(j) && !m.cfg.is_dense(j - 1))
                     .count() as u64;
-                let early_made = if early { after_moe * 10 } else { 0 };
+                let early_made = match early {
+                    Some(true) => after_moe * 10,
+                    Some(false) => 0,
+                    None => after_moe * s.early.steps_on,
+                };
                 assert_eq!(s.early_predictions, early_made, "{what}: {s:?}");
+                if early.is_none() && after_moe > 0 {
+                    // The trial timed every decoding step, with the prediction off and on.
+                    assert_eq!(s.early.mode, "auto", "{what}");
+                    assert_eq!(s.early.steps_off + s.early.steps_on, 10, "{what}: {s:?}");
+                    assert!(s.early.steps_on > 0 && s.early.steps_off > 0, "{what}");
+                    auto_timed += 1;
+                }
                 assert!(
                     s.early_predicted_right_by_rank
                         .iter()
@@ -241,6 +258,10 @@ fn the_prefetch_queue_changes_no_bit_at_any_budget_or_depth() {
     assert!(
         predicted_late > 0,
         "no budget pinned a MoE layer to predict"
+    );
+    assert!(
+        auto_timed > 0,
+        "no budget let the early prediction be timed"
     );
 }
 
@@ -266,7 +287,7 @@ fn a_lowered_budget_with_predictions_queued_or_in_flight_is_exact() {
         let (m, _) = open(set, BudgetRequest::Total(total));
         let st = m.streamer().unwrap();
         st.set_prefetch(16);
-        st.set_prefetch_early(true);
+        st.set_prefetch_early(Some(true));
         let before = || before_in(&st.plan().pinned);
         let d = m.cfg.hidden_size;
         let x: Vec<f32> = (0..d).map(|i| (i as f32 * 0.37).sin()).collect();

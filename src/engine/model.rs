@@ -72,6 +72,7 @@ impl Weights {
         sc: &mut MoeScratch,
         out: &mut [f32],
         want_routing: bool,
+        early: Option<&[f32]>,
     ) -> Result<Option<Routing>, StreamError> {
         match self {
             Weights::Resident { .. } => {
@@ -79,7 +80,7 @@ impl Weights {
                 Ok(want_routing.then(|| sc.routing()))
             }
             Weights::Streamed(st) => {
-                let (y, r) = st.moe(il, m, p, h)?;
+                let (y, r) = st.moe(il, m, p, h, early)?;
                 out.copy_from_slice(&y);
                 Ok(want_routing.then_some(r))
             }
@@ -346,6 +347,7 @@ impl Layer {
             has_partial,
             h: h_buf,
             branch: branch_buf,
+            early: early_buf,
             mix_k,
             mix_a,
             kda: kda_sc,
@@ -430,7 +432,21 @@ impl Layer {
             }
             FeedForward::Moe(m) => {
                 let p = moe_params(cfg);
-                weights.moe_into(il, m, &p, h, moe_sc, branch, want_routing)?
+                let early = match weights {
+                    Weights::Streamed(st) => st.begin_moe(il, n / d).map(|next| {
+                        // The next layer's FFN input but for this layer's FFN and its own
+                        // attention: the mix of the stream after this attention (as at a
+                        // block boundary, where the snapshot is this partial sum).
+                        let x = fit(early_buf, d);
+                        let last = (*has_partial).then_some(&partial[..]);
+                        let fold = &next.mlp_res_fold;
+                        mix_into(blocks, n, *n_blocks, last, fold, eps, d, x, mix_k, mix_a);
+                        ops::rmsnorm(x, &next.post_norm, eps);
+                        &early_buf[..d]
+                    }),
+                    Weights::Resident { .. } => None,
+                };
+                weights.moe_into(il, m, &p, h, moe_sc, branch, want_routing, early)?
             }
         };
         add(partial, has_partial, branch);

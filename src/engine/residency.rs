@@ -333,7 +333,9 @@ impl ExpertCache {
 struct LayerExperts<'a> {
     st: &'a Streamer,
     il: usize,
-    /// A decoding step's FFN input: the next layer's experts are predicted from it.
+    /// A decoding step's early prediction input (the next layer's FFN input but for this
+    /// layer's FFN and the next one's attention): the next layer's experts are predicted
+    /// from it.
     predict_from: Option<&'a [f32]>,
     predicted: std::cell::Cell<bool>,
 }
@@ -963,6 +965,19 @@ impl Streamer {
     /// (a decoding step) begins a step of the early prediction's trial and takes its setting;
     /// any other pass leaves the step under way untimed. The trial runs only where the early
     /// prediction can read anything: prefetch on and some MoE layer after the first pinned.
+    ///
+    /// Returns the next MoE layer when this is a decoding step with the early prediction on
+    /// and that layer is pinned: the caller then forms that layer's FFN input as it would be
+    /// without this layer's FFN (the mix of the residual stream after this layer's attention,
+    /// normalised by the next layer's norm) and passes it to [`Streamer::moe`].
+    pub fn begin_moe(&self, il: usize, n_tok: usize) -> Option<Arc<Layer>> {
+        self.note_pass(il, n_tok);
+        if n_tok != 1 || !self.early_now.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.next_pinned(il + 1)
+    }
+
     fn note_pass(&self, il: usize, n_tok: usize) {
         if Some(il) != self.first_moe {
             return;
@@ -1362,11 +1377,12 @@ impl Streamer {
         }
     }
 
-    /// Predict the routed experts of the MoE layer after `il` from this layer's FFN input `x`
-    /// (one token) through that layer's router, and queue reads of the most likely ones not
-    /// cached, behind this layer's own reads (they start when the disk would idle; the next
-    /// layer drops those not started): those of the ranks this prediction has got right at
-    /// least half the time (every rank for its first 8). Only a prefetch: the next layer still
+    /// Predict the routed experts of the MoE layer after `il` from `x` (one token: that
+    /// layer's FFN input as it would be without this layer's FFN and its own attention, see
+    /// [`Streamer::begin_moe`]) through that layer's router, and queue reads of the most
+    /// likely ones not cached, behind this layer's own reads (they start when the disk would
+    /// idle; the next layer drops those not started): those of the ranks this prediction has
+    /// got right at least half the time (every rank for its first 8). Only a prefetch: the next layer still
     /// asks for exactly the experts its own routing picks, so a wrong prediction costs
     /// bandwidth, never a different bit.
     pub fn prefetch_after(&self, il: usize, x: &[f32]) {
@@ -1521,20 +1537,20 @@ impl Streamer {
         self.prefetcher.pump();
     }
 
-    /// The MoE block of layer `il` with experts from the cache.
+    /// The MoE block of layer `il` with experts from the cache; `early` is the input of the early prediction for the next layer, when
+    /// [`Streamer::begin_moe`] asked for one.
     pub fn moe(
         &self,
         il: usize,
         w: &MoeWeights,
         p: &MoeParams,
         x: &[f32],
+        early: Option<&[f32]>,
     ) -> Result<(Vec<f32>, Routing), StreamError> {
-        let d = self.cfg.hidden_size;
-        self.note_pass(il, x.len() / d.max(1));
         let source = LayerExperts {
             st: self,
             il,
-            predict_from: (x.len() == d).then_some(x),
+            predict_from: early,
             predicted: std::cell::Cell::new(false),
         };
         moe::forward_with(w, p, x, &source)

@@ -28,6 +28,9 @@ pub struct RunState {
     pub(super) h: Vec<f32>,
     /// `[n_tok, hidden]` a block's output.
     pub(super) branch: Vec<f32>,
+    /// `[hidden]` the next layer's FFN input as predicted before this layer's FFN (the early
+    /// expert prediction's input, decoding only).
+    pub(super) early: Vec<f32>,
     /// `[hidden]` and `[sources]`: the AttnRes scoring scratch.
     pub(super) mix_k: Vec<f32>,
     pub(super) mix_a: Vec<f32>,
@@ -63,6 +66,7 @@ impl RunState {
             + f(&self.partial)
             + f(&self.h)
             + f(&self.branch)
+            + f(&self.early)
             + f(&self.mix_k)
             + f(&self.mix_a)
             + f(&self.logits)

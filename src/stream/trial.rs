@@ -6,9 +6,12 @@
 //! idle time, and where the disk is the bottleneck its wrong reads delay the layers' own. Which
 //! of the two holds depends on the disk and the CPU of the moment (a cloud disk's bandwidth
 //! moves from hour to hour), so a decoding loop times steps with it off and on in turn
-//! ([`TRIAL_STEPS`] each), keeps the setting whose median step was shorter for
-//! [`KEEP_STEPS`] steps, and then times both again. Nothing here reads a clock: the caller
-//! passes the instant each step begins.
+//! ([`TRIAL_STEPS`] each), keeps the setting whose shorter steps were shorter for
+//! [`KEEP_STEPS`] steps, and then times both again. A step's time only grows with what else
+//! the machine does (a stalled read, a busy neighbour), so each setting is judged by its
+//! shortest steps: the mean of all but its longest. The first step after a pause or a
+//! multi-token pass is not timed (it runs while that pass's effects settle). Nothing here
+//! reads a clock: the caller passes the instant each step begins.
 
 use serde::Serialize;
 use std::time::{Duration, Instant};
@@ -32,10 +35,11 @@ pub struct TrialStats {
     pub steps_on: u64,
     /// Trials completed.
     pub trials: u64,
-    /// The last completed trial's median step, off and on (seconds).
-    pub last_median_off: Option<f64>,
-    /// See `last_median_off`.
-    pub last_median_on: Option<f64>,
+    /// The last completed trial's step time, off and on (seconds): the mean of each
+    /// setting's steps but the longest.
+    pub last_off: Option<f64>,
+    /// See `last_off`.
+    pub last_on: Option<f64>,
 }
 
 impl TrialStats {
@@ -48,9 +52,9 @@ impl TrialStats {
             self.steps_on,
             self.steps_on + self.steps_off
         );
-        match (self.mode, self.last_median_off, self.last_median_on) {
-            ("auto", Some(off), Some(med_on)) => format!(
-                "auto, {on} ({steps}; last of {} trials: median step {off:.4} s off, {med_on:.4} s on)",
+        match (self.mode, self.last_off, self.last_on) {
+            ("auto", Some(off), Some(t_on)) => format!(
+                "auto, {on} ({steps}; last of {} trials: step {off:.4} s off, {t_on:.4} s on)",
                 self.trials
             ),
             ("auto", ..) => format!("auto, still being timed ({steps})"),
@@ -66,8 +70,13 @@ pub struct PairedTrial {
     fixed: Option<bool>,
     /// The step under way: when it began and its setting, while it is to be timed.
     step: Option<(Instant, bool)>,
+    /// Whether a step has begun since the last pause (the next one is timed).
+    warm: bool,
     /// Durations of the trial under way, off then on.
-    timed: [Vec<Duration>; 2],
+    /// (Fixed arrays: a decoding step allocates nothing.)
+    timed: [[Duration; TRIAL_STEPS]; 2],
+    /// How many of each are filled.
+    n_timed: [usize; 2],
     /// The setting kept and how many more steps keep it before the next trial.
     kept: Option<(bool, u32)>,
     stats: TrialStats,
@@ -80,7 +89,9 @@ impl PairedTrial {
         let mut t = PairedTrial {
             fixed: None,
             step: None,
-            timed: [Vec::new(), Vec::new()],
+            warm: false,
+            timed: [[Duration::ZERO; TRIAL_STEPS]; 2],
+            n_timed: [0; 2],
             kept: None,
             stats: TrialStats::default(),
         };
@@ -92,7 +103,8 @@ impl PairedTrial {
     pub fn set_fixed(&mut self, fixed: Option<bool>) {
         self.fixed = fixed;
         self.step = None;
-        self.timed = [Vec::new(), Vec::new()];
+        self.warm = false;
+        self.n_timed = [0; 2];
         self.kept = None;
         self.stats.mode = match fixed {
             None => "auto",
@@ -118,7 +130,8 @@ impl PairedTrial {
                     self.record(on, now.saturating_duration_since(t0));
                 }
                 let on = self.next_setting();
-                self.step = Some((now, on));
+                self.step = self.warm.then_some((now, on));
+                self.warm = true;
                 on
             }
         };
@@ -135,6 +148,7 @@ impl PairedTrial {
     /// pass, a pause): the step under way is not timed.
     pub fn interrupt(&mut self) {
         self.step = None;
+        self.warm = false;
     }
 
     /// What the trial has done.
@@ -147,18 +161,19 @@ impl PairedTrial {
         if self.kept.is_some() {
             return;
         }
-        let timed = &mut self.timed[usize::from(on)];
-        if timed.len() < TRIAL_STEPS {
-            timed.push(took);
+        let i = usize::from(on);
+        if self.n_timed[i] < TRIAL_STEPS {
+            self.timed[i][self.n_timed[i]] = took;
+            self.n_timed[i] += 1;
         }
-        if self.timed.iter().all(|t| t.len() >= TRIAL_STEPS) {
-            let [off, on] = [0, 1].map(|i| median(&mut self.timed[i]));
+        if self.n_timed.iter().all(|&n| n >= TRIAL_STEPS) {
+            let [off, on] = [0, 1].map(|i| shortest(&mut self.timed[i]));
             // On only when strictly faster: off reads fewer bytes.
             self.kept = Some((on < off, KEEP_STEPS));
             self.stats.trials += 1;
-            self.stats.last_median_off = Some(off.as_secs_f64());
-            self.stats.last_median_on = Some(on.as_secs_f64());
-            self.timed = [Vec::new(), Vec::new()];
+            self.stats.last_off = Some(off);
+            self.stats.last_on = Some(on);
+            self.n_timed = [0; 2];
         }
     }
 
@@ -172,14 +187,15 @@ impl PairedTrial {
             }
             self.kept = None;
         }
-        self.timed[1].len() < self.timed[0].len()
+        self.n_timed[1] < self.n_timed[0]
     }
 }
 
-/// The median of `d` (the upper middle one for an even count); `d` is sorted.
-fn median(d: &mut [Duration]) -> Duration {
+/// The mean of `d` but its longest, in seconds (of all of it for one); `d` is sorted.
+fn shortest(d: &mut [Duration]) -> f64 {
     d.sort_unstable();
-    d.get(d.len() / 2).copied().unwrap_or_default()
+    let kept = &d[..d.len().saturating_sub(1).max(1).min(d.len())];
+    kept.iter().map(Duration::as_secs_f64).sum::<f64>() / kept.len().max(1) as f64
 }
 
 #[cfg(test)]
@@ -199,58 +215,73 @@ mod tests {
         used
     }
 
+    /// The settings of a trial's steps: the first (untimed) one off, then off and on in turn.
+    const TRIAL: [bool; 7] = [false, false, true, false, true, false, true];
+
     #[test]
     fn the_faster_setting_is_kept_after_a_trial() {
         for on_faster in [false, true] {
             let mut t = PairedTrial::new(None);
-            let used = drive(&mut t, 20, |on, _| if on == on_faster { 250 } else { 320 });
-            // The trial alternates, off first; the sample of its last step is taken when the
-            // next step begins, and that step already has the faster setting.
-            assert_eq!(&used[..6], &[false, true, false, true, false, true]);
-            assert!(used[6..].iter().all(|&on| on == on_faster), "{used:?}");
+            // The first step is slow either way: it is not timed.
+            let used = drive(&mut t, 20, |on, i| match i {
+                0 => 900,
+                _ if on == on_faster => 250,
+                _ => 320,
+            });
+            // The sample of the trial's last step is taken when the next step begins, and
+            // that step already has the faster setting.
+            assert_eq!(&used[..7], &TRIAL);
+            assert!(used[7..].iter().all(|&on| on == on_faster), "{used:?}");
             let s = t.stats();
             assert_eq!((s.mode, s.trials, s.on), ("auto", 1, on_faster));
             assert_eq!(s.steps_on + s.steps_off, 20);
             let (fast, slow) = if on_faster {
-                (s.last_median_on, s.last_median_off)
+                (s.last_on, s.last_off)
             } else {
-                (s.last_median_off, s.last_median_on)
+                (s.last_off, s.last_on)
             };
             assert_eq!((fast, slow), (Some(0.25), Some(0.32)));
+            assert!(s.describe().starts_with("auto, "), "{}", s.describe());
         }
     }
 
     #[test]
     fn a_tie_keeps_it_off_and_one_slow_step_does_not_decide() {
         let mut t = PairedTrial::new(None);
-        let used = drive(&mut t, 8, |_, _| 300);
-        assert!(used[6..].iter().all(|&on| !on));
-        // On is faster but for one very slow step (a pause): the median ignores it.
+        let used = drive(&mut t, 9, |_, _| 300);
+        assert!(used[7..].iter().all(|&on| !on));
+        // On is faster but for one very slow step (a stalled read): it is left out.
         let mut t = PairedTrial::new(None);
-        let used = drive(&mut t, 8, |on, i| match (on, i) {
-            (true, 1) => 5_000,
+        let used = drive(&mut t, 9, |on, i| match (on, i) {
+            (true, 2) => 5_000,
             (true, _) => 200,
             (false, _) => 300,
         });
-        assert!(used[6..].iter().all(|&on| on), "{used:?}");
+        assert!(used[7..].iter().all(|&on| on), "{used:?}");
+        // Off is faster but for one slow step: kept off.
+        let mut t = PairedTrial::new(None);
+        let used = drive(&mut t, 9, |on, i| match (on, i) {
+            (false, 3) => 5_000,
+            (false, _) => 200,
+            (true, _) => 300,
+        });
+        assert!(used[7..].iter().all(|&on| !on), "{used:?}");
     }
 
     #[test]
     fn both_are_timed_again_after_the_kept_steps() {
         let mut t = PairedTrial::new(None);
         // On is faster until step 40, then off is.
-        let slow_on = |on: bool, i: usize| match (on, i < 40) {
+        let took = |on: bool, i: usize| match (on, i < 40) {
             (true, true) | (false, false) => 200,
             _ => 300,
         };
-        let n = 2 * TRIAL_STEPS + KEEP_STEPS as usize + 2 * TRIAL_STEPS + 4;
-        let used = drive(&mut t, n, slow_on);
-        let second = 2 * TRIAL_STEPS + KEEP_STEPS as usize;
-        assert!(used[2 * TRIAL_STEPS..second].iter().all(|&on| on));
-        assert_eq!(
-            &used[second..second + 2 * TRIAL_STEPS],
-            &[false, true, false, true, false, true]
-        );
+        let first = TRIAL.len();
+        let second = first + KEEP_STEPS as usize;
+        let used = drive(&mut t, second + 2 * TRIAL_STEPS + 4, took);
+        assert!(used[first..second].iter().all(|&on| on));
+        // A trial after kept steps times from its first step (the loop was not paused).
+        assert_eq!(&used[second..second + 6], &TRIAL[1..]);
         assert!(used[second + 2 * TRIAL_STEPS..].iter().all(|&on| !on));
         assert_eq!(t.stats().trials, 2);
     }
@@ -259,20 +290,23 @@ mod tests {
     fn an_interrupted_step_is_not_timed() {
         let mut t = PairedTrial::new(None);
         let mut now = Instant::now();
-        // Off, interrupted by a long pause; then the trial goes on from the same counts.
+        // The first step is not timed; the second, off, is interrupted by a long pause; then
+        // the first step after it is not timed either, and the trial goes on from the same
+        // counts.
+        assert!(!t.begin(now));
+        now += Duration::from_millis(300);
         assert!(!t.begin(now));
         t.interrupt();
         now += Duration::from_secs(60);
-        assert!(
-            !t.begin(now),
-            "the interrupted step left no sample, so off again"
-        );
+        assert!(!t.begin(now), "no sample yet, so off again");
+        now += Duration::from_millis(300);
+        assert!(!t.begin(now), "the step after the pause was not timed");
         now += Duration::from_millis(300);
         assert!(t.begin(now));
         now += Duration::from_millis(200);
         assert!(!t.begin(now));
         let s = t.stats();
-        assert_eq!((s.steps_off, s.steps_on, s.trials), (3, 1, 0));
+        assert_eq!((s.steps_off, s.steps_on, s.trials), (5, 1, 0));
     }
 
     #[test]
@@ -284,6 +318,7 @@ mod tests {
             let s = t.stats();
             assert_eq!(s.mode, if on { "on" } else { "off" });
             assert_eq!(s.trials, 0);
+            assert!(s.describe().ends_with("(fixed)"));
             t.set_fixed(None);
             assert_eq!(t.stats().mode, "auto");
         }

@@ -1382,9 +1382,9 @@ impl Streamer {
     /// [`Streamer::begin_moe`]) through that layer's router, and queue reads of the most
     /// likely ones not cached, behind this layer's own reads (they start when the disk would
     /// idle; the next layer drops those not started): those of the ranks this prediction has
-    /// got right at least half the time (every rank for its first 8). Only a prefetch: the next layer still
-    /// asks for exactly the experts its own routing picks, so a wrong prediction costs
-    /// bandwidth, never a different bit.
+    /// got right at least half the time (every rank for its first 8). Only a prefetch: the
+    /// next layer still asks for exactly the experts its own routing picks, so a wrong
+    /// prediction costs bandwidth, never a different bit.
     pub fn prefetch_after(&self, il: usize, x: &[f32]) {
         if !self.early_now.load(Ordering::Relaxed) || x.len() != self.cfg.hidden_size {
             return;
@@ -1537,8 +1537,8 @@ impl Streamer {
         self.prefetcher.pump();
     }
 
-    /// The MoE block of layer `il` with experts from the cache; `early` is the input of the early prediction for the next layer, when
-    /// [`Streamer::begin_moe`] asked for one.
+    /// The MoE block of layer `il` with experts from the cache; `early` is the input of the
+    /// early prediction for the next layer, when [`Streamer::begin_moe`] asked for one.
     pub fn moe(
         &self,
         il: usize,

@@ -678,8 +678,9 @@ pub struct Streamer {
     prefetch: std::sync::atomic::AtomicUsize,
     /// Predicted reads, behind the layers' own.
     prefetcher: Arc<Prefetcher>,
-    /// Whether the next layer's experts are also predicted from a layer's FFN input: fixed,
-    /// or chosen per decoding step by timing steps with it off and on (`stream::trial`).
+    /// Whether the next layer's experts are also predicted before a layer's experts are
+    /// computed (the early prediction): fixed, or chosen per decoding step by timing steps
+    /// with it off and on (`stream::trial`).
     early: Mutex<PairedTrial>,
     /// The setting of the decoding step under way.
     early_now: std::sync::atomic::AtomicBool,
@@ -950,7 +951,8 @@ impl Streamer {
         self.prefetcher.late_depth.store(depth, Ordering::Relaxed);
     }
 
-    /// Whether the early prediction (from a layer's FFN input, before its experts) is made:
+    /// Whether the early prediction (made before a layer's experts, see
+    /// [`Streamer::begin_moe`]) is made:
     /// `Some` fixes it, `None` (the default; `K3_PREFETCH_EARLY=0` or `1` fixes it) times
     /// decoding steps with it off and on and keeps the faster for a while (`stream::trial`).
     /// The prediction from the layer's output is made either way. Where the disk waits for

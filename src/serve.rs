@@ -45,6 +45,14 @@ pub struct ServeConfig {
     pub budget: crate::stream::budget::BudgetRequest,
     /// A packed trunk.
     pub trunk: Option<PathBuf>,
+    /// Most time a client may take to send a request's headers, to send its body, or to stay
+    /// idle between requests on a kept-alive connection; past it the connection is closed.
+    pub client_timeout: std::time::Duration,
+    /// Most connections open at once; more are answered 503 and closed.
+    pub max_connections: usize,
+    /// After SIGTERM or SIGINT, most time given to the requests in progress before the
+    /// connections still open are closed and the process exits.
+    pub drain_timeout: std::time::Duration,
 }
 
 /// Run the server until SIGTERM or SIGINT; returns the exit status (0 after a clean drain).

@@ -35,6 +35,17 @@ pub struct ServeArgs {
     /// Compute threads (default: all cores). Output does not depend on it.
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Seconds a client may take to send a request's headers, or its body, or stay idle between
+    /// requests; past it the connection is closed.
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub client_timeout: u64,
+    /// Most connections open at once; more are answered 503 and closed.
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    pub max_connections: usize,
+    /// After SIGTERM or SIGINT, seconds given to the requests in progress before the server
+    /// closes what is still open and exits (a second signal exits at once).
+    #[arg(long, value_name = "SECS", default_value_t = 60)]
+    pub drain_timeout: u64,
     /// Memory budget (default: 80% of the memory available).
     #[command(flatten)]
     pub budget: super::budget_args::BudgetArgs,
@@ -49,6 +60,21 @@ pub fn run(args: &ServeArgs) -> Result<i32> {
             "--context {context} must be between 2 and {} positions",
             super::run::MAX_CONTEXT
         )));
+    }
+    if args.client_timeout == 0 || args.client_timeout > 3600 {
+        return Err(Error::Usage(format!(
+            "--client-timeout {} must be between 1 and 3600 seconds",
+            args.client_timeout
+        )));
+    }
+    if args.drain_timeout > 3600 {
+        return Err(Error::Usage(format!(
+            "--drain-timeout {} must be at most 3600 seconds",
+            args.drain_timeout
+        )));
+    }
+    if args.max_connections == 0 {
+        return Err(Error::Usage("--max-connections must be at least 1".into()));
     }
     if args.max_tokens == 0 {
         return Err(Error::Usage("--max-tokens must be at least 1".into()));
@@ -86,5 +112,8 @@ pub fn run(args: &ServeArgs) -> Result<i32> {
         context,
         budget: args.budget.request(super::budget_args::auto_request())?,
         trunk: args.budget.trunk.clone(),
+        client_timeout: std::time::Duration::from_secs(args.client_timeout),
+        max_connections: args.max_connections,
+        drain_timeout: std::time::Duration::from_secs(args.drain_timeout),
     })
 }

@@ -5,18 +5,18 @@ use super::engine::{Engine, Finished, Job, Out};
 use super::wire::{self, ApiError, Limits, Parsed};
 use super::{ServeConfig, MAX_BODY_BYTES};
 use crate::session::template::TolerantParser;
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::body::{Body, Bytes};
+use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::StreamExt;
+use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -36,10 +36,17 @@ fn unix_now() -> u64 {
 }
 
 /// Serve until SIGTERM or SIGINT, then let the request being served finish (requests still
-/// queued are answered 503) and return 0.
+/// queued are answered 503) and return 0. The drain is bounded: after `drain_timeout` the
+/// connections still open are closed; a second signal returns at once with 128 + its number.
+///
+/// Every connection is bounded too: its request headers, its body and its idle time between
+/// requests each get `client_timeout`, and past `max_connections` open ones a new connection
+/// is answered 503 and closed.
 pub async fn serve(cfg: ServeConfig, engine: Engine) -> crate::Result<i32> {
     let addr = (cfg.host, cfg.port);
     let info = engine.info.clone();
+    let (client_timeout, drain_timeout, max_connections) =
+        (cfg.client_timeout, cfg.drain_timeout, cfg.max_connections);
     let state = Arc::new(AppState {
         engine,
         cfg,
@@ -54,8 +61,10 @@ pub async fn serve(cfg: ServeConfig, engine: Engine) -> crate::Result<i32> {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .fallback(not_found)
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(Arc::clone(&state));
+    // Installed before listening, so that a signal from the moment the address is printed is
+    // seen (and the default action, which would end the process mid-reply, is replaced).
+    let mut signals = Signals::new()?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| crate::Error::Usage(format!("cannot listen on {}:{}: {e}", addr.0, addr.1)))?;
@@ -64,31 +73,159 @@ pub async fn serve(cfg: ServeConfig, engine: Engine) -> crate::Result<i32> {
         .map_err(|e| crate::Error::Usage(format!("listening socket: {e}")))?;
     eprintln!("k3 serve: {info}");
     eprintln!("k3 serve: listening on http://{local}");
-    let drain = Arc::clone(&state);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            shutdown_signal().await;
-            drain.engine.draining.store(true, Ordering::Relaxed);
-            eprintln!("k3 serve: stopping: finishing the request in progress");
-        })
-        .await
-        .map_err(|e| crate::Error::Usage(format!("server: {e}")))?;
+    let mut http = hyper::server::conn::http1::Builder::new();
+    // The header timer runs from the moment the connection waits for a request head: it bounds
+    // both a slow head and an idle kept-alive connection.
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(client_timeout)
+        .keep_alive(true);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let open = Arc::new(AtomicUsize::new(0));
+    let first = loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let stream = match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        // Out of descriptors or a connection reset before it was taken: wait a
+                        // moment rather than spin, and keep serving those already open.
+                        eprintln!("k3 serve: accept: {e}");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let Some(slot) = ConnectionSlot::take(&open, max_connections) else {
+                    refuse_connection(&stream, max_connections);
+                    continue;
+                };
+                let conn = http.serve_connection(
+                    hyper_util::rt::TokioIo::new(stream),
+                    hyper_util::service::TowerToHyperService::new(app.clone()),
+                );
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    let _slot = slot;
+                    let _ = conn.await;
+                });
+            }
+            sig = signals.next() => break sig,
+        }
+    };
+    drop(listener);
+    state.engine.draining.store(true, Ordering::Relaxed);
+    eprintln!(
+        "k3 serve: {first}: stopping: finishing the request in progress (at most {} s; a second \
+         signal stops at once)",
+        drain_timeout.as_secs()
+    );
+    tokio::select! {
+        drained = tokio::time::timeout(drain_timeout, graceful.shutdown()) => {
+            if drained.is_err() {
+                eprintln!(
+                    "k3 serve: {} connections still open after {} s: closing them",
+                    open.load(Ordering::Relaxed),
+                    drain_timeout.as_secs()
+                );
+            }
+        }
+        second = signals.next() => {
+            eprintln!("k3 serve: {second} again: stopped at once");
+            return Ok(second.exit_code());
+        }
+    }
     eprintln!("k3 serve: stopped");
     Ok(0)
 }
 
-async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+/// One open connection counted against `--max-connections`; released when dropped.
+struct ConnectionSlot(Arc<AtomicUsize>);
+
+impl ConnectionSlot {
+    fn take(open: &Arc<AtomicUsize>, max: usize) -> Option<ConnectionSlot> {
+        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < max).then_some(n + 1)
+        })
+        .ok()
+        .map(|_| ConnectionSlot(Arc::clone(open)))
+    }
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Answer a connection past the cap with 503 and close it. The answer is written without
+/// waiting (it fits a fresh socket's buffer); a client that is not reading loses nothing else.
+fn refuse_connection(stream: &tokio::net::TcpStream, max: usize) {
+    let body = ApiError {
+        status: 503,
+        message: format!("the server has {max} connections open (at most {max}); retry later"),
+        param: None,
+    }
+    .body()
+    .to_string();
+    let answer = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = stream.try_write(answer.as_bytes());
+}
+
+/// The signals that stop the server.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+/// Which signal arrived.
+#[derive(Clone, Copy)]
+enum Stop {
+    Term,
+    Int,
+}
+
+impl std::fmt::Display for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Stop::Term => "SIGTERM",
+            Stop::Int => "SIGINT",
+        })
+    }
+}
+
+impl Stop {
+    /// The shell's status for a process ended by this signal.
+    fn exit_code(self) -> i32 {
+        128 + match self {
+            Stop::Term => libc::SIGTERM,
+            Stop::Int => libc::SIGINT,
         }
-    };
-    tokio::select! {
-        _ = term => {}
-        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+impl Signals {
+    fn new() -> crate::Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        let listen = |kind: SignalKind| {
+            signal(kind).map_err(|e| {
+                crate::Error::Usage(format!("cannot listen for SIGTERM and SIGINT: {e}"))
+            })
+        };
+        Ok(Signals {
+            term: listen(SignalKind::terminate())?,
+            int: listen(SignalKind::interrupt())?,
+        })
+    }
+
+    /// The next signal (both streams stay registered, so a second one is never missed).
+    async fn next(&mut self) -> Stop {
+        tokio::select! {
+            _ = self.term.recv() => Stop::Term,
+            _ = self.int.recv() => Stop::Int,
+        }
     }
 }
 
@@ -386,21 +523,6 @@ async fn finish(a: &mut Admitted) -> Result<Box<Finished>, ApiError> {
     }
 }
 
-fn body_error(r: &BytesRejection) -> Response {
-    error_response(
-        &ApiError {
-            status: r.status().as_u16(),
-            message: format!(
-                "{} (requests may be at most {} MiB)",
-                r.body_text(),
-                MAX_BODY_BYTES >> 20
-            ),
-            param: None,
-        },
-        None,
-    )
-}
-
 fn limits(s: &AppState) -> Limits {
     Limits {
         max_tokens: s.cfg.max_tokens,
@@ -408,14 +530,50 @@ fn limits(s: &AppState) -> Limits {
     }
 }
 
-/// The body of an authorized request, or the error response (401, 413, 400).
-fn checked_body(
-    s: &Shared,
-    headers: &HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Bytes, Box<Response>> {
+/// The body of an authorized request, or the error response (401; 413 past the size cap; 408
+/// when it does not arrive within the client timeout; 400 when the connection fails under it).
+async fn checked_body(s: &Shared, headers: &HeaderMap, body: Body) -> Result<Bytes, Box<Response>> {
     authorize(s, headers).map_err(|e| Box::new(error_response(&e, None)))?;
-    body.map_err(|r| Box::new(body_error(&r)))
+    let fail = |status: u16, message: String| {
+        Box::new(error_response(
+            &ApiError {
+                status,
+                message,
+                param: None,
+            },
+            None,
+        ))
+    };
+    let too_large = || {
+        fail(
+            413,
+            format!(
+                "the request body is larger than {} MiB",
+                MAX_BODY_BYTES >> 20
+            ),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return Err(too_large());
+    }
+    let limited = http_body_util::Limited::new(body, MAX_BODY_BYTES);
+    let within = s.cfg.client_timeout;
+    match tokio::time::timeout(within, limited.collect()).await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Ok(Err(e)) => Err(fail(400, format!("cannot read the request body: {e}"))),
+        Err(_) => Err(fail(
+            408,
+            format!(
+                "the request body did not arrive within {} s",
+                within.as_secs()
+            ),
+        )),
+    }
 }
 
 /// A response id unique to this server: `PREFIX-<start time>-<counter>`.
@@ -427,12 +585,8 @@ fn request_id(s: &Shared, prefix: &str) -> String {
     )
 }
 
-async fn chat(
-    State(s): State<Shared>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let body = match checked_body(&s, &headers, body) {
+async fn chat(State(s): State<Shared>, headers: HeaderMap, body: Body) -> Response {
+    let body = match checked_body(&s, &headers, body).await {
         Ok(b) => b,
         Err(r) => return *r,
     };
@@ -578,12 +732,8 @@ impl ChatStream {
     }
 }
 
-async fn completions(
-    State(s): State<Shared>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let body = match checked_body(&s, &headers, body) {
+async fn completions(State(s): State<Shared>, headers: HeaderMap, body: Body) -> Response {
+    let body = match checked_body(&s, &headers, body).await {
         Ok(b) => b,
         Err(r) => return *r,
     };

@@ -14,6 +14,7 @@ mod oracle_tiny;
 mod reader;
 mod recovery;
 mod serve;
+mod serve_limits;
 mod session;
 mod spec;
 mod streaming;

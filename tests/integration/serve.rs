@@ -9,11 +9,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
 /// A running `k3 serve`, killed when dropped.
-struct Server {
-    child: Child,
-    url: String,
+pub(crate) struct Server {
+    pub(crate) child: Child,
+    pub(crate) url: String,
     _tmp: tempfile::TempDir,
-    stderr: std::sync::mpsc::Receiver<String>,
+    pub(crate) stderr: std::sync::mpsc::Receiver<String>,
 }
 
 impl Drop for Server {
@@ -33,7 +33,7 @@ fn demo() -> PathBuf {
     .clone()
 }
 
-fn start(args: &[&str], env: &[(&str, &str)]) -> Server {
+pub(crate) fn start(args: &[&str], env: &[(&str, &str)]) -> Server {
     let tmp = tempfile::tempdir().unwrap();
     let mut cmd = crate::common::k3_command();
     cmd.arg("serve")
@@ -74,7 +74,7 @@ fn start(args: &[&str], env: &[(&str, &str)]) -> Server {
 }
 
 /// `curl` a path; (status, body).
-fn curl(s: &Server, path: &str, body: Option<&str>, extra: &[&str]) -> (u16, String) {
+pub(crate) fn curl(s: &Server, path: &str, body: Option<&str>, extra: &[&str]) -> (u16, String) {
     let mut cmd = Command::new("curl");
     cmd.args(["-sS", "-o", "-", "-w", "\n%{http_code}"])
         .args(extra);
@@ -386,7 +386,10 @@ fn bad_requests_get_openai_errors_and_the_key_is_checked() {
 }
 
 /// Start a long streamed raw completion; the child curl and a reader of its first line.
-fn long_stream(s: &Server, max_tokens: usize) -> (Child, BufReader<std::process::ChildStdout>) {
+pub(crate) fn long_stream(
+    s: &Server,
+    max_tokens: usize,
+) -> (Child, BufReader<std::process::ChildStdout>) {
     let body = json!({"prompt": "Once upon a time", "max_tokens": max_tokens, "stream": true});
     let mut child = Command::new("curl")
         .args(["-sS", "-N", "-H", "content-type: application/json", "-d"])

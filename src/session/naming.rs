@@ -2,7 +2,80 @@
 //! `hello-k3-what-is-a-2026-12-01`, so a list of sessions reads like a list of conversations.
 //! Never performs IO; the store adds a numeric suffix (`-2`, `-3`, …) when a name is taken.
 
-use super::store::MAX_NAME_LEN;
+/// Longest session name, in bytes.
+pub const MAX_NAME_LEN: usize = 64;
+
+/// A session name that cannot be used as a file name inside the store.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    /// The name is empty.
+    #[error("session name is empty")]
+    Empty,
+    /// The name is longer than [`MAX_NAME_LEN`] bytes.
+    #[error("session name {name:?}… is {len} bytes; at most {MAX_NAME_LEN} are allowed")]
+    TooLong {
+        /// The first characters of the name.
+        name: String,
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// A character outside `A-Z a-z 0-9 . _ -`.
+    #[error("session name {name:?}: {ch:?} at byte {at} is not allowed (use A-Z a-z 0-9 . _ -)")]
+    BadChar {
+        /// The name.
+        name: String,
+        /// The character.
+        ch: char,
+        /// Its byte offset.
+        at: usize,
+    },
+    /// The name starts with a dot (reserved for temporary and lock files).
+    #[error("session name {name:?} starts with '.'")]
+    LeadingDot {
+        /// The name.
+        name: String,
+    },
+    /// The name contains `..`.
+    #[error("session name {name:?} contains \"..\"")]
+    DotDot {
+        /// The name.
+        name: String,
+    },
+}
+
+/// Checks `name` against `[A-Za-z0-9._-]{1,64}`, not starting with `.`, without `..`.
+pub fn validate_name(name: &str) -> Result<(), NameError> {
+    if name.is_empty() {
+        return Err(NameError::Empty);
+    }
+    if name.len() > MAX_NAME_LEN {
+        return Err(NameError::TooLong {
+            name: name.chars().take(MAX_NAME_LEN).collect(),
+            len: name.len(),
+        });
+    }
+    if let Some((at, ch)) = name
+        .char_indices()
+        .find(|&(_, c)| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        return Err(NameError::BadChar {
+            name: name.to_string(),
+            ch,
+            at,
+        });
+    }
+    if name.starts_with('.') {
+        return Err(NameError::LeadingDot {
+            name: name.to_string(),
+        });
+    }
+    if name.contains("..") {
+        return Err(NameError::DotDot {
+            name: name.to_string(),
+        });
+    }
+    Ok(())
+}
 
 /// Most words taken from the first message.
 const MAX_WORDS: usize = 5;
@@ -106,7 +179,6 @@ const _: () = assert!(MAX_SLUG + "-2026-12-01".len() + "-999".len() <= MAX_NAME_
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::session::store::validate_name;
 
     #[test]
     fn local_times_are_minutes_in_the_local_zone() {

@@ -15,7 +15,6 @@ pub mod index;
 pub mod mapped;
 pub mod safetensors;
 pub mod stats;
-pub mod synth;
 pub mod trial;
 pub mod trunk;
 pub mod verify;

@@ -1,8 +1,8 @@
 //! `k3 synth`: write a synthetic checkpoint in the released format (see
-//! [`crate::stream::synth`]), with a progress bar on stderr and a one-line summary.
+//! [`crate::synth`]), with a progress bar on stderr and a one-line summary.
 
 use super::progress::ByteBar;
-use crate::stream::synth::{self, Shape, SynthError};
+use crate::synth::{self, Shape, SynthError};
 use crate::{Error, Result};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;

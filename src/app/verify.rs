@@ -2,6 +2,8 @@
 //! per-tensor statistics, optional SHA-256 sums, the tokenizer's ranks, a packed trunk byte for
 //! byte), list every problem found and exit 0 only when there is none.
 
+mod ranks;
+
 use super::progress::ByteBar;
 use crate::engine::config::ModelConfig;
 use crate::session::tokenizer::{self, Tokenizer};
@@ -286,8 +288,7 @@ fn check_sum(sums: &Sums, name: &str, got: &str, r: &mut Report, p: &mut Problem
 /// vocabulary size `config.json` declares).
 fn check_tokenizer(dir: &Path, cfg: Option<&ModelConfig>, r: &mut Report, p: &mut Problems) {
     let before = p.total();
-    let check =
-        tokenizer::check_rank_file(&dir.join(tokenizer::RANK_FILE), &mut |s: String| p.push(s));
+    let check = ranks::check_rank_file(&dir.join(tokenizer::RANK_FILE), &mut |s: String| p.push(s));
     r.tokenizer_entries = check.entries;
     r.unmerged = check.unmerged;
     if check.unmerged > 0 {

@@ -59,7 +59,7 @@ pub const PAT_STR: &str = concat!(
 );
 
 /// Largest rank file accepted (the released one is a few MiB).
-const MAX_RANK_FILE_BYTES: u64 = 256 << 20;
+pub(crate) const MAX_RANK_FILE_BYTES: u64 = 256 << 20;
 
 /// Largest tokenizer configuration accepted.
 const MAX_CONFIG_FILE_BYTES: u64 = 16 << 20;
@@ -68,7 +68,7 @@ const MAX_CONFIG_FILE_BYTES: u64 = 16 << 20;
 const MAX_LINE_BYTES: usize = 4096;
 
 /// Longest excerpt of file content quoted in an error message, in chars.
-const EXCERPT_CHARS: usize = 80;
+pub(crate) const EXCERPT_CHARS: usize = 80;
 
 /// Largest rank that still leaves room for the special slots in `u32`.
 const MAX_RANK: u64 = (u32::MAX - NUM_SPECIAL_TOKENS) as u64;
@@ -475,10 +475,10 @@ impl fmt::Debug for Tokenizer {
 }
 
 /// One parsed rank-file entry.
-struct RankEntry {
-    line: usize,
-    rank: u32,
-    bytes: Vec<u8>,
+pub(crate) struct RankEntry {
+    pub(crate) line: usize,
+    pub(crate) rank: u32,
+    pub(crate) bytes: Vec<u8>,
 }
 
 /// Result of the rank-file pass.
@@ -975,7 +975,7 @@ fn parse_decimal_key(key: &str) -> Option<u64> {
 }
 
 /// Escaped, shortened rendering of file bytes for error messages.
-fn excerpt_bytes(bytes: &[u8]) -> String {
+pub(crate) fn excerpt_bytes(bytes: &[u8]) -> String {
     excerpt_str(&String::from_utf8_lossy(bytes))
 }
 
@@ -990,7 +990,7 @@ fn excerpt_str(text: &str) -> String {
 }
 
 /// Reads a whole file, refusing anything above `limit` bytes.
-fn read_limited(path: &Path, limit: u64) -> Result<Vec<u8>, TokenizerError> {
+pub(crate) fn read_limited(path: &Path, limit: u64) -> Result<Vec<u8>, TokenizerError> {
     let io_err = |source| TokenizerError::Io {
         path: path.to_path_buf(),
         source,
@@ -1013,7 +1013,7 @@ fn read_limited(path: &Path, limit: u64) -> Result<Vec<u8>, TokenizerError> {
 }
 
 /// Refuses Git LFS pointers and HTML pages with a hint.
-fn sniff_wrong_content(
+pub(crate) fn sniff_wrong_content(
     path: &Path,
     data: &[u8],
     expected: &'static str,
@@ -1049,161 +1049,17 @@ fn sniff_wrong_content(
     Ok(())
 }
 
-const RANK_FILE_EXPECTED: &str = "a tiktoken rank file (`<base64> <rank>` lines)";
+pub(crate) const RANK_FILE_EXPECTED: &str = "a tiktoken rank file (`<base64> <rank>` lines)";
 
-/// What [`check_rank_file`] found besides the problems it reported.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RankCheck {
-    /// Entries (lines with a distinct rank) read.
-    pub entries: usize,
-    /// Tokens of two or more bytes that no split makes from two lower-ranked tokens (a BPE
-    /// rank file builds every token from two earlier ones; ranks swapped?).
-    pub unmerged: usize,
-    /// Up to five of them, as `rank R (line L)`.
-    pub unmerged_examples: Vec<String>,
-}
-
-/// Check a rank file the way `k3 verify` does: unlike loading, every problem is reported
-/// (each bad line, each repeated rank or token, each hole in the ranks, each single byte
-/// without a token, each of ranks 0..=255 not holding the single byte the byte-level order
-/// puts there), through `report`.
-pub fn check_rank_file(path: &Path, report: &mut dyn FnMut(String)) -> RankCheck {
-    let mut out = RankCheck::default();
-    let data = match read_limited(path, MAX_RANK_FILE_BYTES)
-        .and_then(|d| sniff_wrong_content(path, &d, RANK_FILE_EXPECTED).map(|()| d))
-    {
-        Ok(d) => d,
-        Err(e) => {
-            report(e.to_string());
-            return out;
-        }
-    };
-    let shown = path.display();
-    let mut by_rank: FxHashMap<u32, (usize, Vec<u8>)> = FxHashMap::default();
-    let mut by_bytes: FxHashMap<Vec<u8>, (u32, usize)> = FxHashMap::default();
-    for (index, raw) in data.split(|&b| b == b'\n').enumerate() {
-        let line_no = index + 1;
-        let line = raw.strip_suffix(b"\r").unwrap_or(raw);
-        if line.is_empty() {
-            continue;
-        }
-        let entry = match parse_rank_line(path, line_no, line) {
-            Ok(e) => e,
-            Err(e) => {
-                report(e.to_string());
-                continue;
-            }
-        };
-        if let Some(&(first_line, _)) = by_rank.get(&entry.rank) {
-            report(
-                TokenizerError::DuplicateRank {
-                    path: path.to_path_buf(),
-                    line: line_no,
-                    rank: entry.rank,
-                    first_line,
-                }
-                .to_string(),
-            );
-            continue;
-        }
-        if let Some(&(first_rank, first_line)) = by_bytes.get(&entry.bytes) {
-            report(
-                TokenizerError::DuplicateToken {
-                    path: path.to_path_buf(),
-                    line: line_no,
-                    found: format!("{:?}", excerpt_bytes(&entry.bytes)),
-                    first_rank,
-                    first_line,
-                }
-                .to_string(),
-            );
-        } else {
-            by_bytes.insert(entry.bytes.clone(), (entry.rank, line_no));
-        }
-        by_rank.insert(entry.rank, (line_no, entry.bytes));
-    }
-    out.entries = by_rank.len();
-    if by_rank.is_empty() {
-        report(
-            TokenizerError::EmptyFile {
-                path: path.to_path_buf(),
-                expected: RANK_FILE_EXPECTED,
-            }
-            .to_string(),
-        );
-        return out;
-    }
-    let mut ranks: Vec<u32> = by_rank.keys().copied().collect();
-    ranks.sort_unstable();
-    let mut next = 0u32;
-    for &r in &ranks {
-        if r > next {
-            let range = if r - 1 == next {
-                format!("rank {next} is")
-            } else {
-                format!("ranks {next}..={} are", r - 1)
-            };
-            report(format!(
-                "{shown}: {range} missing (ranks must run from 0 without holes; the file has \
-                 {} entries, the highest rank is {})",
-                ranks.len(),
-                ranks.last().copied().unwrap_or(0)
-            ));
-        }
-        next = r.saturating_add(1);
-    }
-    let missing: Vec<String> = (0..=u8::MAX)
-        .filter(|b| !by_bytes.contains_key([*b].as_slice()))
-        .map(|b| format!("0x{b:02x}"))
-        .collect();
-    if !missing.is_empty() {
-        report(format!(
-            "{shown}: {} single byte(s) have no token: {}",
-            missing.len(),
-            crate::stream::join_listed(&missing)
-        ));
-    }
-    for (r, want) in (0u32..).zip(crate::stream::synth::gpt2_byte_order()) {
-        let misplaced = by_rank
-            .get(&r)
-            .filter(|(_, bytes)| bytes.as_slice() != [want].as_slice());
-        if let Some((line, bytes)) = misplaced {
-            report(format!(
-                "{shown}: line {line}: rank {r} holds {}, the byte-level order puts byte \
-                 0x{want:02x} there (the single bytes sit at ranks 0..=255 in that order; \
-                 ranks swapped?)",
-                escape_token(bytes)
-            ));
-        }
-    }
-    for &r in &ranks {
-        let Some((line, bytes)) = by_rank.get(&r) else {
-            continue;
-        };
-        if bytes.len() < 2 {
-            continue;
-        }
-        let lower = |part: &[u8]| by_bytes.get(part).is_some_and(|&(pr, _)| pr < r);
-        if !(1..bytes.len()).any(|k| lower(&bytes[..k]) && lower(&bytes[k..])) {
-            out.unmerged += 1;
-            if out.unmerged_examples.len() < 5 {
-                out.unmerged_examples
-                    .push(format!("rank {r} {} (line {line})", escape_token(bytes)));
-            }
-        }
-    }
-    out
-}
-
-/// Token bytes for a message: as text when they are printable UTF-8, else as bytes, escaped.
-fn escape_token(bytes: &[u8]) -> String {
-    match std::str::from_utf8(bytes) {
-        Ok(s) if bytes.len() <= EXCERPT_CHARS => format!("{s:?}"),
-        _ => format!(
-            "b\"{}\"",
-            bytes[..bytes.len().min(EXCERPT_CHARS)].escape_ascii()
-        ),
-    }
+/// The 256 bytes in the order of the byte-level BPE alphabet (GPT-2's): the printable bytes
+/// 33–126, 161–172, 174–255 first, then the rest; the released rank file holds them at ranks
+/// 0..=255 in this order.
+#[must_use]
+pub fn gpt2_byte_order() -> Vec<u8> {
+    let printable = |b: u8| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+    let mut v: Vec<u8> = (0..=255u8).filter(|&b| printable(b)).collect();
+    v.extend((0..=255u8).filter(|&b| !printable(b)));
+    v
 }
 
 /// Parses and validates a rank file.
@@ -1304,7 +1160,11 @@ fn parse_rank_bytes(path: &Path, data: &[u8]) -> Result<RankTable, TokenizerErro
 }
 
 /// Parses one non-blank rank-file line.
-fn parse_rank_line(path: &Path, line_no: usize, line: &[u8]) -> Result<RankEntry, TokenizerError> {
+pub(crate) fn parse_rank_line(
+    path: &Path,
+    line_no: usize,
+    line: &[u8],
+) -> Result<RankEntry, TokenizerError> {
     if line.len() > MAX_LINE_BYTES {
         return Err(TokenizerError::LineTooLong {
             path: path.to_path_buf(),

@@ -3,8 +3,8 @@
 
 use k3::engine::{Logits, Model, ModelConfig, SeqState, Trace};
 use k3::session::tokenizer::Tokenizer;
-use k3::stream::synth::{self, Shape};
 use k3::stream::Checkpoint;
+use k3::synth::{self, Shape};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;

@@ -35,8 +35,9 @@
 //!
 //! Output is atomic: everything is written into `OUT_DIR.tmp-<pid>` and renamed into place.
 
-use super::safetensors::Dtype;
 use crate::kernels::f32_to_bf16;
+use crate::session::tokenizer::gpt2_byte_order;
+use crate::stream::safetensors::Dtype;
 use rayon::prelude::*;
 use serde_json::{json, Value};
 use std::collections::HashSet;
@@ -1206,17 +1207,6 @@ fn send_shard(
 }
 
 // ------------------------------------------------------------------------------------ tokenizer
-
-/// The 256 bytes in the order of the byte-level BPE alphabet (GPT-2's): the printable bytes
-/// 33–126, 161–172, 174–255 first, then the rest; the released rank file holds them at ranks
-/// 0..=255 in this order.
-#[must_use]
-pub fn gpt2_byte_order() -> Vec<u8> {
-    let printable = |b: u8| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
-    let mut v: Vec<u8> = (0..=255u8).filter(|&b| printable(b)).collect();
-    v.extend((0..=255u8).filter(|&b| !printable(b)));
-    v
-}
 
 /// Rank table: the 256 single bytes, then `n − 256` merges that build lower-case words (with
 /// and without a leading space) from earlier tokens, so that English-like text merges.

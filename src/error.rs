@@ -3,7 +3,7 @@
 
 use crate::engine::config::ConfigError;
 use crate::engine::sampling::SampleError;
-use crate::engine::weights::BindError;
+use crate::engine::weights::{BindError, LoadError};
 use crate::session::tokenizer::TokenizerError;
 use crate::stream::StreamError;
 
@@ -60,3 +60,17 @@ impl Error {
 
 /// Result with the crate error.
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// A model that could not be loaded: each cause as its own kind; a budget below what the model
+/// needs is a usage error.
+impl From<LoadError> for Error {
+    fn from(e: LoadError) -> Self {
+        match e {
+            LoadError::Config(e) => e.into(),
+            LoadError::Stream(e) => e.into(),
+            LoadError::Bind(e) => e.into(),
+            LoadError::Budget(m) => Error::Usage(m),
+            LoadError::Trunk(e) => e.into(),
+        }
+    }
+}

@@ -209,17 +209,6 @@ fn time_reads(dir: &Path, pattern: ReadPattern, bytes: u64) -> Option<(f64, bool
     (total > 0 && s > 0.0).then(|| (total as f64 / s, all_direct.load(Ordering::Relaxed)))
 }
 
-/// The median of `v` (0 when empty).
-#[must_use]
-pub fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
 /// Run `k3 bench`.
 pub fn run(args: &BenchArgs) -> Result<()> {
     if args.gen == 0 || args.prompt_len == 0 {

@@ -118,6 +118,17 @@ pub(crate) fn kernels_json() -> serde_json::Value {
     })
 }
 
+/// The median of `v` (0 when empty).
+#[must_use]
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 /// Median seconds per generated token, where a speculative pass's time is shared equally by
 /// the tokens it yielded: `steps` holds (pass number, seconds) per decoding step.
 #[must_use]
@@ -135,7 +146,7 @@ pub fn median_per_token(steps: &[(u64, f64)]) -> f64 {
         per_token.extend(std::iter::repeat_n(total / n, j - i));
         i = j;
     }
-    super::bench::median(&mut per_token)
+    median(&mut per_token)
 }
 
 /// Speculation figures for `--json`: passes, proposals, acceptance, tokens per pass, and

@@ -31,18 +31,6 @@ pub enum LoadError {
     Trunk(#[from] TrunkError),
 }
 
-impl From<LoadError> for crate::Error {
-    fn from(e: LoadError) -> Self {
-        match e {
-            LoadError::Config(e) => e.into(),
-            LoadError::Stream(e) => e.into(),
-            LoadError::Bind(e) => e.into(),
-            LoadError::Budget(m) => crate::Error::Usage(m),
-            LoadError::Trunk(e) => e.into(),
-        }
-    }
-}
-
 /// What loading read, and the plan it followed.
 #[derive(Clone, Debug)]
 pub struct LoadInfo {

@@ -11,7 +11,7 @@
 //! nothing else) and its bytes give the slot back when dropped. A smaller plan retires the
 //! slots above its count: free ones are released to the system at once (`MADV_DONTNEED`),
 //! live ones when their expert is dropped or moved into a slot below the count
-//! ([`super::bytes::rehome`]), so resident memory follows the budget down. A larger plan
+//! (`bytes::rehome`), so resident memory follows the budget down. A larger plan
 //! faults in the retired slots again and maps a new segment for the rest.
 
 #![allow(unsafe_code)]
@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Page size the slots are aligned to (the `O_DIRECT` requirement of 4Kn devices).
-pub const PAGE: usize = super::bytes::ALIGN;
+pub const PAGE: usize = 4096;
 
 /// A transparent huge page; segments start on this boundary.
 pub const HUGE_PAGE: usize = 2 << 20;

@@ -17,7 +17,7 @@ compile_error!(
 );
 
 /// Alignment of every allocation: the `O_DIRECT` requirement of 4Kn devices.
-pub const ALIGN: usize = 4096;
+pub const ALIGN: usize = super::arena::PAGE;
 
 /// One aligned allocation; `raw[base..base + len]` is the usable, initialised part. It goes
 /// back to its pool, if it came from one, when the last range of it is dropped. A slab can

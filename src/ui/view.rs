@@ -5,6 +5,7 @@
 //! Every string that did not originate in this client (model output, engine messages, pasted
 //! text, session names) passes through [`text::clean`] before it reaches the buffer.
 
+pub mod conversation;
 pub mod markdown;
 #[cfg(test)]
 mod md_tests;
@@ -179,7 +180,7 @@ fn too_small(area: Rect, theme: &Theme, buf: &mut Buffer) {
 
 /// The conversation pane; returns (max scroll, visible lines).
 fn conversation(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) -> (usize, usize) {
-    let (lines, marked) = text::conversation_marked(app, usize::from(area.width), theme);
+    let (lines, marked) = conversation::conversation_marked(app, usize::from(area.width), theme);
     let h = usize::from(area.height);
     let total = lines.len();
     let max_scroll = total.saturating_sub(h);

@@ -29,7 +29,7 @@ pub enum Command {
     ///
     /// Lines starting with `/` are commands (`/help`); end a line with `\` to continue it.
     /// Ctrl-C stops a reply and keeps the session.
-    Chat(crate::app::chat::ChatArgs),
+    Chat(Box<crate::app::chat::ChatArgs>),
     /// Show or create the user configuration file (`path`, `show`, `init`).
     Config(config::ConfigArgs),
     /// Write a synthetic checkpoint in the released format (deterministic random weights).

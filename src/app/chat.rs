@@ -104,10 +104,31 @@ pub struct ChatArgs {
     /// Environment variable holding the remote server's API key.
     #[arg(long, value_name = "VAR", requires = "remote")]
     pub api_key_env: Option<String>,
+    /// PEM file of certificates to trust for an https:// remote, besides the system's roots
+    /// (and `SSL_CERT_FILE`): a private CA's, or a self-signed server's.
+    #[arg(long, value_name = "FILE", requires = "remote")]
+    pub ca_cert: Option<PathBuf>,
+    /// Seconds allowed to connect to the remote server (TCP and TLS) [default: 10].
+    #[arg(long, value_name = "SECS", requires = "remote", value_parser = positive_secs)]
+    pub connect_timeout: Option<u64>,
+    /// Seconds the remote server may stay silent, before its answer starts (while it reads
+    /// the prompt) or within it [default: 600].
+    #[arg(long, value_name = "SECS", requires = "remote", value_parser = positive_secs)]
+    pub read_timeout: Option<u64>,
     /// Memory budget (default: 80% of the memory available). Tokens do not depend on it;
     /// `/budget GB` changes it while chatting.
     #[command(flatten)]
     pub budget: super::budget_args::BudgetArgs,
+}
+
+/// A whole number of seconds, at least 1 and at most a day.
+fn positive_secs(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(n) if (1..=86_400).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "{s:?} is not a whole number of seconds from 1 to 86400"
+        )),
+    }
 }
 
 /// Whether the terminal interface can run here: stdin and stdout are terminals and TERM is set
@@ -287,7 +308,7 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
     if let Some(url) = &args.remote {
         if !(url.starts_with("http://") || url.starts_with("https://")) {
             return Err(crate::Error::Usage(format!(
-                "--remote {url}: expected an http:// URL"
+                "--remote {url}: expected an http:// or https:// URL"
             )));
         }
     }
@@ -339,6 +360,17 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
                 .session_dir
                 .clone()
                 .unwrap_or_else(crate::session::store::SessionStore::default_dir),
+            extra_roots: match &args.ca_cert {
+                Some(p) => super::remote::read_ca_file(p).map_err(crate::Error::Usage)?,
+                None => Vec::new(),
+            },
+            connect_timeout: args.connect_timeout.map_or(
+                super::remote::CONNECT_TIMEOUT,
+                std::time::Duration::from_secs,
+            ),
+            read_timeout: args
+                .read_timeout
+                .map_or(super::remote::READ_TIMEOUT, std::time::Duration::from_secs),
         })
     } else {
         Worker::spawn(ChatConfig {

@@ -580,7 +580,7 @@ fn short_bytes(b: u64) -> String {
 /// prompt tokens reused and read, the turn's time, the weight bytes it read from disk) and
 /// why it stopped. `disk_read` is `None` when the engine's figures did not say.
 fn summary(r: &TurnReport, disk_read: Option<u64>) -> String {
-    let n = r.generated_ids.len();
+    let n = r.generated_tokens;
     let tps = if r.decode_seconds > 0.0 {
         n as f64 / r.decode_seconds
     } else {

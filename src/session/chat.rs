@@ -223,6 +223,9 @@ pub struct TurnReport {
     pub prompt_ids: Vec<u32>,
     /// Generated ids (including a final end id).
     pub generated_ids: Vec<u32>,
+    /// Tokens generated: the ids' count, or the server's count for a remote reply (whose ids
+    /// are not known).
+    pub generated_tokens: usize,
     /// Reply text (chat: the response channel; raw: the continuation).
     pub reply: String,
     /// Reasoning text (chat with thinking).
@@ -1027,6 +1030,7 @@ impl<'a> Session<'a> {
             mode: Mode::Chat,
             prefilled_tokens: prompt.len() - reused,
             prompt_ids: prompt,
+            generated_tokens: generated.len(),
             generated_ids: generated,
             reply,
             reasoning,
@@ -1099,6 +1103,7 @@ impl<'a> Session<'a> {
             mode: Mode::Raw,
             prefilled_tokens: prompt.len() - reused,
             prompt_ids: prompt,
+            generated_tokens: generated.len(),
             generated_ids: generated,
             reply: output,
             reasoning: None,

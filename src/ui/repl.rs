@@ -252,6 +252,8 @@ fn jsonl_line(turn: TurnId, r: &TurnReport, stats: Option<&StatsSnapshot>) -> St
         "mode": r.mode.name(),
         "prompt_ids": r.prompt_ids,
         "generated_ids": r.generated_ids,
+        "generated_tokens": r.generated_tokens,
+        "stop": format!("{:?}", r.stop),
         "reply": r.reply,
         "reasoning": r.reasoning.clone().unwrap_or_default(),
         "reused_tokens": r.reused_tokens,
@@ -269,7 +271,7 @@ fn summary(r: &TurnReport) -> String {
         Stop::Cancelled => "stopped".to_string(),
         Stop::ContextFull => "context full".to_string(),
     };
-    let n = r.generated_ids.len();
+    let n = r.generated_tokens;
     let tps = if r.decode_seconds > 0.0 {
         n as f64 / r.decode_seconds
     } else {

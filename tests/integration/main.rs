@@ -13,6 +13,7 @@ mod ops;
 mod oracle_tiny;
 mod reader;
 mod recovery;
+mod remote;
 mod serve;
 mod serve_limits;
 mod session;

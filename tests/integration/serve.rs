@@ -590,6 +590,9 @@ fn remote_worker(
         resume: None,
         session_name: None,
         session_dir: dir.to_path_buf(),
+        extra_roots: Vec::new(),
+        connect_timeout: k3::app::remote::CONNECT_TIMEOUT,
+        read_timeout: k3::app::remote::READ_TIMEOUT,
     })
 }
 

@@ -87,7 +87,7 @@ impl App {
                         if secs >= super::NOTIFY_AFTER_S {
                             fx.push(Effect::Notify(format!(
                                 "k3: the reply is ready ({} tokens, {secs:.0} s)",
-                                report.generated_ids.len()
+                                report.generated_tokens
                             )));
                         }
                     }

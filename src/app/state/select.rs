@@ -242,6 +242,7 @@ mod tests {
                 mode: Mode::Chat,
                 prompt_ids: vec![1; 4],
                 generated_ids: vec![2; 4],
+                generated_tokens: 4,
                 reply: text.into(),
                 reasoning: None,
                 reused_tokens: 0,

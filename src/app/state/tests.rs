@@ -109,6 +109,7 @@ fn report(reply: &str, stop: Stop, accepted: bool) -> Box<TurnReport> {
         mode: Mode::Chat,
         prompt_ids: vec![1, 2, 3],
         generated_ids: vec![4, 5, 6, 7],
+        generated_tokens: 4,
         reply: reply.into(),
         reasoning: None,
         reused_tokens: 1,

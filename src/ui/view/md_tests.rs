@@ -51,6 +51,7 @@ fn finish(app: &mut App, turn: TurnId, reply: &str) {
             mode: crate::session::chat::Mode::Chat,
             prompt_ids: vec![1; 30],
             generated_ids: vec![2; 96],
+            generated_tokens: 96,
             reply: reply.into(),
             reasoning: None,
             reused_tokens: 0,

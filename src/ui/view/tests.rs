@@ -99,6 +99,7 @@ fn done(reply: &str, reasoning: Option<&str>) -> Box<TurnReport> {
         mode: crate::session::chat::Mode::Chat,
         prompt_ids: vec![1; 30],
         generated_ids: vec![2; 40],
+        generated_tokens: 40,
         reply: reply.into(),
         reasoning: reasoning.map(str::to_string),
         reused_tokens: 0,

@@ -2,6 +2,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod bad_inputs;
+mod cache_policy;
 mod ceilings;
 mod common;
 mod config;

@@ -1,5 +1,5 @@
 //! The crate-level error: one enum composed of each module's typed error, with the process exit
-//! code each kind maps to (see RELIABILITY §3.0).
+//! code each kind maps to (see docs/reliability.md#exit-codes).
 
 use crate::engine::config::ConfigError;
 use crate::engine::sampling::SampleError;

@@ -1,7 +1,7 @@
 //! Synthetic checkpoints in the released format (`k3 synth`).
 //!
 //! A written directory holds what the released model ships, laid out the same way
-//! (MODEL.md §1.2, §2): a nested `config.json` (root → `text_config` → `linear_attn_config`,
+//! (docs/model.md#configjson, docs/model.md#tensors-and-shards): a nested `config.json` (root → `text_config` → `linear_attn_config`,
 //! both one-based layer lists, `quantization_config` mxfp4-pack-quantized with group size 32);
 //! one safetensors shard per decoder layer (`model-NNNNN-of-MMMMMM.safetensors`, shard k holds
 //! layer k−1) plus one for the five model-level tensors; `model.safetensors.index.json`; and a
@@ -19,12 +19,12 @@
 //! on the thread count. Draws are approximately normal (the sum of four 16-bit uniforms, scaled
 //! to unit variance; bounded at ±3.46). Each matrix's standard deviation is `c / sqrt(fan_in)`
 //! with a per-role `c` chosen so that activations keep the same magnitude at every width and
-//! the fixture lessons of MODEL.md §1.6 hold: SiTU gate/up weights large enough that both caps
+//! the fixture rules of docs/model.md#numerics hold: SiTU gate/up weights large enough that both caps
 //! engage, a permuted router bias `linspace(-r, r)` that reorders the top-k (r = 0.15 at 8
 //! experts, as the C fixtures, shrinking as `sqrt(8 / experts)` so that with many experts the
 //! bias still changes most selections without piling the load onto the high-bias ones), `A_log`
 //! spread `linspace(-0.4, 1.2)` over the heads with a zero tail, norm gains `1 ± 0.02`. MXFP4
-//! experts are quantised with the rule of §1.6: per 32-group `e = floor(log2(max|w|)) − 2`,
+//! experts are quantised with the rule of docs/model.md#mxfp4-experts: per 32-group `e = floor(log2(max|w|)) − 2`,
 //! scale byte `e + 127`, each element the nearest E2M1 magnitude of `|w|/2^e` (ties to the
 //! smaller code, above 6 saturating to 6), sign bit set for negatives.
 //!
@@ -75,7 +75,7 @@ const NAMED_SPECIALS: [(usize, &str, bool); 16] = [
     (255, "[PAD]", true),
 ];
 
-/// File sizes of the released vision shards 95 and 96 (MODEL.md §2.9).
+/// File sizes of the released vision shards 95 and 96 (docs/model.md#tensors-and-shards).
 const K3_VISION_SHARD_BYTES: [u64; 2] = [92_289_328, 802_448_352];
 
 /// The shapes `k3 synth` can write.
@@ -458,7 +458,7 @@ fn chunk_rng(key: u64, k: usize) -> Rng {
 
 // ------------------------------------------------------------------------------------ MXFP4
 
-/// Quantise one group of 32 values with the rule of MODEL.md §1.6; writes 16 packed bytes
+/// Quantise one group of 32 values with the rule of docs/model.md#mxfp4-experts; writes 16 packed bytes
 /// (low nibble = even element) and returns the scale byte.
 pub fn quantise_group(w: &[f32; 32], packed: &mut [u8]) -> u8 {
     let max = w.iter().fold(0f32, |m, x| m.max(x.abs()));
@@ -1303,7 +1303,7 @@ fn tokenizer_config(n: usize) -> Value {
 
 // ------------------------------------------------------------------------------------ config
 
-/// The nested `config.json` of a shape (MODEL.md §1.2).
+/// The nested `config.json` of a shape (docs/model.md#configjson).
 #[must_use]
 pub fn config_json(shape: Shape, d: &Dims, seed: u64) -> Value {
     let n = d.ranks;
@@ -1724,7 +1724,7 @@ mod tests {
     #[test]
     fn k3_headers_match_the_release() {
         let d = Shape::K3.dims();
-        // MODEL.md §2.9: header lengths and file sizes of the released shards.
+        // docs/model.md#tensors-and-shards: header lengths and file sizes of the released shards.
         for (k, header, file) in [
             (0, 2_920, 2_341_216_112u64),
             (1, 818_696, 16_990_911_504),

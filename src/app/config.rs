@@ -144,7 +144,8 @@ impl Default for ThinkingConfig {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MemoryConfig {
-    /// Memory budget in GB asked of the engine at start; absent: hold the model resident.
+    /// Memory budget in GB the full-screen client applies once the model is open (as `/budget`
+    /// does); absent: the budget the model opened with (80% of the memory available at start).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub budget_gb: Option<f64>,
 }
@@ -591,7 +592,8 @@ enabled = true
 effort = "max"         # low, high or max
 
 [memory]
-# Memory budget in GB asked of the engine at start; leave unset to hold the model resident.
+# Memory budget in GB the full-screen client applies once the model is open, as /budget
+# does; unset, the model runs under 80% of the memory available when k3 starts.
 # budget_gb = 24.0
 
 # Key bindings: "ctrl-x", "alt-x", "shift-enter", "f1", "esc", "tab", "pageup", or a character.

@@ -71,7 +71,7 @@ pub struct RunArgs {
     pub spec: SpecMode,
     /// How drafts are accepted when sampling: `tokens` (a draft is used when it equals the
     /// token the sampler draws, so the tokens are those of decoding without speculation) or
-    /// `distribution` (RUNTIME.md §3.4: accepted with probability p(draft), else a token drawn
+    /// `distribution` (docs/runtime.md#speculative-decoding: accepted with probability p(draft), else a token drawn
     /// from p without the draft: the same distribution, not the same seeded tokens; needs a
     /// fixed `--spec N`). Greedy decoding is the same either way.
     #[arg(long, value_enum, default_value = "tokens")]
@@ -86,7 +86,7 @@ pub struct RunArgs {
 pub enum SpecSampling {
     /// Token-identical to decoding without speculation.
     Tokens,
-    /// Distribution-preserving rejection sampling (RUNTIME.md §3.4).
+    /// Distribution-preserving rejection sampling (docs/runtime.md#speculative-decoding).
     Distribution,
 }
 

@@ -268,7 +268,7 @@ struct Ctx<'a> {
 }
 
 /// What went wrong during a session, for the exit status of a run whose stdin is not a
-/// terminal (RELIABILITY §3.0): the front end ends interactive runs with 0 after showing each
+/// terminal (docs/reliability.md#exit-codes): the front end ends interactive runs with 0 after showing each
 /// failure, and scripts get the code.
 #[derive(Clone, Copy, Debug, Default)]
 struct Outcome {

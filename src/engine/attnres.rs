@@ -1,5 +1,5 @@
 //! Attention Residuals: the softmax-weighted mix of block snapshots and the running partial sum
-//! that replaces the residual stream (MODEL.md §3.2).
+//! that replaces the residual stream (docs/model.md#attention-residuals).
 //!
 //! For sources `v_0..v_{n-1}` of one token: `k_i = v_i / sqrt(mean(v_i²) + eps)` (no gain),
 //! `score_i = k_i · f` with `f = norm_weight ⊙ proj_weight`, `a = softmax(score)`, and the

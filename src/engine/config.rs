@@ -17,7 +17,7 @@ pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
 /// Largest number of AttnRes sources the engine accepts per aggregator.
 pub const MAX_LAYERS: usize = 4096;
 
-/// How far a dimension may exceed the released Kimi K3 value (MODEL.md §1.1) before it is
+/// How far a dimension may exceed the released Kimi K3 value (docs/model.md#dimensions) before it is
 /// refused: every dimension is bounded before anything is sized from it.
 pub const DIM_HEADROOM: usize = 16;
 

@@ -1,5 +1,5 @@
 //! Kimi Delta Attention: gated delta-rule linear attention with a short causal convolution
-//! (MODEL.md §3.4). Tokens are processed strictly in order; heads run in parallel, each owning
+//! (docs/model.md#kimi-delta-attention). Tokens are processed strictly in order; heads run in parallel, each owning
 //! its slice of the recurrent state, so the result does not depend on the thread count.
 
 use super::tensor::{fit, Dense};

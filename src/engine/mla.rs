@@ -1,4 +1,4 @@
-//! Gated Multi-head Latent Attention without positions (MODEL.md §3.5), in the absorbed form
+//! Gated Multi-head Latent Attention without positions (docs/model.md#gated-mla), in the absorbed form
 //! over a latent cache.
 //!
 //! Per position the cache keeps only `c` (the normalised KV latent, `kv_lora` wide) and `r` (the

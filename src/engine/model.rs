@@ -1,6 +1,6 @@
 //! The Kimi K3 decoder: embedding, 93 (or any configured number of) layers of attention
 //! residuals + KDA/MLA + dense MLP/latent MoE, the output aggregator, final norm and lm_head
-//! (MODEL.md §3).
+//! (docs/model.md#forward-pass).
 //!
 //! `forward` takes a chunk of token ids and the sequence state, and returns logits for the
 //! positions asked for. Everything except the KDA recurrence, the short convolution and MLA
@@ -294,8 +294,8 @@ fn predict_next(j: usize, cfg: &ModelConfig, run: &mut RunState, st: &Streamer, 
     st.prefetch_next(j, &next, h, n_tok);
 }
 
-/// What a layer computes after its attention. Nothing crosses positions there (MODEL.md
-/// §3.2, §3.9), and the carried state is complete once the attention has run, so the last
+/// What a layer computes after its attention. Nothing crosses positions there (docs/model.md#attention-residuals,
+/// docs/model.md#prefill-and-decode), and the carried state is complete once the attention has run, so the last
 /// layer of a pass finishes only the positions whose logits are asked for: its experts are
 /// then read for those positions alone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -321,7 +321,7 @@ fn keep_last_row(blocks: &mut [f32], n_blocks: usize, partial: &mut [f32], n: us
 }
 
 impl Layer {
-    /// One decoder layer (MODEL.md §3.3) over a chunk, on the residual stream kept in `run`:
+    /// One decoder layer (docs/model.md#decoder-layer) over a chunk, on the residual stream kept in `run`:
     /// its partial sum is the previous layer's (the embedding at layer 0). Returns the routing
     /// decisions when `want_routing` and the layer routes. After its attention it computes
     /// the positions `finish` names; the residual stream in `run` is then cut down to them.

@@ -1,4 +1,4 @@
-//! The stable latent MoE (MODEL.md §3.6) and the dense SiTU MLP (§3.7).
+//! The stable latent MoE and the dense SiTU MLP (docs/model.md#latent-moe-and-the-dense-mlp).
 //!
 //! Routing reads the full-width input: independent sigmoid scores, selection on score + bias,
 //! weights from the unbiased scores. Routed experts run in the latent space; their weighted sum

@@ -350,7 +350,7 @@ impl Sampler {
         }
     }
 
-    /// Speculative sampling that preserves the distribution (RUNTIME.md §3.4) for a proposal
+    /// Speculative sampling that preserves the distribution (docs/runtime.md#speculative-decoding) for a proposal
     /// drawn from a one-hot distribution (an n-gram draft): `proposal` is accepted with
     /// probability p(proposal), decided by one draw of `accept`; on a rejection the token is
     /// drawn with this sampler's generator from p with the proposal removed (the normalised

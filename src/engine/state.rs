@@ -1,4 +1,4 @@
-//! Per-sequence state carried between tokens and chat turns (MODEL.md §4): the KDA recurrent
+//! Per-sequence state carried between tokens and chat turns (docs/model.md#per-sequence-state): the KDA recurrent
 //! matrices and conv windows, the MLA latent cache, and the count of processed positions.
 //! A plain value: clone it to snapshot, assign it back to restore.
 

@@ -1,7 +1,7 @@
 //! Saved sessions: one conversation's history text, render settings, token ids, carried engine
 //! state, sampler settings and generator word, in a versioned and checksummed file, plus the
-//! directory store that writes those files atomically under an advisory lock (RELIABILITY §3.5,
-//! RUNTIME §4.6).
+//! directory store that writes those files atomically under an advisory lock (docs/sessions.md#session-file-format,
+//! docs/runtime.md#state-between-turns).
 //!
 //! [`format`] holds the record and the file format's constants, [`encode`] and [`decode`] the
 //! codec, [`error`] the errors, [`lock`] the advisory locks and [`dir`] the directory store.

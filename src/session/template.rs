@@ -1357,7 +1357,7 @@ mod tests {
         TOK.get_or_init(|| load_synthetic(&released_specials()))
     }
 
-    // ---- Goldens (RUNTIME §2.9) ----
+    // ---- Goldens (docs/runtime.md#worked-example) ----
 
     const PREAMBLE_MAX: [u32; 67] = [
         163587, 2778, 6244, 878, 14062, 1, 1798, 878, 130400, 59991, 470, 1, 163589, 63, 130400,
@@ -2213,7 +2213,7 @@ mod tests {
                 assert_eq!(encode_segments(tok, &m, &segs).expect("ids"), chat);
             }
         }
-        // The golden of RUNTIME §2.9, thinking off, through the API renderer.
+        // The golden of docs/runtime.md#worked-example, thinking off, through the API renderer.
         let segs = render_api_segments(&api(&worked_example()), &with(off()), true).expect("api");
         assert_eq!(
             encode_segments(tok, &m, &segs).expect("ids"),

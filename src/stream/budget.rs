@@ -342,7 +342,7 @@ pub fn plan_states(
                 return Ok(resident_in(Some(b)));
             }
             // Trunk first (every pinned gigabyte removes a gigabyte of reads per token), then
-            // the cache; see RUNTIME §6.2.
+            // the cache; see docs/runtime.md#memory-budgets.
             let (chunk, extra) = prefill_chunk(s, Some(b), b - floor);
             let spare = b - floor - extra;
             let reserve_cache = s.top_k * slot;
@@ -452,7 +452,7 @@ pub fn cgroup_limit() -> Option<u64> {
 mod tests {
     use super::*;
 
-    /// The released model's sizes (MODEL.md §6.1).
+    /// The released model's sizes (docs/model.md#sizes-of-the-released-model).
     fn k3_sizes() -> ModelSizes {
         let mut layer_trunk = vec![2_341_213_184];
         for il in 1..93u64 {

@@ -1,5 +1,5 @@
 //! Replacement policies for the routed-expert cache and the slot bookkeeping they plug into
-//! (RUNTIME.md §5.5).
+//! (docs/runtime.md#expert-cache).
 //!
 //! A [`Policy`] only ranks resident experts; it never sees bytes. [`SlotTable`] is the
 //! bookkeeping half of the slot arena: which key lives in which slot, which slots are empty,

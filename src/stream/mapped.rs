@@ -8,7 +8,7 @@
 //! is truncated while mapped, touching a page past its new end raises `SIGBUS`. Sizes are
 //! checked against the headers when the checkpoint is opened; after that, a `SIGBUS` whose
 //! address lies in a registered mapping prints one line naming the problem and exits with
-//! status 3 (a checkpoint that changed, RELIABILITY.md) instead of dumping core. A `SIGBUS`
+//! status 3 (a checkpoint that changed, docs/reliability.md#exit-codes) instead of dumping core. A `SIGBUS`
 //! anywhere else keeps its default action.
 
 #![allow(unsafe_code)]

@@ -1,5 +1,5 @@
 //! The packed trunk: every layer's non-expert tensors as one contiguous, 4096-aligned run in
-//! `trunk.bin`, described by `trunk.json` (RUNTIME.md §5.2), so a streamed layer is one
+//! `trunk.bin`, described by `trunk.json` (docs/runtime.md#packed-trunk), so a streamed layer is one
 //! sequential read that can bypass the page cache.
 //!
 //! A layer whose trunk tensors already form one gap-free run in one shard is copied verbatim;

@@ -1,5 +1,5 @@
 //! Bad inputs through the real binary: each refusal names its problem and exits with its code,
-//! and nothing panics (RELIABILITY.md §3.1–3.4).
+//! and nothing panics (docs/reliability.md#bad-input-files).
 
 use crate::common::fixture;
 use std::path::{Path, PathBuf};

@@ -1,6 +1,6 @@
 //! The cache policies of `stream::cache_policy` judged offline on a recorded expert-request
 //! trace of the released model (`tests/fixtures/traces/`): Belady's MIN as the ceiling, a
-//! replay that counts hits, and the hit-rate table `docs/benchmarks.md` quotes. This code needs
+//! replay that counts hits, and the hit-rate table docs/streaming.md#budgets quotes. This code needs
 //! the whole future of the trace, so it lives with the tests, not in the engine.
 
 use k3::stream::cache_policy::{

@@ -1,5 +1,5 @@
 //! Requests above a ceiling, through the real binary: each is refused before it costs anything
-//! (no prefill, no weight read), with exit 2 and the numbers involved (RELIABILITY.md §3.0, R2).
+//! (no prefill, no weight read), with exit 2 and the numbers involved (docs/reliability.md#exit-codes).
 
 use crate::common::{fixture, k3_command};
 use std::path::Path;

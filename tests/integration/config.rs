@@ -1,4 +1,4 @@
-//! `config.json` acceptance and refusal (MODEL.md §1.2–1.4).
+//! `config.json` acceptance and refusal (docs/model.md#configjson).
 
 use crate::common::fixture;
 use k3::engine::config::{ConfigError, ModelConfig};

@@ -7,6 +7,7 @@ mod ceilings;
 mod common;
 mod config;
 mod demo;
+mod docs;
 mod fuzz;
 mod header_memory;
 mod mapped;

@@ -1,10 +1,11 @@
 //! Per-kernel oracle tests against the third-party fixtures in `tests/fixtures/ops`
-//! (MODEL.md §2.11, §3, §5.4), plus bitwise checks of the SIMD paths against their scalar twins.
+//! (docs/model.md#mxfp4-experts, docs/model.md#forward-pass,
+//! docs/model.md#numerics), plus bitwise checks of the SIMD paths against their scalar twins.
 //!
 //! Every float comparison uses the MANIFEST tolerance element-wise,
 //! `|got − want| ≤ fp32_abs + fp32_rel·|want|`, and prints the worst ratio
-//! `|got − want| / (fp32_abs + fp32_rel·|want|)`, which must be ≤ 1. The §5.4 exceptions are
-//! exact: MXFP4 decode, BF16 vs widened-F32 products, router selected sets.
+//! `|got − want| / (fp32_abs + fp32_rel·|want|)`, which must be ≤ 1. The exceptions
+//! (docs/model.md#numerics) are exact: MXFP4 decode, BF16 vs widened-F32 products, router selected sets.
 
 use crate::common::json;
 use k3::engine::attnres;
@@ -365,7 +366,7 @@ fn cfg_moe_params(rms_eps: f32) -> MoeParams {
     }
 }
 
-/// KDA q/k L2-norm epsilon (MODEL.md §3.0, §3.10; not carried by the fixtures).
+/// KDA q/k L2-norm epsilon (docs/model.md#primitives-and-epsilons; not carried by the fixtures).
 const L2_EPS: f32 = 1e-6;
 
 /// Round to BF16 and widen back.
@@ -589,7 +590,7 @@ fn kda_layer_fixture(name: &'static str) {
     let out = kda::forward(&w, &p, &x, &mut st);
     rep.cmp("out", &out, &t(&f["out"]));
     rep.cmp("state_out", &st.s, &t(&f["state_out"]));
-    // Token-by-token decode gives the same bits as the chunk (MODEL.md §3.9).
+    // Token-by-token decode gives the same bits as the chunk (docs/model.md#prefill-and-decode).
     let hidden = w.q_proj.cols;
     let mut st1 = KdaState::new(&p);
     let mut out1 = Vec::with_capacity(out.len());
@@ -863,7 +864,7 @@ fn moe_fixture() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Whole layers (MODEL.md §3.3, reproduced with the public blocks)
+// Whole layers (docs/model.md#decoder-layer, reproduced with the public blocks)
 // ---------------------------------------------------------------------------------------------
 
 fn layer_fixture(name: &'static str) {
@@ -1042,7 +1043,7 @@ fn mxfp4_fixture() {
             decoded[i], expected[i]
         )
     });
-    // Worked example of MODEL.md §2.11.
+    // Worked example of docs/model.md#mxfp4-experts.
     let worked = [
         0.0625f32, 0.0078125, -0.0078125, -0.0234375, -0.0625, -0.03125,
     ];

@@ -204,7 +204,7 @@ fn k3_sparse_replica_is_header_true_and_small_on_disk() {
         s.file_bytes
     );
     assert!(disk < 200_000_000, "{disk} bytes on disk");
-    // File sizes are the released ones (MODEL.md §2.9); data = file − 8 − header.
+    // File sizes are the released ones (docs/model.md#tensors-and-shards); data = file − 8 − header.
     let (mut shard_bytes, mut header_bytes) = (0u64, 0u64);
     for k in 1..=96 {
         let f =

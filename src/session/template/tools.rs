@@ -1,5 +1,5 @@
-//! The parts of the XTML template an API request adds to a plain conversation (RUNTIME §2.2,
-//! §2.3): tool declarations, `tool_choice` and `response_format` system messages, tool results,
+//! The parts of the XTML template an API request adds to a plain conversation
+//! (docs/runtime.md#api-requests-and-tools): tool declarations, `tool_choice` and `response_format` system messages, tool results,
 //! the `name` attribute, assistant tool calls, and parsing the `tools` block the model writes
 //! after its answer.
 //!
@@ -352,7 +352,7 @@ fn internal(b: &mut Builder, kind: &str, body: &str) {
     );
 }
 
-/// Renders an API request (RUNTIME §2.2): the tool declaration, the thinking-effort message,
+/// Renders an API request (docs/runtime.md#render-order): the tool declaration, the thinking-effort message,
 /// every message (tool results in the order of the assistant's calls where every id resolves),
 /// the `tool_choice` and `response_format` messages, and the generation prompt.
 pub fn render_api_segments(

@@ -16,13 +16,10 @@
 pub fn give_back_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
-        extern "C" {
-            fn malloc_trim(pad: usize) -> std::ffi::c_int;
-        }
         // SAFETY: malloc_trim takes the allocator's own lock and only releases pages of free
         // chunks (madvise / sbrk); no live allocation is touched, and any thread may call it.
         unsafe {
-            malloc_trim(0);
+            libc::malloc_trim(0);
         }
     }
 }
@@ -33,23 +30,17 @@ pub fn give_back_freed_memory() {
 pub fn keep_rss_inside_the_plan() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
-        extern "C" {
-            fn mallopt(param: std::ffi::c_int, value: std::ffi::c_int) -> std::ffi::c_int;
-        }
-        /// glibc's `M_MMAP_THRESHOLD` and `M_ARENA_MAX`.
-        const M_MMAP_THRESHOLD: std::ffi::c_int = -3;
-        const M_ARENA_MAX: std::ffi::c_int = -8;
         if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
             // SAFETY: mallopt only changes a tunable of the C allocator; it is thread-safe in
             // glibc, takes plain integers, and a refusal (return value 0) leaves malloc as it was.
             unsafe {
-                mallopt(M_MMAP_THRESHOLD, 32 << 20);
+                libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
             }
         }
         if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
             // SAFETY: as above.
             unsafe {
-                mallopt(M_ARENA_MAX, 1);
+                libc::mallopt(libc::M_ARENA_MAX, 1);
             }
         }
     }

@@ -640,7 +640,7 @@ impl Checkpoint {
                 buf.copy_from_slice(&scratch.as_slice()[lead..lead + buf.len()]);
                 Ok(())
             }
-            Err(e) if e.raw_os_error() == Some(22) => {
+            Err(e) if rustix::io::Errno::from_io_error(&e) == Some(rustix::io::Errno::INVAL) => {
                 // EINVAL: this filesystem or device does not take these direct reads.
                 self.direct_off[shard].store(true, Ordering::Relaxed);
                 self.pread_exact(shard, buf, at)
@@ -943,7 +943,7 @@ impl Checkpoint {
                     lead + ulen,
                 ) {
                     Ok(got) => fill.finish(got).slice(lead, ulen),
-                    Err(e) if e.raw_os_error() == Some(22) => {
+                    Err(e) if rustix::io::Errno::from_io_error(&e) == Some(rustix::io::Errno::INVAL) => {
                         // EINVAL: this filesystem or device does not take these direct reads.
                         self.direct_off[shard].store(true, Ordering::Relaxed);
                         buffered()?
@@ -1030,7 +1030,7 @@ pub(crate) fn pread_counted(
     let mut limit = buf.len();
     match fault {
         Some(Fault::Io) => {
-            return Err(std::io::Error::from_raw_os_error(5));
+            return Err(std::io::Error::from(Errno::IO));
         }
         Some(Fault::Short) if need > 1 => {
             // Half of what is needed, rounded down to the alignment a direct read keeps.

@@ -739,7 +739,7 @@ impl Trunk {
             let take = piece.len();
             let r = match direct {
                 Some(f) => match pread_counted(&self.reads, &self.fault, f, piece, at, take) {
-                    Err(e) if e.raw_os_error() == Some(22) => {
+                    Err(e) if rustix::io::Errno::from_io_error(&e) == Some(rustix::io::Errno::INVAL) => {
                         self.direct_off.store(true, Ordering::Relaxed);
                         pread_counted(&self.reads, &self.fault, &self.file, piece, at, take)
                     }

@@ -82,9 +82,31 @@ pub fn join_listed(items: &[String]) -> String {
     s
 }
 
-/// Read a whole small file (a config), refusing one above `limit` bytes: a regular file by its
-/// size before reading, anything else (a FIFO, a file that grows) by reading at most one byte
-/// past the limit. The refusal is an `io::Error` of kind `FileTooLarge` with both numbers.
+/// Open an input file for reading, refusing anything but a regular file: a FIFO, a socket, a
+/// device or a directory is an `io::Error` of kind `InvalidInput` saying what it is. The open
+/// never blocks (a FIFO without a writer would block a plain open forever): it is made with
+/// `O_NONBLOCK`, and the kind is taken from the opened descriptor, so a file swapped between a
+/// look and the open is still caught. Returns the file and its size.
+pub fn open_regular(path: &std::path::Path) -> std::io::Result<(std::fs::File, u64)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("is {}, not a regular file", file_kind(meta.file_type())),
+        ));
+    }
+    Ok((file, meta.len()))
+}
+
+/// Read a whole small input file (a config, an index, a journal), refusing one that is not a
+/// regular file ([`open_regular`]) and one above `limit` bytes by its size before reading (and
+/// by reading at most one byte past the limit, should it grow meanwhile). The size refusal is
+/// an `io::Error` of kind `FileTooLarge` with both numbers.
 pub fn read_capped(path: &std::path::Path, limit: u64) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
     let too_large = |size: &str| {
@@ -93,12 +115,11 @@ pub fn read_capped(path: &std::path::Path, limit: u64) -> std::io::Result<Vec<u8
             format!("{size}, above the limit of {limit} bytes"),
         )
     };
-    let file = std::fs::File::open(path)?;
-    let meta = file.metadata()?;
-    if meta.is_file() && meta.len() > limit {
-        return Err(too_large(&format!("the file is {} bytes", meta.len())));
+    let (file, len) = open_regular(path)?;
+    if len > limit {
+        return Err(too_large(&format!("the file is {len} bytes")));
     }
-    let mut bytes = Vec::new();
+    let mut bytes = Vec::with_capacity(len as usize);
     file.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
     if bytes.len() as u64 > limit {
         return Err(too_large("it holds more"));

@@ -237,7 +237,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             .map(|i| (i * 7 + 3) % vocab)
             .collect(),
         Some(path) => {
-            let text = std::fs::read_to_string(path)
+            let text = crate::stream::read_capped(path, 256 << 20)
+                .map_err(|e| e.to_string())
+                .and_then(|b| String::from_utf8(b).map_err(|e| e.to_string()))
                 .map_err(|e| Error::Usage(format!("--prompt-file {}: {e}", path.display())))?;
             let tok = crate::session::tokenizer::Tokenizer::load_expecting(&args.model_dir, vocab)?;
             let mut ids = tok.encode(&text, true);

@@ -129,6 +129,8 @@ const EXTENSION: &str = "k3remote.json";
 const JOURNAL_EXTENSION: &str = "k3remote-journal";
 /// Format named by a remote journal's first record.
 const JOURNAL_FORMAT: &str = "k3-remote-journal/1";
+/// Largest remote session file read (its transcript and settings).
+const MAX_SAVED_BYTES: u64 = 256 << 20;
 
 /// Local-only commands, answered plainly.
 const LOCAL_ONLY: &str =
@@ -859,7 +861,7 @@ impl Ctx<'_> {
     fn load(&mut self, name: &str) -> Result<String, String> {
         crate::session::store::validate_name(name).map_err(|e| e.to_string())?;
         let path = self.path(name);
-        let saved: Option<SavedRemote> = match std::fs::read(&path) {
+        let saved: Option<SavedRemote> = match crate::stream::read_capped(&path, MAX_SAVED_BYTES) {
             Ok(text) => Some(
                 serde_json::from_slice(&text)
                     .map_err(|e| format!("session {name:?} is damaged: {e}"))?,

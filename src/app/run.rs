@@ -209,7 +209,9 @@ pub const MAX_CONTEXT: usize = 1 << 20;
 const MAX_PROMPT_FILE_BYTES: u64 = 256 << 20;
 
 fn load_tokenizer(dir: &Path, vocab: u32) -> Result<Option<Tokenizer>> {
-    if dir.join("tiktoken.model").is_file() {
+    // Anything at that path (a FIFO, a device...) is loaded, so that it is refused by name;
+    // only a missing file means "no tokenizer".
+    if std::fs::metadata(dir.join("tiktoken.model")).is_ok() {
         Ok(Some(Tokenizer::load_expecting(dir, vocab)?))
     } else {
         Ok(None)

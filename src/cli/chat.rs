@@ -7,10 +7,13 @@ use crate::ui::input::KeyMap;
 use crate::ui::repl::{self, ReplOptions};
 use crate::ui::tui::{self, TuiOptions};
 
+/// Largest input-history file read.
+const MAX_HISTORY_BYTES: u64 = 64 << 20;
+
 /// The terminal client's input history from earlier runs (a JSON list of strings); a missing
-/// or unreadable file is an empty history.
+/// or unreadable file (or one that is not a regular file, or above 64 MiB) is an empty history.
 fn load_history(path: &std::path::Path) -> Vec<String> {
-    std::fs::read(path)
+    crate::stream::read_capped(path, MAX_HISTORY_BYTES)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or_default()

@@ -989,25 +989,28 @@ fn excerpt_str(text: &str) -> String {
     out
 }
 
-/// Reads a whole file, refusing anything above `limit` bytes.
+/// Reads a whole file, refusing anything but a regular file, and one above `limit` bytes by its
+/// size before reading it.
 pub(crate) fn read_limited(path: &Path, limit: u64) -> Result<Vec<u8>, TokenizerError> {
     let io_err = |source| TokenizerError::Io {
         path: path.to_path_buf(),
         source,
     };
-    let file = std::fs::File::open(path).map_err(io_err)?;
-    let mut data = Vec::new();
+    let (file, size) = crate::stream::open_regular(path).map_err(io_err)?;
+    let too_large = |size| TokenizerError::FileTooLarge {
+        path: path.to_path_buf(),
+        limit,
+        size,
+    };
+    if size > limit {
+        return Err(too_large(size));
+    }
+    let mut data = Vec::with_capacity(size as usize);
     file.take(limit + 1)
         .read_to_end(&mut data)
         .map_err(io_err)?;
-    let size = data.len() as u64;
-    if size > limit {
-        let size = std::fs::metadata(path).map_or(size, |m| m.len());
-        return Err(TokenizerError::FileTooLarge {
-            path: path.to_path_buf(),
-            limit,
-            size,
-        });
+    if data.len() as u64 > limit {
+        return Err(too_large(data.len() as u64));
     }
     Ok(data)
 }

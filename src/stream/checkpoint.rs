@@ -284,8 +284,7 @@ fn read_index_bytes(path: &Path) -> Result<Vec<u8>, StreamError> {
             weight_map::MAX_INDEX_LEN
         ),
     };
-    let file = File::open(path).map_err(open_err)?;
-    let len = file.metadata().map_err(open_err)?.len();
+    let (file, len) = crate::stream::open_regular(path).map_err(open_err)?;
     if len > weight_map::MAX_INDEX_LEN {
         return Err(too_big(len));
     }
@@ -311,7 +310,9 @@ impl Checkpoint {
         let index_path = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
         let index_bytes;
-        let (shards, expected) = if index_path.is_file() {
+        // Anything at the index's path is read (and refused by name when it is not a regular
+        // file); only its absence means "list the directory".
+        let (shards, expected) = if index_path.exists() {
             index_bytes = read_index_bytes(&index_path)?;
             let map = parse_weight_map(&index_bytes).map_err(|reason| StreamError::Index {
                 path: index_path.clone(),
@@ -336,7 +337,7 @@ impl Checkpoint {
             }
             let shards: Vec<String> = map.files().map(|(f, _)| f.to_string()).collect();
             (shards, Some(map))
-        } else if single.is_file() {
+        } else if single.exists() {
             (vec!["model.safetensors".to_string()], None)
         } else {
             let mut v: Vec<String> = std::fs::read_dir(dir)

@@ -636,11 +636,8 @@ impl Trunk {
             }
         }
         let bin = dir.join("trunk.bin");
-        let file = File::open(&bin).map_err(|e| bad(format!("cannot open trunk.bin: {e}")))?;
-        let len = file
-            .metadata()
-            .map_err(|e| bad(format!("trunk.bin: {e}")))?
-            .len();
+        let (file, len) =
+            super::open_regular(&bin).map_err(|e| bad(format!("cannot open trunk.bin: {e}")))?;
         if len != m.total_bytes || len < end {
             return Err(bad(format!(
                 "trunk.bin is {len} bytes, the manifest says {} (truncated or from another pack?)",

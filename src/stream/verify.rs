@@ -252,7 +252,7 @@ pub fn scan_shard(
     };
     let shown = super::shown(path);
     tensors.sort_by_key(|(_, i)| i.offset);
-    let file = match File::open(path) {
+    let file = match super::open_regular(path).map(|(f, _)| f) {
         Ok(f) => f,
         Err(e) => {
             p.push(format!("{shown}: cannot open: {e}"));
@@ -331,7 +331,7 @@ pub fn scan_shard(
 /// SHA-256 of the file at `path`, read in pieces into `buf`.
 pub fn sha256_file(path: &Path, buf: &mut Vec<u8>) -> std::io::Result<[u8; 32]> {
     use std::io::Read;
-    let mut file = File::open(path)?;
+    let (mut file, _) = super::open_regular(path)?;
     let mut h = Sha256::new();
     buf.clear();
     buf.resize(PIECE, 0);
@@ -387,7 +387,7 @@ pub fn compare_trunk(
     let (tb, sb) = bufs;
     let mut totals = TrunkTotals::default();
     let bin = trunk.dir().join("trunk.bin");
-    let file = match File::open(&bin) {
+    let file = match super::open_regular(&bin).map(|(f, _)| f) {
         Ok(f) => f,
         Err(e) => {
             p.push(format!("{}: cannot open: {e}", super::shown(&bin)));

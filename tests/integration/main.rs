@@ -10,6 +10,7 @@ mod demo;
 mod docs;
 mod fuzz;
 mod header_memory;
+mod input_files;
 mod mapped;
 mod ops;
 mod oracle_tiny;

@@ -646,8 +646,15 @@ pub fn parse_header(json: &[u8], data_len: u64) -> Result<Vec<HeaderEntry<'_>>, 
             e.valid_up_to()
         ))
     })?;
-    if !text.starts_with('{') {
-        return Err(HeaderError::Json("the header must start with `{`".into()));
+    // JSON whitespace may come before the object, as serde_json and the safetensors crate
+    // accept; anything else must be the object itself.
+    if !text
+        .trim_start_matches([' ', '\t', '\n', '\r'])
+        .starts_with('{')
+    {
+        return Err(HeaderError::Json(
+            "the header must be a JSON object (`{` after any whitespace)".into(),
+        ));
     }
     let mut failed = None;
     let mut de = serde_json::Deserializer::from_str(text.trim_end_matches(' '));
@@ -785,8 +792,9 @@ mod tests {
     #[test]
     fn malformed_json_and_shapes_are_refused() {
         let cases: &[(&str, u64, &str)] = &[
-            ("[1,2]", 0, "start with"),
-            (" {}", 0, "start with"),
+            ("[1,2]", 0, "must be a JSON object"),
+            (" \n[]", 0, "must be a JSON object"),
+            ("\u{a0}{}", 0, "must be a JSON object"),
             (
                 "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}",
                 4,
@@ -843,6 +851,8 @@ mod tests {
             let err = parse(j, *len).unwrap_err().to_string();
             assert!(err.contains(needle), "{j}: {err}");
         }
+        // JSON whitespace before the object is accepted, as the safetensors crate does.
+        assert_eq!(parse(" \n\t\r{}", 0).map(|e| e.len()).ok(), Some(0));
         let err = parse_header(b"{\"a\xff\":1}", 0).unwrap_err();
         assert!(
             matches!(err, HeaderError::Json(ref m) if m.contains("UTF-8")),

@@ -165,3 +165,46 @@ fn a_sparse_8_gb_rank_file_is_refused_by_its_size_without_reading_it() {
     assert!(peak > 0);
     assert!(peak < 128 << 20, "peak RSS {peak} bytes");
 }
+
+/// Rewrite shard `k` of `dir` with `lead` before its header's JSON (the length counts it).
+fn lead_header(dir: &Path, k: usize, lead: &str) {
+    let p = crate::bad_inputs::shard(dir, k);
+    let (h, data) = crate::bad_inputs::split(&p);
+    let mut json = lead.as_bytes().to_vec();
+    json.extend_from_slice(&serde_json::to_vec(&h).unwrap());
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&json);
+    out.extend_from_slice(&data);
+    std::fs::write(&p, out).unwrap();
+}
+
+/// `k3 run DIR --ids 1,2,3 --gen 4`: (exit code, stdout, stderr).
+fn run_ids(dir: &Path) -> (i32, String, String) {
+    let out = crate::common::k3_command()
+        .args(["run", dir.to_str().unwrap(), "--ids", "1,2,3", "--gen", "4"])
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_shard_header_may_start_with_json_whitespace() {
+    let (_a, plain) = copy_tiny();
+    let (code, want, err) = run_ids(&plain);
+    assert_eq!(code, 0, "{err}");
+    let (_b, dir) = copy_tiny();
+    lead_header(&dir, 1, " \n\t\r ");
+    let (code, got, err) = run_ids(&dir);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(got, want, "the same tokens as the untouched checkpoint");
+    // Anything else before the object is still refused.
+    let (_c, dir) = copy_tiny();
+    lead_header(&dir, 1, " x");
+    let (code, _, err) = run_ids(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("must be a JSON object"), "{err}");
+}

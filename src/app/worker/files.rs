@@ -11,10 +11,15 @@ use crate::session::store::{
 };
 use std::path::Path;
 
+/// The files a model's identity digests were accepted when the model was loaded (each well
+/// under this); read again here, they are held to the same rule: regular files, sizes checked.
+const MAX_IDENTITY_FILE_BYTES: u64 = 256 << 20;
+
 pub(super) fn model_identity(dir: &Path, info: &LoadInfo) -> std::io::Result<ModelIdentity> {
-    let config = std::fs::read(dir.join("config.json"))?;
-    let ranks = std::fs::read(dir.join("tiktoken.model"))?;
-    let tok_cfg = std::fs::read(dir.join("tokenizer_config.json"))?;
+    let read = |name: &str| crate::stream::read_capped(&dir.join(name), MAX_IDENTITY_FILE_BYTES);
+    let config = read("config.json")?;
+    let ranks = read("tiktoken.model")?;
+    let tok_cfg = read("tokenizer_config.json")?;
     Ok(ModelIdentity::compute(
         &config,
         &[&ranks, &tok_cfg],

@@ -28,6 +28,9 @@ pub enum Error {
     /// Sampling failed (non-finite logits, bad settings).
     #[error(transparent)]
     Sample(#[from] SampleError),
+    /// The model directory's `generation_config.json` was refused.
+    #[error(transparent)]
+    GenerationConfig(#[from] crate::session::defaults::GenerationConfigError),
     /// A bad command-line value or combination.
     #[error("{0}")]
     Usage(String),
@@ -51,6 +54,7 @@ impl Error {
             Error::Stream(e) => e.exit_code(),
             Error::Bind(_) | Error::Tokenizer(_) => 3,
             Error::Trunk(e) => e.exit_code(),
+            Error::GenerationConfig(e) => e.exit_code(),
             Error::Sample(_) => 4,
             Error::Write { .. } => 1,
             Error::Usage(_) => 2,

@@ -41,6 +41,10 @@ pub struct ServeConfig {
     pub max_tokens: usize,
     /// Most positions one request may need (the plan reserves state for them).
     pub context: usize,
+    /// Sampling of a request that leaves a setting out.
+    pub sampler: crate::engine::sampling::SamplerConfig,
+    /// Reply length of a chat request that gives no `max_tokens` (at most `max_tokens`).
+    pub default_max_tokens: usize,
     /// Memory budget.
     pub budget: crate::stream::budget::BudgetRequest,
     /// A packed trunk.

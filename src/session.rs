@@ -3,6 +3,7 @@
 
 pub mod chat;
 pub mod commands;
+pub mod defaults;
 pub mod journal;
 pub mod naming;
 pub mod store;

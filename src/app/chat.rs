@@ -6,6 +6,7 @@
 use super::config::{Cmd, Config, KeyChord, ThemeName};
 use super::worker::{ChatConfig, Worker};
 use crate::session::chat::Settings;
+use crate::session::defaults::{self, SamplingLayer, Source, Sources};
 use clap::Args;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -142,32 +143,49 @@ pub fn terminal_usable() -> bool {
         && term != "dumb"
 }
 
-/// The settings: flags over the config file over the defaults.
-fn settings(args: &ChatArgs, cfg: &Config) -> Settings {
-    let s = &cfg.sampling;
-    let temperature = args.temperature.unwrap_or(s.temperature);
-    Settings {
-        temperature: if args.greedy { 0.0 } else { temperature },
-        top_k: args.top_k.unwrap_or(s.top_k),
-        top_p: args.top_p.unwrap_or(s.top_p),
-        min_p: args.min_p.unwrap_or(s.min_p),
-        repeat_penalty: args.repeat_penalty.unwrap_or(s.repeat_penalty),
-        seed: args.seed.unwrap_or(s.seed),
-        max_tokens: args.max_tokens.unwrap_or(s.max_tokens).max(1),
-        thinking: if args.no_think {
-            false
+/// The settings: flags over the config file over the model's `generation_config.json` (`gen`)
+/// over the built-in defaults; and where each sampling value came from.
+fn settings(
+    args: &ChatArgs,
+    cfg: &Config,
+    gen: Option<&crate::session::defaults::GenerationConfig>,
+) -> (Settings, Sources) {
+    let flags = SamplingLayer {
+        temperature: if args.greedy {
+            Some(0.0)
         } else {
-            args.think || cfg.thinking.enabled
+            args.temperature
         },
-        effort: args
-            .effort
-            .clone()
-            .unwrap_or_else(|| cfg.thinking.effort.clone()),
-        context_limit: args.context.unwrap_or(s.context).max(2),
-        stop_ids: args.stop_ids.clone(),
-        raw_max_tokens: args.raw_max_tokens.unwrap_or(s.raw_max_tokens).max(1),
-        raw_ignore_end: args.raw_ignore_end,
-    }
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repeat_penalty: args.repeat_penalty,
+        seed: args.seed,
+        max_tokens: args.max_tokens,
+        raw_max_tokens: args.raw_max_tokens,
+        context: args.context,
+    };
+    let none = SamplingLayer::default();
+    let (mut s, sources) = defaults::resolve(
+        defaults::built_in(),
+        &[
+            (Source::Model, gen.map_or(&none, |g| &g.layer)),
+            (Source::UserConfig, &cfg.sampling),
+            (Source::Flag, &flags),
+        ],
+    );
+    s.thinking = if args.no_think {
+        false
+    } else {
+        args.think || cfg.thinking.enabled
+    };
+    s.effort = args
+        .effort
+        .clone()
+        .unwrap_or_else(|| cfg.thinking.effort.clone());
+    s.stop_ids.clone_from(&args.stop_ids);
+    s.raw_ignore_end = args.raw_ignore_end;
+    (s, sources)
 }
 
 /// Refuse a budget below the floor of `k3 chat`'s plan (its context and its snapshots) before
@@ -320,7 +338,12 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
         (None, None) => super::demo::materialise()?,
     };
     super::run::set_threads(args.threads)?;
-    let settings = settings(args, &cfg);
+    let gen = if args.remote.is_none() {
+        defaults::GenerationConfig::load(&model_dir)?
+    } else {
+        None
+    };
+    let (settings, sources) = settings(args, &cfg, gen.as_ref());
     settings.render_options().map_err(crate::Error::Usage)?;
     crate::engine::sampling::Sampler::new(settings.sampler())
         .map_err(|e| crate::Error::Usage(e.to_string()))?;
@@ -329,7 +352,7 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
         .keys
         .bindings()
         .map_err(|(field, msg)| crate::Error::Usage(format!("{field}: {msg}")))?;
-    let (budget, start_note) = if demo && !args.budget.given() && cfg.memory.budget_gb.is_none() {
+    let (budget, budget_note) = if demo && !args.budget.given() && cfg.memory.budget_gb.is_none() {
         let (b, line) = demo_budget(&model_dir, settings.context_limit as u64)?;
         (crate::stream::budget::BudgetRequest::Total(b), Some(line))
     } else {
@@ -338,6 +361,20 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
             None,
         )
     };
+    // What the model's generation_config.json had that k3 does not use, and the budget's
+    // reason (the worker adds where each sampling value came from).
+    let notes: Vec<&String> = gen
+        .iter()
+        .flat_map(|g| &g.notes)
+        .chain(&budget_note)
+        .collect();
+    let start_note = (!notes.is_empty()).then(|| {
+        notes
+            .iter()
+            .map(|s| s.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+    });
     if args.remote.is_none() {
         check_floor(&model_dir, budget, settings.context_limit as u64)?;
     }
@@ -389,6 +426,7 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
             trunk: args.budget.trunk.clone(),
             spec: args.spec,
             start_note,
+            sources,
         })
     };
     let model = if demo {

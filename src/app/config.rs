@@ -81,46 +81,6 @@ pub enum ThemeName {
     Mono,
 }
 
-/// Sampling defaults (the `[sampling]` table).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct SamplingConfig {
-    /// Temperature (0 is greedy).
-    pub temperature: f32,
-    /// Top-k (0 = off).
-    pub top_k: usize,
-    /// Nucleus threshold in (0, 1].
-    pub top_p: f32,
-    /// Min-p in [0, 1].
-    pub min_p: f32,
-    /// Repetition penalty (1 = off).
-    pub repeat_penalty: f32,
-    /// Random seed.
-    pub seed: u64,
-    /// Longest reply in tokens.
-    pub max_tokens: usize,
-    /// Longest raw-mode continuation in tokens.
-    pub raw_max_tokens: usize,
-    /// Most positions a session may hold.
-    pub context: usize,
-}
-
-impl Default for SamplingConfig {
-    fn default() -> Self {
-        SamplingConfig {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            repeat_penalty: 1.0,
-            seed: 1,
-            max_tokens: 512,
-            raw_max_tokens: crate::session::chat::RAW_MAX_TOKENS,
-            context: 32_768,
-        }
-    }
-}
-
 /// Thinking defaults (the `[thinking]` table).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -557,8 +517,8 @@ pub struct Config {
     pub model_dir: Option<PathBuf>,
     /// Colour scheme.
     pub theme: ThemeName,
-    /// Sampling defaults.
-    pub sampling: SamplingConfig,
+    /// Sampling defaults: each key given here overrides the model's `generation_config.json`.
+    pub sampling: crate::session::defaults::SamplingLayer,
     /// Thinking defaults.
     pub thinking: ThinkingConfig,
     /// Memory defaults.
@@ -576,16 +536,18 @@ pub const DEFAULT_TOML: &str = r#"# k3 configuration. Command-line flags overrid
 # Colours of the terminal client: "dark", "light" or "mono".
 theme = "dark"
 
+# Sampling: a key set here overrides the model directory's generation_config.json; a key left
+# unset takes the model's value, else the built-in default shown.
 [sampling]
-temperature = 1.0      # 0 is greedy
-top_k = 0              # 0 = off
-top_p = 1.0            # in (0, 1]
-min_p = 0.0            # in [0, 1]
-repeat_penalty = 1.0   # 1 = off
-seed = 1
-max_tokens = 512       # longest reply
-raw_max_tokens = 200   # longest raw-mode continuation (it also stops at an end-of-text token)
-context = 32768        # most positions a session may hold
+# temperature = 1.0    # 0 is greedy
+# top_k = 0            # 0 = off
+# top_p = 1.0          # in (0, 1]
+# min_p = 0.0          # in [0, 1]
+# repeat_penalty = 1.0 # 1 = off
+# seed = 1
+# max_tokens = 512     # longest reply
+# raw_max_tokens = 200 # longest raw-mode continuation (it also stops at an end-of-text token)
+# context = 32768      # most positions a session may hold
 
 [thinking]
 enabled = true
@@ -680,31 +642,40 @@ impl Config {
         };
         let s = &self.sampling;
         let checks: [(&str, bool, &str); 8] = [
-            ("sampling.temperature", s.temperature >= 0.0, "must be ≥ 0"),
+            (
+                "sampling.temperature",
+                s.temperature.is_none_or(|t| t >= 0.0 && t.is_finite()),
+                "must be ≥ 0",
+            ),
             (
                 "sampling.top_p",
-                s.top_p > 0.0 && s.top_p <= 1.0,
+                s.top_p.is_none_or(|p| p > 0.0 && p <= 1.0),
                 "must be in (0, 1]",
             ),
             (
                 "sampling.min_p",
-                (0.0..=1.0).contains(&s.min_p),
+                s.min_p.is_none_or(|p| (0.0..=1.0).contains(&p)),
                 "must be in [0, 1]",
             ),
             (
                 "sampling.repeat_penalty",
-                s.repeat_penalty > 0.0,
+                s.repeat_penalty.is_none_or(|r| r > 0.0 && r.is_finite()),
                 "must be > 0",
             ),
-            ("sampling.max_tokens", s.max_tokens >= 1, "must be ≥ 1"),
+            (
+                "sampling.max_tokens",
+                s.max_tokens.is_none_or(|n| n >= 1),
+                "must be ≥ 1",
+            ),
             (
                 "sampling.raw_max_tokens",
-                s.raw_max_tokens >= 1,
+                s.raw_max_tokens.is_none_or(|n| n >= 1),
                 "must be ≥ 1",
             ),
             (
                 "sampling.context",
-                (2..=crate::app::run::MAX_CONTEXT).contains(&s.context),
+                s.context
+                    .is_none_or(|n| (2..=crate::app::run::MAX_CONTEXT).contains(&n)),
                 "must be in 2..=1048576",
             ),
             (
@@ -879,8 +850,9 @@ mod tests {
         .unwrap();
         assert_eq!(cfg.model_dir, Some(PathBuf::from("/x")));
         assert_eq!(cfg.theme, ThemeName::Mono);
-        assert_eq!(cfg.sampling.temperature, 0.0);
-        assert_eq!(cfg.sampling.top_p, 1.0);
+        assert_eq!(cfg.sampling.temperature, Some(0.0));
+        // A key not in the file is left to the model's generation_config.json or the built-in.
+        assert_eq!(cfg.sampling.top_p, None);
         assert!(!cfg.thinking.enabled);
         let b = cfg.keys.bindings().unwrap();
         let copy = b.iter().find(|(c, _)| *c == Cmd::Copy).unwrap().1;

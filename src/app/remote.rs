@@ -443,23 +443,23 @@ impl Ctx<'_> {
             "stream": true,
             "stream_options": {"include_usage": true},
             "max_tokens": s.max_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "seed": s.seed,
+            "temperature": s.sampler.temperature,
+            "top_p": s.sampler.top_p,
+            "seed": s.sampler.seed,
         });
         body["thinking"] = if thinking {
             json!({"type": "enabled", "effort": s.effort})
         } else {
             json!({"type": "disabled"})
         };
-        if s.top_k > 0 {
-            body["top_k"] = json!(s.top_k);
+        if s.sampler.top_k > 0 {
+            body["top_k"] = json!(s.sampler.top_k);
         }
-        if s.min_p > 0.0 {
-            body["min_p"] = json!(s.min_p);
+        if s.sampler.min_p > 0.0 {
+            body["min_p"] = json!(s.sampler.min_p);
         }
-        if s.repeat_penalty != 1.0 {
-            body["repetition_penalty"] = json!(s.repeat_penalty);
+        if s.sampler.repeat_penalty != 1.0 {
+            body["repetition_penalty"] = json!(s.sampler.repeat_penalty);
         }
         if !self.event(EngineEvent::TurnStarted {
             turn,

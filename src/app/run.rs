@@ -35,24 +35,25 @@ pub struct RunArgs {
     /// Most positions the run may hold: prompt tokens plus `--gen` (at most 1048576).
     #[arg(long, default_value_t = 32_768)]
     pub context: usize,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f32,
-    /// Keep only the K most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
-    /// Nucleus sampling threshold in (0, 1].
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    /// Drop tokens whose probability is below P × the largest (0 = off).
-    #[arg(long, default_value_t = 0.0)]
-    pub min_p: f32,
-    /// Repetition penalty over the ids already in the sequence (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    pub repeat_penalty: f32,
-    /// Random seed for sampling.
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
+    /// Sampling temperature; 0 is greedy [default: the config file's, else the model's
+    /// generation_config.json's, else 0; likewise for the sampling flags below].
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Keep only the K most likely tokens (0 = off) [default: 0].
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Nucleus sampling threshold in (0, 1] [default: 1].
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// Drop tokens whose probability is below P × the largest (0 = off) [default: 0].
+    #[arg(long)]
+    pub min_p: Option<f32>,
+    /// Repetition penalty over the ids already in the sequence (1 = off) [default: 1].
+    #[arg(long)]
+    pub repeat_penalty: Option<f32>,
+    /// Random seed for sampling [default: 1].
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Stop after emitting this id (repeatable).
     #[arg(long = "stop-id", value_name = "ID")]
     pub stop_ids: Vec<u32>,
@@ -356,6 +357,52 @@ fn run_stats(model: &Model, info: &crate::engine::weights::LoadInfo) -> serde_js
     j
 }
 
+/// The sampler of `k3 run`: the flags over the user config file's `[sampling]` over the model's
+/// `generation_config.json` over greedy decoding; and the line saying where each value came from.
+fn sampling(args: &RunArgs, model_dir: &Path) -> Result<(SamplerConfig, String)> {
+    use crate::session::defaults::{self, SamplingLayer, Source};
+    let user = super::config::Config::load().map_err(|e| Error::Usage(e.to_string()))?;
+    let gen = defaults::GenerationConfig::load(model_dir)?;
+    for note in gen.iter().flat_map(|g| &g.notes) {
+        eprintln!("k3: {note}");
+    }
+    let flags = SamplingLayer {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repeat_penalty: args.repeat_penalty,
+        seed: args.seed,
+        ..SamplingLayer::default()
+    };
+    // Only the sampler's keys: --gen and --context set the length here.
+    let user = SamplingLayer {
+        max_tokens: None,
+        raw_max_tokens: None,
+        context: None,
+        ..user.sampling
+    };
+    let none = SamplingLayer::default();
+    let gen_layer = gen.as_ref().map_or(none, |g| SamplingLayer {
+        max_tokens: None,
+        ..g.layer.clone()
+    });
+    let (s, sources) = defaults::resolve(
+        crate::session::chat::Settings::default(),
+        &[
+            (Source::Model, &gen_layer),
+            (Source::UserConfig, &user),
+            (Source::Flag, &flags),
+        ],
+    );
+    let mut line = sources.line(&s);
+    // max_tokens is --gen here.
+    if let Some(i) = line.find(", max_tokens ") {
+        line.truncate(i);
+    }
+    Ok((s.sampler, line))
+}
+
 /// Run `k3 run`.
 pub fn run(args: &RunArgs) -> Result<()> {
     set_threads(args.threads)?;
@@ -363,15 +410,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
         Some(d) => d.clone(),
         None => super::demo::materialise()?,
     };
-    let sampler_cfg = SamplerConfig {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repeat_penalty: args.repeat_penalty,
-        seed: args.seed,
-    };
-    let mut sampler = Sampler::new(sampler_cfg).map_err(|e| Error::Usage(e.to_string()))?;
     let req = args
         .budget
         .request(crate::stream::budget::BudgetRequest::Resident)?;
@@ -384,6 +422,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
     // The prompt is measured before any weight is read: the config gives the vocabulary, the
     // tokenizer the length.
     let cfg = crate::engine::ModelConfig::load(&model_dir.join("config.json"))?;
+    // The model's config.json is checked first, then the files that choose the sampler.
+    let (sampler_cfg, sampling_line) = sampling(args, &model_dir)?;
+    let mut sampler = Sampler::new(sampler_cfg).map_err(|e| Error::Usage(e.to_string()))?;
     let vocab = cfg.vocab_size;
     let vocab_u32 =
         u32::try_from(vocab).map_err(|_| Error::Usage("vocab_size above u32".into()))?;
@@ -468,7 +509,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 .into(),
         ));
     }
-    let mut accept = crate::engine::sampling::Rng::from_seed(args.seed ^ ACCEPT_STREAM);
+    let mut accept = crate::engine::sampling::Rng::from_seed(sampler_cfg.seed ^ ACCEPT_STREAM);
     let mut spec = Speculator::new(spec_mode);
     let read_before = model.streamer().map_or(0, |s| s.stats().disk_bytes_read);
     let cpu_before = CpuTicks::now();
@@ -554,11 +595,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "spec": spec_json(spec_mode, &spec.stats(), decode_read, generated.len().saturating_sub(1)),
             "kernels": kernels_json(),
             "cpu_steal_fraction": steal,
+            "sampling": sampling_line,
         });
         println!("{j}");
     } else {
         print!("{}", terminal_safe(&tail));
         println!();
+        eprintln!("k3: {sampling_line}");
         eprintln!(
             "k3: loaded in {load_s:.1} s; {} prompt tokens at {:.1} tokens/s; {} generated at {:.4} s/token ({:.4} median); peak RSS {:.1} MB",
             prompt.len(),

@@ -1,6 +1,7 @@
 //! `k3 serve`: the command line of the API server; resolves the model directory, the budget,
 //! the address and the key into a [`crate::serve::ServeConfig`].
 
+use crate::session::defaults::{self, Source};
 use crate::{Error, Result};
 use clap::Args;
 use std::net::IpAddr;
@@ -54,7 +55,10 @@ pub struct ServeArgs {
 /// Run `k3 serve`; returns the exit status.
 pub fn run(args: &ServeArgs) -> Result<i32> {
     let cfg = super::config::Config::load().map_err(|e| Error::Usage(e.to_string()))?;
-    let context = args.context.unwrap_or(cfg.sampling.context);
+    let context = args
+        .context
+        .or(cfg.sampling.context)
+        .unwrap_or(crate::session::chat::Settings::default().context_limit);
     if !(2..=super::run::MAX_CONTEXT).contains(&context) {
         return Err(Error::Usage(format!(
             "--context {context} must be between 2 and {} positions",
@@ -101,6 +105,29 @@ pub fn run(args: &ServeArgs) -> Result<i32> {
         None => super::demo::materialise()?,
     };
     super::run::set_threads(args.threads)?;
+    // Requests that leave a setting out get the config file's, else the model's
+    // generation_config.json's, else the built-in one; a reply length at most --max-tokens.
+    let gen = defaults::GenerationConfig::load(&model_dir)?;
+    let none = defaults::SamplingLayer::default();
+    let (settings, sources) = defaults::resolve(
+        crate::session::chat::Settings {
+            max_tokens: args.max_tokens,
+            ..defaults::built_in()
+        },
+        &[
+            (Source::Model, gen.as_ref().map_or(&none, |g| &g.layer)),
+            (Source::UserConfig, &cfg.sampling),
+        ],
+    );
+    crate::engine::sampling::Sampler::new(settings.sampler)
+        .map_err(|e| Error::Usage(e.to_string()))?;
+    for note in gen.iter().flat_map(|g| &g.notes) {
+        eprintln!("k3 serve: {note}");
+    }
+    eprintln!(
+        "k3 serve: defaults for requests that leave them out: {}",
+        sources.line(&settings)
+    );
     crate::serve::run(crate::serve::ServeConfig {
         model_dir,
         model_name: args.model_name.clone(),
@@ -110,6 +137,8 @@ pub fn run(args: &ServeArgs) -> Result<i32> {
         queue: args.queue,
         max_tokens: args.max_tokens,
         context,
+        sampler: settings.sampler,
+        default_max_tokens: settings.max_tokens.min(args.max_tokens),
         budget: args.budget.request(super::budget_args::auto_request())?,
         trunk: args.budget.trunk.clone(),
         client_timeout: std::time::Duration::from_secs(args.client_timeout),

@@ -13,6 +13,7 @@ use super::protocol::{EngineEvent, HistoryView, Request, TurnId};
 use crate::engine::Model;
 use crate::session::chat::{Entry, Mode, Session, Settings, Stop};
 use crate::session::commands::{Command, Setting, HELP};
+use crate::session::defaults::{Source, Sources};
 use crate::session::store::{ModelIdentity, SessionLock, SessionStore};
 use crate::session::tokenizer::Tokenizer;
 use crate::stream::stats::{self, StatsSnapshot};
@@ -49,8 +50,11 @@ pub struct ChatConfig {
     pub trunk: Option<PathBuf>,
     /// How replies are decoded (speculation never changes a token).
     pub spec: crate::engine::spec::SpecMode,
-    /// A line for the start-up info (why the model opens under the budget it does).
+    /// Lines for the start-up info (what the model's generation_config.json had that k3 does
+    /// not use, why the model opens under the budget it does).
     pub start_note: Option<String>,
+    /// Where each sampling value came from (`/stats` shows it; `/set` changes it).
+    pub sources: crate::session::defaults::Sources,
 }
 
 /// Handle on a running worker.
@@ -265,6 +269,8 @@ struct Ctx<'a> {
     base: Option<Base>,
     /// Why the journal is not being written, if it is not (said when the worker ends).
     journal_problem: Option<String>,
+    /// Where each sampling value came from.
+    sources: Sources,
 }
 
 /// What went wrong during a session, for the exit status of a run whose stdin is not a
@@ -438,6 +444,7 @@ fn run(
         journal: None,
         base: None,
         journal_problem: None,
+        sources: cfg.sources,
     };
     ctx.session.system.clone_from(&cfg.system);
     let mut resumed = None;
@@ -471,6 +478,8 @@ fn run(
             "\nsession {n:?} has unsaved turns in its journal: --resume {n} recovers them"
         ));
     }
+    info_line.push('\n');
+    info_line.push_str(&ctx.sources.line(&ctx.session.settings));
     if let Some(note) = &cfg.start_note {
         info_line.push('\n');
         info_line.push_str(note);
@@ -735,6 +744,7 @@ impl Ctx<'_> {
         let mut s = self.session.settings.clone();
         let line = setting.apply(v, &mut s);
         self.session.set_settings(s).map_err(|e| e.to_string())?;
+        self.sources.set(setting.name(), Source::Set);
         Ok(line)
     }
 

@@ -82,8 +82,9 @@ impl Rng {
     }
 }
 
-/// Sampling settings. `Default` is greedy decoding.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// Sampling settings: the one type every front end, the session, the server and the session
+/// file use for them. `Default` is greedy decoding.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplerConfig {
     /// Softmax temperature; 0 selects greedy decoding. Must be finite, ≥ 0.
     pub temperature: f32,

@@ -527,6 +527,8 @@ fn limits(s: &AppState) -> Limits {
     Limits {
         max_tokens: s.cfg.max_tokens,
         context: s.cfg.context,
+        sampler: s.cfg.sampler,
+        default_max_tokens: s.cfg.default_max_tokens,
     }
 }
 

@@ -170,6 +170,11 @@ pub struct Limits {
     pub max_tokens: usize,
     /// Positions one request may use.
     pub context: usize,
+    /// Sampling of a request that leaves a setting out (`k3 serve` resolves it from the user
+    /// config file, the model's `generation_config.json` and the built-in defaults).
+    pub sampler: crate::engine::sampling::SamplerConfig,
+    /// Reply length of a request that gives no `max_tokens` (at most `max_tokens`).
+    pub default_max_tokens: usize,
 }
 
 fn json_error(e: &serde_json::Error) -> ApiError {
@@ -235,17 +240,19 @@ fn sampling(
         }
         Some(m) => m as usize,
     };
-    let d = Settings::default();
+    let d = limits.sampler;
     let s = Settings {
-        temperature: temperature.unwrap_or(1.0),
-        top_p: top_p.unwrap_or(1.0),
-        top_k: top_k.unwrap_or(0),
-        min_p: min_p.unwrap_or(0.0),
-        repeat_penalty: repetition_penalty.unwrap_or(1.0),
-        seed: seed.unwrap_or(1),
+        sampler: crate::engine::sampling::SamplerConfig {
+            temperature: temperature.unwrap_or(d.temperature),
+            top_p: top_p.unwrap_or(d.top_p),
+            top_k: top_k.unwrap_or(d.top_k),
+            min_p: min_p.unwrap_or(d.min_p),
+            repeat_penalty: repetition_penalty.unwrap_or(d.repeat_penalty),
+            seed: seed.unwrap_or(d.seed),
+        },
         max_tokens: max,
         context_limit: limits.context,
-        ..d
+        ..Settings::default()
     };
     crate::engine::sampling::Sampler::new(s.sampler())
         .map_err(|e| ApiError::bad("temperature", e.to_string()))?;
@@ -311,7 +318,7 @@ pub fn parse_chat(body: &[u8], limits: Limits) -> Result<Parsed, ApiError> {
         r.min_p,
         r.repetition_penalty,
         r.max_completion_tokens.or(r.max_tokens),
-        limits.max_tokens,
+        limits.default_max_tokens,
         r.seed,
         r.n,
         r.stop.as_ref(),
@@ -587,10 +594,44 @@ mod tests {
     const LIMITS: Limits = Limits {
         max_tokens: 100,
         context: 1000,
+        sampler: crate::engine::sampling::SamplerConfig {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            seed: 1,
+        },
+        default_max_tokens: 100,
     };
 
     fn chat(body: &str) -> Result<Parsed, ApiError> {
         parse_chat(body.as_bytes(), LIMITS)
+    }
+
+    #[test]
+    fn a_request_that_leaves_sampling_out_gets_the_server_defaults() {
+        let limits = Limits {
+            sampler: crate::engine::sampling::SamplerConfig {
+                temperature: 0.3,
+                top_p: 0.9,
+                top_k: 20,
+                ..LIMITS.sampler
+            },
+            default_max_tokens: 7,
+            ..LIMITS
+        };
+        let body = r#"{"messages":[{"role":"user","content":"hi"}]}"#;
+        let p = parse_chat(body.as_bytes(), limits).expect("minimal");
+        let s = p.settings.sampler;
+        assert_eq!((s.temperature, s.top_p, s.top_k, s.seed), (0.3, 0.9, 20, 1));
+        assert_eq!(p.settings.max_tokens, 7);
+        let body = r#"{"messages":[{"role":"user","content":"hi"}],"temperature":0.8,
+            "top_k":0,"max_tokens":50}"#;
+        let p = parse_chat(body.as_bytes(), limits).expect("given");
+        let s = p.settings.sampler;
+        assert_eq!((s.temperature, s.top_p, s.top_k), (0.8, 0.9, 0));
+        assert_eq!(p.settings.max_tokens, 50);
     }
 
     #[test]

@@ -118,18 +118,9 @@ pub fn markdown<'e>(
 /// Settings that change what a turn produces.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Settings {
-    /// Sampler settings.
-    pub temperature: f32,
-    /// Top-k (0 = off).
-    pub top_k: usize,
-    /// Nucleus threshold.
-    pub top_p: f32,
-    /// Min-p.
-    pub min_p: f32,
-    /// Repetition penalty.
-    pub repeat_penalty: f32,
-    /// Seed.
-    pub seed: u64,
+    /// Sampler settings (stored flat: `temperature`, `top_k`, … beside the others).
+    #[serde(flatten)]
+    pub sampler: SamplerConfig,
     /// Reply length limit.
     pub max_tokens: usize,
     /// Thinking channel on.
@@ -159,14 +150,8 @@ fn default_raw_max_tokens() -> usize {
 
 impl Default for Settings {
     fn default() -> Self {
-        let s = SamplerConfig::default();
         Settings {
-            temperature: s.temperature,
-            top_k: s.top_k,
-            top_p: s.top_p,
-            min_p: s.min_p,
-            repeat_penalty: s.repeat_penalty,
-            seed: s.seed,
+            sampler: SamplerConfig::default(),
             max_tokens: 512,
             thinking: true,
             effort: "max".into(),
@@ -182,14 +167,7 @@ impl Settings {
     /// The sampler configuration.
     #[must_use]
     pub fn sampler(&self) -> SamplerConfig {
-        SamplerConfig {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            repeat_penalty: self.repeat_penalty,
-            seed: self.seed,
-        }
+        self.sampler
     }
 
     /// Render options.
@@ -712,7 +690,7 @@ impl<'a> Session<'a> {
     /// Change settings; the sampler keeps its random stream unless the seed changed.
     pub fn set_settings(&mut self, s: Settings) -> Result<(), TurnError> {
         s.render_options().map_err(TurnError::Refused)?;
-        let rng = if s.seed == self.settings.seed {
+        let rng = if s.sampler.seed == self.settings.sampler.seed {
             Some(self.sampler.rng_state())
         } else {
             None

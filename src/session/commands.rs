@@ -53,12 +53,12 @@ impl Setting {
     /// Set this to `v` (a value the parser accepted) in `s`; the line that says so.
     pub fn apply(self, v: f64, s: &mut Settings) -> String {
         match self {
-            Setting::Temperature => s.temperature = v as f32,
-            Setting::TopP => s.top_p = v as f32,
-            Setting::TopK => s.top_k = v as usize,
-            Setting::MinP => s.min_p = v as f32,
-            Setting::RepeatPenalty => s.repeat_penalty = v as f32,
-            Setting::Seed => s.seed = v as u64,
+            Setting::Temperature => s.sampler.temperature = v as f32,
+            Setting::TopP => s.sampler.top_p = v as f32,
+            Setting::TopK => s.sampler.top_k = v as usize,
+            Setting::MinP => s.sampler.min_p = v as f32,
+            Setting::RepeatPenalty => s.sampler.repeat_penalty = v as f32,
+            Setting::Seed => s.sampler.seed = v as u64,
             Setting::MaxTokens => s.max_tokens = (v as usize).max(1),
             Setting::RawMaxTokens => s.raw_max_tokens = (v as usize).max(1),
             Setting::RawIgnoreEnd => s.raw_ignore_end = v != 0.0,
@@ -405,12 +405,14 @@ mod tests {
             assert_eq!(setting.apply(v, &mut s), want);
         }
         let want = Settings {
-            temperature: 0.5,
-            top_p: 0.25,
-            top_k: 7,
-            min_p: 0.125,
-            repeat_penalty: 1.5,
-            seed: 42,
+            sampler: crate::engine::sampling::SamplerConfig {
+                temperature: 0.5,
+                top_p: 0.25,
+                top_k: 7,
+                min_p: 0.125,
+                repeat_penalty: 1.5,
+                seed: 42,
+            },
             max_tokens: 64,
             raw_max_tokens: 9,
             raw_ignore_end: true,

@@ -43,7 +43,10 @@ fn heldout() -> serde_json::Value {
 
 fn greedy() -> Settings {
     Settings {
-        temperature: 0.0,
+        sampler: k3::engine::sampling::SamplerConfig {
+            temperature: 0.0,
+            ..Default::default()
+        },
         max_tokens: 64,
         thinking: false,
         ..Settings::default()

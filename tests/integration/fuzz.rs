@@ -20,6 +20,7 @@ fn every_fuzz_target_runs_clean_for_a_bounded_number_of_inputs() {
         "session_decode",
         "tiktoken_ranks",
         "user_toml",
+        "generation_config",
         "journal",
     ] {
         assert!(names.iter().any(|n| n == want), "{want} in {names:?}");

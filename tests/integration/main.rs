@@ -9,6 +9,7 @@ mod config;
 mod demo;
 mod docs;
 mod fuzz;
+mod generation;
 mod header_memory;
 mod input_files;
 mod mapped;

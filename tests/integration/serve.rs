@@ -578,7 +578,10 @@ fn remote_worker(
     dir: &Path,
 ) -> k3::app::worker::Worker {
     let settings = k3::session::chat::Settings {
-        temperature: 0.0,
+        sampler: k3::engine::sampling::SamplerConfig {
+            temperature: 0.0,
+            ..Default::default()
+        },
         ..k3::session::chat::Settings::default()
     };
     k3::app::worker::Worker::spawn_remote(k3::app::remote::RemoteConfig {

@@ -23,8 +23,11 @@ fn tok() -> &'static Tokenizer {
 
 fn settings(temperature: f32) -> Settings {
     Settings {
-        temperature,
-        seed: 7,
+        sampler: k3::engine::sampling::SamplerConfig {
+            temperature,
+            seed: 7,
+            ..Default::default()
+        },
         max_tokens: 10,
         raw_max_tokens: 10,
         thinking: false,
@@ -1158,6 +1161,7 @@ fn the_worker_renames_and_deletes_saved_sessions_and_refuses_the_open_one() {
         trunk: None,
         spec: k3::engine::spec::SpecMode::Off,
         start_note: None,
+        sources: k3::session::defaults::Sources::default(),
     });
     // The answer to turn `t`: Ok(notice) or Err(failure).
     let answer = |t: u64| loop {

@@ -77,7 +77,7 @@ impl Ctx<'_> {
         let spec = s.spec_stats();
         format!(
             "positions {} / {}; carried state {:.2} MB; mode {}; thinking {} ({}); peak RSS {:.1} MB; \
-             speculation {}: {} passes, {:.2} tokens/pass, {} of {} proposals used",
+             speculation {}: {} passes, {:.2} tokens/pass, {} of {} proposals used\n{}",
             s.tokens().len(),
             s.settings.context_limit,
             s.state().bytes() as f64 / 1e6,
@@ -89,7 +89,8 @@ impl Ctx<'_> {
             spec.passes,
             spec.tokens_per_pass(),
             spec.accepted,
-            spec.proposed
+            spec.proposed,
+            self.sources.line(&s.settings)
         )
     }
 }

@@ -247,6 +247,8 @@ impl Ctx<'_> {
             msg.push('\n');
             msg.push_str(&recovered);
         }
+        self.sources =
+            crate::session::defaults::Sources::all(crate::session::defaults::Source::Session);
         Ok(msg)
     }
 

@@ -348,6 +348,38 @@ fn user_toml(data: &[u8]) -> String {
     }
 }
 
+fn generation_config(data: &[u8]) -> String {
+    use k3::session::defaults::GenerationConfig;
+    match GenerationConfig::parse(data, Path::new("generation_config.json")) {
+        Ok(g) => {
+            // What is accepted is in range for the sampler.
+            let l = &g.layer;
+            assert!(
+                l.temperature.is_none_or(|t| t.is_finite() && t >= 0.0),
+                "{l:?}"
+            );
+            assert!(l.top_p.is_none_or(|p| p > 0.0 && p <= 1.0), "{l:?}");
+            assert!(l.min_p.is_none_or(|p| (0.0..=1.0).contains(&p)), "{l:?}");
+            assert!(
+                l.repeat_penalty.is_none_or(|r| r.is_finite() && r > 0.0),
+                "{l:?}"
+            );
+            assert!(l.max_tokens.is_none_or(|n| n >= 1), "{l:?}");
+            let (s, _) = k3::session::defaults::resolve(
+                k3::session::defaults::built_in(),
+                &[(k3::session::defaults::Source::Model, l)],
+            );
+            assert!(s.sampler.validate().is_ok(), "{l:?}");
+            format!("ok:{}", g.notes.len())
+        }
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(msg.len() < 4 << 10, "a message of {} bytes", msg.len());
+            sig("generation", &msg)
+        }
+    }
+}
+
 fn journal(data: &[u8]) -> String {
     match k3::session::journal::decode(data) {
         Ok(r) => {
@@ -387,6 +419,29 @@ const TOML_DICT: &[&[u8]] = &[
     b"= [1, 2]",
     b"\n",
     b"#",
+];
+
+const GENERATION_DICT: &[&[u8]] = &[
+    b"\"temperature\"",
+    b"\"top_p\"",
+    b"\"top_k\"",
+    b"\"min_p\"",
+    b"\"repetition_penalty\"",
+    b"\"max_new_tokens\"",
+    b"\"do_sample\"",
+    b"\"eos_token_id\"",
+    b"\"transformers_version\"",
+    b"1e400",
+    b"-0.0",
+    b"4294967296",
+    b"2.5",
+    b"null",
+    b"true",
+    b"[1, 2]",
+    b"{",
+    b"}",
+    b",",
+    b":",
 ];
 
 const SESSION_DICT: &[&[u8]] = &[
@@ -478,6 +533,13 @@ pub const TARGETS: &[Target] = &[
         about: "the user's config.toml",
         dict: TOML_DICT,
         run: user_toml,
+        fixup: None,
+    },
+    Target {
+        name: "generation_config",
+        about: "the model's generation_config.json",
+        dict: GENERATION_DICT,
+        run: generation_config,
         fixup: None,
     },
     Target {

@@ -237,7 +237,6 @@ pub fn run(
         return;
     }
     while let Ok(req) = rx.recv() {
-        cancel.store(false, Ordering::Relaxed);
         let alive = match req {
             Request::Shutdown => break,
             Request::Send { turn, text } => {

@@ -125,6 +125,13 @@ impl Worker {
 
     /// Send a request; false when the worker is gone.
     pub fn send(&self, r: Request) -> bool {
+        // The one place the cancel flag is cleared: when a turn is asked for, before it is
+        // queued. A stop (Esc, Ctrl-C) after this call stops that turn, one before it does not;
+        // the worker never clears the flag itself, so a stop that arrives between this call and
+        // the worker taking the request up is not lost.
+        if matches!(r, Request::Send { .. } | Request::Command { .. }) {
+            self.cancel.store(false, Ordering::Relaxed);
+        }
         self.tx.send(r).is_ok()
     }
 
@@ -497,7 +504,6 @@ fn run(
         stats: Box::new(ctx.stats_snapshot(0, 0.0, 0.0)),
     });
     while let Some(req) = ctx.deferred.pop_front().or_else(|| rx.recv().ok()) {
-        cancel.store(false, Ordering::Relaxed);
         let ok = match req {
             Request::Shutdown => break,
             Request::Send { turn, text } => {

@@ -358,8 +358,8 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
                 }
             }
         };
-        cancel.store(false, Ordering::Relaxed);
         exit_now.store(false, Ordering::Relaxed);
+        // `send` clears the cancel flag for the new turn.
         if !worker.send(request) {
             exit_code = 1;
             break;

@@ -944,7 +944,10 @@ impl Checkpoint {
                     lead + ulen,
                 ) {
                     Ok(got) => fill.finish(got).slice(lead, ulen),
-                    Err(e) if rustix::io::Errno::from_io_error(&e) == Some(rustix::io::Errno::INVAL) => {
+                    Err(e)
+                        if rustix::io::Errno::from_io_error(&e)
+                            == Some(rustix::io::Errno::INVAL) =>
+                    {
                         // EINVAL: this filesystem or device does not take these direct reads.
                         self.direct_off[shard].store(true, Ordering::Relaxed);
                         buffered()?

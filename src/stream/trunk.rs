@@ -736,7 +736,10 @@ impl Trunk {
             let take = piece.len();
             let r = match direct {
                 Some(f) => match pread_counted(&self.reads, &self.fault, f, piece, at, take) {
-                    Err(e) if rustix::io::Errno::from_io_error(&e) == Some(rustix::io::Errno::INVAL) => {
+                    Err(e)
+                        if rustix::io::Errno::from_io_error(&e)
+                            == Some(rustix::io::Errno::INVAL) =>
+                    {
                         self.direct_off.store(true, Ordering::Relaxed);
                         pread_counted(&self.reads, &self.fault, &self.file, piece, at, take)
                     }

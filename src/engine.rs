@@ -14,6 +14,7 @@ pub mod run_state;
 pub mod sampling;
 pub mod spec;
 pub mod state;
+pub mod store;
 pub mod tensor;
 pub mod weights;
 
@@ -21,3 +22,4 @@ pub use config::ModelConfig;
 pub use model::{Logits, Model, Rollback, Trace};
 pub use run_state::RunState;
 pub use state::{SeqState, Snapshot};
+pub use store::{ResidentWeights, WeightStore};

@@ -247,7 +247,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             ids
         }
     };
-    let read_now = || model.streamer().map_or(0, |s| s.stats().disk_bytes_read);
+    let read_now = || model.stats().disk_bytes_read;
     let mut st = SeqState::new(&model.cfg);
     let t0 = Instant::now();
     let mut logits = model.forward(&mut st, &prompt, Logits::Last)?;
@@ -309,10 +309,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 .collect::<Vec<_>>()
         }),
         "trunk": args.budget.trunk.as_ref().map(|t| t.display().to_string()),
-        "direct_io": model.streamer().map(|s| s.checkpoint().is_direct(0)),
-        "trunk_direct_io": model.streamer().and_then(|s| s.trunk()).map(|t| t.is_direct()),
-        "prefetch": model.streamer().map(|s| {
-            let st = s.stats();
+        "direct_io": model.store().checkpoint().map(|c| c.is_direct(0)),
+        "trunk_direct_io": model.store().trunk().map(|t| t.is_direct()),
+        "prefetch": model.store().planned().map(|_| {
+            let st = model.stats();
             serde_json::json!({
                 "reads": st.prefetch_reads,
                 "used": st.prefetch_used,
@@ -380,8 +380,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         ss.accepted,
         ss.proposed
     );
-    if let Some(st) = model.streamer() {
-        println!("early prediction     {}", st.stats().early.describe());
+    if model.store().planned().is_some() {
+        println!("early prediction     {}", model.stats().early.describe());
     }
     println!("peak RSS             {:.1} MB", peak as f64 / 1e6);
     println!(

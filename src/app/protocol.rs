@@ -4,7 +4,8 @@
 
 use crate::session::chat::{Entry, Mode, TurnReport};
 use crate::session::commands::Command;
-use crate::stream::stats::StatsSnapshot;
+/// The engine's figures as the front ends receive them (`EngineEvent::Stats`).
+pub use crate::stream::stats::{rss_bytes, LayerResidency, Residency, StatsSnapshot};
 
 /// Identifies one request/turn; assigned by the front end, increasing.
 pub type TurnId = u64;

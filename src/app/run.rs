@@ -325,8 +325,10 @@ fn run_stats(model: &Model, info: &crate::engine::weights::LoadInfo) -> serde_js
         "expert_slots": plan.expert_slots,
         "load_bytes_read": info.bytes_read,
     });
-    if let (Some(s), Some(o)) = (model.streamer(), j.as_object_mut()) {
-        let st = s.stats();
+    // A model under a plan reports what it read and how its cache and predictions did.
+    let streamed = model.store().planned().is_some();
+    if let (true, Some(o)) = (streamed, j.as_object_mut()) {
+        let st = model.stats();
         o.insert("disk_bytes_read".into(), st.disk_bytes_read.into());
         o.insert("expert_hits".into(), st.expert_hits.into());
         o.insert("expert_misses".into(), st.expert_misses.into());
@@ -511,7 +513,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     let mut accept = crate::engine::sampling::Rng::from_seed(sampler_cfg.seed ^ ACCEPT_STREAM);
     let mut spec = Speculator::new(spec_mode);
-    let read_before = model.streamer().map_or(0, |s| s.stats().disk_bytes_read);
+    let read_before = model.stats().disk_bytes_read;
     let cpu_before = CpuTicks::now();
     for step in 0..args.gen {
         if let Some(w) = dump.as_mut() {
@@ -556,10 +558,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     spec.settle(&model, &mut state);
     let steal = steal_since(cpu_before);
-    let decode_read = model
-        .streamer()
-        .map_or(0, |s| s.stats().disk_bytes_read)
-        .saturating_sub(read_before);
+    let decode_read = model.stats().disk_bytes_read.saturating_sub(read_before);
     let tail = stream.finish();
     text.push_str(&tail);
     if let Some(mut w) = dump {
@@ -589,8 +588,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "decode_seconds_per_token": s_per_tok,
             "decode_median_seconds_per_token": median_s,
             "peak_rss_bytes": peak,
-            // A streamed model's counter already holds the bytes its load read.
-            "bytes_read": model.streamer().map_or(load_bytes, |s| s.stats().disk_bytes_read),
+            // The store's counter already holds the bytes its load read.
+            "bytes_read": model.stats().disk_bytes_read.max(load_bytes),
             "stats": run_stats(&model, &info),
             "spec": spec_json(spec_mode, &spec.stats(), decode_read, generated.len().saturating_sub(1)),
             "kernels": kernels_json(),

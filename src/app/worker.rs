@@ -214,7 +214,7 @@ fn unix_now() -> u64 {
 /// Re-plan `model` for a total budget of `gb` (between two forward passes).
 fn apply_budget(model: &Model, gb: f64, context: u64) -> Result<String, String> {
     use crate::stream::budget::{self, BudgetRequest};
-    let Some(st) = model.streamer() else {
+    let Some((sizes, _)) = model.store().planned() else {
         return Err(format!(
             "/budget {gb}: the model was opened fully resident; start k3 chat with --mem to \
              stream it under a budget"
@@ -222,7 +222,7 @@ fn apply_budget(model: &Model, gb: f64, context: u64) -> Result<String, String> 
     };
     let req = BudgetRequest::Total((gb * 1e9) as u64);
     let states = 1 + crate::session::chat::SNAPSHOTS as u64;
-    let plan = budget::plan_states(st.sizes(), req, context, states, budget::cgroup_limit())
+    let plan = budget::plan_states(sizes, req, context, states, budget::cgroup_limit())
         .map_err(|e| format!("/budget: {e}"))?;
     let line = format!(
         "budget {}: {} of {} layers pinned, {} expert slots, output head {}",
@@ -236,7 +236,10 @@ fn apply_budget(model: &Model, gb: f64, context: u64) -> Result<String, String> 
             "streamed"
         }
     );
-    st.set_plan(plan).map_err(|e| format!("/budget: {e}"))?;
+    model
+        .store()
+        .set_plan(plan)
+        .map_err(|e| format!("/budget: {e}"))?;
     Ok(line)
 }
 
@@ -258,8 +261,6 @@ struct Ctx<'a> {
     /// Requests that arrived during a turn and wait for it to end.
     deferred: std::collections::VecDeque<Request>,
     cancel: &'a AtomicBool,
-    /// Bytes of weights read at load (the whole model is resident).
-    model_bytes: u64,
     /// The turn being served (read by the prefill-progress hook).
     current_turn: Arc<AtomicU64>,
     /// Seconds spent in forward passes (prefill and decode) since start.
@@ -374,8 +375,7 @@ fn run(
                 2,
             );
         };
-        if let Some(st) = model.streamer() {
-            let ck = st.checkpoint();
+        if let Some(ck) = model.store().checkpoint() {
             ck.inject_fault(ck.reads_issued() + n, fault);
         }
     }
@@ -442,7 +442,6 @@ fn run(
         rx,
         deferred: std::collections::VecDeque::new(),
         cancel,
-        model_bytes: info.bytes_read,
         current_turn,
         busy_seconds: 0.0,
         outcome: Outcome::default(),
@@ -646,10 +645,8 @@ impl Ctx<'_> {
             if last_stats.is_none_or(|t| t.elapsed().as_secs_f64() >= STATS_INTERVAL_S) {
                 last_stats = Some(Instant::now());
                 let (rss, peak) = stats::rss_bytes();
-                let engine = model.streamer().map(|st| st.stats());
-                let read = engine
-                    .as_ref()
-                    .map_or(base.disk_bytes_read, |e| e.disk_bytes_read);
+                let e = model.stats();
+                let read = e.disk_bytes_read;
                 let since = last_stats_at.elapsed().as_secs_f64();
                 let mb_s = if since > 0.0 {
                     (read - last_read) as f64 / 1e6 / since
@@ -669,13 +666,11 @@ impl Ctx<'_> {
                     positions: position,
                     ..base.clone()
                 };
-                if let Some(e) = engine {
-                    snap.disk_bytes_read = e.disk_bytes_read;
-                    snap.expert_hits = e.expert_hits;
-                    snap.expert_misses = e.expert_misses;
-                    snap.layers = e.layers;
-                    snap.io_wait_seconds = e.io_wait_seconds;
-                }
+                snap.disk_bytes_read = e.disk_bytes_read;
+                snap.expert_hits = e.expert_hits;
+                snap.expert_misses = e.expert_misses;
+                snap.layers = e.layers;
+                snap.io_wait_seconds = e.io_wait_seconds;
                 // The compute figure moves during the turn: the time of this turn so far,
                 // less what it waited for reads, on top of the figure at its start.
                 let waited = (snap.io_wait_seconds - base.io_wait_seconds).max(0.0);

@@ -12,98 +12,15 @@ use super::config::ModelConfig;
 use super::kda;
 pub use super::layer::{kda_params, mla_params, moe_params, Attention, FeedForward, Layer};
 use super::mla;
-use super::moe::{self, MoeParams, MoeScratch, MoeWeights, Routing};
+use super::moe::Routing;
 use super::residency::Streamer;
 use super::run_state::RunState;
 use super::state::{LayerState, SeqState};
-use super::tensor::{fit, Dense};
-use crate::kernels::{self, ops};
+use super::store::WeightStore;
+use super::tensor::fit;
+use crate::kernels::ops;
+use crate::stream::stats::StatsSnapshot;
 use crate::stream::StreamError;
-use std::sync::Arc;
-
-/// Where a model's large weights come from.
-#[derive(Debug)]
-pub enum Weights {
-    /// Everything held in memory.
-    Resident {
-        /// `[vocab, hidden]`.
-        embed: Dense,
-        /// Decoder layers (experts included).
-        layers: Vec<Arc<Layer>>,
-        /// `[vocab, hidden]`.
-        lm_head: Dense,
-    },
-    /// Read from the checkpoint under a memory plan (pinned layers, a read-ahead ring, an
-    /// expert cache, streamed embedding rows and output head).
-    Streamed(Box<Streamer>),
-}
-
-impl Weights {
-    /// Embedding rows of `tokens` into `x` `[n_tok, hidden]`.
-    fn embed_into(&self, tokens: &[u32], d: usize, x: &mut [f32]) -> Result<(), StreamError> {
-        match self {
-            Weights::Resident { embed, .. } => {
-                for (row, &id) in x.chunks_mut(d).zip(tokens) {
-                    embed.row_into(id as usize, row);
-                }
-            }
-            Weights::Streamed(st) => x.copy_from_slice(&st.embed_rows(tokens)?),
-        }
-        Ok(())
-    }
-
-    /// Layer `il`'s non-expert weights.
-    fn layer(&self, il: usize) -> Result<Arc<Layer>, StreamError> {
-        match self {
-            Weights::Resident { layers, .. } => Ok(Arc::clone(&layers[il])),
-            Weights::Streamed(st) => st.layer(il),
-        }
-    }
-
-    /// Layer `il`'s MoE block over `h` into `out`, with its routed experts from wherever they
-    /// live; the routing decisions when `want_routing`.
-    #[allow(clippy::too_many_arguments)]
-    fn moe_into(
-        &self,
-        il: usize,
-        m: &MoeWeights,
-        p: &MoeParams,
-        h: &[f32],
-        sc: &mut MoeScratch,
-        out: &mut [f32],
-        want_routing: bool,
-        early: Option<&[f32]>,
-    ) -> Result<Option<Routing>, StreamError> {
-        match self {
-            Weights::Resident { .. } => {
-                moe::forward_into(m, p, h, sc, out);
-                Ok(want_routing.then(|| sc.routing()))
-            }
-            Weights::Streamed(st) => {
-                let (y, r) = st.moe(il, m, p, h, early)?;
-                out.copy_from_slice(&y);
-                Ok(want_routing.then_some(r))
-            }
-        }
-    }
-
-    /// Logits of `rows` `[n, hidden]` into `logits` `[n, vocab]`.
-    fn head_into(
-        &self,
-        rows: &[f32],
-        vocab: usize,
-        d: usize,
-        logits: &mut [f32],
-    ) -> Result<(), StreamError> {
-        match self {
-            Weights::Resident { lm_head, .. } => {
-                kernels::matmul(lm_head.view(), vocab, d, rows, logits);
-            }
-            Weights::Streamed(st) => logits.copy_from_slice(&st.head(rows)?),
-        }
-        Ok(())
-    }
-}
 
 /// A loaded model (share it between sequences; the memory plan can change between calls).
 #[derive(Debug)]
@@ -114,8 +31,8 @@ pub struct Model {
     pub out_res_fold: Vec<f32>,
     /// `[hidden]` final norm gain.
     pub norm: Vec<f32>,
-    /// The large weights.
-    pub weights: Weights,
+    /// The large weights, from wherever the store keeps them.
+    pub weights: Box<dyn WeightStore>,
 }
 
 /// Which positions of a chunk need logits.
@@ -236,11 +153,17 @@ fn mix_from_into(
 /// overwrites with the same values or its own before reading them, so nothing computed
 /// changes. `finish` is what `j` computes after its attention: for the last token only, the
 /// prediction is made for that token, and for none, no prediction is made.
-fn predict_next(j: usize, cfg: &ModelConfig, run: &mut RunState, st: &Streamer, finish: Finish) {
+fn predict_next(
+    j: usize,
+    cfg: &ModelConfig,
+    run: &mut RunState,
+    st: &dyn WeightStore,
+    finish: Finish,
+) {
     if finish == Finish::None {
         return;
     }
-    let Some(next) = st.next_pinned(j) else {
+    let Some(next) = st.prediction_target(j) else {
         return;
     };
     let d = cfg.hidden_size;
@@ -332,7 +255,7 @@ impl Layer {
         cfg: &ModelConfig,
         run: &mut RunState,
         state: &mut LayerState,
-        weights: &Weights,
+        weights: &dyn WeightStore,
         record: Option<&mut Option<kda::KdaRecord>>,
         want_routing: bool,
         finish: Finish,
@@ -432,21 +355,19 @@ impl Layer {
             }
             FeedForward::Moe(m) => {
                 let p = moe_params(cfg);
-                let early = match weights {
-                    Weights::Streamed(st) => st.begin_moe(il, n / d).map(|next| {
-                        // The next layer's FFN input but for this layer's FFN and its own
-                        // attention: the mix of the stream after this attention (as at a
-                        // block boundary, where the snapshot is this partial sum).
-                        let x = fit(early_buf, d);
-                        let last = (*has_partial).then_some(&partial[..]);
-                        let fold = &next.mlp_res_fold;
-                        mix_into(blocks, n, *n_blocks, last, fold, eps, d, x, mix_k, mix_a);
-                        ops::rmsnorm(x, &next.post_norm, eps);
-                        &early_buf[..d]
-                    }),
-                    Weights::Resident { .. } => None,
-                };
-                weights.moe_into(il, m, &p, h, moe_sc, branch, want_routing, early)?
+                let early = weights.begin_moe(il, n / d).map(|next| {
+                    // The next layer's FFN input but for this layer's FFN and its own
+                    // attention: the mix of the stream after this attention (as at a block
+                    // boundary, where the snapshot is this partial sum).
+                    let x = fit(early_buf, d);
+                    let last = (*has_partial).then_some(&partial[..]);
+                    let fold = &next.mlp_res_fold;
+                    mix_into(blocks, n, *n_blocks, last, fold, eps, d, x, mix_k, mix_a);
+                    ops::rmsnorm(x, &next.post_norm, eps);
+                    &early_buf[..d]
+                });
+                weights.moe_into(il, m, &p, h, moe_sc, branch, early)?;
+                want_routing.then(|| moe_sc.routing())
             }
         };
         add(partial, has_partial, branch);
@@ -600,8 +521,7 @@ impl Model {
         let n = n_tok * d;
         run.len = n;
         fit(&mut run.h, n);
-        self.weights
-            .embed_into(tokens, d, fit(&mut run.partial, n))?;
+        self.weights.embed_into(tokens, fit(&mut run.partial, n))?;
         run.has_partial = true;
         run.n_blocks = 0;
         let want_routing = trace.is_some();
@@ -629,15 +549,13 @@ impl Model {
                 cfg,
                 run,
                 ls,
-                &self.weights,
+                &*self.weights,
                 record,
                 want_routing,
                 finish_of(il),
             )?;
             drop(layer);
-            if let Weights::Streamed(st) = &self.weights {
-                predict_next(il + 1, cfg, run, st, finish_of(il + 1));
-            }
+            predict_next(il + 1, cfg, run, &*self.weights, finish_of(il + 1));
             if let Some(t) = trace.as_deref_mut() {
                 t.layer_out.push(run.partial[..n].to_vec());
                 t.routing.push(routing.unwrap_or_default());
@@ -689,8 +607,7 @@ impl Model {
             Logits::All => h,
         };
         let len = rows.len() / d * cfg.vocab_size;
-        self.weights
-            .head_into(rows, cfg.vocab_size, d, fit(logits, len))?;
+        self.weights.head_into(rows, fit(logits, len))?;
         *n_logits = len;
         Ok(())
     }
@@ -729,13 +646,23 @@ impl Model {
         state.n_pos = base + keep;
     }
 
-    /// The streamer, when the model reads its weights under a memory plan.
+    /// The store the weights come from: the engine's figures, the plan in force.
+    #[must_use]
+    pub fn store(&self) -> &dyn WeightStore {
+        &*self.weights
+    }
+
+    /// The engine's figures now (plan, bytes read, expert-cache residency, predictions).
+    #[must_use]
+    pub fn stats(&self) -> StatsSnapshot {
+        self.weights.stats()
+    }
+
+    /// The streamer, when the model reads its weights under a memory plan: for the knobs
+    /// only it has (prefetch depths, fault injection in tests).
     #[must_use]
     pub fn streamer(&self) -> Option<&Streamer> {
-        match &self.weights {
-            Weights::Streamed(s) => Some(s),
-            Weights::Resident { .. } => None,
-        }
+        self.weights.as_streamer()
     }
 }
 

@@ -232,6 +232,8 @@ pub struct MoeScratch {
     top_k: usize,
     /// Experts in use, in id order.
     used: Vec<usize>,
+    /// The group of them being fetched.
+    group: Vec<usize>,
     /// `(token, slot)` pairs that chose the expert being computed.
     users: Vec<(usize, usize)>,
     /// `[n_tok, latent]` the projected-down input.
@@ -277,7 +279,10 @@ impl MoeScratch {
         let r = &self.route;
         f + (r.scores.capacity() + r.choice.capacity()) * 4
             + r.taken.capacity()
-            + (self.idx.capacity() + self.count.capacity() + self.used.capacity())
+            + (self.idx.capacity()
+                + self.count.capacity()
+                + self.used.capacity()
+                + self.group.capacity())
                 * std::mem::size_of::<usize>()
             + self.users.capacity() * 2 * std::mem::size_of::<usize>()
     }
@@ -404,18 +409,19 @@ impl MoeScratch {
     }
 }
 
-/// A group of experts being fetched: `(position in the ids asked for, expert)` in whatever
-/// order they become available.
-pub type Arrivals<'a, E> = Box<dyn Iterator<Item = Result<(usize, Arc<Expert>), E>> + 'a>;
-
 /// Where an MoE block's routed experts come from (all of one layer).
 pub trait ExpertSource {
     /// A failed fetch.
     type Error;
+    /// A group of experts being fetched: `(position in the ids asked for, expert)` in
+    /// whatever order they become available.
+    type Arrivals<'s>: Iterator<Item = Result<(usize, Arc<Expert>), Self::Error>>
+    where
+        Self: 's;
     /// Most experts to ask for at once (each group is fetched, used and released).
     fn group(&self) -> usize;
     /// Start fetching `ids`; the experts arrive through the returned iterator.
-    fn start<'s>(&'s self, ids: &[usize]) -> Arrivals<'s, Self::Error>;
+    fn start<'s>(&'s self, ids: &[usize]) -> Self::Arrivals<'s>;
 }
 
 /// One MoE block over `x` `[n_tok, hidden]` with the experts held in `w`; also returns the
@@ -453,29 +459,49 @@ pub fn forward_into(
 }
 
 /// One MoE block whose routed experts come from `source`, asked for at most `group()` at a
-/// time. Each expert is computed as soon as it arrives (the shared experts while the first
-/// reads are in flight); its outputs are kept per (token, slot) and accumulated per token in
-/// top-k order afterwards, so neither the grouping nor the arrival order changes a bit.
-pub fn forward_with<S: ExpertSource + ?Sized>(
+/// time, into `out` `[n_tok, hidden]` with the buffers of `sc` (where the routing is left,
+/// [`MoeScratch::routing`]). Each expert is computed as soon as it arrives (the shared experts
+/// while the first reads are in flight); its outputs are kept per (token, slot) and
+/// accumulated per token in top-k order afterwards, so neither the grouping nor the arrival
+/// order changes a bit.
+pub fn forward_with_into<S: ExpertSource + ?Sized>(
     w: &MoeWeights,
     p: &MoeParams,
     x: &[f32],
     source: &S,
-) -> Result<(Vec<f32>, Routing), S::Error> {
-    let mut sc = MoeScratch::default();
+    sc: &mut MoeScratch,
+    out: &mut [f32],
+) -> Result<(), S::Error> {
     sc.prepare(w, p, x);
-    let used = std::mem::take(&mut sc.used);
-    for ids in used.chunks(source.group().max(1)) {
-        let arrivals = source.start(ids);
+    let group = source.group().max(1);
+    let mut at = 0;
+    while at < sc.used.len() {
+        let end = (at + group).min(sc.used.len());
+        // The group's ids are copied into the scratch's own buffer so that `sc` can be
+        // borrowed mutably while the source reads them.
+        sc.group.clear();
+        sc.group.extend_from_slice(&sc.used[at..end]);
+        let ids = std::mem::take(&mut sc.group);
+        let arrivals = source.start(&ids);
         // Work that needs no routed expert, done while the first group's reads are in flight.
         sc.shared_and_latent(w, p, x);
+        let mut failed = None;
         for got in arrivals {
-            let (k, ex) = got?;
-            sc.run_expert(ids[k], &ex, p);
+            match got {
+                Ok((k, ex)) => sc.run_expert(ids[k], &ex, p),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
         }
+        sc.group = ids;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        at = end;
     }
     sc.shared_and_latent(w, p, x);
-    let mut y = vec![0f32; x.len()];
-    sc.finish(w, p, &mut y);
-    Ok((y, sc.routing()))
+    sc.finish(w, p, out);
+    Ok(())
 }

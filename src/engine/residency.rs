@@ -11,8 +11,9 @@
 use super::bind::{bind_expert, bind_layer, names, Binder};
 use super::config::ModelConfig;
 use super::layer::{FeedForward, Layer};
-use super::moe::{self, Expert, MoeParams, MoeWeights, Routing};
-use super::tensor::{Dense, DenseData, Matrix, Mxfp4};
+use super::moe::{self, Expert, MoeParams, MoeScratch, MoeWeights};
+use super::store::WeightStore;
+use super::tensor::{fit, Dense, DenseData, Matrix, Mxfp4};
 use crate::kernels;
 use crate::stream::arena::Arena;
 use crate::stream::budget::{self, ModelSizes, Plan};
@@ -21,6 +22,7 @@ use crate::stream::cache_policy::{
     CycleQueue, ExpertKey, KeySpace, LayerCycle, Lookup, Lru, Policy, SlotState, SlotTable,
 };
 use crate::stream::checkpoint::io_pool;
+use crate::stream::index::TensorInfo;
 use crate::stream::stats::{LayerResidency, Residency, StatsSnapshot};
 use crate::stream::trial::PairedTrial;
 use crate::stream::trunk::Trunk;
@@ -86,10 +88,31 @@ struct ExpertCache {
     waiting: HashMap<usize, Vec<(Sender<Arrival>, usize)>>,
     /// Slots filled (or being filled) by a prefetch that no request has asked for yet.
     prefetched: Vec<bool>,
-    /// The last prediction: (layer, experts).
-    prediction: Option<(usize, Vec<usize>)>,
+    /// The last prediction, checked against its layer's routing.
+    prediction: Prediction,
     /// The last early prediction (from the previous layer's FFN input): (layer, experts).
-    early_prediction: Option<(usize, Vec<usize>)>,
+    early_prediction: Prediction,
+}
+
+/// A prediction of a layer's experts (every rank, the most likely first), kept until that
+/// layer's routing is known; its buffer is reused.
+#[derive(Debug, Default)]
+struct Prediction {
+    layer: Option<usize>,
+    ids: Vec<usize>,
+}
+
+impl Prediction {
+    fn set(&mut self, layer: usize, ids: &[usize]) {
+        self.layer = Some(layer);
+        self.ids.clear();
+        self.ids.extend_from_slice(ids);
+    }
+
+    /// The prediction, when it was made for layer `il`; either way it is used up.
+    fn take_for(&mut self, il: usize) -> Option<&[usize]> {
+        (self.layer.take() == Some(il)).then_some(&self.ids[..])
+    }
 }
 
 /// A completed read, sent to the request that waits for it.
@@ -147,8 +170,8 @@ impl ExpertCache {
             now: 0,
             waiting: HashMap::new(),
             prefetched: vec![false; slots],
-            prediction: None,
-            early_prediction: None,
+            prediction: Prediction::default(),
+            early_prediction: Prediction::default(),
         }
     }
 
@@ -160,13 +183,20 @@ impl ExpertCache {
         self.per_layer.get(il).copied().unwrap_or(0)
     }
 
-    /// Look up `ids` of layer `il`: residents are returned, misses get a reserved slot, and
-    /// experts a prefetch is still reading are waited for (`tx` is told when they land).
-    /// Residents asked for here are not evicted by the misses that follow them. Returns the
-    /// sources and how many prefetched experts were used.
-    fn request(&mut self, il: usize, ids: &[usize], tx: &Sender<Arrival>) -> (Vec<Source>, u64) {
-        let mut out = Vec::with_capacity(ids.len());
-        let mut pinned = Vec::new();
+    /// Look up `ids` of layer `il` into `out`: residents are returned, misses get a reserved
+    /// slot, and experts a prefetch is still reading are waited for (`tx` is told when they
+    /// land). Residents asked for here are not evicted by the misses that follow them
+    /// (`pinned` holds them meanwhile). Returns how many prefetched experts were used.
+    fn request(
+        &mut self,
+        il: usize,
+        ids: &[usize],
+        tx: &Sender<Arrival>,
+        out: &mut Vec<Source>,
+        pinned: &mut Vec<usize>,
+    ) -> u64 {
+        out.clear();
+        pinned.clear();
         let mut used = 0;
         for (k, &e) in ids.iter().enumerate() {
             self.now += 1;
@@ -209,16 +239,17 @@ impl ExpertCache {
             };
             out.push(src);
         }
-        for slot in pinned {
+        for &slot in pinned.iter() {
             let _ = self.table.set_pinned(slot, false);
         }
-        (out, used)
+        used
     }
 
     /// Reserve slots for a prefetch of `ids` of layer `il`: the ones neither resident nor in
-    /// flight, as long as a slot can be had. Returns (expert, slot) pairs to read.
-    fn reserve_prefetch(&mut self, il: usize, ids: &[usize]) -> Vec<(usize, usize)> {
-        let mut out = Vec::new();
+    /// flight, as long as a slot can be had. Fills `out` with the (layer, expert, slot)
+    /// triples to read.
+    fn reserve_prefetch(&mut self, il: usize, ids: &[usize], out: &mut Vec<(usize, usize, usize)>) {
+        out.clear();
         for &e in ids {
             if self.table.slot_of(key(il, e)).is_some() {
                 continue;
@@ -235,13 +266,12 @@ impl ExpertCache {
                     }
                     self.prefetched[slot] = true;
                     self.waiting.insert(slot, Vec::new());
-                    out.push((e, slot));
+                    out.push((il, e, slot));
                 }
                 Ok(Lookup::Hit { .. }) => {}
                 Err(_) => break,
             }
         }
-        out
     }
 
     /// A queued prefetch into `slot` that will not be read: the slot is free again.
@@ -347,13 +377,56 @@ impl moe::ExpertSource for LayerExperts<'_> {
         lock(&self.st.resident).cache.slots()
     }
 
-    fn start<'s>(&'s self, ids: &[usize]) -> moe::Arrivals<'s, StreamError> {
+    type Arrivals<'s>
+        = Arrivals<'s>
+    where
+        Self: 's;
+
+    fn start<'s>(&'s self, ids: &[usize]) -> Arrivals<'s> {
         let arrivals = self.st.experts(self.il, ids);
         // This layer's reads are queued first; the prediction's come after them.
         if let Some(x) = self.predict_from.filter(|_| !self.predicted.replace(true)) {
             self.st.prefetch_after(self.il, x);
         }
-        Box::new(arrivals)
+        arrivals
+    }
+}
+
+/// What one group's fetch works in: the ids asked for, the experts at hand, the lookups and
+/// reads, and the channel completed reads arrive on. Kept in [`Streamer`]'s pool and reused
+/// request after request, so a fetch allocates nothing once the pool holds one per fetch
+/// under way (the channel is empty again when a fetch ends: dropping [`Arrivals`] waits for
+/// every read it is owed).
+struct FetchBufs {
+    ids: Vec<usize>,
+    ready: Vec<(usize, Arc<Expert>)>,
+    sources: Vec<Source>,
+    reads: Vec<(usize, usize, Option<usize>)>,
+    pinned: Vec<usize>,
+    tx: Sender<Arrival>,
+    rx: Receiver<Arrival>,
+}
+
+impl std::fmt::Debug for FetchBufs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FetchBufs")
+            .field("ids", &self.ids.capacity())
+            .finish()
+    }
+}
+
+impl FetchBufs {
+    fn new() -> Self {
+        let (tx, rx) = channel();
+        FetchBufs {
+            ids: Vec::new(),
+            ready: Vec::new(),
+            sources: Vec::new(),
+            reads: Vec::new(),
+            pinned: Vec::new(),
+            tx,
+            rx,
+        }
     }
 }
 
@@ -363,10 +436,8 @@ impl moe::ExpertSource for LayerExperts<'_> {
 pub struct Arrivals<'a> {
     st: &'a Streamer,
     il: usize,
-    ids: Vec<usize>,
-    ready: Vec<(usize, Arc<Expert>)>,
-    tx: Sender<Arrival>,
-    rx: Receiver<Arrival>,
+    /// Taken from the streamer's pool; given back on drop.
+    bufs: Option<FetchBufs>,
     outstanding: usize,
 }
 
@@ -374,7 +445,7 @@ impl std::fmt::Debug for Arrivals<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Arrivals")
             .field("layer", &self.il)
-            .field("ready", &self.ready.len())
+            .field("ready", &self.bufs.as_ref().map_or(0, |b| b.ready.len()))
             .field("outstanding", &self.outstanding)
             .finish()
     }
@@ -383,9 +454,12 @@ impl std::fmt::Debug for Arrivals<'_> {
 impl Arrivals<'_> {
     /// Wait for the next completed read and file it in the cache.
     fn receive(&mut self) -> Result<(usize, Arc<Expert>), StreamError> {
+        let Some(bufs) = self.bufs.as_ref() else {
+            return Err(self.lost());
+        };
         loop {
             let t0 = Instant::now();
-            let got = self.rx.recv();
+            let got = bufs.rx.recv();
             self.st
                 .counters
                 .io_wait_ns
@@ -404,17 +478,21 @@ impl Arrivals<'_> {
                 }
                 // The prefetch it waited for failed: read it here (uncached), still owed.
                 Ok(Arrival::Shared { k, expert: None }) => {
-                    self.st.spawn_read(self.il, k, self.ids[k], None, &self.tx);
+                    self.st.spawn_read(self.il, k, bufs.ids[k], None, &bufs.tx);
                 }
                 Err(_) => {
                     self.outstanding -= 1;
-                    return Err(StreamError::Unrepresentable {
-                        path: self.st.ck.dir().to_path_buf(),
-                        name: format!("layer {} experts", self.il),
-                        reason: "an expert read was lost (I/O thread ended)".into(),
-                    });
+                    return Err(self.lost());
                 }
             }
+        }
+    }
+
+    fn lost(&self) -> StreamError {
+        StreamError::Unrepresentable {
+            path: self.st.ck.dir().to_path_buf(),
+            name: format!("layer {} experts", self.il),
+            reason: "an expert read was lost (I/O thread ended)".into(),
         }
     }
 
@@ -451,7 +529,7 @@ impl Iterator for Arrivals<'_> {
     type Item = Result<(usize, Arc<Expert>), StreamError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        if let Some(r) = self.ready.pop() {
+        if let Some(r) = self.bufs.as_mut().and_then(|b| b.ready.pop()) {
             return Some(Ok(r));
         }
         (self.outstanding > 0).then(|| self.receive())
@@ -463,6 +541,11 @@ impl Drop for Arrivals<'_> {
         while self.outstanding > 0 {
             let _ = self.receive();
         }
+        // Nothing is owed any more, so the channel is empty: the buffers serve the next fetch.
+        if let Some(mut bufs) = self.bufs.take() {
+            bufs.ready.clear();
+            lock(&self.st.fetch_pool).push(bufs);
+        }
     }
 }
 
@@ -470,6 +553,8 @@ impl Drop for Arrivals<'_> {
 #[derive(Debug)]
 struct Resident {
     plan: Plan,
+    /// `plan.pinned`, shared with the read-ahead (which looks ahead without the lock).
+    pinned_map: Arc<[bool]>,
     pinned: Vec<Option<Arc<Layer>>>,
     head: Option<Arc<Dense>>,
     cache: ExpertCache,
@@ -570,27 +655,28 @@ impl std::fmt::Debug for Prefetcher {
 impl Prefetcher {
     /// Queue predicted reads (reserved slots of `cache`) behind those queued already; the
     /// first `eager` of them may start under `late_depth` (when the queue was empty).
-    fn enqueue(&self, reads: Vec<(usize, usize, usize)>, eager: usize) {
+    fn enqueue(&self, reads: &[(usize, usize, usize)], eager: usize) {
         let mut s = lock(&self.state);
         if s.queued.is_empty() {
             s.eager = eager.min(reads.len());
         }
-        s.queued.extend(reads);
+        s.queued.extend(reads.iter().copied());
     }
 
     /// Drop every queued predicted read, freeing its slot in `cache`.
+    /// The caller holds the resident lock (whose cache this is): the order is resident, then
+    /// this queue's state.
     fn cancel_queued(&self, cache: &mut ExpertCache) {
-        let dropped: Vec<_> = {
-            let mut s = lock(&self.state);
-            s.eager = 0;
-            s.queued.drain(..).collect()
-        };
-        for &(_, _, slot) in &dropped {
+        let mut s = lock(&self.state);
+        s.eager = 0;
+        let dropped = s.queued.len() as u64;
+        while let Some((_, _, slot)) = s.queued.pop_front() {
             cache.cancel_prefetch(slot);
         }
+        drop(s);
         self.counters
             .prefetch_cancelled
-            .fetch_add(dropped.len() as u64, Ordering::Relaxed);
+            .fetch_add(dropped, Ordering::Relaxed);
     }
 
     /// A layer's own read is issued.
@@ -692,6 +778,28 @@ pub struct Streamer {
     /// The memory of the expert cache: slots streamed experts are read into, faulted in when
     /// a plan is applied.
     arena: Arc<Arena>,
+    /// Where the embedding and the output head lie, found once at open.
+    embed_info: TensorInfo,
+    head_info: TensorInfo,
+    /// The buffers embedding rows and streamed head chunks are read into.
+    io: Mutex<IoScratch>,
+    /// Buffers of expert fetches, reused (one per fetch under way).
+    fetch_pool: Mutex<Vec<FetchBufs>>,
+    /// What a prediction routes and chooses in.
+    predict_scratch: Mutex<PredictScratch>,
+}
+
+/// The buffers a prediction of a layer's experts works in, reused.
+#[derive(Debug, Default)]
+struct PredictScratch {
+    logits: Vec<f32>,
+    route: moe::RouteScratch,
+    idx: Vec<usize>,
+    weights: Vec<f32>,
+    count: Vec<usize>,
+    chosen: Vec<bool>,
+    ids: Vec<usize>,
+    reads: Vec<(usize, usize, usize)>,
 }
 
 /// `K3_PREFETCH_EARLY`: `1`/`on` or `0`/`off` fix the early prediction; unset (or `auto`)
@@ -834,17 +942,27 @@ fn widen(raw: &[u8], dtype: Dtype, out: &mut [f32]) {
     }
 }
 
-/// A dense chunk of rows as the kernels take it (BF16 stays BF16).
-fn dense_rows(raw: &[u8], dtype: Dtype, rows: usize, cols: usize) -> Dense {
-    let data = match dtype {
-        Dtype::Bf16 => DenseData::Bf16(U16s::new(Bytes::copy_from(raw))),
-        _ => {
-            let mut v = vec![0f32; rows * cols];
-            widen(raw, dtype, &mut v);
-            DenseData::F32(v)
-        }
-    };
-    Dense { data, rows, cols }
+/// Buffers the embedding and streamed-head reads reuse: raw bytes (as 16-bit words, so a
+/// BF16 chunk is multiplied in place), a widened chunk for other dtypes, and the product of a
+/// chunk for several rows.
+#[derive(Debug, Default)]
+struct IoScratch {
+    raw: Vec<u16>,
+    wide: Vec<f32>,
+    part: Vec<f32>,
+}
+
+impl IoScratch {
+    /// The first `n` bytes of the raw buffer (grown, never shrunk).
+    fn bytes(&mut self, n: usize) -> &mut [u8] {
+        fit_bytes(&mut self.raw, n)
+    }
+}
+
+/// The first `n` bytes of `raw`, grown (never shrunk) to hold them.
+fn fit_bytes(raw: &mut Vec<u16>, n: usize) -> &mut [u8] {
+    let words = n.div_ceil(2);
+    &mut bytemuck::cast_slice_mut(fit(raw, words))[..n]
 }
 
 impl Streamer {
@@ -870,6 +988,11 @@ impl Streamer {
                 path: ck.dir().to_path_buf(),
                 source: e,
             })?;
+        let missing = |name: &str| StreamError::NoSuchTensor(name.to_string());
+        let embed_info = ck.info(names::EMBED).ok_or_else(|| missing(names::EMBED))?;
+        let head_info = ck
+            .info(names::LM_HEAD)
+            .ok_or_else(|| missing(names::LM_HEAD))?;
         let n = cfg.num_hidden_layers;
         let n_exp = cfg.num_experts;
         // Streamed experts are read into the arena's slots; `set_plan` sizes it.
@@ -878,6 +1001,7 @@ impl Streamer {
         let cfg_arc = Arc::new(cfg.clone());
         let first_moe = (0..n).find(|&il| !cfg.is_dense(il));
         let resident = Arc::new(Mutex::new(Resident {
+            pinned_map: plan.pinned.clone().into(),
             plan: plan.clone(),
             pinned: vec![None; n],
             head: None,
@@ -926,6 +1050,11 @@ impl Streamer {
             first_moe,
             mapped,
             arena,
+            embed_info,
+            head_info,
+            io: Mutex::new(IoScratch::default()),
+            fetch_pool: Mutex::new(Vec::new()),
+            predict_scratch: Mutex::new(PredictScratch::default()),
         };
         st.set_plan(plan)?;
         Ok(st)
@@ -1050,6 +1179,7 @@ impl Streamer {
         r.cache.resize(plan.expert_slots as usize);
         // The arena follows: its slots are the cache's plus room for reads in flight.
         let arena_slots = r.cache.slots() + budget::in_flight_slots(&self.sizes) as usize;
+        r.pinned_map = plan.pinned.clone().into();
         r.plan = plan;
         let to_pin: Vec<usize> = (0..r.pinned.len())
             .filter(|&il| r.plan.pinned[il] && r.pinned[il].is_none())
@@ -1232,18 +1362,17 @@ impl Streamer {
 
     /// Layer `il`'s non-expert weights.
     pub fn layer(&self, il: usize) -> LayerResult {
-        let (is_pinned, held, pinned_map, ring_slots) = {
+        let (is_pinned, pinned_map, ring_slots) = {
             let r = lock(&self.resident);
+            if let Some(l) = &r.pinned[il] {
+                return Ok(Arc::clone(l));
+            }
             (
                 r.plan.pinned[il],
-                r.pinned[il].clone(),
-                r.plan.pinned.clone(),
+                Arc::clone(&r.pinned_map),
                 r.plan.ring_slots,
             )
         };
-        if let Some(l) = held {
-            return Ok(l);
-        }
         let t0 = Instant::now();
         let layer = if is_pinned {
             let l = load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il, self.mapped)?;
@@ -1289,34 +1418,46 @@ impl Streamer {
     /// once, misses are read in parallel on the I/O threads and handed back as each read
     /// completes, so the caller computes with one expert while the others are still read.
     pub fn experts(&self, il: usize, ids: &[usize]) -> Arrivals<'_> {
-        let (tx, rx) = channel();
-        let (sources, used) = {
+        let mut bufs = lock(&self.fetch_pool).pop().unwrap_or_else(FetchBufs::new);
+        let used = {
             let mut r = lock(&self.resident);
             let c = &mut r.cache;
             // The routing is known: predictions not started yet give way to its reads.
             self.prefetcher.cancel_queued(c);
-            if let Some((pl, predicted)) = c.prediction.take() {
-                if pl == il {
-                    self.note_prediction(&predicted, ids);
-                }
+            if let Some(predicted) = c.prediction.take_for(il) {
+                self.note_prediction(predicted, ids);
             }
-            if let Some((pl, predicted)) = c.early_prediction.take() {
-                if pl == il {
-                    let c = &self.counters;
-                    score_by_rank(&mut lock(&c.early_right_by_rank), &predicted, ids);
-                    c.early_predictions.fetch_add(1, Ordering::Relaxed);
-                }
+            if let Some(predicted) = c.early_prediction.take_for(il) {
+                let c = &self.counters;
+                score_by_rank(&mut lock(&c.early_right_by_rank), predicted, ids);
+                c.early_predictions.fetch_add(1, Ordering::Relaxed);
             }
-            c.request(il, ids, &tx)
+            let FetchBufs {
+                sources,
+                pinned,
+                tx,
+                ..
+            } = &mut bufs;
+            c.request(il, ids, tx, sources, pinned)
         };
         self.counters
             .prefetch_used
             .fetch_add(used, Ordering::Relaxed);
-        let mut ready = Vec::new();
+        let FetchBufs {
+            ids: own_ids,
+            ready,
+            sources,
+            reads,
+            tx,
+            ..
+        } = &mut bufs;
+        own_ids.clear();
+        own_ids.extend_from_slice(ids);
+        ready.clear();
+        reads.clear();
         let mut outstanding = 0usize;
         let mut waited = 0usize;
-        let mut reads = Vec::new();
-        for (k, src) in sources.into_iter().enumerate() {
+        for (k, src) in sources.drain(..).enumerate() {
             match src {
                 Source::Hit(ex) => ready.push((k, ex)),
                 Source::Waiting => {
@@ -1336,16 +1477,13 @@ impl Streamer {
             .misses
             .fetch_add(reads.len() as u64, Ordering::Relaxed);
         ready.reverse();
-        for (k, e, slot) in reads {
-            self.spawn_read(il, k, e, slot, &tx);
+        for &(k, e, slot) in reads.iter() {
+            self.spawn_read(il, k, e, slot, tx);
         }
         Arrivals {
             st: self,
             il,
-            ids: ids.to_vec(),
-            ready,
-            tx,
-            rx,
+            bufs: Some(bufs),
             outstanding,
         }
     }
@@ -1463,12 +1601,37 @@ impl Streamer {
             return;
         };
         let p = super::layer::moe_params(&self.cfg);
-        let n_exp = self.cfg.num_experts;
-        let logits = m.gate.apply(x);
-        let routes: Vec<Vec<usize>> = logits
-            .chunks(n_exp)
-            .map(|l| moe::route(l, &m.bias, &p).0)
-            .collect();
+        let (n_exp, top_k) = (self.cfg.num_experts, p.top_k);
+        let n_rows = x.len() / self.cfg.hidden_size;
+        // Taken before `resident` (below), and never while holding it.
+        let mut ps = lock(&self.predict_scratch);
+        let PredictScratch {
+            logits,
+            route,
+            idx,
+            weights,
+            count,
+            chosen,
+            ids,
+            reads,
+        } = &mut *ps;
+        let logits = fit(logits, n_rows * n_exp);
+        m.gate.apply_into(x, logits);
+        let idx = fit(idx, n_rows * top_k);
+        let weights = fit(weights, n_rows * top_k);
+        let count = fit(count, n_rows);
+        for t in 0..n_rows {
+            let row = t * top_k..(t + 1) * top_k;
+            count[t] = moe::route_into(
+                &logits[t * n_exp..(t + 1) * n_exp],
+                &m.bias,
+                &p,
+                route,
+                &mut idx[row.clone()],
+                &mut weights[row],
+            );
+        }
+        let route_of = |t: usize| &idx[t * top_k..t * top_k + count[t]];
         let c = &self.counters;
         let eager = if late {
             eager_ranks(
@@ -1478,7 +1641,8 @@ impl Streamer {
         } else {
             0
         };
-        let (ids, n_lead) = if single {
+        ids.clear();
+        let n_lead = if single {
             // An early prediction reads only the ranks it has got right at least half the
             // time: on a disk that is busy, a wrong read delays the layers' own.
             let take = if late {
@@ -1489,29 +1653,28 @@ impl Streamer {
                     c.early_predictions.load(Ordering::Relaxed),
                 ))
             };
-            let ids: Vec<usize> = routes
-                .first()
-                .map_or_else(Vec::new, |r| r.iter().take(take).copied().collect());
-            let lead = eager.min(ids.len());
-            (ids, lead)
-        } else {
-            let mut chosen = vec![false; n_exp];
-            for &e in routes.iter().flat_map(|r| r.iter().take(n.min(eager))) {
-                chosen[e] = true;
+            if n_rows > 0 {
+                ids.extend(route_of(0).iter().take(take));
             }
-            let ids: Vec<usize> = (0..n_exp)
-                .filter(|&e| chosen[e])
-                .take(self.chunk_prediction_reads())
-                .collect();
-            let lead = ids.len();
-            (ids, lead)
+            eager.min(ids.len())
+        } else {
+            let chosen = fit(chosen, n_exp);
+            chosen.fill(false);
+            for t in 0..n_rows {
+                for &e in route_of(t).iter().take(n.min(eager)) {
+                    chosen[e] = true;
+                }
+            }
+            let cap = self.chunk_prediction_reads();
+            ids.extend((0..n_exp).filter(|&e| chosen[e]).take(cap));
+            ids.len()
         };
         {
             let mut r = lock(&self.resident);
             if late {
                 self.prefetcher.cancel_queued(&mut r.cache);
             }
-            let reads = r.cache.reserve_prefetch(j, &ids);
+            r.cache.reserve_prefetch(j, ids, reads);
             // Reads keep the order of `ids`; those of the eager ranks lead.
             let n_eager = if n_lead == ids.len() {
                 reads.len()
@@ -1519,96 +1682,115 @@ impl Streamer {
                 let eager_ids = &ids[..n_lead];
                 reads
                     .iter()
-                    .take_while(|(e, _)| eager_ids.contains(e))
+                    .take_while(|(_, e, _)| eager_ids.contains(e))
                     .count()
             };
             // Scored against the layer's routing over every rank, read or not.
-            let scored = if single {
-                routes.into_iter().next().map(|ids| (j, ids))
+            let scored = if late {
+                &mut r.cache.prediction
             } else {
-                None
+                &mut r.cache.early_prediction
             };
-            if late {
-                r.cache.prediction = scored;
+            if single && n_rows > 0 {
+                scored.set(j, route_of(0));
             } else {
-                r.cache.early_prediction = scored;
+                scored.layer = None;
             }
-            let reads = reads.into_iter().map(|(e, slot)| (j, e, slot)).collect();
             self.prefetcher.enqueue(reads, n_eager);
         }
+        drop(ps);
         self.prefetcher.pump();
     }
 
-    /// The MoE block of layer `il` with experts from the cache; `early` is the input of the
-    /// early prediction for the next layer, when [`Streamer::begin_moe`] asked for one.
-    pub fn moe(
+    /// The MoE block of layer `il` with experts from the cache, into `out` with the buffers
+    /// of `sc`; `early` is the input of the early prediction for the next layer, when
+    /// [`Streamer::begin_moe`] asked for one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_into(
         &self,
         il: usize,
         w: &MoeWeights,
         p: &MoeParams,
         x: &[f32],
+        sc: &mut MoeScratch,
+        out: &mut [f32],
         early: Option<&[f32]>,
-    ) -> Result<(Vec<f32>, Routing), StreamError> {
+    ) -> Result<(), StreamError> {
         let source = LayerExperts {
             st: self,
             il,
             predict_from: early,
             predicted: std::cell::Cell::new(false),
         };
-        moe::forward_with(w, p, x, &source)
+        moe::forward_with_into(w, p, x, &source, sc, out)
     }
 
-    /// Embedding rows of `tokens`, read on demand: `[n_tok, hidden]`.
-    pub fn embed_rows(&self, tokens: &[u32]) -> Result<Vec<f32>, StreamError> {
+    /// Embedding rows of `tokens`, read on demand straight into `out` `[n_tok, hidden]`
+    /// (widened to f32 in place).
+    pub fn embed_into(&self, tokens: &[u32], out: &mut [f32]) -> Result<(), StreamError> {
         let d = self.cfg.hidden_size;
-        let mut x = vec![0f32; tokens.len() * d];
-        let mut buf = Vec::new();
+        let rb = self.sizes.row_bytes;
+        let info = &self.embed_info;
         let t0 = Instant::now();
-        for (row, &id) in x.chunks_mut(d).zip(tokens) {
-            let rb = self.sizes.row_bytes;
-            let info = self
-                .ck
-                .read_span(names::EMBED, u64::from(id) * rb, rb, &mut buf)?;
-            widen(&buf, info.dtype, row);
+        let mut io = lock(&self.io);
+        for (row, &id) in out.chunks_mut(d).zip(tokens) {
+            let raw = io.bytes(rb as usize);
+            self.ck
+                .read_span_into(info, names::EMBED, u64::from(id) * rb, raw)?;
+            widen(raw, info.dtype, row);
         }
         self.note_io(
             t0,
-            self.sizes.row_bytes * tokens.len() as u64,
+            rb * tokens.len() as u64,
             &self.counters.embed_head_bytes,
         );
-        Ok(x)
+        Ok(())
     }
 
-    /// Logits for `rows` `[n, hidden]`: from the pinned head, or streamed chunk by chunk.
-    pub fn head(&self, rows: &[f32]) -> Result<Vec<f32>, StreamError> {
+    /// Logits for `rows` `[n, hidden]` into `logits` `[n, vocab]`: from the pinned head, or
+    /// streamed chunk by chunk through one reused buffer (a one-row call multiplies each
+    /// chunk straight into its place in `logits`).
+    pub fn head_into(&self, rows: &[f32], logits: &mut [f32]) -> Result<(), StreamError> {
         let (v, d) = (self.cfg.vocab_size, self.cfg.hidden_size);
         let n = rows.len() / d;
-        let mut logits = vec![0f32; n * v];
         let (head, chunk_rows) = {
             let r = lock(&self.resident);
             (r.head.clone(), r.plan.head_chunk_rows.max(1) as usize)
         };
         if let Some(h) = head {
-            kernels::matmul(h.view(), v, d, rows, &mut logits);
-            return Ok(logits);
+            kernels::matmul(h.view(), v, d, rows, logits);
+            return Ok(());
         }
-        let mut buf = Vec::new();
         let rb = self.sizes.row_bytes;
+        let info = &self.head_info;
+        let mut io = lock(&self.io);
         for r0 in (0..v).step_by(chunk_rows) {
             let cr = chunk_rows.min(v - r0);
             let t0 = Instant::now();
-            let info =
-                self.ck
-                    .read_span(names::LM_HEAD, r0 as u64 * rb, cr as u64 * rb, &mut buf)?;
+            let IoScratch { raw, wide, part } = &mut *io;
+            let bytes = fit_bytes(raw, cr * rb as usize);
+            self.ck
+                .read_span_into(info, names::LM_HEAD, r0 as u64 * rb, bytes)?;
             self.note_io(t0, cr as u64 * rb, &self.counters.embed_head_bytes);
-            let chunk = dense_rows(&buf, info.dtype, cr, d);
-            let mut part = vec![0f32; n * cr];
-            kernels::matmul(chunk.view(), cr, d, rows, &mut part);
+            let chunk = match info.dtype {
+                Dtype::Bf16 => kernels::DenseRef::Bf16(&raw[..cr * d]),
+                dtype => {
+                    let w = fit(wide, cr * d);
+                    widen(bytemuck::cast_slice(&raw[..]), dtype, w);
+                    kernels::DenseRef::F32(w)
+                }
+            };
+            if n == 1 {
+                kernels::matmul(chunk, cr, d, rows, &mut logits[r0..r0 + cr]);
+                continue;
+            }
+            let part = fit(part, n * cr);
+            kernels::matmul(chunk, cr, d, rows, part);
             for t in 0..n {
                 logits[t * v + r0..t * v + r0 + cr].copy_from_slice(&part[t * cr..(t + 1) * cr]);
             }
         }
-        Ok(logits)
+        Ok(())
     }
 
     /// Figures for the stats panes (the engine-side part).
@@ -1656,6 +1838,73 @@ impl Streamer {
             arena: self.arena.stats(),
             ..StatsSnapshot::default()
         }
+    }
+}
+
+impl WeightStore for Streamer {
+    fn embed_into(&self, tokens: &[u32], out: &mut [f32]) -> Result<(), StreamError> {
+        Streamer::embed_into(self, tokens, out)
+    }
+
+    fn layer(&self, il: usize) -> LayerResult {
+        Streamer::layer(self, il)
+    }
+
+    fn moe_into(
+        &self,
+        il: usize,
+        w: &MoeWeights,
+        p: &MoeParams,
+        x: &[f32],
+        sc: &mut MoeScratch,
+        out: &mut [f32],
+        early: Option<&[f32]>,
+    ) -> Result<(), StreamError> {
+        Streamer::moe_into(self, il, w, p, x, sc, out, early)
+    }
+
+    fn head_into(&self, rows: &[f32], logits: &mut [f32]) -> Result<(), StreamError> {
+        Streamer::head_into(self, rows, logits)
+    }
+
+    fn begin_moe(&self, il: usize, n_tok: usize) -> Option<Arc<Layer>> {
+        Streamer::begin_moe(self, il, n_tok)
+    }
+
+    fn prediction_target(&self, j: usize) -> Option<Arc<Layer>> {
+        self.next_pinned(j)
+    }
+
+    fn prediction_rows(&self, n_tok: usize) -> usize {
+        Streamer::prediction_rows(self, n_tok)
+    }
+
+    fn prefetch_next(&self, j: usize, next: &Layer, x: &[f32], n_tok: usize) {
+        Streamer::prefetch_next(self, j, next, x, n_tok);
+    }
+
+    fn stats(&self) -> StatsSnapshot {
+        Streamer::stats(self)
+    }
+
+    fn planned(&self) -> Option<(&ModelSizes, Plan)> {
+        Some((&self.sizes, self.plan()))
+    }
+
+    fn set_plan(&self, plan: Plan) -> Result<(), StreamError> {
+        Streamer::set_plan(self, plan)
+    }
+
+    fn checkpoint(&self) -> Option<&Checkpoint> {
+        Some(&self.ck)
+    }
+
+    fn trunk(&self) -> Option<&Trunk> {
+        self.trunk.as_deref()
+    }
+
+    fn as_streamer(&self) -> Option<&Streamer> {
+        Some(self)
     }
 }
 

@@ -4,8 +4,9 @@
 use super::bind::{bind_model, Binder};
 pub use super::bind::{model_sizes, names, BindError};
 use super::config::ModelConfig;
-use super::model::{Model, Weights};
+use super::model::Model;
 use super::residency::Streamer;
+use super::store::ResidentWeights;
 use crate::stream::budget::{BudgetRequest, ModelSizes, Plan};
 use crate::stream::trunk::{Trunk, TrunkError};
 use crate::stream::{Checkpoint, StreamError};
@@ -213,7 +214,7 @@ impl Model {
             cfg,
             out_res_fold,
             norm,
-            weights: Weights::Streamed(Box::new(streamer)),
+            weights: Box::new(streamer),
         };
         Ok((model, info))
     }
@@ -274,15 +275,13 @@ impl Model {
         match bound {
             Some((embed, lm_head, norm, out_res_fold, layers)) if b.problems.is_empty() => {
                 let layers = layers.into_iter().map(std::sync::Arc::new).collect();
+                let read = ck.bytes_read();
+                let weights = ResidentWeights::new(&cfg, embed, layers, lm_head, read);
                 Ok(Model {
                     cfg,
                     out_res_fold,
                     norm,
-                    weights: Weights::Resident {
-                        embed,
-                        layers,
-                        lm_head,
-                    },
+                    weights: Box::new(weights),
                 })
             }
             _ => Err(BindError {

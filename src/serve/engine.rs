@@ -272,11 +272,9 @@ fn run(
                     0.0
                 };
             }
-            if let Some(st) = model.streamer() {
-                let s = st.stats();
-                m.bytes_read = s.disk_bytes_read.max(load_bytes);
-                m.expert_hit_rate = s.expert_hit_rate();
-            }
+            let s = model.stats();
+            m.bytes_read = s.disk_bytes_read.max(load_bytes);
+            m.expert_hit_rate = s.expert_hit_rate();
             let dt = t0.elapsed().as_secs_f64();
             let n = m.requests as f64;
             m.mean_request_seconds += (dt - m.mean_request_seconds) / n;

@@ -766,6 +766,18 @@ impl Checkpoint {
     ) -> Result<(), StreamError> {
         buf.clear();
         buf.resize(len as usize, 0);
+        self.read_bytes_into(shard, at0, name, buf)
+    }
+
+    /// Read `buf.len()` bytes at `at0` of shard `shard` into `buf`.
+    fn read_bytes_into(
+        &self,
+        shard: usize,
+        at0: u64,
+        name: &str,
+        buf: &mut [u8],
+    ) -> Result<(), StreamError> {
+        let len = buf.len() as u64;
         let direct = self.reads_direct(shard, len);
         // Each thread keeps its aligned window between reads (fresh pages cost a fault and a
         // zeroing per 4 KiB); windows above KEEP_BYTES are allocated for the one read.
@@ -822,6 +834,31 @@ impl Checkpoint {
         };
         self.read_bytes(info.shard, info.offset + offset, len, name, buf)?;
         Ok(info)
+    }
+
+    /// Read `out.len()` bytes starting `offset` bytes into the tensor `info` describes (found
+    /// once with [`Checkpoint::info`]) straight into `out`: no lookup by name, no allocation.
+    pub fn read_span_into(
+        &self,
+        info: &TensorInfo,
+        name: &str,
+        offset: u64,
+        out: &mut [u8],
+    ) -> Result<(), StreamError> {
+        let len = out.len() as u64;
+        if offset.checked_add(len).is_none_or(|e| e > info.n_bytes()) {
+            return Err(StreamError::Read {
+                path: self.paths[info.shard].clone(),
+                offset: info.offset + offset,
+                len,
+                name: name.to_string(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "span outside the tensor",
+                ),
+            });
+        }
+        self.read_bytes_into(info.shard, info.offset + offset, name, out)
     }
 
     /// Read a tensor into a typed owned buffer (F16 is widened to f32).

@@ -4,12 +4,12 @@
 //! that has started (a `/save` included) is always answered before the REPL leaves, and
 //! leaving with unsaved changes, at the end of input or on Ctrl-C, says they were not saved.
 
+use crate::app::protocol::StatsSnapshot;
 use crate::app::protocol::{EngineEvent, Request, TurnId};
 use crate::app::worker::Worker;
 use crate::session::chat::{Stop, TurnReport};
 use crate::session::commands::{self, Command};
 use crate::session::template::TolerantParser;
-use crate::stream::stats::StatsSnapshot;
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -258,8 +258,8 @@ fn jsonl_line(turn: TurnId, r: &TurnReport, stats: Option<&StatsSnapshot>) -> St
         "reasoning": r.reasoning.clone().unwrap_or_default(),
         "reused_tokens": r.reused_tokens,
         "prefilled_tokens": r.prefilled_tokens,
-        "rss_bytes": crate::stream::stats::rss_bytes().0,
-        "peak_rss_bytes": crate::stream::stats::rss_bytes().1,
+        "rss_bytes": crate::app::protocol::rss_bytes().0,
+        "peak_rss_bytes": crate::app::protocol::rss_bytes().1,
     })
     .to_string()
 }

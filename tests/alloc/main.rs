@@ -1,6 +1,7 @@
-//! Allocations of a decoding step on the resident path: after a few warm-up steps have sized
-//! the run state's buffers, a step allocates nothing, on any thread; nor does a speculative
-//! step with drafts verified and rolled back, nor a prefill chunk.
+//! Allocations of a decoding step: after a few warm-up steps have sized the run state's
+//! buffers, a step allocates nothing, on any thread, with the model resident or under a
+//! budget (pinned layers, experts found in the cache); nor does a speculative step with
+//! drafts verified and rolled back, nor a prefill chunk.
 //!
 //! The counting allocator (`stats_alloc`) counts every thread of the process, rayon's workers
 //! included, so a step that moved an allocation onto a worker would still be caught. For the
@@ -12,6 +13,7 @@
 
 use k3::engine::spec::{SpecMode, Speculator};
 use k3::engine::{Logits, Model, RunState, SeqState};
+use k3::stream::budget::BudgetRequest;
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 use std::alloc::System;
 use std::path::PathBuf;
@@ -116,6 +118,44 @@ fn a_resident_decoding_step_allocates_nothing() {
             bits(&decode_plain(&m)),
             "{set}: the run state changed a bit of the logits"
         );
+    }
+}
+
+/// Decoding under a memory budget: every layer pinned and an expert cache that holds every
+/// expert once read. The first decode reads the experts the sequence routes to; the second,
+/// the same sequence from a fresh state, finds every one of them in the cache, and its steps
+/// (the store's lookups, its predictions of the next layer's experts, the embedding row read
+/// from the checkpoint, the pinned head) allocate no more than a resident step.
+fn a_decoding_step_under_a_budget_allocates_nothing() {
+    for set in ["tiny", "tiny2"] {
+        let req = BudgetRequest::Split {
+            trunk: None,
+            cache: 1 << 30,
+        };
+        let (m, info) = Model::open(&fixture(set), req, POSITIONS as u64).unwrap();
+        assert!(info.plan.budget_bytes.is_some(), "{set}: the model streams");
+        assert!(m.store().planned().is_some());
+        let (_, first) = decode_run_state(&m);
+        let reads = |s: k3::stream::stats::StatsSnapshot| (s.expert_misses, s.prefetch_reads);
+        let after_first = reads(m.stats());
+        assert!(
+            after_first.0 + after_first.1 > 0,
+            "{set}: the first decode read its experts"
+        );
+        let (n, seen) = decode_run_state(&m);
+        assert_eq!(
+            reads(m.stats()),
+            after_first,
+            "{set}: the second decode found every expert in the cache"
+        );
+        assert!(
+            n <= OUTSIDE_THE_POOL,
+            "{set}: {n} allocations in {STEPS} decoding steps under a budget"
+        );
+        let resident = Model::load(&fixture(set)).unwrap();
+        let want = bits(&decode_plain(&resident));
+        assert_eq!(bits(&first), want, "{set}: the budget changed a bit");
+        assert_eq!(bits(&seen), want, "{set}: the budget changed a bit");
     }
 }
 
@@ -298,6 +338,7 @@ macro_rules! tests {
 /// The tests, in the order they run.
 const TESTS: &[(&str, fn())] = tests![
     a_resident_decoding_step_allocates_nothing,
+    a_decoding_step_under_a_budget_allocates_nothing,
     a_step_on_two_worker_threads_allocates_nothing,
     a_speculator_step_without_a_draft_allocates_nothing,
     a_speculator_step_with_drafts_allocates_nothing,

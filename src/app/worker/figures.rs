@@ -1,11 +1,10 @@
 //! The figures the front end shows: positions, residency and speed.
 
 use super::Ctx;
-use crate::stream::stats::{self, LayerResidency, Residency, StatsSnapshot};
+use crate::stream::stats::{self, StatsSnapshot};
 
 impl Ctx<'_> {
-    /// The engine's figures now. The whole model is resident: every layer is pinned and every
-    /// expert lookup is a hit.
+    /// The engine's figures now, with the turn's and the process's.
     pub(super) fn stats_snapshot(
         &self,
         turn_tokens: u64,
@@ -15,32 +14,7 @@ impl Ctx<'_> {
         let model = self.session.model();
         let spec = self.session.spec_stats();
         let (rss, peak) = stats::rss_bytes();
-        let base = match model.streamer() {
-            Some(st) => st.stats(),
-            None => {
-                let cfg = &model.cfg;
-                let layers = (0..cfg.num_hidden_layers)
-                    .map(|il| {
-                        let e = if cfg.is_dense(il) {
-                            0
-                        } else {
-                            cfg.num_experts as u32
-                        };
-                        LayerResidency {
-                            trunk: Residency::Pinned,
-                            experts_resident: e,
-                            experts_total: e,
-                        }
-                    })
-                    .collect();
-                StatsSnapshot {
-                    model_bytes: self.model_bytes,
-                    disk_bytes_read: self.model_bytes,
-                    layers,
-                    ..StatsSnapshot::default()
-                }
-            }
-        };
+        let base = model.stats();
         StatsSnapshot {
             tokens_per_second: tps,
             turn_tokens,

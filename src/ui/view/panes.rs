@@ -3,8 +3,8 @@
 //! (no budget, no expert lookups) the pane says so instead of showing a number.
 
 use super::text::{clean, fit, str_width, wrap_line};
+use crate::app::protocol::{Residency, StatsSnapshot};
 use crate::app::state::{App, Focus, Phase, BUDGET_STEPS};
-use crate::stream::stats::{Residency, StatsSnapshot};
 use crate::ui::theme::Theme;
 use ratatui::buffer::Buffer;
 use ratatui::layout::Rect;

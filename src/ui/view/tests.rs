@@ -5,9 +5,9 @@
 use super::*;
 use crate::app::config::{KeysConfig, ThemeName};
 use crate::app::protocol::{EngineEvent, Request, TurnId};
+use crate::app::protocol::{LayerResidency, Residency, StatsSnapshot};
 use crate::app::state::{Action, AppInit, Effect, Msg, SessionRow};
 use crate::session::chat::{Stop, TurnReport};
-use crate::stream::stats::{LayerResidency, Residency, StatsSnapshot};
 use crate::ui::input::KeyMap;
 use ratatui::backend::TestBackend;
 use ratatui::Terminal;

@@ -78,6 +78,11 @@ pub enum Command {
 pub fn main() -> i32 {
     crate::stream::alloc::keep_rss_inside_the_plan();
     let cli = Cli::parse();
+    // The speed knobs of the environment, checked once before anything reads them.
+    if let Err(e) = crate::tuning::Tuning::init() {
+        eprintln!("k3: error: {e}");
+        return crate::Error::Usage(String::new()).exit_code();
+    }
     let result = match cli.command {
         Command::Run(args) => run::run(&args).map(|()| 0),
         Command::Plan(args) => plan::run(&args).map(|()| 0),

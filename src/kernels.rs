@@ -15,8 +15,9 @@
 //! the next four rows' lines requested ahead, or one row after another left to the hardware
 //! prefetcher. Every row is reduced the same way in both, so the order changes speed only; which
 //! is faster depends on the machine (measured: one row at a time streamed 33 GB/s on two AMD EPYC
-//! vCPUs where four rows with prefetch streamed 23), so by default the first products time both
-//! and the faster is kept (`K3_ROW_ORDER=fours|single` fixes one).
+//! vCPUs where four rows with prefetch streamed 23), so opening a model times both once on a
+//! synthetic matrix and keeps the faster ([`calibrate_row_order`]; `K3_ROW_ORDER=fours|single`
+//! fixes one). No product times anything.
 //!
 //! Reduction order of a dot product of length n (F32 or BF16 weights, F32 activations):
 //! 16 lanes, element i of each full 16-block accumulated into lane i mod 16 with an fma; lanes
@@ -35,8 +36,9 @@ pub mod ops;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+use crate::tuning::{KernelChoice, RowOrderChoice};
 use rayon::prelude::*;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -112,10 +114,11 @@ pub fn isa() -> Isa {
         1 => Isa::Avx2,
         2 => Isa::Avx512,
         _ => {
-            let chosen = match std::env::var("K3_KERNELS").ok().as_deref() {
-                Some("generic" | "scalar") => Isa::Generic,
-                Some("avx2") => supported(Isa::Avx2),
-                _ => detected_isa(),
+            let chosen = match crate::tuning::Tuning::get().kernels {
+                KernelChoice::Generic => Isa::Generic,
+                KernelChoice::Avx2 => supported(Isa::Avx2),
+                KernelChoice::Avx512 => supported(Isa::Avx512),
+                KernelChoice::Auto => detected_isa(),
             };
             ISA.store(isa_code(chosen), Ordering::Relaxed);
             chosen
@@ -254,31 +257,9 @@ impl RowOrder {
 }
 
 const ORDER_UNSET: u8 = 0;
-const ORDER_PROBING: u8 = 1;
 const ORDER_FOURS: u8 = 2;
 const ORDER_SINGLE: u8 = 3;
 static ROW_ORDER: AtomicU8 = AtomicU8::new(ORDER_UNSET);
-
-/// Products over at least this many weight bytes are timed while the order is being chosen
-/// (smaller ones stay in cache or are dominated by the fork-join).
-const PROBE_MIN_BYTES: usize = 1 << 20;
-/// Timed products per order before the faster is kept.
-const PROBE_CALLS: u64 = 96;
-
-/// What the probe has measured: per order, products timed, nanoseconds and weight bytes.
-struct Probe {
-    turn: AtomicU64,
-    calls: [AtomicU64; 2],
-    nanos: [AtomicU64; 2],
-    bytes: [AtomicU64; 2],
-}
-
-static PROBE: Probe = Probe {
-    turn: AtomicU64::new(0),
-    calls: [AtomicU64::new(0), AtomicU64::new(0)],
-    nanos: [AtomicU64::new(0), AtomicU64::new(0)],
-    bytes: [AtomicU64::new(0), AtomicU64::new(0)],
-};
 
 fn order_code(o: RowOrder) -> u8 {
     match o {
@@ -287,73 +268,69 @@ fn order_code(o: RowOrder) -> u8 {
     }
 }
 
-/// The row order kept, or `None` while the first products are still timing both.
+/// The row order in force: the one `K3_ROW_ORDER` fixes, else the one
+/// [`calibrate_row_order`] measured; `None` while neither has happened (products then walk
+/// four rows at a time).
 #[must_use]
 pub fn row_order() -> Option<RowOrder> {
     match ROW_ORDER.load(Ordering::Relaxed) {
         ORDER_FOURS => Some(RowOrder::Fours),
         ORDER_SINGLE => Some(RowOrder::Single),
-        ORDER_PROBING => None,
         _ => {
-            let fixed = match std::env::var("K3_ROW_ORDER").ok().as_deref() {
-                Some("fours" | "4") => Some(RowOrder::Fours),
-                Some("single" | "1") => Some(RowOrder::Single),
-                _ => None,
+            let fixed = match crate::tuning::Tuning::get().row_order {
+                RowOrderChoice::Fours => Some(RowOrder::Fours),
+                RowOrderChoice::Single => Some(RowOrder::Single),
+                RowOrderChoice::Auto => None,
             };
-            set_row_order(fixed);
+            if let Some(o) = fixed {
+                ROW_ORDER.store(order_code(o), Ordering::Relaxed);
+            }
             fixed
         }
     }
 }
 
-/// Fix the row order for the whole process, or (`None`) time both again and keep the faster.
-/// Results do not depend on it; only speed does.
-pub fn set_row_order(order: Option<RowOrder>) {
-    for i in 0..2 {
-        PROBE.calls[i].store(0, Ordering::Relaxed);
-        PROBE.nanos[i].store(0, Ordering::Relaxed);
-        PROBE.bytes[i].store(0, Ordering::Relaxed);
-    }
-    ROW_ORDER.store(order.map_or(ORDER_PROBING, order_code), Ordering::Relaxed);
-}
-
-/// The order for the next one-token product over `bytes` of weights, and whether to time it.
-fn next_order(bytes: usize) -> (RowOrder, bool) {
-    if let Some(o) = row_order() {
-        return (o, false);
-    }
-    let o = if PROBE.turn.fetch_add(1, Ordering::Relaxed).is_multiple_of(2) {
-        RowOrder::Fours
-    } else {
-        RowOrder::Single
-    };
-    (o, bytes >= PROBE_MIN_BYTES)
-}
-
-/// Record a timed product; once both orders have [`PROBE_CALLS`], keep the one that streamed
-/// more bytes per second.
-fn note_probe(order: RowOrder, bytes: usize, took: Duration) {
-    let i = usize::from(order == RowOrder::Single);
-    PROBE.nanos[i].fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
-    PROBE.bytes[i].fetch_add(bytes as u64, Ordering::Relaxed);
-    PROBE.calls[i].fetch_add(1, Ordering::Relaxed);
-    let calls = [0, 1].map(|i| PROBE.calls[i].load(Ordering::Relaxed));
-    if calls.iter().all(|&c| c >= PROBE_CALLS) {
-        // Seconds per byte, compared without division: nanos[0]/bytes[0] vs nanos[1]/bytes[1].
-        let [n0, n1] = [0, 1].map(|i| u128::from(PROBE.nanos[i].load(Ordering::Relaxed)));
-        let [b0, b1] = [0, 1].map(|i| u128::from(PROBE.bytes[i].load(Ordering::Relaxed)));
-        let keep = if n1 * b0 < n0 * b1 {
+/// Choose the row order once for the process, outside any forward pass: the one
+/// `K3_ROW_ORDER` fixes, else the faster of the two on a 4 MiB BF16 matrix (larger than the
+/// caches that matter), timed in turn eight times each on the detected path. Later calls
+/// return the order chosen. The order changes speed only, never a bit.
+pub fn calibrate_row_order() -> RowOrder {
+    static CHOSEN: OnceLock<RowOrder> = OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        if let Some(o) = row_order() {
+            return o;
+        }
+        let isa = isa();
+        let keep = if isa == Isa::Generic {
+            // The scalar path has one order.
             RowOrder::Single
         } else {
-            RowOrder::Fours
+            let (rows, cols) = (1024usize, 2048usize);
+            let w: Vec<u16> = (0..rows * cols)
+                .map(|i| f32_to_bf16(((i * 7919) % 1000) as f32 * 1e-3 - 0.5))
+                .collect();
+            let x: Vec<f32> = (0..cols).map(|i| ((i % 17) as f32) * 0.01).collect();
+            let mut y = vec![0f32; rows];
+            let mut took = [Duration::ZERO; 2];
+            for round in 0..17 {
+                for (k, order) in [RowOrder::Fours, RowOrder::Single].into_iter().enumerate() {
+                    let t0 = Instant::now();
+                    matmul_ordered(isa, order, DenseRef::Bf16(&w), rows, cols, &x, &mut y);
+                    // The first round warms both up and is not counted.
+                    if round > 0 {
+                        took[k] += t0.elapsed();
+                    }
+                }
+            }
+            if took[1] < took[0] {
+                RowOrder::Single
+            } else {
+                RowOrder::Fours
+            }
         };
-        let _ = ROW_ORDER.compare_exchange(
-            ORDER_PROBING,
-            order_code(keep),
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        );
-    }
+        ROW_ORDER.store(order_code(keep), Ordering::Relaxed);
+        keep
+    })
 }
 
 /// Number of whole rows of `width` floats, `stride` apart, that `len` floats hold.
@@ -476,6 +453,20 @@ pub fn matmul(w: DenseRef<'_>, rows: usize, cols: usize, x: &[f32], y: &mut [f32
 
 /// [`matmul`] on an explicit path.
 pub fn matmul_with(isa: Isa, w: DenseRef<'_>, rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
+    let order = row_order().unwrap_or(RowOrder::Fours);
+    matmul_ordered(isa, order, w, rows, cols, x, y);
+}
+
+/// [`matmul_with`] walking a one-token product in `order` (the same bits either way).
+pub fn matmul_ordered(
+    isa: Isa,
+    order: RowOrder,
+    w: DenseRef<'_>,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    y: &mut [f32],
+) {
     assert_eq!(w.len(), rows * cols, "matmul: weight size");
     assert!(
         cols > 0 && x.len().is_multiple_of(cols),
@@ -537,18 +528,14 @@ pub fn matmul_with(isa: Isa, w: DenseRef<'_>, rows: usize, cols: usize, x: &[f32
     };
     if n_tok == 1 {
         // The generic path has no 4-row kernel: every row goes through the single-row one.
-        let (order, timed) = if isa == Isa::Generic {
-            (RowOrder::Single, false)
+        let order = if isa == Isa::Generic {
+            RowOrder::Single
         } else {
-            next_order(w.bytes())
+            order
         };
-        let t0 = timed.then(Instant::now);
         y.par_chunks_mut(per_task)
             .enumerate()
             .for_each(|(ci, out)| fill(ci, out, order));
-        if let Some(t0) = t0 {
-            note_probe(order, w.bytes(), t0.elapsed());
-        }
         return;
     }
     with_scratch(rows * n_tok, |tmp| {

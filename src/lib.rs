@@ -18,6 +18,7 @@ pub mod serve;
 pub mod session;
 pub mod stream;
 pub mod synth;
+pub mod tuning;
 pub mod ui;
 
 pub use error::{Error, Result};

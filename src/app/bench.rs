@@ -353,7 +353,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     println!(
         "kernels              {}, one-token rows {}",
         crate::kernels::isa().name(),
-        crate::kernels::row_order().map_or("still being timed", crate::kernels::RowOrder::name)
+        crate::kernels::row_order().map_or("not chosen", crate::kernels::RowOrder::name)
+    );
+    println!(
+        "tuning               {}",
+        serde_json::to_string(crate::tuning::Tuning::get()).unwrap_or_default()
     );
     println!(
         "prefill              {:.1} tokens/s ({} tokens)",

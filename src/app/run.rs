@@ -115,7 +115,8 @@ pub fn steal_since(before: Option<CpuTicks>) -> Option<f64> {
 pub(crate) fn kernels_json() -> serde_json::Value {
     serde_json::json!({
         "isa": crate::kernels::isa().name(),
-        "row_order": crate::kernels::row_order().map_or("probing", crate::kernels::RowOrder::name),
+        "row_order": crate::kernels::row_order().map_or("not chosen", crate::kernels::RowOrder::name),
+        "tuning": crate::tuning::Tuning::get(),
     })
 }
 

@@ -27,6 +27,7 @@ use crate::stream::stats::{LayerResidency, Residency, StatsSnapshot};
 use crate::stream::trial::PairedTrial;
 use crate::stream::trunk::Trunk;
 use crate::stream::{Checkpoint, Dtype, StreamError};
+use crate::tuning::{CachePolicy, Tuning};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -157,10 +158,10 @@ enum Source {
 impl ExpertCache {
     fn new(slots: usize, layers: usize, experts: usize) -> Self {
         let space = KeySpace::new(layers, experts);
-        let policy: Box<dyn Policy + Send> = match std::env::var("K3_CACHE_POLICY").as_deref() {
-            Ok("lru") => Box::new(Lru::new(space)),
-            Ok("layer-cycle") => Box::new(LayerCycle::new(space)),
-            _ => Box::new(CycleQueue::new(space)),
+        let policy: Box<dyn Policy + Send> = match Tuning::get().cache_policy {
+            CachePolicy::Lru => Box::new(Lru::new(space)),
+            CachePolicy::LayerCycle => Box::new(LayerCycle::new(space)),
+            CachePolicy::CycleQueue => Box::new(CycleQueue::new(space)),
         };
         let slots = slots.max(1);
         ExpertCache {
@@ -802,16 +803,6 @@ struct PredictScratch {
     reads: Vec<(usize, usize, usize)>,
 }
 
-/// `K3_PREFETCH_EARLY`: `1`/`on` or `0`/`off` fix the early prediction; unset (or `auto`)
-/// leaves it to the trial.
-fn early_from_env() -> Option<bool> {
-    match std::env::var("K3_PREFETCH_EARLY").ok()?.trim() {
-        "1" | "on" => Some(true),
-        "0" | "off" => Some(false),
-        _ => None,
-    }
-}
-
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding the lock cannot leave these structures half-updated in a way that
     // matters for correctness (they only cache reads), so a poisoned lock is used as is.
@@ -1008,26 +999,15 @@ impl Streamer {
             cache: ExpertCache::new(plan.expert_slots as usize, n, n_exp),
         }));
         let counters = Arc::new(Counters::default());
-        let env = |name: &str, default: usize| {
-            std::env::var(name)
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(default)
-        };
+        let tuning = Tuning::get();
         let prefetcher = Arc::new(Prefetcher {
             ck: Arc::clone(&ck),
             cfg: Arc::clone(&cfg_arc),
             resident: Arc::clone(&resident),
             counters: Arc::clone(&counters),
             expert_bytes: sizes.expert_bytes,
-            depth: std::sync::atomic::AtomicUsize::new(env(
-                "K3_PREFETCH_DEPTH",
-                DEFAULT_PREFETCH_DEPTH,
-            )),
-            late_depth: std::sync::atomic::AtomicUsize::new(env(
-                "K3_PREFETCH_LATE_DEPTH",
-                DEFAULT_PREFETCH_LATE_DEPTH,
-            )),
+            depth: std::sync::atomic::AtomicUsize::new(tuning.prefetch_depth),
+            late_depth: std::sync::atomic::AtomicUsize::new(tuning.prefetch_late_depth),
             state: Mutex::new(PrefetchState::default()),
             idle: std::sync::Condvar::new(),
         });
@@ -1043,9 +1023,9 @@ impl Streamer {
                 pending: VecDeque::new(),
             }),
             counters,
-            prefetch: std::sync::atomic::AtomicUsize::new(env("K3_PREFETCH", DEFAULT_PREFETCH)),
+            prefetch: std::sync::atomic::AtomicUsize::new(tuning.prefetch),
             prefetcher,
-            early: Mutex::new(PairedTrial::new(early_from_env())),
+            early: Mutex::new(PairedTrial::new(tuning.prefetch_early)),
             early_now: std::sync::atomic::AtomicBool::new(false),
             first_moe,
             mapped,

@@ -61,9 +61,10 @@ impl SpecMode {
     /// `mode`, or `Off` when `K3_NOSPEC` is set to anything but `0` or empty.
     #[must_use]
     pub fn or_env_off(self) -> SpecMode {
-        match std::env::var("K3_NOSPEC") {
-            Ok(v) if !v.is_empty() && v != "0" => SpecMode::Off,
-            _ => self,
+        if crate::tuning::Tuning::get().no_spec {
+            SpecMode::Off
+        } else {
+            self
         }
     }
 

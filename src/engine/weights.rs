@@ -87,8 +87,8 @@ impl Default for OpenOptions {
             context: 4096,
             states: 1,
             trunk: None,
-            direct: std::env::var_os("K3_NO_DIRECT").is_none_or(|v| v.is_empty() || v == "0"),
-            mapped: std::env::var_os("K3_MMAP").is_none_or(|v| v.is_empty() || v != "0"),
+            direct: crate::tuning::Tuning::get().direct_io,
+            mapped: crate::tuning::Tuning::get().mmap,
             progress: None,
         }
     }
@@ -143,6 +143,8 @@ impl Model {
     /// Open the checkpoint in `dir` as `opts` say (budget, packed trunk, direct I/O).
     pub fn open_with(dir: &Path, opts: &OpenOptions) -> Result<(Model, LoadInfo), LoadError> {
         let (req, context, progress) = (opts.budget, opts.context, opts.progress.clone());
+        // The one-token products' row order is chosen once per process, before any pass.
+        crate::kernels::calibrate_row_order();
         let cfg = ModelConfig::load(&dir.join("config.json"))?;
         let mut ck = Checkpoint::open(dir)?;
         let trunk = match &opts.trunk {

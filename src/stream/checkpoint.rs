@@ -134,11 +134,7 @@ impl AlignedBuf {
 pub fn io_pool() -> Option<&'static rayon::ThreadPool> {
     static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
     POOL.get_or_init(|| {
-        let n = std::env::var("K3_IO_THREADS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&n| (1..=256).contains(&n))
-            .unwrap_or(8);
+        let n = crate::tuning::Tuning::get().io_threads;
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .thread_name(|i| format!("k3-io-{i}"))

@@ -502,3 +502,27 @@ fn an_oversized_or_ambiguous_index_is_refused_before_it_costs_anything() {
         "{err}"
     );
 }
+
+/// A speed knob with a value it does not take is refused at start, naming the variable
+/// (exit 2), instead of quietly running with its default; a valid one runs.
+#[test]
+fn a_malformed_tuning_variable_is_refused_by_name() {
+    let tiny = fixture("tiny");
+    for (var, value) in [
+        ("K3_PREFETCH", "lots"),
+        ("K3_IO_THREADS", "0"),
+        ("K3_KERNELS", "avx3"),
+        ("K3_ROW_ORDER", "diagonal"),
+        ("K3_MMAP", "yes"),
+    ] {
+        let (code, err) = run_k3_with(&tiny, &[], &[(var, value)]);
+        assert_eq!(code, 2, "{var}={value}: {err}");
+        assert!(err.contains(var) && err.contains(value), "{err}");
+    }
+    let (code, err) = run_k3_with(
+        &tiny,
+        &[],
+        &[("K3_PREFETCH", "4"), ("K3_ROW_ORDER", "single")],
+    );
+    assert_eq!(code, 0, "{err}");
+}

@@ -236,24 +236,34 @@ fn thread_count_does_not_change_a_bit() {
     assert_eq!(bits(&one), bits(&run(3)));
 }
 
+/// Every kernel path gives the same logits, bit for bit: `k3 run` with each path forced by
+/// `K3_KERNELS` (each in its own process, so no test here changes the path others run on)
+/// dumps the logits of the prompt and of every generated token.
 #[test]
 fn scalar_and_simd_paths_agree_bitwise() {
-    use k3::kernels::{detected_isa, isa, set_isa, Isa};
-    let prev = isa();
-    let m = model();
+    let dir = tempfile::tempdir().unwrap();
     let full = u32s(&oracle()["full_ids"]);
-    let run = |isa: Isa| {
-        set_isa(isa);
-        let mut st = SeqState::new(&m.cfg);
-        m.forward(&mut st, &full, Logits::All).unwrap()
+    let ids: Vec<String> = full.iter().map(u32::to_string).collect();
+    let dump = |path: &str| {
+        let out = dir.path().join(format!("{path}.f32"));
+        crate::common::run_ok(crate::common::k3_command().env("K3_KERNELS", path).args([
+            "run",
+            fixture("tiny").to_str().unwrap(),
+            "--ids",
+            &ids.join(","),
+            "--gen",
+            "6",
+            "--dump-logits",
+            out.to_str().unwrap(),
+        ]));
+        let bytes = std::fs::read(&out).unwrap();
+        assert_eq!(bytes.len(), 6 * vocab() * 4, "{path}: six rows of logits");
+        bytes
     };
-    let simd = run(detected_isa());
-    let scalar = run(Isa::Generic);
-    let avx2 = run(Isa::Avx2);
-    set_isa(prev);
+    let scalar = dump("generic");
     // Stated tolerance: zero. The paths share lane partitions and reduction trees.
-    assert_eq!(bits(&simd), bits(&scalar));
-    assert_eq!(bits(&simd), bits(&avx2));
+    assert_eq!(dump("auto"), scalar, "the detected path");
+    assert_eq!(dump("avx2"), scalar, "AVX2 (or the best path below it)");
 }
 
 /// The last layer finishes only the positions whose logits are asked for: the last position's

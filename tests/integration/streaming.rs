@@ -969,3 +969,53 @@ fn a_stopped_load_reads_nothing_more_and_fails() {
     assert!(e.to_string().contains("loading was stopped"), "{e}");
     assert_eq!(ck.bytes_read(), 0, "nothing read after the stop");
 }
+
+/// The front ends read the engine's figures while it decodes (the TUI every few hundred
+/// milliseconds, `/metrics` on every scrape). Read them as fast as a thread can while the
+/// streamed path decodes at the floor budget (streamed layers, expert misses, predictions,
+/// plan changes between steps): every step gives the resident bits, the reads never block a
+/// step for good, and each snapshot is consistent (hits and misses never go down).
+#[test]
+fn stats_read_under_load_change_nothing_and_never_block() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (prompt, want, info) = serial_reference("tiny2", 16);
+    let floor = info.plan.floor_bytes;
+    let (m, _) = open("tiny2", BudgetRequest::Total(floor));
+    let done = AtomicBool::new(false);
+    let (got, reads) = std::thread::scope(|sc| {
+        let reader = sc.spawn(|| {
+            let (mut reads, mut last) = (0u64, (0, 0));
+            while !done.load(Ordering::Relaxed) {
+                let s = m.stats();
+                assert!(
+                    s.expert_hits >= last.0 && s.expert_misses >= last.1,
+                    "{s:?}"
+                );
+                last = (s.expert_hits, s.expert_misses);
+                assert_eq!(s.layers.len(), m.cfg.num_hidden_layers);
+                reads += 1;
+            }
+            reads
+        });
+        let sizes = info.sizes.clone();
+        let got = generate(&m, &prompt, 16, |step| {
+            // Every fourth step a plan change, as the budget slider makes.
+            if step % 4 == 3 {
+                let total = floor + (step as u64 % 8) * sizes.model_bytes() / 8;
+                let plan =
+                    budget::plan_states(&sizes, BudgetRequest::Total(total), 512, 1, None).unwrap();
+                m.store().set_plan(plan).unwrap();
+            }
+        });
+        done.store(true, Ordering::Relaxed);
+        (got, reader.join().unwrap())
+    });
+    assert!(
+        reads > 16,
+        "the figures were read while decoding ({reads} reads)"
+    );
+    for (a, b) in got.iter().zip(&want) {
+        assert_eq!(bits(a), bits(b), "a read of the figures changed a bit");
+    }
+    assert!(m.stats().expert_misses > 0, "the experts streamed");
+}

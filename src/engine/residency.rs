@@ -632,6 +632,7 @@ fn score_by_rank(by_rank: &mut Vec<u64>, predicted: &[usize], ids: &[usize]) -> 
 struct Prefetcher {
     ck: Arc<Checkpoint>,
     cfg: Arc<ModelConfig>,
+    table: Arc<ExpertTable>,
     resident: Arc<Mutex<Resident>>,
     counters: Arc<Counters>,
     expert_bytes: u64,
@@ -719,7 +720,7 @@ impl Prefetcher {
     /// Read one predicted expert into its reserved slot.
     fn read(self: &Arc<Self>, (il, e, slot): (usize, usize, usize)) {
         self.counters.prefetch_reads.fetch_add(1, Ordering::Relaxed);
-        let result = load_expert(&self.ck, &self.cfg, il, e);
+        let result = read_expert(&self.ck, &self.cfg, &self.table, il, e);
         if result.is_ok() {
             self.counters
                 .expert_bytes
@@ -784,6 +785,8 @@ pub struct Streamer {
     head_info: TensorInfo,
     /// The buffers embedding rows and streamed head chunks are read into.
     io: Mutex<IoScratch>,
+    /// Where each routed expert lies, found once.
+    table: Arc<ExpertTable>,
     /// Buffers of expert fetches, reused (one per fetch under way).
     fetch_pool: Mutex<Vec<FetchBufs>>,
     /// What a prediction routes and chooses in.
@@ -840,6 +843,136 @@ fn load_layer(
             reason: "incomplete layer".into(),
         }),
     }
+}
+
+/// Where one routed expert's six MXFP4 tensors lie (w1, w2, w3; each packed nibbles then
+/// scales, in that order here): one contiguous range of a shard. Found once when the model
+/// opens, so a miss reads by offset instead of formatting and looking up six names.
+#[derive(Clone, Copy, Debug)]
+struct ExpertSpan {
+    shard: usize,
+    offset: u64,
+    len: u64,
+    /// Per tensor: (offset within the range, bytes).
+    parts: [(usize, usize); 6],
+}
+
+/// The spans of every routed expert, `[layer * num_experts + expert]`; None where an expert's
+/// tensors are not one contiguous range of MXFP4 bytes of the expected sizes (it is then
+/// bound by name, which also names what is wrong).
+#[derive(Debug)]
+struct ExpertTable {
+    experts: usize,
+    spans: Vec<Option<ExpertSpan>>,
+}
+
+impl ExpertTable {
+    fn new(ck: &Checkpoint, cfg: &ModelConfig) -> Self {
+        let (lat, inter) = (cfg.routed_expert_hidden_size, cfg.moe_intermediate_size);
+        let n_exp = cfg.num_experts;
+        let mut spans = Vec::with_capacity(cfg.num_hidden_layers * n_exp);
+        for il in 0..cfg.num_hidden_layers {
+            for e in 0..n_exp {
+                let span = (!cfg.is_dense(il) && lat % 32 == 0 && inter % 32 == 0)
+                    .then(|| Self::span(ck, il, e, lat, inter))
+                    .flatten();
+                spans.push(span);
+            }
+        }
+        ExpertTable {
+            experts: n_exp,
+            spans,
+        }
+    }
+
+    fn span(ck: &Checkpoint, il: usize, e: usize, lat: usize, inter: usize) -> Option<ExpertSpan> {
+        let mut found = Vec::with_capacity(6);
+        for (w, rows, cols) in [("w1", inter, lat), ("w2", lat, inter), ("w3", inter, lat)] {
+            for (suffix, bytes) in [
+                ("weight_packed", rows * cols / 2),
+                ("weight_scale", rows * cols / 32),
+            ] {
+                let name = names::layer(il, &format!("block_sparse_moe.experts.{e}.{w}.{suffix}"));
+                let info = ck.info(&name)?;
+                if info.dtype != Dtype::U8 || info.n_bytes() != bytes as u64 {
+                    return None;
+                }
+                found.push(info);
+            }
+        }
+        let shard = found[0].shard;
+        let start = found.iter().map(|i| i.offset).min()?;
+        let end = found.iter().map(|i| i.offset + i.n_bytes()).max()?;
+        let total: u64 = found.iter().map(TensorInfo::n_bytes).sum();
+        if found.iter().any(|i| i.shard != shard) || end - start != total {
+            return None;
+        }
+        let mut parts = [(0, 0); 6];
+        for (p, i) in parts.iter_mut().zip(&found) {
+            *p = ((i.offset - start) as usize, i.n_bytes() as usize);
+        }
+        Some(ExpertSpan {
+            shard,
+            offset: start,
+            len: total,
+            parts,
+        })
+    }
+}
+
+/// Read routed expert `e` of layer `il`: by its span when it has one (one read into a slot of
+/// the expert arena, the six tensors ranges of it), else bound by name.
+fn read_expert(
+    ck: &Checkpoint,
+    cfg: &ModelConfig,
+    table: &ExpertTable,
+    il: usize,
+    e: usize,
+) -> Result<Expert, StreamError> {
+    let Some(span) = table.spans.get(il * table.experts + e).copied().flatten() else {
+        return load_expert(ck, cfg, il, e);
+    };
+    let all = ck
+        .read_range_shared(span.shard, span.offset, span.len, "a routed expert")
+        .map_err(|err| match err {
+            StreamError::Read {
+                path,
+                offset,
+                len,
+                source,
+                ..
+            } => StreamError::Read {
+                path,
+                offset,
+                len,
+                name: names::layer(il, &format!("block_sparse_moe.experts.{e}")),
+                source,
+            },
+            other => other,
+        })?;
+    let part = |k: usize| {
+        let (at, len) = span.parts[k];
+        all.slice(at, len)
+            .ok_or_else(|| StreamError::Unrepresentable {
+                path: ck.dir().to_path_buf(),
+                name: format!("layer {il} expert {e}"),
+                reason: "a tensor outside its expert's read".into(),
+            })
+    };
+    let (lat, inter) = (cfg.routed_expert_hidden_size, cfg.moe_intermediate_size);
+    let m = |k: usize, rows: usize, cols: usize| -> Result<Matrix, StreamError> {
+        Ok(Matrix::Mxfp4(Mxfp4 {
+            packed: part(2 * k)?,
+            scales: part(2 * k + 1)?,
+            rows,
+            cols,
+        }))
+    };
+    Ok(Expert {
+        w1: m(0, inter, lat)?,
+        w2: m(1, lat, inter)?,
+        w3: m(2, inter, lat)?,
+    })
 }
 
 fn load_expert(
@@ -1000,9 +1133,11 @@ impl Streamer {
         }));
         let counters = Arc::new(Counters::default());
         let tuning = Tuning::get();
+        let table = Arc::new(ExpertTable::new(&ck, &cfg));
         let prefetcher = Arc::new(Prefetcher {
             ck: Arc::clone(&ck),
             cfg: Arc::clone(&cfg_arc),
+            table: Arc::clone(&table),
             resident: Arc::clone(&resident),
             counters: Arc::clone(&counters),
             expert_bytes: sizes.expert_bytes,
@@ -1033,6 +1168,7 @@ impl Streamer {
             embed_info,
             head_info,
             io: Mutex::new(IoScratch::default()),
+            table,
             fetch_pool: Mutex::new(Vec::new()),
             predict_scratch: Mutex::new(PredictScratch::default()),
         };
@@ -1483,10 +1619,11 @@ impl Streamer {
     /// request's `k`-th expert, for `slot`.
     fn spawn_read(&self, il: usize, k: usize, e: usize, slot: Option<usize>, tx: &Sender<Arrival>) {
         let (ck, cfg, tx) = (Arc::clone(&self.ck), Arc::clone(&self.cfg_arc), tx.clone());
+        let table = Arc::clone(&self.table);
         let pf = Arc::clone(&self.prefetcher);
         pf.demand_started();
         let job = move || {
-            let result = load_expert(&ck, &cfg, il, e).map(Box::new);
+            let result = read_expert(&ck, &cfg, &table, il, e).map(Box::new);
             pf.demand_done();
             let _ = tx.send(Arrival::Read { k, slot, result });
         };

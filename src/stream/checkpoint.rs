@@ -741,6 +741,19 @@ impl Checkpoint {
         Ok(Some(parts))
     }
 
+    /// Read `len` bytes at absolute offset `at` of `shard` (a group of tensors whose places
+    /// were found once, e.g. a routed expert) into one shared allocation, a slot of the group
+    /// arena when one is set; `name` labels errors.
+    pub fn read_range_shared(
+        &self,
+        shard: usize,
+        at: u64,
+        len: u64,
+        name: &str,
+    ) -> Result<Bytes, StreamError> {
+        self.read_shared_in(shard, at, len, name, self.group_arena.get())
+    }
+
     /// Read `len` bytes of the shard holding `name`, starting at its first byte and possibly
     /// running past it into the tensors that follow (a layer's contiguous run).
     pub fn read_run(&self, name: &str, len: u64, buf: &mut Vec<u8>) -> Result<(), StreamError> {

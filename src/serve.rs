@@ -12,6 +12,7 @@
 
 pub mod engine;
 pub mod http;
+pub mod stop;
 pub mod wire;
 
 use std::net::IpAddr;

@@ -2,11 +2,12 @@
 //! a time in arrival order. Never blocks on the HTTP side: events go out over unbounded tokio
 //! channels, and a job whose receiver is gone is cancelled at the next token.
 
+use super::stop::StopMatcher;
 use super::ServeConfig;
 use crate::engine::Model;
 use crate::session::chat::{Session, Settings, Stop};
 use crate::session::template::tools::{self, ApiMessage, ApiOptions, ToolCall};
-use crate::session::template::{self, TolerantParser};
+use crate::session::template::{self, Phase, TolerantParser};
 use crate::session::tokenizer::Tokenizer;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -40,6 +41,8 @@ pub struct Job {
     pub task: Task,
     /// Sampling and length for this request.
     pub settings: Settings,
+    /// Stop strings: the reply ends before the first one (never sent).
+    pub stop: Vec<String>,
     /// Set when the client is gone.
     pub cancel: Arc<AtomicBool>,
     /// Where the events go.
@@ -242,6 +245,7 @@ fn run(
         return;
     }
     let load_bytes = info.bytes_read;
+    let mut replies = Replies::default();
     while let Ok(job) = rx.recv() {
         let t0 = Instant::now();
         if shared.draining.load(Ordering::Relaxed) {
@@ -250,7 +254,7 @@ fn run(
                 message: "the server is shutting down".into(),
             });
         } else if !job.cancel.load(Ordering::Relaxed) {
-            let r = serve_job(&mut session, &job, t0);
+            let r = serve_job(&mut session, &job, t0, &mut replies);
             let mut m = lock(&shared.metrics);
             m.requests += 1;
             if let Some(f) = &r {
@@ -287,8 +291,67 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// Replies this server generated lately, and the reasoning each was generated with.
+///
+/// Clients such as `llm`, aichat and the `openai` package send a reply back without its
+/// `reasoning_content`; K3 continues from the reasoning it wrote, so a later request's
+/// assistant message that equals one of these replies (content and tool calls) gets its
+/// reasoning back: the render is the one the model continues from, and the prefix cache holds
+/// past that reply.
+#[derive(Debug, Default)]
+pub struct Replies {
+    recent: std::collections::VecDeque<(String, String)>,
+}
+
+/// Replies remembered.
+const REPLIES_KEPT: usize = 256;
+
+impl Replies {
+    fn key(content: &str, calls: &[ToolCall]) -> String {
+        let mut k = content.to_owned();
+        for c in calls {
+            k.push('\u{0}');
+            k.push_str(&c.name);
+            k.push('\u{0}');
+            k.push_str(&c.arguments);
+        }
+        k
+    }
+
+    /// Remember a reply and its reasoning.
+    pub fn remember(&mut self, content: &str, calls: &[ToolCall], reasoning: &str) {
+        let key = Self::key(content, calls);
+        self.recent.retain(|(k, _)| *k != key);
+        if self.recent.len() == REPLIES_KEPT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((key, reasoning.to_owned()));
+    }
+
+    /// Give each assistant message without reasoning the reasoning of the reply it equals.
+    pub fn restore(&self, messages: &mut [ApiMessage]) -> usize {
+        let mut n = 0;
+        for m in messages
+            .iter_mut()
+            .filter(|m| m.role == tools::ApiRole::Assistant && m.reasoning.is_none())
+        {
+            let key = Self::key(&m.content, &m.tool_calls);
+            if let Some((_, r)) = self.recent.iter().rev().find(|(k, _)| *k == key) {
+                m.reasoning = Some(r.clone());
+                n += 1;
+            }
+        }
+        n
+    }
+}
+
 /// Serve one job; the figures of a completed reply.
-fn serve_job(session: &mut Session<'_>, job: &Job, t0: Instant) -> Option<Finished> {
+fn serve_job(
+    session: &mut Session<'_>,
+    job: &Job,
+    t0: Instant,
+    replies: &mut Replies,
+) -> Option<Finished> {
     let fail = |status: u16, message: String| {
         let _ = job.out.send(Out::Error { status, message });
         None
@@ -297,8 +360,10 @@ fn serve_job(session: &mut Session<'_>, job: &Job, t0: Instant) -> Option<Finish
     let markers = session.markers();
     let (prompt, history_end, stops, thinking) = match &job.task {
         Task::Chat { messages, options } => {
+            let mut messages = messages.clone();
+            replies.restore(&mut messages);
             let render = |gen: bool| {
-                tools::render_api_segments(messages, options, gen)
+                tools::render_api_segments(&messages, options, gen)
                     .and_then(|s| template::encode_segments(tok, &markers, &s))
             };
             let (prompt, history) = match (render(true), render(false)) {
@@ -342,16 +407,35 @@ fn serve_job(session: &mut Session<'_>, job: &Job, t0: Instant) -> Option<Finish
     }
     let mut first_token: Option<f64> = None;
     let cancel = &job.cancel;
+    // Stop strings apply to the answer (the whole text of a raw completion), not to the
+    // reasoning; `sent` is every piece of text sent.
+    let mut stopper = StopMatcher::new(job.stop.clone());
+    let mut channel = thinking.map(TolerantParser::new);
+    let mut sent = String::new();
     let mut emit = |_id: u32, text: &str| {
         first_token.get_or_insert_with(|| t0.elapsed().as_secs_f64());
-        if !text.is_empty()
-            && job
-                .out
-                .send(Out::Token {
-                    text: text.to_owned(),
-                })
-                .is_err()
-        {
+        let in_answer = match &mut channel {
+            None => true,
+            Some(p) => {
+                p.push(text);
+                p.phase() == Phase::Response
+            }
+        };
+        let text = if in_answer {
+            stopper.push(text)
+        } else if stopper.hit() {
+            String::new()
+        } else {
+            let mut held = stopper.finish();
+            held.push_str(text);
+            held
+        };
+        if stopper.hit() {
+            // Ends the generation at the next token; the reply is answered (see below).
+            cancel.store(true, Ordering::Relaxed);
+        }
+        sent.push_str(&text);
+        if !text.is_empty() && job.out.send(Out::Token { text }).is_err() {
             cancel.store(true, Ordering::Relaxed);
         }
     };
@@ -368,6 +452,14 @@ fn serve_job(session: &mut Session<'_>, job: &Job, t0: Instant) -> Option<Finish
                 return fail(status, e.to_string());
             }
         };
+    let stopped_by_string = stopper.hit();
+    if !stopped_by_string && done.stop != Stop::Cancelled {
+        let rest = stopper.finish();
+        sent.push_str(&rest);
+        if !rest.is_empty() {
+            let _ = job.out.send(Out::Token { text: rest });
+        }
+    }
     let tok = session.tokenizer();
     let mut fin = Finished {
         prompt_tokens: prompt.len(),
@@ -376,12 +468,29 @@ fn serve_job(session: &mut Session<'_>, job: &Job, t0: Instant) -> Option<Finish
         prefill_seconds: done.prefill_seconds,
         decode_seconds: done.decode_seconds,
         finish_reason: match done.stop {
+            _ if stopped_by_string => "stop",
             Stop::End(_) => "stop",
             Stop::Cancelled => CANCELLED,
             _ => "length",
         },
         ..Finished::default()
     };
+    if stopped_by_string {
+        // The reply as it was sent: up to the stop string.
+        match thinking {
+            Some(thinking) => {
+                let mut p = TolerantParser::new(thinking);
+                p.push(&sent);
+                p.finish();
+                fin.content = p.content().to_owned();
+                fin.reasoning = thinking.then(|| p.reasoning().to_owned());
+            }
+            None => fin.content = sent,
+        }
+        fin.generated = done.generated;
+        let _ = job.out.send(Out::Done(Box::new(fin.clone())));
+        return Some(fin);
+    }
     if done.stop == Stop::Cancelled {
         // Nobody is listening: counted, not answered.
         fin.generated = done.generated;
@@ -393,6 +502,9 @@ fn serve_job(session: &mut Session<'_>, job: &Job, t0: Instant) -> Option<Finish
                 Ok(t) => {
                     fin.content = t.turn.content;
                     fin.reasoning = t.turn.reasoning;
+                    if let Some(r) = fin.reasoning.as_deref().filter(|r| !r.is_empty()) {
+                        replies.remember(&fin.content, &t.tool_calls, r);
+                    }
                     if !t.tool_calls.is_empty() {
                         fin.finish_reason = "tool_calls";
                     }

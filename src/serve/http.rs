@@ -422,6 +422,12 @@ struct Admitted {
 
 /// Admit a request (429 past the queue), hand it to the engine and wait until it starts.
 async fn submit(s: &AppState, parsed: &Parsed) -> Result<Admitted, Response> {
+    if !parsed.ignored.is_empty() {
+        eprintln!(
+            "k3 serve: ignored in a request: {}",
+            parsed.ignored.join(", ")
+        );
+    }
     let cap = 1 + s.cfg.queue;
     let counter = &s.engine.in_system;
     let mut n = counter.load(Ordering::Relaxed);
@@ -459,6 +465,7 @@ async fn submit(s: &AppState, parsed: &Parsed) -> Result<Admitted, Response> {
     let job = Job {
         task: parsed.task.clone(),
         settings: parsed.settings.clone(),
+        stop: parsed.stop.clone(),
         cancel: Arc::clone(&cancel),
         out: tx,
     };

@@ -1,5 +1,12 @@
-//! The JSON of the API: requests (unknown fields refused), their checks, and the response and
-//! chunk objects. No I/O.
+//! The JSON of the API: requests, their checks, and the response and chunk objects. No I/O.
+//!
+//! What real clients send is accepted as vLLM accepts it (docs/serve.md has the table):
+//! `stop` strings are applied; `n` must be 1; `seed`, `user`, `store`, `metadata`,
+//! `stream_options`, `parallel_tool_calls` are taken; `frequency_penalty`,
+//! `presence_penalty`, `logit_bias`, `logprobs` and `top_logprobs` are accepted and not
+//! applied. Fields this server does not know are ignored; [`Parsed::ignored`] names them (and
+//! the accepted-not-applied ones) for the server's log line. [`parse_chat`] and
+//! [`parse_completion`] are pure: bytes in, a checked request or an [`ApiError`] out.
 
 use super::engine::{Finished, Task};
 use super::MAX_MESSAGES;
@@ -57,22 +64,24 @@ struct Thinking {
     keep: Option<Value>,
 }
 
-/// `stream_options`.
+/// `stream_options` (others, such as vLLM's `continuous_usage_stats`, are ignored).
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct StreamOptions {
     include_usage: Option<bool>,
 }
 
+/// Most stop strings a request may give, and the longest one (in bytes).
+pub const MAX_STOPS: usize = 16;
+/// See [`MAX_STOPS`].
+pub const MAX_STOP_BYTES: usize = 256;
+
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct WireFunction {
     name: String,
     arguments: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct WireToolCall {
     id: Option<String>,
     #[serde(rename = "type")]
@@ -82,7 +91,6 @@ struct WireToolCall {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct WireMessage {
     role: String,
     content: Option<Value>,
@@ -92,11 +100,13 @@ struct WireMessage {
     tool_calls: Option<Vec<WireToolCall>>,
     tool_call_id: Option<String>,
     tools: Option<Value>,
+    /// Anything else (`refusal`, `annotations`, `audio`, … as a client echoes a reply back).
+    #[serde(flatten)]
+    other: serde_json::Map<String, Value>,
 }
 
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct ChatRequest {
     model: Option<String>,
     messages: Vec<WireMessage>,
@@ -119,14 +129,21 @@ struct ChatRequest {
     frequency_penalty: Option<f32>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
-    user: Option<String>,
+    /// A string by the API; any JSON is taken (some front ends send an object).
+    user: Option<Value>,
     parallel_tool_calls: Option<bool>,
     logprobs: Option<bool>,
+    top_logprobs: Option<u64>,
+    logit_bias: Option<Value>,
+    store: Option<bool>,
+    metadata: Option<Value>,
+    /// Fields this server does not know (named in the log line).
+    #[serde(flatten)]
+    other: serde_json::Map<String, Value>,
 }
 
 /// `POST /v1/completions`.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct CompletionRequest {
     model: Option<String>,
     prompt: Value,
@@ -146,6 +163,12 @@ struct CompletionRequest {
     user: Option<String>,
     echo: Option<bool>,
     logprobs: Option<Value>,
+    logit_bias: Option<Value>,
+    suffix: Option<String>,
+    best_of: Option<u64>,
+    /// Fields this server does not know (named in the log line).
+    #[serde(flatten)]
+    other: serde_json::Map<String, Value>,
 }
 
 /// A checked request, ready for the engine.
@@ -161,6 +184,10 @@ pub struct Parsed {
     pub include_usage: bool,
     /// Thinking on (chat).
     pub thinking: bool,
+    /// Stop strings: the reply ends before the first one, which is never sent.
+    pub stop: Vec<String>,
+    /// Fields accepted but not applied, and fields not known, for the log line.
+    pub ignored: Vec<String>,
 }
 
 /// Limits from the command line.
@@ -201,28 +228,21 @@ fn sampling(
     presence: Option<f32>,
     frequency: Option<f32>,
     limits: Limits,
-) -> Result<Settings, ApiError> {
+) -> Result<(Settings, Vec<String>), ApiError> {
     if n.is_some_and(|n| n != 1) {
-        return Err(ApiError::bad("n", "only n = 1 is supported (one sequence)"));
-    }
-    match stop {
-        None | Some(Value::Null) => {}
-        Some(Value::Array(a)) if a.is_empty() => {}
-        Some(_) => {
-            return Err(ApiError::bad(
-                "stop",
-                "stop strings are not supported: generation ends at the model's end ids",
-            ))
-        }
+        return Err(ApiError::bad(
+            "n",
+            "only n = 1 is supported (this server generates one sequence per request)",
+        ));
     }
     for (name, v) in [
         ("presence_penalty", presence),
         ("frequency_penalty", frequency),
     ] {
-        if v.is_some_and(|v| v != 0.0) {
+        if v.is_some_and(|v| !(v.is_finite() && (-2.0..=2.0).contains(&v))) {
             return Err(ApiError::bad(
                 name,
-                format!("{name} must be 0 (not supported; repetition_penalty is)"),
+                format!("{name} must be a number from -2 to 2"),
             ));
         }
     }
@@ -256,7 +276,77 @@ fn sampling(
     };
     crate::engine::sampling::Sampler::new(s.sampler())
         .map_err(|e| ApiError::bad("temperature", e.to_string()))?;
-    Ok(s)
+    Ok((s, stop_strings(stop)?))
+}
+
+/// `stop`: a string or a list of strings (empty ones dropped), at most [`MAX_STOPS`] of at
+/// most [`MAX_STOP_BYTES`] bytes.
+fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let list: Vec<String> = match stop {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_str().map(str::to_owned).ok_or_else(|| {
+                    ApiError::bad("stop", "stop must be a string or a list of strings")
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(ApiError::bad(
+                "stop",
+                "stop must be a string or a list of strings",
+            ))
+        }
+    };
+    let list: Vec<String> = list.into_iter().filter(|s| !s.is_empty()).collect();
+    if list.len() > MAX_STOPS {
+        return Err(ApiError::bad(
+            "stop",
+            format!(
+                "{} stop strings; at most {MAX_STOPS} are accepted",
+                list.len()
+            ),
+        ));
+    }
+    if let Some(long) = list.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::bad(
+            "stop",
+            format!(
+                "a stop string of {} bytes; at most {MAX_STOP_BYTES} are accepted",
+                long.len()
+            ),
+        ));
+    }
+    Ok(list)
+}
+
+/// The names of the fields of `other` and of the accepted-but-not-applied parameters that are
+/// set, for the server's log line.
+fn ignored_fields(
+    other: &serde_json::Map<String, Value>,
+    not_applied: &[(&str, bool)],
+) -> Vec<String> {
+    let mut v: Vec<String> = not_applied
+        .iter()
+        .filter(|(_, set)| *set)
+        .map(|(n, _)| format!("{n} (accepted, not applied)"))
+        .collect();
+    v.extend(other.keys().map(|k| format!("{k} (unknown)")));
+    v
+}
+
+fn nonzero(v: Option<f32>) -> bool {
+    v.is_some_and(|v| v != 0.0)
+}
+
+fn present(v: Option<&Value>) -> bool {
+    match v {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(m)) => !m.is_empty(),
+        Some(_) => true,
+    }
 }
 
 /// The text of a message's `content` (a string, a list of text parts, or null).
@@ -295,10 +385,23 @@ fn effort(s: &str, param: &str) -> Result<Effort, ApiError> {
 /// Check a chat request.
 pub fn parse_chat(body: &[u8], limits: Limits) -> Result<Parsed, ApiError> {
     let r: ChatRequest = serde_json::from_slice(body).map_err(|e| json_error(&e))?;
-    let _ = (&r.model, &r.user, r.parallel_tool_calls);
-    if r.logprobs == Some(true) {
-        return Err(ApiError::bad("logprobs", "logprobs are not supported"));
-    }
+    let _ = (
+        &r.model,
+        &r.user,
+        r.parallel_tool_calls,
+        r.store,
+        &r.metadata,
+    );
+    let mut ignored = ignored_fields(
+        &r.other,
+        &[
+            ("frequency_penalty", nonzero(r.frequency_penalty)),
+            ("presence_penalty", nonzero(r.presence_penalty)),
+            ("logit_bias", present(r.logit_bias.as_ref())),
+            ("logprobs", r.logprobs == Some(true)),
+            ("top_logprobs", r.top_logprobs.is_some_and(|n| n > 0)),
+        ],
+    );
     if r.messages.is_empty() {
         return Err(ApiError::bad("messages", "messages must not be empty"));
     }
@@ -311,7 +414,7 @@ pub fn parse_chat(body: &[u8], limits: Limits) -> Result<Parsed, ApiError> {
             ),
         ));
     }
-    let settings = sampling(
+    let (settings, stop) = sampling(
         r.temperature,
         r.top_p,
         r.top_k,
@@ -348,7 +451,10 @@ pub fn parse_chat(body: &[u8], limits: Limits) -> Result<Parsed, ApiError> {
     }
     let tools = match &r.tools {
         None | Some(Value::Null) => None,
-        Some(v @ Value::Array(_)) => Some(v.to_string()),
+        Some(v @ Value::Array(_)) => {
+            check_tools(v, "tools")?;
+            Some(v.to_string())
+        }
         Some(_) => return Err(ApiError::bad("tools", "tools must be a list")),
     };
     let tool_choice = match &r.tool_choice {
@@ -397,6 +503,21 @@ pub fn parse_chat(body: &[u8], limits: Limits) -> Result<Parsed, ApiError> {
     for (i, m) in r.messages.iter().enumerate() {
         let role = ApiRole::parse(&m.role)
             .map_err(|e| ApiError::bad(&format!("messages[{i}].role"), e.to_string()))?;
+        // Only an assistant's message (with tool calls) may come without content.
+        if role != ApiRole::Assistant && m.content.as_ref().is_none_or(Value::is_null) {
+            return Err(ApiError::bad(
+                &format!("messages[{i}].content"),
+                format!(
+                    "a {} message needs content (a string or a list of text parts)",
+                    m.role
+                ),
+            ));
+        }
+        ignored.extend(
+            m.other
+                .keys()
+                .map(|k| format!("messages[{i}].{k} (unknown)")),
+        );
         let mut msg = ApiMessage::new(role, content_text(m.content.as_ref(), i)?);
         msg.name.clone_from(&m.name);
         msg.tool_call_id.clone_from(&m.tool_call_id);
@@ -413,7 +534,10 @@ pub fn parse_chat(body: &[u8], limits: Limits) -> Result<Parsed, ApiError> {
         }
         msg.tools = match &m.tools {
             None | Some(Value::Null) => None,
-            Some(v @ Value::Array(_)) if role == ApiRole::System => Some(v.to_string()),
+            Some(v @ Value::Array(_)) if role == ApiRole::System => {
+                check_tools(v, &format!("messages[{i}].tools"))?;
+                Some(v.to_string())
+            }
             Some(_) => {
                 return Err(ApiError::bad(
                     &format!("messages[{i}].tools"),
@@ -428,6 +552,12 @@ pub fn parse_chat(body: &[u8], limits: Limits) -> Result<Parsed, ApiError> {
                 Some(Value::String(s)) => s.clone(),
                 Some(v) => v.to_string(),
             };
+            if c.function.name.trim().is_empty() {
+                return Err(ApiError::bad(
+                    &format!("messages[{i}].tool_calls[{k}].function.name"),
+                    "a tool call needs the name of its function",
+                ));
+            }
             msg.tool_calls.push(ToolCall {
                 id: c.id.clone().unwrap_or_else(|| format!("call_{}", k + 1)),
                 name: c.function.name.clone(),
@@ -455,7 +585,27 @@ pub fn parse_chat(body: &[u8], limits: Limits) -> Result<Parsed, ApiError> {
         settings,
         stream: r.stream.unwrap_or(false),
         include_usage,
+        stop,
+        ignored,
     })
+}
+
+/// A list of tools: each `{"type": "function", "function": {"name": …}}` with a non-empty
+/// name (the template renders them by name).
+fn check_tools(v: &Value, param: &str) -> Result<(), ApiError> {
+    for (k, t) in v.as_array().into_iter().flatten().enumerate() {
+        let f = t.get("function").unwrap_or(t);
+        match f.get("name").and_then(Value::as_str) {
+            Some(n) if !n.trim().is_empty() => {}
+            _ => {
+                return Err(ApiError::bad(
+                    &format!("{param}[{k}].function.name"),
+                    "a tool needs a name",
+                ))
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Check a raw completion request.
@@ -465,9 +615,29 @@ pub fn parse_completion(body: &[u8], limits: Limits) -> Result<Parsed, ApiError>
     if r.echo == Some(true) {
         return Err(ApiError::bad("echo", "echo is not supported"));
     }
-    if r.logprobs.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err(ApiError::bad("logprobs", "logprobs are not supported"));
+    if r.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::bad(
+            "suffix",
+            "suffix (fill in the middle) is not supported",
+        ));
     }
+    if r.best_of.is_some_and(|n| n != 1) {
+        return Err(ApiError::bad("best_of", "only best_of = 1 is supported"));
+    }
+    let ignored = ignored_fields(
+        &r.other,
+        &[
+            ("frequency_penalty", nonzero(r.frequency_penalty)),
+            ("presence_penalty", nonzero(r.presence_penalty)),
+            ("logit_bias", present(r.logit_bias.as_ref())),
+            (
+                "logprobs",
+                r.logprobs
+                    .as_ref()
+                    .is_some_and(|v| !v.is_null() && v.as_u64() != Some(0) && *v != false),
+            ),
+        ],
+    );
     let prompt = match &r.prompt {
         Value::String(s) => s.clone(),
         Value::Array(a) if a.len() == 1 && a[0].is_string() => {
@@ -475,7 +645,7 @@ pub fn parse_completion(body: &[u8], limits: Limits) -> Result<Parsed, ApiError>
         }
         _ => return Err(ApiError::bad("prompt", "prompt must be one string")),
     };
-    let settings = sampling(
+    let (settings, stop) = sampling(
         r.temperature,
         r.top_p,
         r.top_k,
@@ -500,6 +670,8 @@ pub fn parse_completion(body: &[u8], limits: Limits) -> Result<Parsed, ApiError>
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
         thinking: false,
+        stop,
+        ignored,
     })
 }
 
@@ -655,8 +827,25 @@ mod tests {
             (r#"{"messages":[]}"#, "messages"),
             (r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#, "n"),
             (
-                r#"{"messages":[{"role":"user","content":"x"}],"stop":"\n"}"#,
+                r#"{"messages":[{"role":"user","content":"x"}],"stop":[1]}"#,
                 "stop",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":null}]}"#,
+                "messages[0].content",
+            ),
+            (r#"{"messages":[{"role":"user"}]}"#, "messages[0].content"),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"parameters":{}}}]}"#,
+                "tools[0].function.name",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":""}}]}"#,
+                "tools[0].function.name",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"},{"role":"assistant","content":null,"tool_calls":[{"id":"a","type":"function","function":{"name":"","arguments":"{}"}}]}]}"#,
+                "messages[1].tool_calls[0].function.name",
             ),
             (
                 r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":101}"#,
@@ -675,7 +864,7 @@ mod tests {
                 "messages[0].content",
             ),
             (
-                r#"{"messages":[{"role":"user","content":"x"}],"frequency_penalty":0.5}"#,
+                r#"{"messages":[{"role":"user","content":"x"}],"frequency_penalty":5}"#,
                 "frequency_penalty",
             ),
             (
@@ -688,16 +877,53 @@ mod tests {
             assert_eq!(e.status, 400, "{body}");
             assert_eq!(e.param.as_deref(), Some(*param), "{body}: {}", e.message);
         }
-        for body in [
-            "{not json",
-            r#"{"messages":[{"role":"user","content":"x"}],"bogus":1}"#,
-            r#"{"messages":[{"role":"user","content":"x","extra":1}]}"#,
-        ] {
-            let e = chat(body).expect_err(body);
-            assert_eq!((e.status, e.param.clone()), (400, None), "{body}");
-        }
-        let e = chat(r#"{"messages":[{"role":"user","content":"x"}],"bogus":1}"#).expect_err("x");
-        assert!(e.message.contains("bogus"), "{}", e.message);
+        let e = chat("{not json").expect_err("not json");
+        assert_eq!((e.status, e.param.clone()), (400, None));
         assert_eq!(e.body()["error"]["type"], "invalid_request_error");
+    }
+
+    #[test]
+    fn what_real_clients_send_is_accepted_and_the_unknown_is_named() {
+        let p = chat(
+            r#"{"messages":[{"role":"user","content":"x"},
+                {"role":"assistant","content":"y","refusal":null,"annotations":[]},
+                {"role":"user","content":"z"}],
+                "stop":["\n\n","END",""],"n":1,"seed":3,"frequency_penalty":0.5,
+                "presence_penalty":0,"logit_bias":{"42":-100},"logprobs":false,"user":"u",
+                "store":false,"metadata":{"a":"b"},"parallel_tool_calls":true,
+                "stream_options":{"include_usage":true,"continuous_usage_stats":false},
+                "bogus":1}"#,
+        )
+        .expect("accepted");
+        assert_eq!(p.stop, ["\n\n", "END"]);
+        assert_eq!(p.settings.sampler.seed, 3);
+        assert_eq!(
+            p.ignored,
+            [
+                "frequency_penalty (accepted, not applied)",
+                "logit_bias (accepted, not applied)",
+                "bogus (unknown)",
+                "messages[1].annotations (unknown)",
+                "messages[1].refusal (unknown)",
+            ]
+        );
+        let p = chat(r#"{"messages":[{"role":"user","content":"x"}],"stop":"."}"#).expect("one");
+        assert_eq!(p.stop, ["."]);
+        assert!(p.ignored.is_empty());
+        // An assistant message with tool calls and no content is fine.
+        chat(
+            r#"{"messages":[{"role":"user","content":"x"},{"role":"assistant","content":null,
+                "tool_calls":[{"id":"a","type":"function","function":{"name":"f","arguments":"{}"}}]},
+                {"role":"tool","tool_call_id":"a","content":"1"}]}"#,
+        )
+        .expect("tool call without content");
+        let c = parse_completion(
+            br#"{"prompt":"a","stop":"b","logprobs":0,"best_of":1}"#,
+            LIMITS,
+        )
+        .expect("completion");
+        assert_eq!(c.stop, ["b"]);
+        let e = parse_completion(br#"{"prompt":"a","suffix":"z"}"#, LIMITS).expect_err("suffix");
+        assert_eq!(e.param.as_deref(), Some("suffix"));
     }
 }

@@ -19,6 +19,7 @@ mod reader;
 mod recovery;
 mod remote;
 mod serve;
+mod serve_clients;
 mod serve_limits;
 mod session;
 mod spec;

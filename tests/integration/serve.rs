@@ -101,14 +101,14 @@ pub(crate) fn curl(s: &Server, path: &str, body: Option<&str>, extra: &[&str]) -
     (code.trim().parse().unwrap(), body.to_string())
 }
 
-fn post(s: &Server, path: &str, body: &Value) -> Value {
+pub(crate) fn post(s: &Server, path: &str, body: &Value) -> Value {
     let (code, text) = curl(s, path, Some(&body.to_string()), &[]);
     assert_eq!(code, 200, "{text}");
     serde_json::from_str(&text).unwrap()
 }
 
 /// The `data:` payloads of an SSE body.
-fn sse(body: &str) -> Vec<String> {
+pub(crate) fn sse(body: &str) -> Vec<String> {
     body.lines()
         .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
         .map(|d| d.trim().to_string())
@@ -116,7 +116,7 @@ fn sse(body: &str) -> Vec<String> {
 }
 
 /// Concatenated reasoning and content deltas, the finish reason, and the usage chunk.
-fn assemble(events: &[String]) -> (String, String, String, Option<Value>) {
+pub(crate) fn assemble(events: &[String]) -> (String, String, String, Option<Value>) {
     assert_eq!(
         events.last().map(String::as_str),
         Some("[DONE]"),
@@ -148,7 +148,7 @@ fn assemble(events: &[String]) -> (String, String, String, Option<Value>) {
     (reasoning, content, finish, usage)
 }
 
-fn user(text: &str) -> Value {
+pub(crate) fn user(text: &str) -> Value {
     json!({"role": "user", "content": text})
 }
 
@@ -308,9 +308,14 @@ fn bad_requests_get_openai_errors_and_the_key_is_checked() {
     let cases: &[(&str, u16, &str)] = &[
         ("{not json", 400, "not a valid request"),
         (
-            r#"{"messages":[{"role":"user","content":"x"}],"bogus":1}"#,
+            r#"{"messages":[{"role":"user","content":null}]}"#,
             400,
-            "bogus",
+            "a user message needs content",
+        ),
+        (
+            r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"description":"d"}}]}"#,
+            400,
+            "a tool needs a name",
         ),
         (
             r#"{"messages":[{"role":"user","content":"x"}],"n":3}"#,

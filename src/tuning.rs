@@ -23,6 +23,20 @@
 use serde::Serialize;
 use std::sync::OnceLock;
 
+/// How many of the next layer's predicted experts are queued for reading ahead while decoding,
+/// the most likely first (`K3_PREFETCH`; 0 turns prefetching off).
+pub const DEFAULT_PREFETCH: usize = 16;
+
+/// A predicted read starts only while fewer reads than this are in flight
+/// (`K3_PREFETCH_DEPTH`).
+pub const DEFAULT_PREFETCH_DEPTH: usize = 3;
+
+/// Reads of a prediction made from a layer's output (the next layer's input but for its
+/// attention), at the ranks that have been right at least half the time, may start while
+/// fewer reads than this are in flight (`K3_PREFETCH_LATE_DEPTH`): they are read as if they
+/// were the layer's own.
+pub const DEFAULT_PREFETCH_LATE_DEPTH: usize = 16;
+
 /// A kernel path asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -96,9 +110,9 @@ impl Default for Tuning {
             io_threads: 8,
             direct_io: true,
             mmap: true,
-            prefetch: 16,
-            prefetch_depth: 3,
-            prefetch_late_depth: 16,
+            prefetch: DEFAULT_PREFETCH,
+            prefetch_depth: DEFAULT_PREFETCH_DEPTH,
+            prefetch_late_depth: DEFAULT_PREFETCH_LATE_DEPTH,
             prefetch_early: None,
             cache_policy: CachePolicy::CycleQueue,
             no_spec: false,

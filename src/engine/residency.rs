@@ -36,19 +36,7 @@ use std::time::Instant;
 
 type LayerResult = Result<Arc<Layer>, StreamError>;
 
-/// How many of the next layer's predicted experts are queued for reading ahead while decoding,
-/// the most likely first (`K3_PREFETCH=N`; 0 turns prefetching off).
-pub const DEFAULT_PREFETCH: usize = 16;
-
-/// Reads of a prediction made from a layer's output (the next layer's input but for its
-/// attention), at the ranks that have been right at least half the time, may start while
-/// fewer reads than this are in flight (`K3_PREFETCH_LATE_DEPTH=N`): they are read as if they
-/// were the layer's own.
-pub const DEFAULT_PREFETCH_LATE_DEPTH: usize = 16;
-
-/// A predicted read starts only while fewer reads than this are in flight
-/// (`K3_PREFETCH_DEPTH=N`).
-pub const DEFAULT_PREFETCH_DEPTH: usize = 3;
+pub use crate::tuning::{DEFAULT_PREFETCH, DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFETCH_LATE_DEPTH};
 
 /// Counters of what was read and how long the engine waited.
 #[derive(Debug, Default)]

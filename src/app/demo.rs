@@ -15,6 +15,10 @@ pub const FILES: &[(&str, &[u8])] = &[
         include_bytes!("../../assets/demo/config.json"),
     ),
     (
+        "generation_config.json",
+        include_bytes!("../../assets/demo/generation_config.json"),
+    ),
+    (
         "model-00001-of-000002.safetensors",
         include_bytes!("../../assets/demo/model-00001-of-000002.safetensors"),
     ),

@@ -175,6 +175,91 @@ fn answers_held_out_facts_and_recalls_what_turn_one_said() {
     );
 }
 
+/// The demo's own sampling defaults (its generation_config.json, chosen by measurement: see
+/// docs/sampling.md#the-demo-models-defaults) greet by name and recall it in turn 3 across
+/// seeds that were not used to choose them.
+#[test]
+fn the_demo_defaults_greet_and_recall_held_out_names_across_seeds() {
+    use k3::session::defaults::{self, GenerationConfig, Source};
+    let gen = GenerationConfig::load(demo_dir())
+        .unwrap()
+        .expect("the demo ships one");
+    assert!(gen.notes.is_empty(), "{:?}", gen.notes);
+    let (base, from) = defaults::resolve(defaults::built_in(), &[(Source::Model, &gen.layer)]);
+    assert_eq!(from.of("temperature"), Source::Model);
+    assert!(base.sampler.temperature > 0.0, "the demo samples");
+    let held = heldout();
+    let recall = held["recall"].as_array().unwrap();
+    let names = recall.iter().filter(|c| c["slot"] == "name").count();
+    let (mut greeted_all, mut recalled_all, mut runs) = (0, 0, 0);
+    for seed in [21, 22, 23, 24] {
+        let settings = Settings {
+            sampler: k3::engine::sampling::SamplerConfig {
+                seed,
+                ..base.sampler
+            },
+            max_tokens: 64,
+            ..base.clone()
+        };
+        let mut sess = Session::new(model(), tok(), settings).unwrap();
+        let (mut greeted, mut recalled) = (0, 0);
+        for c in recall {
+            sess.reset().unwrap();
+            let turns = strings(&c["turns"]);
+            let mut replies = Vec::new();
+            for t in &turns {
+                replies.push(sess.send(t, &no_cancel(), &mut |_, _| {}).unwrap().reply);
+            }
+            let value = c["value"].as_str().unwrap();
+            if c["slot"] == "name" {
+                let ok = normalise(&replies[0])
+                    .split(' ')
+                    .any(|w| w == normalise(value));
+                if !ok {
+                    println!(
+                        "seed {seed}: no greeting by name: {:?} -> {:?}",
+                        turns[0], replies[0]
+                    );
+                }
+                greeted += usize::from(ok);
+            }
+            let ok = score(&replies[2], c["expect"].as_str().unwrap(), &[]);
+            if !ok {
+                println!("seed {seed}: miss: {turns:?} -> {:?}", replies[2]);
+            }
+            recalled += usize::from(ok);
+        }
+        println!(
+            "seed {seed}: greeted {greeted}/{names}, recalled {recalled}/{}",
+            recall.len()
+        );
+        assert!(
+            greeted + 2 >= names,
+            "seed {seed}: greeted {greeted}/{names}"
+        );
+        assert!(
+            recalled + 2 >= recall.len(),
+            "seed {seed}: recalled {recalled}/{}",
+            recall.len()
+        );
+        greeted_all += greeted;
+        recalled_all += recalled;
+        runs += 1;
+    }
+    // Over the seeds, close to the measurement that chose the settings (83% of greetings, 89%
+    // of recalls over 8 seeds; temperature 1.0 gave 54% and 72%).
+    assert!(
+        greeted_all * 100 >= 75 * names * runs,
+        "greeted {greeted_all}/{}",
+        names * runs
+    );
+    assert!(
+        recalled_all * 100 >= 85 * recall.len() * runs,
+        "recalled {recalled_all}/{}",
+        recall.len() * runs
+    );
+}
+
 /// Run `k3 chat --plain --jsonl --greedy --no-think` on the embedded model with `input`.
 fn chat(args: &[&str], input: &str, sessions: &Path, cache: &Path) -> Vec<serde_json::Value> {
     crate::common::jsonl_with_input(

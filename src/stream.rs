@@ -7,6 +7,7 @@
 
 pub mod alloc;
 pub mod arena;
+pub mod atomic;
 pub mod budget;
 pub mod bytes;
 pub mod cache_policy;

@@ -831,19 +831,8 @@ impl Ctx<'_> {
             ));
         }
         let text = serde_json::to_vec_pretty(&self.state()).map_err(|e| e.to_string())?;
-        std::fs::create_dir_all(&self.cfg.session_dir)
+        crate::stream::atomic::write(&path, &text)
             .map_err(|e| format!("session {name:?} NOT saved: {e}"))?;
-        let tmp = self
-            .cfg
-            .session_dir
-            .join(format!(".{name}.{EXTENSION}.tmp"));
-        std::fs::write(&tmp, &text)
-            .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
-            .and_then(|()| std::fs::rename(&tmp, &path))
-            .map_err(|e| {
-                let _ = std::fs::remove_file(&tmp);
-                format!("session {name:?} NOT saved: {e}")
-            })?;
         // The journal's changes are saved now (under this name or another).
         if let Some((_, j)) = self.journal.take() {
             let _ = j.remove();

@@ -19,18 +19,11 @@ fn load_history(path: &std::path::Path) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Keep the input history for the next run (written to a temporary file, then renamed); a
-/// failure is reported, not fatal.
+/// Keep the input history for the next run (written atomically); a failure is reported, not
+/// fatal.
 fn save_history(path: &std::path::Path, history: &[String]) {
-    let write = || -> std::io::Result<()> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
-        }
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec(history).unwrap_or_default())?;
-        std::fs::rename(&tmp, path)
-    };
-    if let Err(e) = write() {
+    let bytes = serde_json::to_vec(history).unwrap_or_default();
+    if let Err(e) = crate::stream::atomic::write(path, &bytes) {
         eprintln!(
             "k3: the input history was not saved to {}: {e}",
             path.display()

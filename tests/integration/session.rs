@@ -327,7 +327,12 @@ fn ctrl_c_stops_the_reply_and_keeps_the_session() {
     let mut stdin = child.stdin.take().unwrap();
     stdin.write_all(b"/raw\nOnce upon a time\n").unwrap();
     stdin.flush().unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(1500));
+    // The continuation is streaming once its first bytes reach stdout (notices go to stderr);
+    // the rest of stdout is drained so that the child never blocks on a full pipe.
+    let mut stdout = child.stdout.take().unwrap();
+    let mut first = [0u8; 1];
+    std::io::Read::read_exact(&mut stdout, &mut first).unwrap();
+    let drain = std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
     let status = Command::new("kill")
         .args(["-INT", &child.id().to_string()])
         .status()
@@ -336,6 +341,7 @@ fn ctrl_c_stops_the_reply_and_keeps_the_session() {
     stdin.write_all(b"/stats\n").unwrap();
     drop(stdin);
     let out = child.wait_with_output().unwrap();
+    drain.join().unwrap().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("; stopped]"), "{err}");
@@ -943,7 +949,17 @@ fn continue_opens_the_most_recently_saved_session() {
     // one, although `alpha` sorts first by name.
     let out = chat(&[], b"one\ntwo\n/save alpha\n");
     assert!(out.status.success());
-    std::thread::sleep(std::time::Duration::from_millis(1100));
+    // Save times are whole seconds: wait for the clock to pass the second `alpha` was saved in.
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+    };
+    let saved = now();
+    while now() <= saved {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     let out = chat(&[], b"hello\n/save zeta\n");
     assert!(out.status.success());
     let out = chat(&["--continue"], b"/stats\n");

@@ -298,6 +298,13 @@ fn chat_in_tmux_streams_saves_resumes_and_restores_the_terminal() {
         std::thread::sleep(Duration::from_millis(30));
     }
     samples.sort();
+    // Every key reached the input box, each well within the poll's timeout.
+    assert_eq!(samples.len(), 20);
+    assert!(
+        samples[samples.len() / 2] < Duration::from_secs(2),
+        "median input-to-screen latency {:?}",
+        samples[samples.len() / 2]
+    );
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
         "input-to-screen latency while streaming ({} keys, tmux send-keys → capture-pane, \
@@ -496,7 +503,15 @@ fn plain_mode_on_a_terminal_stops_a_reply_on_ctrl_c_and_takes_sigint_at_the_prom
     t.wait_for("raw mode", 30, |s| s.contains("raw mode:"));
     t.type_text("Once upon a time");
     t.keys(&["Enter"]);
-    std::thread::sleep(Duration::from_millis(500));
+    // Streaming has begun once text follows the typed line.
+    t.wait_for("the continuation streaming", 30, |s| {
+        let lines: Vec<&str> = s.lines().collect();
+        lines
+            .iter()
+            .rposition(|l| l.contains("Once upon a time"))
+            .and_then(|i| lines.get(i + 1))
+            .is_some_and(|next| !next.trim().is_empty())
+    });
     t.keys(&["C-c"]);
     let screen = t.wait_for("the stopped reply", 30, |s| s.contains("; stopped]"));
     assert!(!screen.contains("K3-EXIT="), "{screen}");

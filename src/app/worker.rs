@@ -321,6 +321,9 @@ type Claim = (SessionLock, Option<String>);
 /// Least time between two `Stats` events while a turn runs.
 const STATS_INTERVAL_S: f64 = 0.2;
 
+/// The worker thread: loads the model, opens or recovers the session, then answers requests
+/// until shut down. Over 100 lines: the start-up steps run once, in order, and each can end
+/// the worker with its own event.
 fn run(
     cfg: &ChatConfig,
     rx: &Receiver<Request>,
@@ -572,7 +575,8 @@ impl Ctx<'_> {
         )
     }
 
-    /// Run a generating call and report it.
+    /// Run a generating call and report it. Over 100 lines: the stats hook, the deferral
+    /// of requests that arrive mid-turn and the report share the turn's state.
     fn turn_result(
         &mut self,
         turn: TurnId,
@@ -749,6 +753,7 @@ impl Ctx<'_> {
         Ok(line)
     }
 
+    /// Answers one slash command. Over 100 lines: one arm per command, most a line or two.
     fn command(&mut self, turn: TurnId, command: Command) -> bool {
         let changes = matches!(
             command,

@@ -23,7 +23,8 @@ pub struct RankCheck {
 /// Check a rank file the way `k3 verify` does: unlike loading, every problem is reported
 /// (each bad line, each repeated rank or token, each hole in the ranks, each single byte
 /// without a token, each of ranks 0..=255 not holding the single byte the byte-level order
-/// puts there), through `report`.
+/// puts there), through `report`. Over 100 lines: one pass over the lines, then one check
+/// after another over the table it built.
 pub fn check_rank_file(path: &Path, report: &mut dyn FnMut(String)) -> RankCheck {
     let mut out = RankCheck::default();
     let data = match read_limited(path, MAX_RANK_FILE_BYTES)

@@ -224,6 +224,8 @@ impl<'r, R: Read + ?Sized> Decoder<'r, R> {
         Ok(())
     }
 
+    /// Reads and checks the fixed header, field by field in file order (over 100 lines: one
+    /// check and one message per field).
     pub(super) fn header(&mut self, file_len: u64) -> Result<Header, Fail> {
         let want = usize::try_from(file_len.min(HEADER_LEN)).unwrap_or(0);
         let mut b = [0u8; HEADER_LEN as usize];
@@ -546,6 +548,9 @@ pub(super) fn layout_problems(file: &[LayerDesc], want: &[LayerDesc], n_pos: u64
     out
 }
 
+/// Decodes the sections in file order. Kept as one function (over 100 lines) on purpose: each
+/// section's checks use the counts and lengths read before it, and pieces would each need the
+/// decoder, the partial record and the running expectations.
 pub(super) fn decode_inner<R: Read + ?Sized>(
     r: &mut R,
     file_len: u64,
@@ -765,7 +770,8 @@ pub(super) struct SnapDesc {
 /// Reads the snapshot directory and the snapshots (format 2). Every count is checked against
 /// the config and the live state, and the sections' lengths together against the bytes left
 /// in the file, before anything is allocated; the shared ids and rows are copied from the live
-/// state.
+/// state. One function (over 100 lines) for the same reason as [`decode_inner`]: the checks
+/// run in file order on what was read before.
 pub(super) fn read_snapshots<R: Read + ?Sized>(
     d: &mut Decoder<'_, R>,
     h: &Header,

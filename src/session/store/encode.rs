@@ -247,6 +247,8 @@ pub(super) fn section_size(len: u64) -> Option<u64> {
     SECTION_HEAD.checked_add(len)?.checked_add(SECTION_CRC)
 }
 
+/// The sizes of everything a record writes, each checked with checked arithmetic before a
+/// byte is written (over 100 lines: one check and one message per section, in file order).
 pub(super) fn plan_record(rec: &SessionRecord) -> Result<Plan, RecordError> {
     validate_name(&rec.name)?;
     if rec.summary.mode.len() > MAX_MODE_LEN {
@@ -543,6 +545,8 @@ pub(super) fn f32_le(x: f32) -> [u8; 4] {
     x.to_bits().to_le_bytes()
 }
 
+/// Writes a planned record, section by section in file order (over 100 lines: the sections
+/// are written in one pass through one buffered writer).
 pub(super) fn write_planned<W: Write + ?Sized>(
     rec: &SessionRecord,
     plan: &Plan,

@@ -207,7 +207,7 @@ fn check_floor(
         .map(|_| ())
         .map_err(|e| {
             crate::Error::Usage(format!(
-                "{e} (k3 chat plans for a context of {context} positions and {states} sequence                  states; --context N with a smaller N lowers the floor)"
+                "{e} (k3 chat plans for a context of {context} positions and {states} sequence states; --context N with a smaller N lowers the floor)"
             ))
         })
 }

@@ -18,11 +18,12 @@ pub struct PlanArgs {
     /// The budget (default: 80% of the memory available now).
     #[command(flatten)]
     pub budget: BudgetArgs,
-    /// Positions of context to reserve state for.
-    #[arg(long, default_value_t = 4096)]
-    pub context: u64,
-    /// Plan as `k3 chat` does: room for the snapshots a conversation keeps beside its live
-    /// state (`k3 run` and `k3 bench` keep one state).
+    /// Positions of context to reserve state for [default: 4096; with --chat, the context
+    /// `k3 chat` plans for: the config file's `sampling.context`, else 32768].
+    #[arg(long)]
+    pub context: Option<u64>,
+    /// Plan as `k3 chat` does: its context, and room for the snapshots a conversation keeps
+    /// beside its live state (`k3 run` and `k3 bench` keep one state).
     #[arg(long)]
     pub chat: bool,
     /// Print JSON.
@@ -47,7 +48,18 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     } else {
         1
     };
-    let plan = budget::plan_states(&sizes, req, args.context, states, budget::cgroup_limit());
+    let context = match (args.context, args.chat) {
+        (Some(c), _) => c,
+        (None, false) => 4096,
+        (None, true) => {
+            let cfg = super::config::Config::load().map_err(|e| Error::Usage(e.to_string()))?;
+            cfg.sampling
+                .context
+                .unwrap_or(crate::session::defaults::built_in().context_limit)
+                .max(2) as u64
+        }
+    };
+    let plan = budget::plan_states(&sizes, req, context, states, budget::cgroup_limit());
     let plan = match plan {
         Ok(p) => p,
         Err(e) if args.json => {
@@ -102,7 +114,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
          k3 chat plans for its own, 32768 by default)",
         gb(plan.floor_bytes),
         plan.fits,
-        args.context
+        context
     );
     println!(
         "layers       {} of {} pinned ({}), ring {} slot(s) ({})",
@@ -136,7 +148,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     println!(
         "state        {} for {} positions × {} state(s){}; fixed {}",
         gb(plan.state_reserve),
-        args.context,
+        context,
         plan.states,
         if args.chat { " (chat)" } else { "" },
         gb(plan.fixed_bytes)

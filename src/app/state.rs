@@ -542,6 +542,30 @@ pub struct App {
     disk_at_start: Option<u64>,
     /// Weight bytes read / to read while the model opens (from `EngineEvent::Loading`).
     pub loading: Option<(u64, u64)>,
+    /// The remote engine's figures (`k3 chat --remote`), in place of the local panes.
+    pub remote: Option<RemoteView>,
+}
+
+/// What the remote pane shows: the server, and the last reply's figures.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RemoteView {
+    /// The server's base URL.
+    pub server: String,
+    /// Seconds to the last reply's first token.
+    pub first_token_seconds: f64,
+    /// Prompt tokens of the last reply the server reused from its cache.
+    pub cached_tokens: usize,
+    /// Prompt tokens of the last reply.
+    pub prompt_tokens: usize,
+}
+
+/// The server and the model in a remote worker's `Ready` line
+/// (`k3: remote URL (model "NAME"), …`).
+fn remote_in(info: &str) -> Option<(String, String)> {
+    let rest = info.strip_prefix("k3: remote ")?;
+    let (server, rest) = rest.split_once(" (model ")?;
+    let model: String = serde_json::from_str(rest.split_once("),")?.0).ok()?;
+    Some((server.to_owned(), model))
 }
 
 /// Rounds to three significant digits (for budgets asked in GB).
@@ -617,6 +641,7 @@ impl App {
             show_thinking: true,
             phase: Phase::Loading,
             loading: None,
+            remote: None,
             items: Vec::new(),
             input: Editor::default(),
             history: {

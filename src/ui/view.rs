@@ -103,6 +103,14 @@ pub fn render(app: &App, area: Rect, buf: &mut Buffer) -> Measure {
     m.cursor = input_box(app, &theme, &input_rows, input, buf);
     status_bar(app, &theme, status, buf);
     let budget_area = match panes_at {
+        _ if app.remote.is_some() => {
+            // One pane for a remote engine: memory, disk, experts and budget are local-only.
+            match panes_at {
+                PanesAt::None => {}
+                PanesAt::Column(r) | PanesAt::Row(r) => panes::remote(app, &theme, r, buf),
+            }
+            None
+        }
         PanesAt::None => None,
         PanesAt::Column(r) => {
             let n_layers = app.stats.last.as_ref().map_or(0, |s| s.layers.len());

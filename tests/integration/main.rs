@@ -15,6 +15,7 @@ mod input_files;
 mod mapped;
 mod ops;
 mod oracle_tiny;
+mod plan_chat;
 mod reader;
 mod recovery;
 mod remote;

@@ -75,6 +75,11 @@ impl App {
                 }
                 match self.take_pending(turn) {
                     Some(Purpose::Reply(kind)) => {
+                        if let Some(r) = &mut self.remote {
+                            r.first_token_seconds = report.prefill_seconds;
+                            r.cached_tokens = report.reused_tokens;
+                            r.prompt_tokens = report.reused_tokens + report.prefilled_tokens;
+                        }
                         self.turn_done(turn, kind, &report);
                         let ended = self.phase == Phase::Idle;
                         if ended {
@@ -140,6 +145,13 @@ impl App {
         }
         if first.ends_with("raw mode") {
             self.mode = Mode::Raw;
+        }
+        if let Some((server, model)) = super::remote_in(first) {
+            self.model = model;
+            self.remote = Some(super::RemoteView {
+                server,
+                ..super::RemoteView::default()
+            });
         }
         self.items.push(Item::Info(info));
         self.items.push(Item::Info(format!(

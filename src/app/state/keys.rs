@@ -455,6 +455,10 @@ impl App {
     }
 
     pub(super) fn budget_set(&mut self, step: u32, fx: &mut Vec<Effect>) {
+        if self.remote.is_some() {
+            self.toast("the memory budget is local-only: the remote server holds the model");
+            return;
+        }
         if !self.budget.ready() {
             self.toast("the budget slider waits for the engine's figures");
             return;

@@ -145,6 +145,45 @@ pub fn tokens(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
 }
 
 /// `memory`: RSS against the budget (or "resident"), peak, model size.
+/// The pane of a remote engine: the server, the model, and the last reply's time to first
+/// token, tokens/s and cached prompt tokens (the server's `usage`).
+pub fn remote(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
+    let Some(r) = &app.remote else { return };
+    let b = block("remote engine", theme, false);
+    let inner = b.inner(area);
+    b.render(area, buf);
+    let w = usize::from(inner.width);
+    let mut rows = vec![
+        (clean(&r.server).into_owned(), theme.text),
+        (format!("model {}", clean(&app.model)), theme.text),
+    ];
+    match last(app) {
+        None => rows.push(("no reply yet".to_owned(), theme.dim)),
+        Some(s) => {
+            rows.push((
+                format!(
+                    "first token {:.2} s · {:.1} tokens/s",
+                    r.first_token_seconds, s.tokens_per_second
+                ),
+                theme.text,
+            ));
+            rows.push((
+                format!("prompt {} · cached {}", r.prompt_tokens, r.cached_tokens),
+                theme.dim,
+            ));
+        }
+    }
+    rows.push((
+        "memory, disk, experts, budget: local-only".to_owned(),
+        theme.dim,
+    ));
+    let lines: Vec<Line<'_>> = rows
+        .iter()
+        .map(|(t, style)| Line::styled(fit(t, w).to_owned(), *style))
+        .collect();
+    Paragraph::new(lines).render(inner, buf);
+}
+
 pub fn memory(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
     let b = block("memory", theme, false);
     let inner = b.inner(area);

@@ -489,3 +489,65 @@ fn the_budget_pane_at_80_columns_cuts_no_text() {
         ],
     );
 }
+
+#[test]
+fn a_remote_engine_has_one_pane_and_its_model_in_the_status_bar() {
+    let mut app = App::new(AppInit {
+        model: "remote".into(),
+        ..init()
+    });
+    ev(
+        &mut app,
+        EngineEvent::Ready {
+            info: "k3: remote https://gpu.example:8443/v1 (model \"moonshotai/Kimi-K3\"), new \
+                   session (named at its first turn), chat mode"
+                .into(),
+        },
+    );
+    let turn = send(&mut app, "Hi");
+    token(&mut app, turn, "Hello");
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn,
+            stats: figures(turn, 41.5, 12),
+        },
+    );
+    let mut r = done("Hello", None);
+    r.reused_tokens = 30;
+    r.prefilled_tokens = 12;
+    r.prefill_seconds = 0.25;
+    ev(&mut app, EngineEvent::TurnDone { turn, report: r });
+    assert_eq!(app.model, "moonshotai/Kimi-K3");
+    for (w, h) in [(160, 48), (80, 24)] {
+        let t = screen(&app, w, h);
+        let text: String = t
+            .backend()
+            .buffer()
+            .content
+            .iter()
+            .map(ratatui::buffer::Cell::symbol)
+            .collect();
+        assert!(text.contains("remote engine"), "{w}x{h}");
+        assert!(text.contains("moonshotai/Kimi-K3"), "{w}x{h}");
+        assert!(!text.contains(" v1 "), "{w}x{h}");
+        if w == 160 {
+            assert!(
+                text.contains("first token 0.25 s · 41.5 tokens/s"),
+                "{text}"
+            );
+            assert!(text.contains("prompt 42 · cached 30"), "{text}");
+        }
+        // None of the local panes.
+        assert!(!text.contains("RSS"), "{w}x{h}");
+    }
+    // The budget keys say it is local-only.
+    app.update(Msg::Action(Action::Cmd(Cmd::BudgetUp)));
+    assert!(
+        app.toast
+            .as_ref()
+            .is_some_and(|(t, _)| t.contains("local-only")),
+        "{:?}",
+        app.toast
+    );
+}

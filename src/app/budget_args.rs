@@ -27,9 +27,16 @@ pub struct BudgetArgs {
     pub trunk: Option<std::path::PathBuf>,
 }
 
+/// Largest budget accepted, in GB (a million: far above any machine, far below overflow).
+const MAX_BUDGET_GB: f64 = 1e6;
+
 fn bytes(gb: f64, flag: &str) -> Result<u64> {
-    if gb.is_finite() && gb > 0.0 && gb < 1e6 {
+    if gb.is_finite() && gb > 0.0 && gb < MAX_BUDGET_GB {
         Ok((gb * 1e9) as u64)
+    } else if gb.is_finite() && gb >= MAX_BUDGET_GB {
+        Err(Error::Usage(format!(
+            "{flag}: {gb} GB is above the largest budget accepted ({MAX_BUDGET_GB:e} GB)"
+        )))
     } else {
         Err(Error::Usage(format!(
             "{flag}: {gb} is not a positive number of GB"

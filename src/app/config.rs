@@ -645,7 +645,7 @@ impl Config {
             (
                 "sampling.temperature",
                 s.temperature.is_none_or(|t| t >= 0.0 && t.is_finite()),
-                "must be ≥ 0",
+                "must be a finite number ≥ 0",
             ),
             (
                 "sampling.top_p",
@@ -660,7 +660,7 @@ impl Config {
             (
                 "sampling.repeat_penalty",
                 s.repeat_penalty.is_none_or(|r| r > 0.0 && r.is_finite()),
-                "must be > 0",
+                "must be a finite number > 0",
             ),
             (
                 "sampling.max_tokens",

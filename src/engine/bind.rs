@@ -172,11 +172,7 @@ impl Binder<'_> {
         cols: usize,
     ) -> Result<Option<Dense>, StreamError> {
         Ok(
-            match self.fetch(
-                name,
-                &[&[rows, cols]],
-                &[Dtype::Bf16, Dtype::F32, Dtype::F16],
-            )? {
+            match self.fetch(name, &[&[rows, cols]], &[Dtype::Bf16, Dtype::F32])? {
                 Some(TensorData::Bf16(v)) => Some(Dense {
                     data: DenseData::Bf16(v),
                     rows,
@@ -192,14 +188,11 @@ impl Binder<'_> {
         )
     }
 
-    /// A small vector stored as `[n]` or `[1, n]`, F32/BF16/F16, widened to f32.
+    /// A small vector stored as `[n]` or `[1, n]`, F32 or BF16 (widened to f32). F16 is refused:
+    /// no role of the checkpoint is F16 (docs/model.md), so an F16 label is a relabelled tensor.
     pub(crate) fn vector(&mut self, name: &str, n: usize) -> Result<Option<Vec<f32>>, StreamError> {
         Ok(
-            match self.fetch(
-                name,
-                &[&[n], &[1, n]],
-                &[Dtype::F32, Dtype::Bf16, Dtype::F16],
-            )? {
+            match self.fetch(name, &[&[n], &[1, n]], &[Dtype::F32, Dtype::Bf16])? {
                 Some(TensorData::F32(v)) => Some(v),
                 Some(TensorData::Bf16(v)) => {
                     Some(v.iter().map(|&b| crate::kernels::bf16_to_f32(b)).collect())
@@ -211,11 +204,7 @@ impl Binder<'_> {
 
     fn conv(&mut self, name: &str, c: usize, k: usize) -> Result<Option<Vec<f32>>, StreamError> {
         Ok(
-            match self.fetch(
-                name,
-                &[&[c, 1, k], &[c, k]],
-                &[Dtype::F32, Dtype::Bf16, Dtype::F16],
-            )? {
+            match self.fetch(name, &[&[c, 1, k], &[c, k]], &[Dtype::F32, Dtype::Bf16])? {
                 Some(TensorData::F32(v)) => Some(v),
                 Some(TensorData::Bf16(v)) => {
                     Some(v.iter().map(|&b| crate::kernels::bf16_to_f32(b)).collect())
@@ -232,7 +221,15 @@ impl Binder<'_> {
         heads: usize,
         head_dim: usize,
     ) -> Result<Option<Vec<f32>>, StreamError> {
-        let len = self.ck.info(name).map_or(heads, |i| i.numel());
+        let Some(len) = self.ck.info(name).map(|i| i.numel()) else {
+            // Both shapes are accepted: name both, not only the unpadded one.
+            self.claimed.insert(name.to_string());
+            self.problems.push(format!(
+                "missing tensor {name} (expected shape [{heads}], or [{head_dim}] with a zero \
+                 tail after the first {heads} values)"
+            ));
+            return Ok(None);
+        };
         let want = if len == heads { heads } else { head_dim };
         if want < heads {
             // Padding to head_dim cannot hold more heads than head_dim.

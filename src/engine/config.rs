@@ -589,18 +589,88 @@ impl<'a> Reader<'a> {
             |v| !v.is_null(),
             "null selects a different decay law that is not implemented",
         );
-        let groups = self
-            .find(&["num_expert_group"])
-            .and_then(|(_, v)| v.as_f64());
-        let topk_group = self.find(&["topk_group"]).and_then(|(_, v)| v.as_f64());
-        if let (Some(g), Some(tg)) = (groups, topk_group) {
-            if g > 1.0 && g > tg {
+        self.require_if_present(
+            "topk_method",
+            |v| v.as_str() == Some("noaux_tc"),
+            "only `noaux_tc` routing (sigmoid scores, bias-corrected top-k) is implemented",
+        );
+        self.check_quantization();
+    }
+
+    /// An optional integer key: None when absent or null; a problem when it is not an integer
+    /// in `min..=max`.
+    fn optional_int(&mut self, name: &str, min: u64, max: u64) -> Option<(String, u64)> {
+        let (p, v) = self.find(&[name])?;
+        if v.is_null() {
+            return None;
+        }
+        match v.as_u64() {
+            Some(x) if (min..=max).contains(&x) => Some((p, x)),
+            _ => {
+                self.problems
+                    .push(format!("`{p}` = {v} must be an integer in {min}..={max}"));
+                None
+            }
+        }
+    }
+
+    /// Values checked against the graph: the special token ids inside the vocabulary (in
+    /// every scope that states them), the expert groups consistent with the experts, a usable
+    /// position limit.
+    fn check_values(&mut self, vocab_size: Option<usize>, num_experts: Option<usize>) {
+        if let Some(vocab) = vocab_size {
+            let scopes = self.scopes.clone();
+            for key in [
+                "bos_token_id",
+                "eos_token_id",
+                "pad_token_id",
+                "media_placeholder_token_id",
+            ] {
+                for (scope, m) in &scopes {
+                    let Some(v) = m.get(key) else { continue };
+                    let p = Self::path(scope, key);
+                    // A list of ids is allowed for eos (several stop tokens).
+                    let ids: Vec<&Value> = match v {
+                        Value::Null => Vec::new(),
+                        Value::Array(a) if key == "eos_token_id" => a.iter().collect(),
+                        other => vec![other],
+                    };
+                    for id in ids {
+                        if id.as_u64().is_none_or(|x| x >= vocab as u64) {
+                            self.problems.push(format!(
+                                "`{p}` = {id} is not a token id of the vocabulary (0..={})",
+                                vocab - 1
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        self.optional_int("max_position_embeddings", 2, 1 << 40);
+        let groups = self.optional_int("num_expert_group", 1, 1 << 20);
+        let topk_group = self.optional_int("topk_group", 1, 1 << 20);
+        let g = groups.as_ref().map_or(1, |(_, g)| *g);
+        if let Some((p, tg)) = &topk_group {
+            if *tg > g {
+                self.problems.push(format!(
+                    "`{p}` = {tg} is more than the {g} expert group(s) (`num_expert_group`)"
+                ));
+            }
+        }
+        if let (Some((p, g)), Some(e)) = (&groups, num_experts) {
+            if !(e as u64).is_multiple_of(*g) {
+                self.problems.push(format!(
+                    "`{p}` = {g} does not divide the {e} experts (`num_experts`)"
+                ));
+            }
+        }
+        if let Some(tg) = topk_group.map(|(_, t)| t) {
+            if g > 1 && g > tg {
                 self.problems.push(format!(
                     "grouped routing (num_expert_group {g} > topk_group {tg}) is not implemented"
                 ));
             }
         }
-        self.check_quantization();
     }
 
     fn check_quantization(&mut self) {
@@ -719,6 +789,7 @@ impl<'a> Reader<'a> {
         }
         let is_mla = self.layer_map(num_hidden_layers);
         self.check_semantics();
+        self.check_values(vocab_size, num_experts);
         let eos_token_id = self
             .find(&["eos_token_id"])
             .and_then(|(_, v)| v.as_u64())

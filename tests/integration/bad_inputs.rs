@@ -249,7 +249,7 @@ fn out_of_vocabulary_id_is_a_usage_error() {
 }
 
 /// Set the config value at `path` (dotted, from the root) in `dir/config.json`.
-fn set_config(dir: &Path, path: &str, value: serde_json::Value) {
+pub(crate) fn set_config(dir: &Path, path: &str, value: serde_json::Value) {
     let p = dir.join("config.json");
     let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
     let mut at = &mut v;

@@ -380,6 +380,72 @@ fn generation_config(data: &[u8]) -> String {
     }
 }
 
+/// A server's streamed reply (`k3 chat --remote`): the line buffer gives the same lines
+/// whether the bytes arrive at once or in two pieces, and the events parse or are refused.
+fn sse_stream(data: &[u8]) -> String {
+    use k3::app::remote::sse;
+    let cut = data
+        .first()
+        .map_or(0, |&b| usize::from(b) % (data.len() + 1));
+    let whole = sse::LineBuffer::new(sse::MAX_LINE).push(data);
+    let mut two = sse::LineBuffer::new(sse::MAX_LINE);
+    let parts = two.push(&data[..cut]).and_then(|mut a| {
+        a.extend(two.push(&data[cut..])?);
+        Ok(a)
+    });
+    if let (Ok(w), Ok(p)) = (&whole, &parts) {
+        assert_eq!(w, p, "lines depend on where the bytes were split ({cut})");
+    }
+    match sse::parse_stream(data) {
+        Ok(events) => {
+            let done = events.iter().position(|e| *e == sse::SseEvent::Done);
+            assert!(
+                done.is_none_or(|i| i + 1 == events.len()),
+                "events after [DONE]"
+            );
+            format!("ok:{}:{}", events.len().min(3), done.is_some())
+        }
+        Err(e) => sig("sse", &e.to_string()),
+    }
+}
+
+/// A request body of `k3 serve`: the first byte picks the endpoint (even: chat completions,
+/// odd: completions). What is accepted has a reply length within the limit and valid sampling.
+fn serve_request(data: &[u8]) -> String {
+    use k3::serve::wire::{self, Limits};
+    let limits = Limits {
+        max_tokens: 256,
+        context: 4096,
+        sampler: k3::engine::sampling::SamplerConfig {
+            temperature: 1.0,
+            ..Default::default()
+        },
+        default_max_tokens: 128,
+    };
+    let (chat, body) = match data.split_first() {
+        Some((b, rest)) => (b & 1 == 0, rest),
+        None => (true, data),
+    };
+    let r = if chat {
+        wire::parse_chat(body, limits)
+    } else {
+        wire::parse_completion(body, limits)
+    };
+    match r {
+        Ok(p) => {
+            let s = &p.settings;
+            assert!((1..=limits.max_tokens).contains(&s.max_tokens), "{s:?}");
+            assert!(s.sampler.validate().is_ok(), "{s:?}");
+            assert!(s.context_limit <= limits.context, "{s:?}");
+            format!("ok:{chat}")
+        }
+        Err(e) => {
+            assert!((400..600).contains(&e.status), "status {}", e.status);
+            sig("request", &e.message)
+        }
+    }
+}
+
 fn journal(data: &[u8]) -> String {
     match k3::session::journal::decode(data) {
         Ok(r) => {
@@ -442,6 +508,21 @@ const GENERATION_DICT: &[&[u8]] = &[
     b"}",
     b",",
     b":",
+];
+
+const SSE_DICT: &[&[u8]] = &[
+    b"data: ",
+    b"data: [DONE]\n",
+    b"\r\n",
+    b"\n\n",
+    b": keep-alive\n",
+    b"event: message\n",
+    b"{\"choices\":[{\"delta\":{\"content\":\"x\"}}]}",
+    b"\"reasoning_content\"",
+    b"\"finish_reason\"",
+    b"\"usage\"",
+    b"\"error\"",
+    b"null",
 ];
 
 const SESSION_DICT: &[&[u8]] = &[
@@ -540,6 +621,20 @@ pub const TARGETS: &[Target] = &[
         about: "the model's generation_config.json",
         dict: GENERATION_DICT,
         run: generation_config,
+        fixup: None,
+    },
+    Target {
+        name: "sse_stream",
+        about: "a server's streamed reply (SSE) read by k3 chat --remote",
+        dict: SSE_DICT,
+        run: sse_stream,
+        fixup: None,
+    },
+    Target {
+        name: "serve_request",
+        about: "a request body of k3 serve (chat completions, completions)",
+        dict: JSON_DICT,
+        run: serve_request,
         fixup: None,
     },
     Target {

@@ -197,12 +197,21 @@ pub fn run(args: &VerifyArgs) -> Result<i32> {
     };
 
     let mut buf = Vec::new();
+    // All zeros is only a problem in a tensor the graph reads.
+    let unread: std::collections::HashSet<String> = cfg
+        .as_ref()
+        .map(crate::engine::bind::names::unread)
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    let is_unread = |name: &str| unread.contains(name);
     let by_shard = verify::tensors_by_shard(&ck);
     for (k, tensors) in by_shard.into_iter().enumerate() {
         let digest = verify::scan_shard(
             &ck,
             k,
             tensors,
+            &is_unread,
             sums.is_some(),
             &mut buf,
             &mut r.tensors,
@@ -321,11 +330,19 @@ fn print_text(args: &VerifyArgs, r: &Report, p: &Problems, secs: f64) {
         gb(r.shard_bytes)
     );
     println!(
-        "  tensors    {} read ({}): {} all-zero, {} with NaN/Inf ({} values), {} with NaN \
+        "  tensors    {} read ({}): {} all-zero{}, {} with NaN/Inf ({} values), {} with NaN \
          scales ({} bytes)",
         t.tensors,
         gb(t.tensor_bytes),
         t.all_zero,
+        if t.all_zero_unread > 0 {
+            format!(
+                " (and {} the graph never reads, which may be)",
+                t.all_zero_unread
+            )
+        } else {
+            String::new()
+        },
         t.non_finite,
         t.non_finite_values,
         t.nan_scale_tensors,
@@ -381,6 +398,7 @@ fn print_json(args: &VerifyArgs, r: &Report, p: &Problems, secs: f64) {
         "tensors": t.tensors,
         "tensor_bytes": t.tensor_bytes,
         "all_zero_tensors": t.all_zero,
+        "all_zero_unread_tensors": t.all_zero_unread,
         "non_finite_tensors": t.non_finite,
         "non_finite_values": t.non_finite_values,
         "nan_scale_tensors": t.nan_scale_tensors,

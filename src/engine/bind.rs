@@ -55,6 +55,22 @@ pub mod names {
     pub const OUT_RES_NORM: &str = "language_model.model.output_attn_res_norm.weight";
     /// Output AttnRes projection.
     pub const OUT_RES_PROJ: &str = "language_model.model.output_attn_res_proj.weight";
+
+    /// Tensors a checkpoint of this configuration holds that the forward pass never reads
+    /// (their values cannot change a token): the pre-attention mix of a layer that has no
+    /// block before it (see [`crate::engine::ModelConfig::mixes_before_attention`]).
+    #[must_use]
+    pub fn unread(cfg: &crate::engine::ModelConfig) -> Vec<String> {
+        (0..cfg.num_hidden_layers)
+            .filter(|&il| !cfg.mixes_before_attention(il))
+            .flat_map(|il| {
+                [
+                    layer(il, "self_attention_res_norm.weight"),
+                    layer(il, "self_attention_res_proj.weight"),
+                ]
+            })
+            .collect()
+    }
 }
 
 pub(crate) struct Binder<'a> {

@@ -261,6 +261,15 @@ impl ModelConfig {
         il < self.first_k_dense_replace
     }
 
+    /// Whether layer `il` mixes the block snapshots into its input before attention: only
+    /// once an earlier layer has started a block, so never at layer 0 (docs/model.md). Where
+    /// it does not, the layer's `self_attention_res_norm` and `self_attention_res_proj` are
+    /// never read by the forward pass.
+    #[must_use]
+    pub fn mixes_before_attention(&self, il: usize) -> bool {
+        (0..il).any(|j| self.is_block_start(j))
+    }
+
     /// Whether layer `il` starts an AttnRes block.
     #[must_use]
     pub fn is_block_start(&self, il: usize) -> bool {

@@ -57,8 +57,11 @@ pub struct TensorTotals {
     pub tensors: u64,
     /// Tensor bytes read.
     pub tensor_bytes: u64,
-    /// Tensors whose every element is zero (±0 for floats, byte 0 for U8).
+    /// Tensors whose every element is zero (±0 for floats, byte 0 for U8), among those the
+    /// forward pass reads.
     pub all_zero: u64,
+    /// All-zero tensors the forward pass never reads (not a problem).
+    pub all_zero_unread: u64,
     /// F32/BF16/F16 tensors holding a NaN or an infinity.
     pub non_finite: u64,
     /// NaN and infinite values in all.
@@ -174,13 +177,22 @@ impl Acc {
     }
 
     /// Add this tensor to `totals` and record what is wrong with it.
-    fn finish(self, name: &str, info: &TensorInfo, totals: &mut TensorTotals, p: &mut Problems) {
+    fn finish(
+        self,
+        name: &str,
+        info: &TensorInfo,
+        unread: &dyn Fn(&str) -> bool,
+        totals: &mut TensorTotals,
+        p: &mut Problems,
+    ) {
         totals.tensors += 1;
         let what = format!("tensor {name:?} ({} {:?})", info.dtype.name(), info.shape);
         if self.elements == 0 {
             return;
         }
-        if self.zeros == self.elements {
+        if self.zeros == self.elements && unread(name) {
+            totals.all_zero_unread += 1;
+        } else if self.zeros == self.elements {
             totals.all_zero += 1;
             p.push(format!(
                 "{what} is all zeros (a preallocated or unfinished download?)"
@@ -232,14 +244,16 @@ pub fn tensors_by_shard(ck: &Checkpoint) -> Vec<Vec<(String, TensorInfo)>> {
 }
 
 /// Read shard number `shard` of `ck` once from start to end: the statistics of each of its
-/// `tensors` go into `totals` and `p`; with `sha`, the SHA-256 of the whole file is returned.
-/// `progress` gets the bytes of each piece read. An I/O error ends this shard's scan with a
-/// problem.
+/// `tensors` go into `totals` and `p` (a tensor for which `unread` is true, one the forward
+/// pass never reads, is not a problem for being all zeros); with `sha`, the SHA-256 of the
+/// whole file is returned. `progress` gets the bytes of each piece read. An I/O error ends
+/// this shard's scan with a problem.
 #[allow(clippy::too_many_arguments)]
 pub fn scan_shard(
     ck: &Checkpoint,
     shard: usize,
     mut tensors: Vec<(String, TensorInfo)>,
+    unread: &dyn Fn(&str) -> bool,
     sha: bool,
     buf: &mut Vec<u8>,
     totals: &mut TensorTotals,
@@ -308,7 +322,7 @@ pub fn scan_shard(
                 break;
             }
             if let Some(acc) = cur.take() {
-                acc.finish(name, info, totals, p);
+                acc.finish(name, info, unread, totals, p);
             }
             totals.tensor_bytes += b - a;
             ti += 1;

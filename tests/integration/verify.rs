@@ -314,3 +314,83 @@ fn a_trunk_with_one_byte_flipped_fails() {
     );
     assert!(out.contains("trunk layer 1: trunk.bin checksum"), "{out}");
 }
+
+#[test]
+fn the_demo_model_passes_its_unread_zero_tensor_is_counted_apart() {
+    // The demo model's layer 0 `self_attention_res_proj` is all zeros: the graph never reads
+    // it (no block precedes layer 0), so it is not a problem.
+    let demo = crate::common::demo_model().to_str().unwrap();
+    let (code, out, err) = verify(&[demo]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("all checks passed"), "{out}");
+    let (code, out, err) = verify(&[demo, "--json"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["all_zero_tensors"], 0, "{v}");
+    assert_eq!(v["all_zero_unread_tensors"], 1, "{v}");
+}
+
+/// The logits `k3 run` dumps for a short prompt on `dir`.
+fn logits(dir: &Path) -> Vec<u8> {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("logits.bin");
+    crate::common::run_ok(
+        k3_command()
+            .args([
+                "run",
+                "--ids",
+                "1,2,3",
+                "--gen",
+                "2",
+                "--spec",
+                "off",
+                "--dump-logits",
+            ])
+            .arg(&path)
+            .arg(dir),
+    );
+    std::fs::read(&path).unwrap()
+}
+
+#[test]
+fn only_the_tensors_the_graph_reads_must_not_be_all_zero() {
+    // Layer 0's pre-attention mix is never read: zeroing it passes and changes no logit.
+    let (_t, dir) = synth_tiny();
+    let clean = logits(&dir);
+    for suffix in [
+        "self_attention_res_proj.weight",
+        "self_attention_res_norm.weight",
+    ] {
+        let name = format!("language_model.model.layers.0.{suffix}");
+        let (_, _, len, _) = locate(&dir, &name);
+        poke(&dir, &name, 0, &vec![0u8; len]);
+    }
+    let (code, out, err) = verify(&[dir.to_str().unwrap(), "--json"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (&v["all_zero_tensors"], &v["all_zero_unread_tensors"]),
+        (&serde_json::json!(0), &serde_json::json!(2)),
+        "{v}"
+    );
+    assert_eq!(
+        logits(&dir),
+        clean,
+        "a tensor counted unread changed the logits"
+    );
+    // The same tensor of layer 1 is read (a block precedes it) and layer 0's MLP mix is read:
+    // all zeros there is a problem.
+    for name in [
+        "language_model.model.layers.1.self_attention_res_proj.weight",
+        "language_model.model.layers.0.mlp_res_proj.weight",
+    ] {
+        let (_t, dir) = synth_tiny();
+        let (_, _, len, _) = locate(&dir, name);
+        poke(&dir, name, 0, &vec![0u8; len]);
+        let (code, out, err) = verify(&[dir.to_str().unwrap()]);
+        assert_eq!(code, 3, "{name}: {out}{err}");
+        assert!(out.contains(&format!("{name:?}")), "{out}");
+        assert!(out.contains("all zeros"), "{out}");
+        assert_ne!(logits(&dir), clean, "{name} is read but changed nothing");
+    }
+}

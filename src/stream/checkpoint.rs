@@ -61,7 +61,9 @@ thread_local! {
 /// Largest per-thread read buffer kept for reuse; larger ones are freed after their read.
 const KEEP_BYTES: usize = 64 << 20;
 
-/// What identifies a shard's bytes without reading them: its size and modification time.
+/// What identifies a shard's bytes without reading them: its size and modification time, and
+/// its inode and change time, which every write changes (restoring the modification time, as
+/// `cp -p` or `rsync -a` do, changes the change time too).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ShardStat {
     /// Size in bytes.
@@ -70,6 +72,12 @@ pub struct ShardStat {
     pub mtime_sec: i64,
     /// Modification time, nanoseconds within the second.
     pub mtime_nsec: i64,
+    /// Inode number.
+    pub ino: u64,
+    /// Status change time, whole seconds since the Unix epoch.
+    pub ctime_sec: i64,
+    /// Status change time, nanoseconds within the second.
+    pub ctime_nsec: i64,
 }
 
 /// A tensor's name, dtype and raw bytes (a range of the allocation its read filled).
@@ -501,6 +509,17 @@ impl Checkpoint {
         self.paths.get(shard).map(PathBuf::as_path)
     }
 
+    /// Read `buf.len()` bytes at absolute offset `at` of shard `shard` through its buffered
+    /// descriptor, outside the read counters and fault injection (a packed trunk's check of
+    /// its source at open, docs/runtime.md#packed-trunk).
+    pub fn pread_plain(&self, shard: usize, at: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let file = self.files.get(shard).ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no such shard number")
+        })?;
+        file.read_exact_at(buf, at)
+    }
+
     /// Size and modification time of shard number `shard`, from the descriptor it is read
     /// through (so a file replaced by rename after open is seen as the one being read).
     pub fn shard_stat(&self, shard: usize) -> std::io::Result<ShardStat> {
@@ -513,6 +532,9 @@ impl Checkpoint {
             size: m.len(),
             mtime_sec: m.mtime(),
             mtime_nsec: m.mtime_nsec(),
+            ino: m.ino(),
+            ctime_sec: m.ctime(),
+            ctime_nsec: m.ctime_nsec(),
         })
     }
 

@@ -5,10 +5,15 @@
 //! A layer whose trunk tensors already form one gap-free run in one shard is copied verbatim;
 //! otherwise its tensors are gathered in offset order, each at a 64-byte aligned offset of the
 //! run, so no expert byte is ever copied. The manifest names the source by the digest of its
-//! tensor index, records the size and modification time of every shard it was packed from (a
-//! trunk whose source changed since is refused at open) and carries two CRC-32 per layer: of
-//! the run in `trunk.bin`, checked the first time each layer is read, and of the layer's source
-//! bytes as read from the shards, which `k3 verify` recomputes.
+//! tensor index, records the size, modification time, inode and change time of every shard it
+//! was packed from (a shard whose size or modification time changed since is refused at open),
+//! carries two CRC-32 per layer: of the run in `trunk.bin`, checked the first time each layer
+//! is read, and of the layer's source bytes as read from the shards, which `k3 verify`
+//! recomputes; and two per tensor of its source bytes: of all of them, and of a sample of four
+//! 4 KiB windows (the whole tensor when smaller). At open every tensor's sample is read back
+//! from the shards and checked, and the tensors of a shard whose inode or change time differs
+//! (a write that restored the modification time, as `cp -p` or `rsync -a` of an edited file
+//! does) are read back in full and checked, so stale weights are refused at open, not run.
 
 use super::bytes::{Bytes, Filling, Pool};
 use super::checkpoint::{
@@ -24,10 +29,14 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Manifest format written in `trunk.json`.
-pub const FORMAT: &str = "k3-trunk/2";
-/// Earlier manifest formats: refused with a request to re-pack (they do not record what
-/// identifies the source bytes).
-const OLD_FORMATS: [&str; 1] = ["k3-trunk/1"];
+pub const FORMAT: &str = "k3-trunk/3";
+/// Earlier manifest formats: refused with a request to re-pack (they do not record enough to
+/// tell a shard edited in place from the one packed).
+const OLD_FORMATS: [&str; 2] = ["k3-trunk/1", "k3-trunk/2"];
+/// Bytes of one sampled window of a tensor's source.
+const SAMPLE_WINDOW: u64 = 4096;
+/// Windows sampled per tensor: the first, the last and two evenly between.
+const SAMPLE_WINDOWS: u64 = 4;
 /// Largest `trunk.json` read (the released model's is well under a megabyte).
 const MAX_MANIFEST_BYTES: u64 = 64 << 20;
 /// Alignment of runs in `trunk.bin`.
@@ -46,6 +55,37 @@ pub struct TrunkTensor {
     pub dtype: String,
     /// Dimensions.
     pub shape: Vec<usize>,
+    /// CRC-32 of the tensor's source bytes in its shard.
+    pub source_crc32: u32,
+    /// CRC-32 of the sampled windows of the tensor's source bytes ([`sample_spans`]).
+    pub source_sample: u32,
+}
+
+/// The windows `(offset, length)` of a tensor of `n` bytes whose CRC-32 is its
+/// [`TrunkTensor::source_sample`]: the whole tensor up to four windows' worth, else four
+/// 4 KiB windows, the first at the start, the last at the end, two evenly between.
+#[must_use]
+pub fn sample_spans(n: u64) -> Vec<(u64, u64)> {
+    if n <= SAMPLE_WINDOW * SAMPLE_WINDOWS {
+        return vec![(0, n)];
+    }
+    (0..SAMPLE_WINDOWS)
+        .map(|i| {
+            (
+                (n - SAMPLE_WINDOW) * i / (SAMPLE_WINDOWS - 1),
+                SAMPLE_WINDOW,
+            )
+        })
+        .collect()
+}
+
+/// The CRC-32 of `tensor`'s sampled windows.
+fn sample_crc(tensor: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    for (o, l) in sample_spans(tensor.len() as u64) {
+        h.update(&tensor[o as usize..(o + l) as usize]);
+    }
+    h.finalize()
 }
 
 /// One layer of the trunk.
@@ -85,6 +125,12 @@ pub struct SourceShard {
     pub mtime_sec: i64,
     /// Modification time, nanoseconds within the second.
     pub mtime_nsec: i64,
+    /// Inode number.
+    pub ino: u64,
+    /// Status change time, whole seconds since the Unix epoch.
+    pub ctime_sec: i64,
+    /// Status change time, nanoseconds within the second.
+    pub ctime_nsec: i64,
 }
 
 impl SourceShard {
@@ -93,6 +139,9 @@ impl SourceShard {
             size: self.size,
             mtime_sec: self.mtime_sec,
             mtime_nsec: self.mtime_nsec,
+            ino: self.ino,
+            ctime_sec: self.ctime_sec,
+            ctime_nsec: self.ctime_nsec,
         }
     }
 }
@@ -205,6 +254,9 @@ fn source_shards(ck: &Checkpoint, per_layer: &[Vec<String>]) -> Result<Vec<Sourc
             size: st.size,
             mtime_sec: st.mtime_sec,
             mtime_nsec: st.mtime_nsec,
+            ino: st.ino,
+            ctime_sec: st.ctime_sec,
+            ctime_nsec: st.ctime_nsec,
         });
     }
     Ok(out)
@@ -219,15 +271,17 @@ fn describe(st: &ShardStat) -> String {
 
 /// Refuse a trunk whose source shards are not the ones it was packed from: a recorded shard
 /// missing from the checkpoint, a shard holding trunk tensors that is not recorded, or one
-/// whose size or modification time differs.
+/// whose size or modification time differs. Returns the shards (by number) whose inode or
+/// change time differs: written since, or copied; their trunk tensors are checked in full.
 fn check_sources(
     m: &Manifest,
     ck: &Checkpoint,
     want: &[Vec<String>],
     dir: &Path,
-) -> Result<(), String> {
+) -> Result<Vec<usize>, String> {
     let names = ck.index().shard_names();
     let mut changed = Vec::new();
+    let mut rewritten = Vec::new();
     for s in &m.shards {
         let shown = super::shown(Path::new(&s.name));
         let Some(k) = names.iter().position(|n| *n == s.name) else {
@@ -238,7 +292,11 @@ fn check_sources(
         let now = ck
             .shard_stat(k)
             .map_err(|e| format!("cannot stat {shown}: {e}"))?;
-        if now != s.stat() {
+        let was = s.stat();
+        if (now.ino, now.ctime_sec, now.ctime_nsec) != (was.ino, was.ctime_sec, was.ctime_nsec) {
+            rewritten.push(k);
+        }
+        if (now.size, now.mtime_sec, now.mtime_nsec) != (was.size, was.mtime_sec, was.mtime_nsec) {
             changed.push(format!(
                 "{shown} was {} when packed and is {} now",
                 describe(&s.stat()),
@@ -258,7 +316,7 @@ fn check_sources(
         }
     }
     if changed.is_empty() {
-        return Ok(());
+        return Ok(rewritten);
     }
     Err(format!(
         "the checkpoint changed since it was packed: {}; the trunk may no longer match its \
@@ -291,8 +349,9 @@ pub fn parse_manifest(bytes: &[u8], dir: &Path) -> Result<Manifest, String> {
         Some(FORMAT) => {}
         Some(f) if OLD_FORMATS.contains(&f) => {
             return Err(format!(
-                "trunk.json is format {f:?}, written by an earlier k3 that did not record what \
-                 identifies the source bytes; re-pack it with `k3 pack --force MODEL_DIR {}`",
+                "trunk.json is format {f:?}, written by an earlier k3 that did not record \
+                 enough to tell a shard edited in place from the one packed; re-pack it with \
+                 `k3 pack --force MODEL_DIR {}`",
                 super::shown(dir)
             ));
         }
@@ -361,6 +420,8 @@ fn layout(ck: &Checkpoint, il: usize, names: &[String]) -> Result<Layout, String
                 nbytes: i.n_bytes(),
                 dtype: i.dtype.name().to_string(),
                 shape: i.shape.clone(),
+                source_crc32: 0,
+                source_sample: 0,
             },
         );
     }
@@ -462,6 +523,11 @@ pub fn pack(
                 l.source_crc32 = crc32fast::hash(&piece);
             }
             l.crc32 = crc32fast::hash(&buf);
+            for t in l.tensors.values_mut() {
+                let src = &buf[t.off as usize..(t.off + t.nbytes) as usize];
+                t.source_crc32 = crc32fast::hash(src);
+                t.source_sample = sample_crc(src);
+            }
             f.write_all(&buf).map_err(wr(&tmp_bin))?;
             done += l.nbytes;
             progress(done, total);
@@ -560,6 +626,123 @@ pub struct Trunk {
     fault: FaultSlot,
     /// Allocations of streamed layers, reused by the next read.
     pool: std::sync::Arc<Pool>,
+    source_check: SourceCheck,
+}
+
+/// What [`Trunk::open`] read back from the shards to check the trunk still matches them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SourceCheck {
+    /// Tensors whose sampled windows were checked.
+    pub sampled: usize,
+    /// Tensors checked in full (their shard's inode or change time differs from when packed).
+    pub full: usize,
+    /// Bytes read from the shards for the check.
+    pub bytes: u64,
+    /// The shards whose inode or change time differs from when packed.
+    pub rewritten: Vec<String>,
+}
+
+/// Read back every trunk tensor's source from the shards and compare it with the manifest:
+/// the sampled windows of each, and every byte of those in the `rewritten` shards. A tensor
+/// that differs refuses the trunk, each named.
+fn check_source_bytes(
+    m: &Manifest,
+    ck: &Checkpoint,
+    rewritten: &[usize],
+    dir: &Path,
+) -> Result<SourceCheck, TrunkError> {
+    use rayon::prelude::*;
+    let names = ck.index().shard_names();
+    let mut jobs = Vec::new();
+    for l in &m.layers {
+        for (name, t) in &l.tensors {
+            let i = ck
+                .info(name)
+                .ok_or_else(|| StreamError::NoSuchTensor(name.clone()))?;
+            jobs.push((l.layer, name, t, rewritten.contains(&i.shard), i));
+        }
+    }
+    let check = |(il, name, t, full, i): &(
+        usize,
+        &String,
+        &TrunkTensor,
+        bool,
+        super::TensorInfo,
+    )|
+     -> Result<(u64, Option<String>), StreamError> {
+        let spans = if *full {
+            let n = i.n_bytes();
+            (0..n.div_ceil(PIECE as u64))
+                .map(|k| (k * PIECE as u64, (n - k * PIECE as u64).min(PIECE as u64)))
+                .collect()
+        } else {
+            sample_spans(i.n_bytes())
+        };
+        let mut h = crc32fast::Hasher::new();
+        let mut buf = Vec::new();
+        let mut read = 0u64;
+        for (o, len) in spans {
+            buf.resize(len as usize, 0);
+            ck.pread_plain(i.shard, i.offset + o, &mut buf)
+                .map_err(|source| StreamError::Read {
+                    path: ck.dir().join(&names[i.shard]),
+                    offset: i.offset + o,
+                    len,
+                    name: (*name).clone(),
+                    source,
+                })?;
+            h.update(&buf);
+            read += len;
+        }
+        let (got, want, what) = if *full {
+            (h.finalize(), t.source_crc32, "bytes")
+        } else {
+            (h.finalize(), t.source_sample, "sampled bytes")
+        };
+        Ok((
+            read,
+            (got != want).then(|| {
+                format!(
+                    "layer {il}: tensor {name:?} in {} (its {what} hash to {got:08x}, \
+                     {want:08x} when packed)",
+                    super::shown(Path::new(&names[i.shard]))
+                )
+            }),
+        ))
+    };
+    let results: Vec<Result<(u64, Option<String>), StreamError>> = match io_pool() {
+        Some(pool) => pool.install(|| jobs.par_iter().map(check).collect()),
+        None => jobs.par_iter().map(check).collect(),
+    };
+    let mut out = SourceCheck {
+        rewritten: rewritten.iter().map(|&k| names[k].clone()).collect(),
+        ..SourceCheck::default()
+    };
+    let mut differ = Vec::new();
+    for (r, job) in results.into_iter().zip(&jobs) {
+        let (read, bad) = r?;
+        out.bytes += read;
+        if job.3 {
+            out.full += 1;
+        } else {
+            out.sampled += 1;
+        }
+        differ.extend(bad);
+    }
+    if differ.is_empty() {
+        return Ok(out);
+    }
+    Err(TrunkError::Invalid {
+        dir: dir.to_path_buf(),
+        reason: format!(
+            "the checkpoint changed since it was packed, though its shards kept their size and \
+             modification time (edited in place?): {}; the trunk holds the old weights; run \
+             `k3 pack --force {} {}` to re-pack it",
+            super::join_listed(&differ),
+            super::shown(ck.dir()),
+            super::shown(dir)
+        ),
+    })
 }
 
 impl Trunk {
@@ -584,7 +767,7 @@ impl Trunk {
             )));
         }
         let want = layer_tensors(ck, n_layers);
-        check_sources(&m, ck, &want, dir).map_err(bad)?;
+        let rewritten = check_sources(&m, ck, &want, dir).map_err(bad)?;
         if m.n_layers != n_layers || m.layers.len() != n_layers {
             return Err(bad(format!(
                 "the manifest declares {} layers and lists {}; the model has {n_layers}",
@@ -635,6 +818,7 @@ impl Trunk {
                 }
             }
         }
+        let source_check = check_source_bytes(&m, ck, &rewritten, dir)?;
         let bin = dir.join("trunk.bin");
         let (file, len) =
             super::open_regular(&bin).map_err(|e| bad(format!("cannot open trunk.bin: {e}")))?;
@@ -655,7 +839,14 @@ impl Trunk {
             pool: Pool::new(1),
             manifest: m,
             file,
+            source_check,
         })
+    }
+
+    /// What the check of the source bytes at open read.
+    #[must_use]
+    pub fn source_check(&self) -> &SourceCheck {
+        &self.source_check
     }
 
     /// Free the idle layer allocation kept for the next read (after a smaller plan).

@@ -255,13 +255,18 @@ fn bad_trunks_are_refused_with_their_reason() {
     for (from, to, says) in [
         ("\"align\":4096", "\"align\":512", "align"),
         (
-            "\"format\":\"k3-trunk/2\"",
+            "\"format\":\"k3-trunk/3\"",
             "\"format\":\"k3-trunk/9\"",
             "format",
         ),
         (
-            "\"format\":\"k3-trunk/2\"",
+            "\"format\":\"k3-trunk/3\"",
             "\"format\":\"k3-trunk/1\"",
+            "re-pack it with `k3 pack --force",
+        ),
+        (
+            "\"format\":\"k3-trunk/3\"",
+            "\"format\":\"k3-trunk/2\"",
             "re-pack it with `k3 pack --force",
         ),
         ("\"file_off\":0,", "\"file_off\":100,", "aligned"),
@@ -364,7 +369,7 @@ fn a_trunk_whose_source_changed_is_refused_until_repacked() {
     assert_eq!(code, 0, "{err}");
     let manifest: serde_json::Value =
         serde_json::from_slice(&std::fs::read(t.join("trunk.json")).unwrap()).unwrap();
-    assert_eq!(manifest["format"], "k3-trunk/2");
+    assert_eq!(manifest["format"], "k3-trunk/3");
     // The shards holding layer tensors (the third holds only the model-level ones).
     let recorded: Vec<&str> = manifest["shards"]
         .as_array()
@@ -419,4 +424,91 @@ fn a_trunk_whose_source_changed_is_refused_until_repacked() {
     let (code, packed, err) = run(true);
     assert_eq!(code, 0, "{err}");
     assert_eq!(packed, plain);
+}
+
+/// The shard's modification time as `touch -r` sees it.
+fn mtime(p: &Path) -> std::time::SystemTime {
+    std::fs::metadata(p).unwrap().modified().unwrap()
+}
+
+#[test]
+fn a_shard_edited_in_place_keeping_its_size_and_mtime_is_refused() {
+    let (tmp, dir) = copy_tiny();
+    let t = tmp.path().join("trunk");
+    let (ds, ts) = (dir.to_str().unwrap(), t.to_str().unwrap());
+    let (code, _, err) = k3(&["pack", ds, ts]);
+    assert_eq!(code, 0, "{err}");
+    let run = |trunk: bool| {
+        let mut a = vec!["run", ds, "--ids", "1,2,3", "--gen", "2", "--mem", "0.05"];
+        if trunk {
+            a.extend(["--trunk", ts]);
+        }
+        k3(&a)
+    };
+    let (code, packed, err) = run(true);
+    assert_eq!(code, 0, "{err}");
+
+    // An edited copy of shard 1 with the original's mtime, copied over it with `cp -p`, as a
+    // user re-syncing a fine-tuned checkpoint would. The byte (12000 of a 24576-byte tensor)
+    // lies outside the four sampled windows, so only the full check of a rewritten shard
+    // sees it.
+    let p = shard(&dir, 1);
+    let before = (std::fs::metadata(&p).unwrap().len(), mtime(&p));
+    let name = "language_model.model.layers.0.mlp.down_proj.weight";
+    let (h, _) = split(&p);
+    let span = &h[name]["data_offsets"];
+    assert_eq!(
+        span[1].as_u64().unwrap() - span[0].as_u64().unwrap(),
+        24576,
+        "{span}"
+    );
+    assert!(trunk::sample_spans(24576)
+        .iter()
+        .all(|&(o, l)| !(o..o + l).contains(&12000)));
+    let edited = tmp.path().join("edited.safetensors");
+    std::fs::copy(&p, &edited).unwrap();
+    flip_tensor_byte(&edited, name, 12000);
+    let ok = |c: &mut Command| assert!(c.status().unwrap().success());
+    ok(Command::new("touch").arg("-r").arg(&p).arg(&edited));
+    ok(Command::new("cp").arg("-p").arg(&edited).arg(&p));
+    assert_eq!((std::fs::metadata(&p).unwrap().len(), mtime(&p)), before);
+
+    let (code, out, err) = run(true);
+    assert_eq!(code, 3, "{err}");
+    assert!(out.is_empty(), "{out}");
+    assert!(err.contains("changed since it was packed"), "{err}");
+    assert!(err.contains("edited in place"), "{err}");
+    assert!(err.contains(&format!("layer 0: tensor {name:?}")), "{err}");
+    assert!(err.contains("model-00001-of-000003.safetensors"), "{err}");
+    assert!(err.contains("k3 pack --force"), "{err}");
+    let (code, _, err) = k3(&["plan", ds, "--mem", "0.05", "--trunk", ts]);
+    assert_eq!(code, 3, "{err}");
+    let (code, out, _) = k3(&["verify", ds, "--trunk", ts]);
+    assert_eq!(code, 3, "{out}");
+    assert!(out.contains(name), "{out}");
+
+    // The same edit reverted, again keeping the mtime: the shard was rewritten but holds the
+    // packed bytes, so the full check passes and the trunk gives what it gave.
+    flip_tensor_byte(&edited, name, 12000);
+    ok(Command::new("touch").arg("-r").arg(&p).arg(&edited));
+    ok(Command::new("cp").arg("-p").arg(&edited).arg(&p));
+    let (code, again, err) = run(true);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(again, packed);
+
+    // An edit inside a sampled window is refused the same way.
+    flip_tensor_byte(&edited, name, 3);
+    ok(Command::new("touch").arg("-r").arg(&p).arg(&edited));
+    ok(Command::new("cp").arg("-p").arg(&edited).arg(&p));
+    let (code, _, err) = run(true);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains(&format!("layer 0: tensor {name:?}")), "{err}");
+    // Re-packed, the trunk gives the edited checkpoint's tokens.
+    let (code, plain, err) = run(false);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = k3(&["pack", ds, ts, "--force"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, repacked, err) = run(true);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(repacked, plain);
 }

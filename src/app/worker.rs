@@ -367,20 +367,9 @@ fn run(
             return fail(e.to_string(), e.exit_code());
         }
     };
-    if let Some(spec) = std::env::var_os(crate::stream::checkpoint::FAULT_ENV) {
-        let spec = spec.to_string_lossy();
-        let Some((fault, n)) = crate::stream::checkpoint::Fault::parse_spec(&spec) else {
-            return fail(
-                format!(
-                    "{}={spec:?}: expected KIND@N, KIND one of eintr, short, eio, eio-once",
-                    crate::stream::checkpoint::FAULT_ENV
-                ),
-                2,
-            );
-        };
-        if let Some(ck) = model.store().checkpoint() {
-            ck.inject_fault(ck.reads_issued() + n, fault);
-        }
+    #[cfg(feature = "fault-injection")]
+    if let Err(e) = arm_fault_from_env(&model) {
+        return fail(e, 2);
     }
     let vocab = u32::try_from(model.cfg.vocab_size).unwrap_or(u32::MAX);
     let tok = match Tokenizer::load_expecting(&cfg.model_dir, vocab) {
@@ -949,6 +938,26 @@ impl LoadProgress {
         self.finished = end;
         Some((self.seen, total))
     }
+}
+
+/// Arm the read fault `K3_FAULT` names (test builds only: the tests drive the failure paths
+/// through the binary with it).
+#[cfg(feature = "fault-injection")]
+fn arm_fault_from_env(model: &Model) -> Result<(), String> {
+    use crate::stream::checkpoint::{Fault, FAULT_ENV};
+    let Some(spec) = std::env::var_os(FAULT_ENV) else {
+        return Ok(());
+    };
+    let spec = spec.to_string_lossy();
+    let Some((fault, n)) = Fault::parse_spec(&spec) else {
+        return Err(format!(
+            "{FAULT_ENV}={spec:?}: expected KIND@N, KIND one of eintr, short, eio, eio-once"
+        ));
+    };
+    if let Some(ck) = model.store().checkpoint() {
+        ck.inject_fault(ck.reads_issued() + n, fault);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

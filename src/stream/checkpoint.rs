@@ -12,7 +12,7 @@ use std::fs::File;
 use std::mem::MaybeUninit;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Largest single positioned read (Linux caps a read at 0x7ffff000 bytes; macOS refuses 2 GiB).
 const MAX_READ: usize = 1 << 30;
@@ -182,9 +182,12 @@ pub enum Fault {
 /// paths through the real binary: `KIND@N` with KIND one of `eintr`, `short`, `eio` (fails, and
 /// so does its retry) or `eio-once`, and N the positioned read it hits, counted from the moment
 /// the model is open (so `eio@0` fails the first weight read of the first turn when the model
-/// is streamed).
+/// is streamed). Read only by builds with the `fault-injection` feature (the tests'); a
+/// release build ignores it.
+#[cfg(feature = "fault-injection")]
 pub const FAULT_ENV: &str = "K3_FAULT";
 
+#[cfg(feature = "fault-injection")]
 impl Fault {
     /// Parse a [`FAULT_ENV`] value: the fault and the read it hits.
     #[must_use]
@@ -202,22 +205,40 @@ impl Fault {
 }
 
 /// A fault armed for the n-th positioned read: two atomics, so the read path takes no lock.
+/// Without the `fault-injection` feature it is empty and never fires.
+#[cfg(feature = "fault-injection")]
 #[derive(Debug)]
 pub(crate) struct FaultSlot {
     /// The read it applies to (`u64::MAX`: none).
     at: AtomicU64,
-    kind: AtomicU8,
+    kind: std::sync::atomic::AtomicU8,
 }
 
+/// Without the `fault-injection` feature (release builds) no read can be made to fail.
+#[cfg(not(feature = "fault-injection"))]
+#[derive(Debug, Default)]
+pub(crate) struct FaultSlot;
+
+#[cfg(not(feature = "fault-injection"))]
+impl FaultSlot {
+    /// No fault is ever armed.
+    #[inline(always)]
+    fn get(&self, _n: u64) -> Option<Fault> {
+        None
+    }
+}
+
+#[cfg(feature = "fault-injection")]
 impl Default for FaultSlot {
     fn default() -> Self {
         FaultSlot {
             at: AtomicU64::new(u64::MAX),
-            kind: AtomicU8::new(0),
+            kind: std::sync::atomic::AtomicU8::new(0),
         }
     }
 }
 
+#[cfg(feature = "fault-injection")]
 impl FaultSlot {
     const KINDS: [Fault; 4] = [
         Fault::Interrupted,
@@ -590,6 +611,7 @@ impl Checkpoint {
     }
 
     /// Inject `fault` into the `n`-th positioned read from now on (counting reads since open).
+    #[cfg(feature = "fault-injection")]
     pub fn inject_fault(&self, n: u64, fault: Fault) {
         self.fault.arm(n, fault);
     }

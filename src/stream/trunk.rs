@@ -17,7 +17,7 @@
 
 use super::bytes::{Bytes, Filling, Pool};
 use super::checkpoint::{
-    io_pool, open_direct, pread_counted, Checkpoint, Fault, FaultSlot, ShardStat, DIRECT_ALIGN,
+    io_pool, open_direct, pread_counted, Checkpoint, FaultSlot, ShardStat, DIRECT_ALIGN,
 };
 use super::safetensors::Dtype;
 use super::StreamError;
@@ -895,7 +895,8 @@ impl Trunk {
     }
 
     /// Inject `fault` into the `n`-th read of `trunk.bin` (counting from 0), for tests.
-    pub fn inject_fault(&self, n: u64, fault: Fault) {
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_fault(&self, n: u64, fault: super::checkpoint::Fault) {
         self.fault.arm(n, fault);
     }
 

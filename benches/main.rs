@@ -185,8 +185,53 @@ fn run_fill<P: k3::stream::cache_policy::Policy>(
     *at += 1;
 }
 
+/// The trunk codec (docs/trunk-codec.md): decoding 32 MiB of BF16 drawn like trained weights
+/// (N(0, 0.02), one value in 1000 fifty times larger), on one core and on the rayon pool;
+/// throughput is BF16 bytes written. The stored ratio is printed once.
+fn trunk_decode(c: &mut Criterion) {
+    use k3::stream::codec;
+    let n = 16 << 20;
+    let mut s = 5u64;
+    let src: Vec<u8> = (0..n)
+        .flat_map(|_| {
+            // A sum of four uniforms: approximately normal, like the synthetic weights.
+            let u: f32 = (0..4)
+                .map(|_| lcg(&mut s) as f32 / u32::MAX as f32)
+                .sum::<f32>()
+                - 2.0;
+            let big = if lcg(&mut s).is_multiple_of(1000) {
+                50.0
+            } else {
+                1.0
+            };
+            kernels::f32_to_bf16(u * 0.035 * big).to_le_bytes()
+        })
+        .collect();
+    let mut enc = Vec::new();
+    assert!(codec::encode(&src, &mut enc));
+    eprintln!(
+        "trunk_decode: {} BF16 bytes stored in {} ({:.4}x)",
+        src.len(),
+        enc.len(),
+        enc.len() as f64 / src.len() as f64
+    );
+    let mut out = vec![0u8; src.len()];
+    let mut g = c.benchmark_group("trunk_decode");
+    g.throughput(Throughput::Bytes(src.len() as u64));
+    g.sample_size(10).measurement_time(Duration::from_secs(4));
+    g.bench_function("one_core", |b| {
+        b.iter(|| codec::decode_into(black_box(&enc), &mut out).expect("decodes"));
+    });
+    g.bench_function("rayon", |b| {
+        b.iter(|| codec::decode(black_box(&enc), &mut out).expect("decodes"));
+    });
+    g.finish();
+    assert_eq!(out, src);
+}
+
 criterion_group!(
     benches,
+    trunk_decode,
     bf16_matvec,
     mxfp4_matvec,
     mxfp4_batch,

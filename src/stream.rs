@@ -12,6 +12,7 @@ pub mod budget;
 pub mod bytes;
 pub mod cache_policy;
 pub mod checkpoint;
+pub mod codec;
 pub mod index;
 pub mod mapped;
 pub mod safetensors;

@@ -1,0 +1,874 @@
+//! Lossless encoding of BF16 tensors for the packed trunk (docs/trunk-codec.md).
+//!
+//! The high byte of a trained BF16 weight (sign and seven exponent bits) carries about 2.6–2.8
+//! bits of information; the low byte (last exponent bit and the mantissa) is close to random.
+//! A tensor is cut into independent blocks of [`BLOCK_ELEMS`] values. Each block stores its
+//! low bytes verbatim and its high bytes with a canonical Huffman code of at most
+//! [`MAX_LEN`] bits built from that block's own histogram, split into [`STREAMS`]
+//! interleaved bit streams so the decoder keeps several lookups in flight. A block the code
+//! would not shrink is stored raw. Every block carries its length and a CRC-32 of its header
+//! and payload, so a corrupt byte is refused, never decoded into different weights.
+//!
+//! Block layout (all integers little-endian), padded with zeros to a multiple of 8 bytes:
+//!
+//! ```text
+//! 0  u8   kind: 0 raw, 1 Huffman
+//! 1  u8   0
+//! 2  u16  0
+//! 4  u32  values in the block (BLOCK_ELEMS except in a tensor's last block)
+//! 8  u32  payload bytes (after this 16-byte header, before the padding)
+//! 12 u32  CRC-32 of header bytes 0..12 and the payload
+//! -- raw payload: the values' 2·n bytes as in the tensor
+//! -- Huffman payload: 128 bytes of code lengths (two 4-bit lengths per byte, symbol 2k in the
+//!    low nibble; 0 = symbol absent), STREAMS × u32 stream byte lengths, the n low bytes, then
+//!    the streams. Stream k codes the high bytes of values [k·q, (k+1)·q) with q = ⌈n/STREAMS⌉
+//!    (the last stream what remains), least significant bit first.
+//! ```
+
+use std::mem::MaybeUninit;
+
+/// Name of this encoding in `trunk.json`.
+pub const NAME: &str = "k3h1";
+/// Values per block (a block decodes to 512 KiB of BF16).
+pub const BLOCK_ELEMS: usize = 1 << 18;
+/// Longest code, in bits: the decode table has `1 << MAX_LEN` entries.
+pub const MAX_LEN: u32 = 12;
+/// Interleaved bit streams per Huffman block.
+pub const STREAMS: usize = 4;
+/// Block header bytes.
+pub const HEADER: usize = 16;
+/// Alignment of blocks in an encoded tensor.
+pub const BLOCK_ALIGN: usize = 8;
+const KIND_RAW: u8 = 0;
+const KIND_HUFF: u8 = 1;
+const LENGTHS: usize = 128;
+const TABLE: usize = 1 << MAX_LEN;
+/// Flag of a decode table entry that matches no code.
+const NO_CODE_FLAG: u16 = 1 << 12;
+/// The decode table entry of a bit pattern that is no code: one bit long, flagged.
+const NO_CODE: u16 = NO_CODE_FLAG | 1;
+
+/// An encoded tensor that cannot be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CodecError {
+    /// The input ends inside a block, or blocks are missing.
+    #[error("block {block}: truncated ({reason})")]
+    Truncated {
+        /// Block index.
+        block: usize,
+        /// What is missing.
+        reason: String,
+    },
+    /// A header field is impossible.
+    #[error("block {block}: bad header ({reason})")]
+    BadHeader {
+        /// Block index.
+        block: usize,
+        /// Which field.
+        reason: String,
+    },
+    /// The block's checksum does not match its bytes.
+    #[error("block {block}: checksum {got:08x}, the block says {want:08x}")]
+    Checksum {
+        /// Block index.
+        block: usize,
+        /// Computed.
+        got: u32,
+        /// Stored.
+        want: u32,
+    },
+    /// The code table or a bit stream is invalid.
+    #[error("block {block}: bad code ({reason})")]
+    BadCode {
+        /// Block index.
+        block: usize,
+        /// What.
+        reason: String,
+    },
+    /// The decoded length differs from the expected one.
+    #[error("decodes to {got} bytes, expected {want}")]
+    Length {
+        /// Bytes the blocks describe.
+        got: u64,
+        /// Bytes expected.
+        want: u64,
+    },
+}
+
+fn le32(b: &[u8], at: usize) -> u32 {
+    let mut w = [0u8; 4];
+    w.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(w)
+}
+
+/// Code lengths of at most [`MAX_LEN`] bits for the symbol counts `freq` (0 for absent
+/// symbols). Huffman's construction; when the longest code is too long the counts are
+/// flattened (halved, rounding up) and the code rebuilt.
+fn code_lengths(freq: &[u64; 256]) -> [u8; 256] {
+    let mut f = *freq;
+    loop {
+        let lens = huffman_lengths(&f);
+        if lens.iter().all(|&l| u32::from(l) <= MAX_LEN) {
+            return lens;
+        }
+        for x in f.iter_mut().filter(|x| **x > 0) {
+            *x = x.div_ceil(2);
+        }
+    }
+}
+
+fn huffman_lengths(f: &[u64; 256]) -> [u8; 256] {
+    let mut lens = [0u8; 256];
+    let used: Vec<usize> = (0..256).filter(|&s| f[s] > 0).collect();
+    match used.len() {
+        0 => return lens,
+        1 => {
+            lens[used[0]] = 1;
+            return lens;
+        }
+        _ => {}
+    }
+    // Nodes: leaves 0..256, internal 256..; parent links give depths.
+    let mut parent = vec![usize::MAX; 512];
+    let mut heap: std::collections::BinaryHeap<std::cmp::Reverse<(u64, usize)>> =
+        used.iter().map(|&s| std::cmp::Reverse((f[s], s))).collect();
+    let mut next = 256;
+    while heap.len() > 1 {
+        let (Some(std::cmp::Reverse((wa, a))), Some(std::cmp::Reverse((wb, b)))) =
+            (heap.pop(), heap.pop())
+        else {
+            break;
+        };
+        parent[a] = next;
+        parent[b] = next;
+        heap.push(std::cmp::Reverse((wa + wb, next)));
+        next += 1;
+    }
+    for &s in &used {
+        let mut d = 0u8;
+        let mut n = s;
+        while parent[n] != usize::MAX {
+            n = parent[n];
+            d = d.saturating_add(1);
+        }
+        lens[s] = d;
+    }
+    lens
+}
+
+/// Canonical codes for `lens`, bit-reversed for an LSB-first stream.
+fn canonical(lens: &[u8; 256]) -> [u16; 256] {
+    let mut count = [0u32; 16];
+    for &l in lens {
+        count[usize::from(l)] += 1;
+    }
+    count[0] = 0;
+    let mut next = [0u32; 16];
+    let mut code = 0u32;
+    for l in 1..16 {
+        code = (code + count[l - 1]) << 1;
+        next[l] = code;
+    }
+    let mut out = [0u16; 256];
+    for s in 0..256 {
+        let l = u32::from(lens[s]);
+        if l > 0 {
+            let c = next[l as usize];
+            next[l as usize] += 1;
+            out[s] = (c.reverse_bits() >> (32 - l)) as u16;
+        }
+    }
+    out
+}
+
+/// The decode table for `lens`: entry `bits & (TABLE − 1)` is `symbol << 4 | length`,
+/// [`NO_CODE`] where no code matches. Refuses lengths that over-subscribe the code space (Kraft sum above 1).
+fn decode_table(lens: &[u8; 256], table: &mut [u16; TABLE]) -> Result<(), String> {
+    let mut kraft = 0u64;
+    for &l in lens {
+        if l > 0 {
+            if u32::from(l) > MAX_LEN {
+                return Err(format!("code length {l} above {MAX_LEN}"));
+            }
+            kraft += 1u64 << (MAX_LEN - u32::from(l));
+        }
+    }
+    if kraft > TABLE as u64 {
+        return Err("code lengths over-subscribe the code space".into());
+    }
+    table.fill(NO_CODE);
+    let codes = canonical(lens);
+    for s in 0..256 {
+        let l = u32::from(lens[s]);
+        if l == 0 {
+            continue;
+        }
+        let entry = ((s as u16) << 4) | l as u16;
+        let mut i = usize::from(codes[s]);
+        while i < TABLE {
+            table[i] = entry;
+            i += 1 << l;
+        }
+    }
+    Ok(())
+}
+
+/// LSB-first bit writer.
+struct BitWriter<'a> {
+    out: &'a mut Vec<u8>,
+    acc: u64,
+    n: u32,
+}
+
+impl BitWriter<'_> {
+    fn put(&mut self, code: u16, len: u32) {
+        self.acc |= u64::from(code) << self.n;
+        self.n += len;
+        while self.n >= 8 {
+            self.out.push(self.acc as u8);
+            self.acc >>= 8;
+            self.n -= 8;
+        }
+    }
+
+    fn flush(&mut self) {
+        if self.n > 0 {
+            self.out.push(self.acc as u8);
+        }
+        self.acc = 0;
+        self.n = 0;
+    }
+}
+
+/// Append the encoding of the BF16 values `src` (little-endian, an even number of bytes) to
+/// `out`. Returns false, appending nothing, when `src` has an odd length.
+pub fn encode(src: &[u8], out: &mut Vec<u8>) -> bool {
+    if !src.len().is_multiple_of(2) {
+        return false;
+    }
+    for block in src.chunks(BLOCK_ELEMS * 2) {
+        encode_block(block, out);
+    }
+    true
+}
+
+/// Append one block holding the BF16 values `src`.
+fn encode_block(src: &[u8], out: &mut Vec<u8>) {
+    let n = src.len() / 2;
+    let start = out.len();
+    let mut freq = [0u64; 256];
+    for v in src.chunks_exact(2) {
+        freq[usize::from(v[1])] += 1;
+    }
+    let lens = code_lengths(&freq);
+    let bits: u64 = (0..256).map(|s| freq[s] * u64::from(lens[s])).sum();
+    // Each stream is padded to a whole byte.
+    let huff = LENGTHS + 4 * STREAMS + n + (bits / 8) as usize + STREAMS;
+    out.extend_from_slice(&[0u8; HEADER]);
+    let kind = if huff < 2 * n {
+        let codes = canonical(&lens);
+        for pair in lens.chunks_exact(2) {
+            out.push(pair[0] | (pair[1] << 4));
+        }
+        let sizes_at = out.len();
+        out.extend_from_slice(&[0u8; 4 * STREAMS]);
+        out.extend(src.chunks_exact(2).map(|v| v[0]));
+        let q = n.div_ceil(STREAMS);
+        for k in 0..STREAMS {
+            let from = out.len();
+            let lo = (k * q).min(n);
+            let hi = ((k + 1) * q).min(n);
+            let mut w = BitWriter { out, acc: 0, n: 0 };
+            for v in src[2 * lo..2 * hi].chunks_exact(2) {
+                let s = usize::from(v[1]);
+                w.put(codes[s], u32::from(lens[s]));
+            }
+            w.flush();
+            let len = (out.len() - from) as u32;
+            out[sizes_at + 4 * k..sizes_at + 4 * k + 4].copy_from_slice(&len.to_le_bytes());
+        }
+        KIND_HUFF
+    } else {
+        out.extend_from_slice(src);
+        KIND_RAW
+    };
+    let payload = (out.len() - start - HEADER) as u32;
+    out[start] = kind;
+    out[start + 4..start + 8].copy_from_slice(&(n as u32).to_le_bytes());
+    out[start + 8..start + 12].copy_from_slice(&payload.to_le_bytes());
+    let mut h = crc32fast::Hasher::new();
+    h.update(&out[start..start + 12]);
+    h.update(&out[start + HEADER..]);
+    let crc = h.finalize();
+    out[start + 12..start + 16].copy_from_slice(&crc.to_le_bytes());
+    while !(out.len() - start).is_multiple_of(BLOCK_ALIGN) {
+        out.push(0);
+    }
+}
+
+/// One block located in an encoded tensor.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    /// Offset of the header in the encoded bytes.
+    at: usize,
+    /// Values.
+    n: usize,
+    /// Payload bytes.
+    payload: usize,
+}
+
+/// Walk the block headers of `enc`, which must decode to `want` bytes: every block but the
+/// last holds [`BLOCK_ELEMS`] values, the blocks cover `enc` exactly (padding included).
+fn blocks(enc: &[u8], want: usize) -> Result<Vec<Block>, CodecError> {
+    if !want.is_multiple_of(2) {
+        return Err(CodecError::Length {
+            got: 0,
+            want: want as u64,
+        });
+    }
+    let total = want / 2;
+    let count = total.div_ceil(BLOCK_ELEMS);
+    let mut out = Vec::with_capacity(count);
+    let mut at = 0usize;
+    for b in 0..count {
+        if enc.len() - at < HEADER {
+            return Err(CodecError::Truncated {
+                block: b,
+                reason: format!(
+                    "{} bytes end the input where a {HEADER}-byte header belongs",
+                    enc.len() - at
+                ),
+            });
+        }
+        let n = le32(enc, at + 4) as usize;
+        let payload = le32(enc, at + 8) as usize;
+        let expect = if b + 1 < count {
+            BLOCK_ELEMS
+        } else {
+            total - b * BLOCK_ELEMS
+        };
+        if n != expect {
+            return Err(CodecError::BadHeader {
+                block: b,
+                reason: format!("{n} values, expected {expect}"),
+            });
+        }
+        if enc[at] > KIND_HUFF || enc[at + 1] != 0 || enc[at + 2] != 0 || enc[at + 3] != 0 {
+            return Err(CodecError::BadHeader {
+                block: b,
+                reason: format!(
+                    "kind {} {} {} {}",
+                    enc[at],
+                    enc[at + 1],
+                    enc[at + 2],
+                    enc[at + 3]
+                ),
+            });
+        }
+        let span = (HEADER + payload).next_multiple_of(BLOCK_ALIGN);
+        if payload > 4 * BLOCK_ELEMS || span > enc.len() - at {
+            return Err(CodecError::Truncated {
+                block: b,
+                reason: format!(
+                    "a payload of {payload} bytes, {} bytes left",
+                    enc.len() - at - HEADER
+                ),
+            });
+        }
+        if enc[at + HEADER + payload..at + span]
+            .iter()
+            .any(|&x| x != 0)
+        {
+            return Err(CodecError::BadHeader {
+                block: b,
+                reason: "non-zero padding after the payload".into(),
+            });
+        }
+        out.push(Block { at, n, payload });
+        at += span;
+    }
+    if at != enc.len() {
+        return Err(CodecError::Length {
+            got: enc.len() as u64,
+            want: at as u64,
+        });
+    }
+    Ok(out)
+}
+
+/// Decode `enc` into `dst`, which receives exactly `dst.len()` bytes of BF16 values; every
+/// byte of `dst` is written when this returns Ok. The blocks are decoded on the current rayon
+/// pool.
+pub fn decode<T: Put + Send>(enc: &[u8], dst: &mut [T]) -> Result<(), CodecError> {
+    use rayon::prelude::*;
+    let list = blocks(enc, dst.len())?;
+    dst.par_chunks_mut(BLOCK_ELEMS * 2)
+        .zip(list.par_iter())
+        .enumerate()
+        .try_for_each(|(b, (out, blk))| decode_block(b, &enc[blk.at..], blk, out))
+}
+
+/// Decode `enc` into a new vector of `len` bytes.
+pub fn decode_to_vec(enc: &[u8], len: usize) -> Result<Vec<u8>, CodecError> {
+    let mut out = vec![0u8; len];
+    decode_into(enc, &mut out)?;
+    Ok(out)
+}
+
+/// [`decode`] on the calling thread only.
+pub fn decode_into<T: Put>(enc: &[u8], dst: &mut [T]) -> Result<(), CodecError> {
+    let list = blocks(enc, dst.len())?;
+    for (b, (out, blk)) in dst.chunks_mut(BLOCK_ELEMS * 2).zip(&list).enumerate() {
+        decode_block(b, &enc[blk.at..], blk, out)?;
+    }
+    Ok(())
+}
+
+/// A byte the decoder writes: `u8` or `MaybeUninit<u8>`.
+pub trait Put: private::Sealed {
+    /// Store `v`.
+    fn put(&mut self, v: u8);
+}
+
+mod private {
+    pub trait Sealed {}
+    impl Sealed for u8 {}
+    impl Sealed for std::mem::MaybeUninit<u8> {}
+}
+
+impl Put for u8 {
+    #[inline(always)]
+    fn put(&mut self, v: u8) {
+        *self = v;
+    }
+}
+
+impl Put for MaybeUninit<u8> {
+    #[inline(always)]
+    fn put(&mut self, v: u8) {
+        self.write(v);
+    }
+}
+
+fn decode_block<T: Put>(
+    b: usize,
+    enc: &[u8],
+    blk: &Block,
+    out: &mut [T],
+) -> Result<(), CodecError> {
+    let n = blk.n;
+    let payload = &enc[HEADER..HEADER + blk.payload];
+    let want = le32(enc, 12);
+    let mut h = crc32fast::Hasher::new();
+    h.update(&enc[..12]);
+    h.update(payload);
+    let got = h.finalize();
+    if got != want {
+        return Err(CodecError::Checksum {
+            block: b,
+            got,
+            want,
+        });
+    }
+    if out.len() != 2 * n {
+        return Err(CodecError::Length {
+            got: 2 * n as u64,
+            want: out.len() as u64,
+        });
+    }
+    if enc[0] == KIND_RAW {
+        if payload.len() != 2 * n {
+            return Err(CodecError::BadHeader {
+                block: b,
+                reason: format!("a raw block of {n} values with {} bytes", payload.len()),
+            });
+        }
+        for (d, &s) in out.iter_mut().zip(payload) {
+            d.put(s);
+        }
+        return Ok(());
+    }
+    let bad = |reason: String| CodecError::BadCode { block: b, reason };
+    let fixed = LENGTHS + 4 * STREAMS + n;
+    if payload.len() < fixed {
+        return Err(CodecError::Truncated {
+            block: b,
+            reason: format!(
+                "a Huffman block of {n} values needs at least {fixed} bytes, it has {}",
+                payload.len()
+            ),
+        });
+    }
+    let mut lens = [0u8; 256];
+    for (k, &byte) in payload[..LENGTHS].iter().enumerate() {
+        lens[2 * k] = byte & 15;
+        lens[2 * k + 1] = byte >> 4;
+    }
+    let mut table = [0u16; TABLE];
+    decode_table(&lens, &mut table).map_err(bad)?;
+    let low = &payload[LENGTHS + 4 * STREAMS..fixed];
+    let mut streams: [&[u8]; STREAMS] = [&[]; STREAMS];
+    let mut at = fixed;
+    for (k, s) in streams.iter_mut().enumerate() {
+        let len = le32(payload, LENGTHS + 4 * k) as usize;
+        if len > payload.len() - at {
+            return Err(CodecError::Truncated {
+                block: b,
+                reason: format!("stream {k} of {len} bytes runs past the payload"),
+            });
+        }
+        *s = &payload[at..at + len];
+        at += len;
+    }
+    if at != payload.len() {
+        return Err(CodecError::Length {
+            got: at as u64,
+            want: payload.len() as u64,
+        });
+    }
+    let q = n.div_ceil(STREAMS);
+    let mut readers: [Reader; STREAMS] = std::array::from_fn(|k| Reader::new(streams[k]));
+    // Stream k fills values [k·q, (k+1)·q): its high bytes are decoded CHUNK at a time into
+    // `hi`, all streams in lockstep (independent lookups in flight), then merged with the low
+    // bytes.
+    const CHUNK: usize = 256;
+    let mut hi = [[0u8; CHUNK]; STREAMS];
+    let count = |k: usize| q.min(n.saturating_sub(k * q));
+    let common = (0..STREAMS).map(count).min().unwrap_or(0);
+    let mut done = 0usize;
+    while done + CHUNK <= common {
+        for j in (0..CHUNK).step_by(4) {
+            for (r, h) in readers.iter_mut().zip(hi.iter_mut()) {
+                r.refill();
+                let h = &mut h[j..j + 4];
+                h[0] = r.symbol(&table);
+                h[1] = r.symbol(&table);
+                h[2] = r.symbol(&table);
+                h[3] = r.symbol(&table);
+            }
+        }
+        for (k, h) in hi.iter().enumerate() {
+            let at = k * q + done;
+            merge(&mut out[2 * at..2 * (at + CHUNK)], &low[at..at + CHUNK], h);
+        }
+        done += CHUNK;
+    }
+    // The rest of each stream, one value at a time.
+    for (k, r) in readers.iter_mut().enumerate() {
+        let c = count(k);
+        let h = &mut hi[k];
+        let mut at = done;
+        while at < c {
+            let take = (c - at).min(CHUNK);
+            for x in &mut h[..take] {
+                r.refill();
+                *x = r.symbol(&table);
+            }
+            let v = k * q + at;
+            merge(
+                &mut out[2 * v..2 * (v + take)],
+                &low[v..v + take],
+                &h[..take],
+            );
+            at += take;
+        }
+    }
+    for (k, r) in readers.iter().enumerate() {
+        r.check_end().map_err(|e| bad(format!("stream {k}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Interleave low and high bytes into BF16 values.
+#[inline(always)]
+fn merge<T: Put>(out: &mut [T], low: &[u8], hi: &[u8]) {
+    for ((d, &l), &h) in out.chunks_exact_mut(2).zip(low).zip(hi) {
+        d[0].put(l);
+        d[1].put(h);
+    }
+}
+
+/// LSB-first bit reader that never reads past its slice: past the end it shifts in zeros and
+/// counts them, and [`Reader::check_end`] refuses a stream that used them.
+struct Reader<'a> {
+    src: &'a [u8],
+    pos: usize,
+    buf: u64,
+    bits: u32,
+    /// Every table entry used, or-ed: [`NO_CODE`]'s flag when a pattern matched no code.
+    flags: u16,
+}
+
+impl<'a> Reader<'a> {
+    fn new(src: &'a [u8]) -> Reader<'a> {
+        Reader {
+            src,
+            pos: 0,
+            buf: 0,
+            bits: 0,
+            flags: 0,
+        }
+    }
+
+    /// Ensure at least 56 bits are buffered (zeros past the end of the stream): room for four
+    /// codes.
+    #[inline(always)]
+    fn refill(&mut self) {
+        if let Some(w) = self.src.get(self.pos..self.pos + 8) {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(w);
+            self.buf |= u64::from_le_bytes(a) << self.bits;
+            self.pos += ((63 - self.bits) >> 3) as usize;
+            self.bits |= 56;
+        } else {
+            while self.bits <= 56 {
+                let byte = match self.src.get(self.pos) {
+                    Some(&x) => x,
+                    None => 0,
+                };
+                self.buf |= u64::from(byte) << self.bits;
+                self.pos += 1;
+                self.bits += 8;
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn symbol(&mut self, table: &[u16; TABLE]) -> u8 {
+        let e = table[(self.buf as usize) & (TABLE - 1)];
+        // A code that matches nothing has the entry [`NO_CODE`]: one bit is consumed and the
+        // stream refused at its end.
+        self.flags |= e;
+        let len = u32::from(e & 15);
+        self.buf >>= len;
+        self.bits -= len;
+        (e >> 4) as u8
+    }
+
+    /// Whether the stream decoded cleanly: only valid codes, no bits past its end, and no
+    /// whole byte left over.
+    fn check_end(&self) -> Result<(), String> {
+        if self.flags & NO_CODE_FLAG != 0 {
+            return Err("a bit pattern that is no code".into());
+        }
+        // Bits consumed = bytes pulled in minus bits still buffered.
+        let pulled = 8 * self.pos as u64;
+        let used = pulled - u64::from(self.bits);
+        let avail = 8 * self.src.len() as u64;
+        if used > avail {
+            return Err(format!("{used} bits decoded from {avail}"));
+        }
+        if avail - used >= 8 {
+            return Err(format!("{} bits left over", avail - used));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Lcg(u64);
+
+    impl Lcg {
+        fn next(&mut self) -> u64 {
+            self.0 = self
+                .0
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            self.0 >> 11
+        }
+
+        fn unit(&mut self) -> f64 {
+            (self.next() as f64 + 0.5) / (1u64 << 53) as f64
+        }
+
+        fn normal(&mut self) -> f64 {
+            (-2.0 * self.unit().ln()).sqrt() * (std::f64::consts::TAU * self.unit()).cos()
+        }
+    }
+
+    /// `n` BF16 values drawn from N(0, s) with one in 1000 scaled by 50 (outliers).
+    pub(super) fn trained_like(n: usize, s: f64, seed: u64) -> Vec<u8> {
+        let mut r = Lcg(seed);
+        let mut out = Vec::with_capacity(2 * n);
+        for _ in 0..n {
+            let mut v = r.normal() * s;
+            if r.next().is_multiple_of(1000) {
+                v *= 50.0;
+            }
+            let bits = ((v as f32).to_bits() >> 16) as u16;
+            out.extend_from_slice(&bits.to_le_bytes());
+        }
+        out
+    }
+
+    fn round_trip(src: &[u8]) -> Vec<u8> {
+        let mut enc = Vec::new();
+        assert!(encode(src, &mut enc));
+        assert_eq!(enc.len() % BLOCK_ALIGN, 0);
+        assert_eq!(decode_to_vec(&enc, src.len()).as_deref(), Ok(src));
+        let mut par = vec![0xAAu8; src.len()];
+        decode(&enc, &mut par).expect("parallel decode");
+        assert_eq!(par, src);
+        enc
+    }
+
+    #[test]
+    fn trained_like_weights_round_trip_below_seven_tenths() {
+        let src = trained_like(3 * BLOCK_ELEMS + 1234, 0.02, 7);
+        let enc = round_trip(&src);
+        let ratio = enc.len() as f64 / src.len() as f64;
+        assert!(ratio < 0.70, "ratio {ratio}");
+        assert!(ratio > 0.55, "ratio {ratio}");
+    }
+
+    #[test]
+    fn all_equal_random_empty_and_odd_lengths() {
+        let eq: Vec<u8> = [0x12u8, 0x3c].repeat(BLOCK_ELEMS + 5);
+        let enc = round_trip(&eq);
+        // One bit per high byte.
+        assert!(enc.len() < eq.len() * 6 / 10, "{}", enc.len());
+        let mut r = Lcg(3);
+        let noise: Vec<u8> = (0..2 * 100_001).map(|_| r.next() as u8).collect();
+        let enc = round_trip(&noise);
+        // Incompressible: stored raw, the header and padding only.
+        assert!(enc.len() <= noise.len() + HEADER + BLOCK_ALIGN);
+        assert_eq!(enc[0], KIND_RAW);
+        assert!(round_trip(&[]).is_empty());
+        for n in [
+            1usize,
+            2,
+            3,
+            5,
+            7,
+            13,
+            1001,
+            BLOCK_ELEMS - 1,
+            BLOCK_ELEMS + 1,
+        ] {
+            round_trip(&trained_like(n, 0.5, n as u64));
+        }
+        let mut enc = Vec::new();
+        assert!(!encode(&[1, 2, 3], &mut enc));
+        assert!(enc.is_empty());
+    }
+
+    #[test]
+    fn long_codes_are_limited() {
+        // Fibonacci-like counts force codes far above MAX_LEN without a limit.
+        let mut src = Vec::new();
+        let (mut a, mut b) = (1usize, 1usize);
+        for s in 0..24u8 {
+            for _ in 0..a {
+                src.extend_from_slice(&[s, s]);
+            }
+            (a, b) = (b, a + b);
+        }
+        let mut freq = [0u64; 256];
+        for v in src.chunks_exact(2) {
+            freq[usize::from(v[1])] += 1;
+        }
+        assert!(huffman_lengths(&freq)
+            .iter()
+            .any(|&l| u32::from(l) > MAX_LEN));
+        assert!(code_lengths(&freq).iter().all(|&l| u32::from(l) <= MAX_LEN));
+        round_trip(&src);
+    }
+
+    #[test]
+    fn corrupt_blocks_are_refused() {
+        let src = trained_like(2 * BLOCK_ELEMS + 77, 0.02, 11);
+        let mut enc = Vec::new();
+        assert!(encode(&src, &mut enc));
+        // Every single-byte change in a sample of positions, including headers: refused or
+        // (never) decoded into different values.
+        let step = enc.len() / 997;
+        for at in (0..enc.len()).step_by(step).chain([0, 4, 8, 12, 16, 200]) {
+            let mut bad = enc.clone();
+            bad[at] ^= 0x41;
+            match decode_to_vec(&bad, src.len()) {
+                Err(_) => {}
+                Ok(v) => assert_eq!(v, src, "byte {at} changed the output silently"),
+            }
+        }
+        // Truncated, extended, wrong expected length.
+        assert!(matches!(
+            decode_to_vec(&enc[..enc.len() - 8], src.len()),
+            Err(CodecError::Truncated { .. })
+        ));
+        let mut longer = enc.clone();
+        longer.extend_from_slice(&[0; 8]);
+        assert!(matches!(
+            decode_to_vec(&longer, src.len()),
+            Err(CodecError::Length { .. })
+        ));
+        assert!(decode_to_vec(&enc, src.len() - 2).is_err());
+        assert!(decode_to_vec(&enc, src.len() + 2).is_err());
+        assert!(decode_to_vec(&enc, src.len() + 1).is_err());
+    }
+
+    /// A block whose checksum is right but whose code is wrong (as a buggy encoder would
+    /// write it) is refused by the code checks themselves.
+    #[test]
+    fn bad_codes_with_good_checksums_are_refused() {
+        let src = trained_like(5000, 0.02, 5);
+        let mut enc = Vec::new();
+        assert!(encode(&src, &mut enc));
+        assert_eq!(enc[0], KIND_HUFF);
+        let reseal = |e: &mut Vec<u8>| {
+            let payload = le32(e, 8) as usize;
+            let mut h = crc32fast::Hasher::new();
+            h.update(&e[..12]);
+            h.update(&e[HEADER..HEADER + payload]);
+            let crc = h.finalize();
+            e[12..16].copy_from_slice(&crc.to_le_bytes());
+        };
+        // Over-subscribed lengths: every symbol of length 1.
+        let mut e = enc.clone();
+        e[HEADER..HEADER + LENGTHS].fill(0x11);
+        reseal(&mut e);
+        assert!(matches!(
+            decode_to_vec(&e, src.len()),
+            Err(CodecError::BadCode { .. })
+        ));
+        // A length above MAX_LEN.
+        let mut e = enc.clone();
+        e[HEADER] = 0xFF;
+        reseal(&mut e);
+        assert!(decode_to_vec(&e, src.len()).is_err());
+        // A stream with its bits flipped: some pattern decodes wrong or runs long.
+        let mut e = enc.clone();
+        let streams = HEADER + LENGTHS + 4 * STREAMS + 5000;
+        for b in &mut e[streams..streams + 40] {
+            *b = !*b;
+        }
+        reseal(&mut e);
+        match decode_to_vec(&e, src.len()) {
+            Err(_) => {}
+            Ok(v) => assert_ne!(v, src),
+        }
+        // Stream lengths that do not add up to the payload.
+        let mut e = enc.clone();
+        let at = HEADER + LENGTHS;
+        let l0 = le32(&e, at);
+        e[at..at + 4].copy_from_slice(&(l0 + 1).to_le_bytes());
+        reseal(&mut e);
+        assert!(decode_to_vec(&e, src.len()).is_err());
+        // A stream cut short (its bytes moved to the next).
+        let mut e = enc.clone();
+        let l1 = le32(&e, at + 4);
+        e[at..at + 4].copy_from_slice(&(l0 - 1).to_le_bytes());
+        e[at + 4..at + 8].copy_from_slice(&(l1 + 1).to_le_bytes());
+        reseal(&mut e);
+        assert!(decode_to_vec(&e, src.len()).is_err());
+        // A huge value count and payload length.
+        let mut e = enc.clone();
+        e[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(decode_to_vec(&e, src.len()).is_err());
+        let mut e = enc.clone();
+        e[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(decode_to_vec(&e, src.len()).is_err());
+    }
+}

@@ -80,7 +80,10 @@ pub fn main() -> i32 {
     let cli = Cli::parse();
     // The speed knobs of the environment, checked once before anything reads them.
     if let Err(e) = crate::tuning::Tuning::init() {
-        eprintln!("k3: error: {e}");
+        eprintln!(
+            "k3: error: {}",
+            crate::app::run::terminal_safe(&e.to_string())
+        );
         return crate::Error::Usage(String::new()).exit_code();
     }
     let result = match cli.command {
@@ -97,7 +100,12 @@ pub fn main() -> i32 {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("k3: error: {e}");
+            // Paths and names in a message come from the user and the disk: no control
+            // character reaches the terminal raw (docs/reliability.md#conventions).
+            eprintln!(
+                "k3: error: {}",
+                crate::app::run::terminal_safe(&e.to_string())
+            );
             e.exit_code()
         }
     }

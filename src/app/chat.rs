@@ -149,7 +149,7 @@ fn settings(
     args: &ChatArgs,
     cfg: &Config,
     gen: Option<&crate::session::defaults::GenerationConfig>,
-) -> (Settings, Sources) {
+) -> (Settings, Sources, SamplingLayer) {
     let flags = SamplingLayer {
         temperature: if args.greedy {
             Some(0.0)
@@ -185,7 +185,7 @@ fn settings(
         .unwrap_or_else(|| cfg.thinking.effort.clone());
     s.stop_ids.clone_from(&args.stop_ids);
     s.raw_ignore_end = args.raw_ignore_end;
-    (s, sources)
+    (s, sources, flags)
 }
 
 /// Refuse a budget below the floor of `k3 chat`'s plan (its context and its snapshots) before
@@ -343,7 +343,7 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
     } else {
         None
     };
-    let (settings, sources) = settings(args, &cfg, gen.as_ref());
+    let (settings, sources, flags) = settings(args, &cfg, gen.as_ref());
     settings.render_options().map_err(crate::Error::Usage)?;
     crate::engine::sampling::Sampler::new(settings.sampler())
         .map_err(|e| crate::Error::Usage(e.to_string()))?;
@@ -390,6 +390,7 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
             model: args.model.clone(),
             api_key,
             settings: settings.clone(),
+            flags: flags.clone(),
             system: args.system.clone(),
             resume: resume.clone(),
             session_name: args.session.clone().or_else(|| resume.clone()),
@@ -415,7 +416,7 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
             model_label: if demo {
                 "the demo model".to_string()
             } else {
-                model_dir.display().to_string()
+                crate::stream::shown(&model_dir)
             },
             settings: settings.clone(),
             system: args.system.clone(),
@@ -427,14 +428,15 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
             spec: args.spec,
             start_note,
             sources,
+            flags,
         })
     };
     let model = if demo {
         "demo model".to_string()
     } else {
         model_dir.file_name().map_or_else(
-            || model_dir.display().to_string(),
-            |n| n.to_string_lossy().into_owned(),
+            || crate::stream::shown(&model_dir),
+            |n| crate::stream::shown(std::path::Path::new(n)),
         )
     };
     Ok(Started {

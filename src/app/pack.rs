@@ -50,7 +50,7 @@ pub fn run(args: &PackArgs) -> Result<()> {
         m.n_layers,
         r.verbatim,
         r.gathered,
-        args.trunk_dir.display(),
+        crate::stream::shown(&args.trunk_dir),
         gb(m.total_bytes),
         gb(largest),
         secs,

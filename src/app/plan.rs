@@ -157,7 +157,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         let m = t.manifest();
         println!(
             "trunk        {} ({} layers, {} in trunk.bin, checked against this checkpoint)",
-            t.dir().display(),
+            crate::stream::shown(t.dir()),
             m.n_layers,
             gb(m.total_bytes)
         );

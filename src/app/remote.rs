@@ -48,6 +48,8 @@ pub struct RemoteConfig {
     pub api_key: Option<String>,
     /// Initial settings.
     pub settings: Settings,
+    /// The values given by command-line flags: they win over a loaded session's settings.
+    pub flags: crate::session::defaults::SamplingLayer,
     /// Initial system message.
     pub system: Option<String>,
     /// Session to resume.
@@ -152,6 +154,9 @@ struct Ctx<'a> {
     journal: Option<(String, crate::session::journal::Journal)>,
     /// A turn failed on the network or the server (exit status 1 when stdin is not a terminal).
     failed: bool,
+    /// A command was refused (a `/load` of no such session): exit status 2 when stdin is not
+    /// a terminal and no turn failed.
+    refused: bool,
     /// Positions the conversation held after the last reply (the server's `usage`).
     positions: u64,
 }
@@ -200,6 +205,7 @@ pub fn run(
         changed: false,
         journal: None,
         failed: false,
+        refused: false,
         positions: 0,
         cfg,
     };
@@ -298,7 +304,13 @@ pub fn run(
         let _ = tx.send(EngineEvent::Notice { turn: 0, text });
     }
     let _ = tx.send(EngineEvent::Stopped {
-        exit_code: i32::from(ctx.failed),
+        exit_code: if ctx.failed {
+            1
+        } else if ctx.refused {
+            2
+        } else {
+            0
+        },
     });
 }
 
@@ -899,9 +911,18 @@ impl Ctx<'_> {
         if recovered {
             self.record();
         }
+        let mut sources = crate::session::defaults::Sources::default();
+        let flags = match self
+            .cfg
+            .flags
+            .over_session(&mut self.settings, &mut sources)
+        {
+            Some(line) => format!("\n{line}"),
+            None => String::new(),
+        };
         Ok(format!(
             "loaded session {name:?}: {turns} turns (transcript; the next turn is re-read by \
-             the server){from}"
+             the server){from}{flags}"
         ))
     }
 
@@ -1029,7 +1050,11 @@ impl Ctx<'_> {
             Command::Set(setting, v) => Ok(setting.apply(v, &mut self.settings)),
             Command::Save(name) => self.save(name, false),
             Command::SaveOver(name) => self.save(name, true),
-            Command::Load(name) => self.load(&name),
+            Command::Load(name) => {
+                let r = self.load(&name);
+                self.refused |= r.is_err();
+                r
+            }
             Command::Sessions => self.sessions(),
             Command::Export(fmt, path) => self.export(fmt, &path),
             Command::Stats => Ok(format!(

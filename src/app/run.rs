@@ -224,7 +224,7 @@ fn load_tokenizer(dir: &Path, vocab: u32) -> Result<Option<Tokenizer>> {
 /// where the limit comes from.
 fn read_prompt_file(path: &Path, limit: u64, why: &str) -> Result<String> {
     use std::io::Read;
-    let shown = path.display();
+    let shown = crate::stream::shown(path);
     let file = std::fs::File::open(path)
         .map_err(|e| Error::Usage(format!("--prompt-file {shown}: {e}")))?;
     let too_big = |size: String| {

@@ -94,7 +94,7 @@ pub fn run(args: &SynthArgs) -> Result<()> {
          {} shards, {} tensors, {:.1} MB of tensors, {:.1} MB on disk{}{}, in {:.1} s",
         shape.name(),
         s.seed,
-        args.out_dir.display(),
+        crate::stream::shown(&args.out_dir),
         d.hidden,
         d.layers,
         d.experts,

@@ -55,6 +55,8 @@ pub struct ChatConfig {
     pub start_note: Option<String>,
     /// Where each sampling value came from (`/stats` shows it; `/set` changes it).
     pub sources: crate::session::defaults::Sources,
+    /// The values given by command-line flags: they win over a loaded session's settings.
+    pub flags: crate::session::defaults::SamplingLayer,
 }
 
 /// Handle on a running worker.
@@ -279,6 +281,8 @@ struct Ctx<'a> {
     journal_problem: Option<String>,
     /// Where each sampling value came from.
     sources: Sources,
+    /// The command line's values, put over a loaded session's settings.
+    flags: crate::session::defaults::SamplingLayer,
 }
 
 /// What went wrong during a session, for the exit status of a run whose stdin is not a
@@ -294,21 +298,27 @@ struct Outcome {
     damaged: bool,
     /// A turn was abandoned on a read error (the weights could not be read).
     aborted: bool,
+    /// A command failed on an I/O error (a session that could not be read).
+    failed: bool,
+    /// A command was refused (a `/load` of a session that does not exist).
+    refused: bool,
 }
 
 impl Outcome {
-    /// 5 when the session is not saved, else 1 for a turn abandoned on a read error, else 4
-    /// for unsound output, else 3 for a damaged session file, else 0: the failure that most
-    /// needs the user first.
+    /// 5 when the session is not saved, else 1 for a turn abandoned on a read error (or a
+    /// command failed on one), else 4 for unsound output, else 3 for a damaged session file,
+    /// else 2 for a refused command, else 0: the failure that most needs the user first.
     fn exit_code(self) -> i32 {
         if self.unsaved {
             5
-        } else if self.aborted {
+        } else if self.aborted || self.failed {
             1
         } else if self.unsound {
             4
         } else if self.damaged {
             3
+        } else if self.refused {
+            2
         } else {
             0
         }
@@ -378,7 +388,7 @@ fn run(
     };
     let identity = match model_identity(&cfg.model_dir, &info) {
         Ok(i) => i,
-        Err(e) => return fail(format!("{}: {e}", cfg.model_dir.display()), 3),
+        Err(e) => return fail(format!("{}: {e}", crate::stream::shown(&cfg.model_dir)), 3),
     };
     let store = match &cfg.session_dir {
         Some(d) => SessionStore::new(d.clone()),
@@ -443,6 +453,7 @@ fn run(
         base: None,
         journal_problem: None,
         sources: cfg.sources,
+        flags: cfg.flags.clone(),
     };
     ctx.session.system.clone_from(&cfg.system);
     let mut resumed = None;
@@ -804,7 +815,11 @@ impl Ctx<'_> {
                 r
             }
             Command::Load(name) => self.load(&name).map_err(|(m, code)| {
-                self.outcome.damaged |= code == 3;
+                match code {
+                    3 => self.outcome.damaged = true,
+                    2 => self.outcome.refused = true,
+                    _ => self.outcome.failed = true,
+                }
                 m
             }),
             Command::Sessions => self.sessions(),

@@ -26,7 +26,7 @@ fn save_history(path: &std::path::Path, history: &[String]) {
     if let Err(e) = crate::stream::atomic::write(path, &bytes) {
         eprintln!(
             "k3: the input history was not saved to {}: {e}",
-            path.display()
+            crate::stream::shown(path)
         );
     }
 }

@@ -237,7 +237,7 @@ fn run(
     }
     let line = format!(
         "{} ({} layers, vocabulary {})",
-        cfg.model_dir.display(),
+        crate::stream::shown(&cfg.model_dir),
         model.cfg.num_hidden_layers,
         model.cfg.vocab_size
     );

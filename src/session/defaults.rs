@@ -199,6 +199,43 @@ impl SamplingLayer {
     }
 }
 
+impl SamplingLayer {
+    /// Each value this layer gives, as `key value` (e.g. `max_tokens 300`), in field order.
+    #[must_use]
+    pub fn given(&self) -> Vec<String> {
+        let pairs = [
+            ("temperature", self.temperature.map(|v| v.to_string())),
+            ("top_k", self.top_k.map(|v| v.to_string())),
+            ("top_p", self.top_p.map(|v| v.to_string())),
+            ("min_p", self.min_p.map(|v| v.to_string())),
+            ("repeat_penalty", self.repeat_penalty.map(|v| v.to_string())),
+            ("seed", self.seed.map(|v| v.to_string())),
+            ("max_tokens", self.max_tokens.map(|v| v.to_string())),
+            ("raw_max_tokens", self.raw_max_tokens.map(|v| v.to_string())),
+            ("context", self.context.map(|v| v.to_string())),
+        ];
+        pairs
+            .into_iter()
+            .filter_map(|(k, v)| v.map(|v| format!("{k} {v}")))
+            .collect()
+    }
+
+    /// Put the command line's flags (this layer) over the settings of a session just loaded
+    /// (docs/sessions.md): `s` and `from` are changed for each value given; the line saying
+    /// so, or `None` when no flag gave a value.
+    pub fn over_session(&self, s: &mut Settings, from: &mut Sources) -> Option<String> {
+        let given = self.given();
+        if given.is_empty() {
+            return None;
+        }
+        self.apply(Source::Flag, s, from);
+        Some(format!(
+            "the command line's flags win over the session's settings: {}",
+            given.join(", ")
+        ))
+    }
+}
+
 /// Apply `layers` (lowest precedence first) over `base`; the settings and each one's source.
 #[must_use]
 pub fn resolve(base: Settings, layers: &[(Source, &SamplingLayer)]) -> (Settings, Sources) {

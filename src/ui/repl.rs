@@ -313,7 +313,8 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
             Some(EngineEvent::Ready { info }) => {
                 let _ = writeln!(
                     err,
-                    "{info}\n/help lists the commands; end a line with \\ to continue it."
+                    "{}\n/help lists the commands; end a line with \\ to continue it.",
+                    safe(&info)
                 );
                 break;
             }

@@ -594,6 +594,7 @@ fn remote_worker(
         model: model.map(str::to_string),
         api_key: key.map(str::to_string),
         settings,
+        flags: Default::default(),
         system: None,
         resume: None,
         session_name: None,

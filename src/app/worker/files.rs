@@ -249,6 +249,15 @@ impl Ctx<'_> {
         }
         self.sources =
             crate::session::defaults::Sources::all(crate::session::defaults::Source::Session);
+        let mut s = self.session.settings.clone();
+        if let Some(line) = self.flags.over_session(&mut s, &mut self.sources) {
+            // Every flag value was accepted at start, as the session's were at save.
+            self.session
+                .set_settings(s)
+                .map_err(|e| (e.to_string(), 2))?;
+            msg.push('\n');
+            msg.push_str(&line);
+        }
         Ok(msg)
     }
 

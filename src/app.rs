@@ -13,6 +13,7 @@ pub mod progress;
 pub mod protocol;
 pub mod remote;
 pub mod run;
+pub mod sampling_args;
 pub mod serve;
 pub mod state;
 pub mod synth;

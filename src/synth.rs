@@ -33,10 +33,12 @@
 //! `set_len`, so the replica is header-true (same tensor count, header lengths and file sizes as
 //! the release, shards 95/96 holding placeholder vision tensors) and takes about 150 MB of disk.
 //!
-//! Output is atomic: everything is written into `OUT_DIR.tmp-<pid>` and renamed into place.
+//! Output is atomic: everything is written into a temporary directory beside `OUT_DIR` and
+//! renamed into place (`stream::atomic::PendingDir`).
 
 use crate::kernels::f32_to_bf16;
 use crate::session::tokenizer::gpt2_byte_order;
+use crate::stream::atomic::PendingDir;
 use crate::stream::safetensors::Dtype;
 use rayon::prelude::*;
 use serde_json::{json, Value};
@@ -498,17 +500,6 @@ fn write_into(
     })
 }
 
-/// The temporary directory a write goes into: `OUT_DIR.tmp-<pid>` beside `out_dir`.
-#[must_use]
-pub fn temp_dir_for(out_dir: &Path) -> PathBuf {
-    let mut name = out_dir
-        .file_name()
-        .map(|s| s.to_os_string())
-        .unwrap_or_else(|| "synth".into());
-    name.push(format!(".tmp-{}", std::process::id()));
-    out_dir.with_file_name(name)
-}
-
 /// Write a synthetic checkpoint of `shape` to `out_dir` (which must not exist, or be an empty
 /// directory). `progress(done, total)` is called with bytes written as the write advances.
 pub fn write(
@@ -545,25 +536,13 @@ pub fn write_dims(
     if out_dir.file_name().is_none() {
         return Err(exists(out_dir));
     }
-    let tmp = temp_dir_for(out_dir);
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
+    if let Some(parent) = out_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(io_err(parent))?;
     }
-    std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
-    let result = write_into(shape, d, &tmp, seed, progress).and_then(|s| {
-        std::fs::rename(&tmp, out_dir).map_err(io_err(out_dir))?;
-        if let Some(parent) = out_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-            if let Ok(f) = File::open(parent) {
-                // Best effort: make the rename durable.
-                let _ = f.sync_all();
-            }
-        }
-        Ok(s)
-    });
-    if result.is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
-    result
+    let tmp = PendingDir::new(out_dir).map_err(io_err(out_dir))?;
+    let summary = write_into(shape, d, tmp.path(), seed, progress)?;
+    tmp.commit().map_err(io_err(out_dir))?;
+    Ok(summary)
 }
 
 #[cfg(test)]

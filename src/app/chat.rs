@@ -52,25 +52,8 @@ pub struct ChatArgs {
     /// Greedy decoding (overrides the sampling flags).
     #[arg(long)]
     pub greedy: bool,
-    /// Sampling temperature (K3 recommends 1.0; 0 is greedy) [default: 1.0, or the config
-    /// file's; likewise for the sampling flags below].
-    #[arg(long)]
-    pub temperature: Option<f32>,
-    /// Top-k (0 = off) [default: 0].
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    /// Nucleus threshold in (0, 1] [default: 1.0].
-    #[arg(long)]
-    pub top_p: Option<f32>,
-    /// Min-p (0 = off) [default: 0].
-    #[arg(long)]
-    pub min_p: Option<f32>,
-    /// Repetition penalty (1 = off) [default: 1.0].
-    #[arg(long)]
-    pub repeat_penalty: Option<f32>,
-    /// Random seed [default: 1].
-    #[arg(long)]
-    pub seed: Option<u64>,
+    #[command(flatten)]
+    pub sampling: super::sampling_args::SamplingArgs,
     /// Longest reply in tokens [default: 512].
     #[arg(long)]
     pub max_tokens: Option<usize>,
@@ -154,16 +137,12 @@ fn settings(
         temperature: if args.greedy {
             Some(0.0)
         } else {
-            args.temperature
+            args.sampling.temperature
         },
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repeat_penalty: args.repeat_penalty,
-        seed: args.seed,
         max_tokens: args.max_tokens,
         raw_max_tokens: args.raw_max_tokens,
         context: args.context,
+        ..args.sampling.layer()
     };
     let none = SamplingLayer::default();
     let (mut s, sources) = defaults::resolve(

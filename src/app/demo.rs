@@ -3,6 +3,7 @@
 //! machine. It is written once into the user cache directory (a directory named by the
 //! files' digest, created atomically) and then read through the normal checkpoint reader.
 
+use crate::stream::atomic::PendingDir;
 use crate::{Error, Result};
 use sha2::{Digest, Sha256};
 use std::io::Write;
@@ -92,33 +93,18 @@ pub fn materialise_in(root: &Path) -> Result<PathBuf> {
         }
     };
     std::fs::create_dir_all(root).map_err(werr(root))?;
-    let tmp = root.join(format!(
-        ".demo-partial-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos())
-    ));
-    let write_all = || -> Result<()> {
-        std::fs::create_dir(&tmp).map_err(werr(&tmp))?;
-        for (name, bytes) in FILES {
-            let p = tmp.join(name);
-            let mut f = std::fs::File::create(&p).map_err(werr(&p))?;
-            f.write_all(bytes).map_err(werr(&p))?;
-            f.sync_all().map_err(werr(&p))?;
-        }
-        Ok(())
-    };
-    if let Err(e) = write_all() {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
+    let tmp = PendingDir::new(&dir).map_err(werr(root))?;
+    for (name, bytes) in FILES {
+        let p = tmp.path().join(name);
+        let mut f = std::fs::File::create(&p).map_err(werr(&p))?;
+        f.write_all(bytes).map_err(werr(&p))?;
+        f.sync_all().map_err(werr(&p))?;
     }
     if dir.exists() {
         // A damaged copy: replace it.
         let _ = std::fs::remove_dir_all(&dir);
     }
-    if let Err(e) = std::fs::rename(&tmp, &dir) {
-        let _ = std::fs::remove_dir_all(&tmp);
+    if let Err(e) = tmp.commit() {
         // Another process may have put an intact copy there first.
         if !intact(&dir) {
             return Err(werr(&dir)(e));

@@ -35,25 +35,8 @@ pub struct RunArgs {
     /// Most positions the run may hold: prompt tokens plus `--gen` (at most 1048576).
     #[arg(long, default_value_t = 32_768)]
     pub context: usize,
-    /// Sampling temperature; 0 is greedy [default: the config file's, else the model's
-    /// generation_config.json's, else 0; likewise for the sampling flags below].
-    #[arg(long)]
-    pub temperature: Option<f32>,
-    /// Keep only the K most likely tokens (0 = off) [default: 0].
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    /// Nucleus sampling threshold in (0, 1] [default: 1].
-    #[arg(long)]
-    pub top_p: Option<f32>,
-    /// Drop tokens whose probability is below P × the largest (0 = off) [default: 0].
-    #[arg(long)]
-    pub min_p: Option<f32>,
-    /// Repetition penalty over the ids already in the sequence (1 = off) [default: 1].
-    #[arg(long)]
-    pub repeat_penalty: Option<f32>,
-    /// Random seed for sampling [default: 1].
-    #[arg(long)]
-    pub seed: Option<u64>,
+    #[command(flatten)]
+    pub sampling: super::sampling_args::SamplingArgs,
     /// Stop after emitting this id (repeatable).
     #[arg(long = "stop-id", value_name = "ID")]
     pub stop_ids: Vec<u32>,
@@ -369,15 +352,7 @@ fn sampling(args: &RunArgs, model_dir: &Path) -> Result<(SamplerConfig, String)>
     for note in gen.iter().flat_map(|g| &g.notes) {
         eprintln!("k3: {note}");
     }
-    let flags = SamplingLayer {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repeat_penalty: args.repeat_penalty,
-        seed: args.seed,
-        ..SamplingLayer::default()
-    };
+    let flags = args.sampling.layer();
     // Only the sampler's keys: --gen and --context set the length here.
     let user = SamplingLayer {
         max_tokens: None,

@@ -15,6 +15,7 @@
 //! (a write that restored the modification time, as `cp -p` or `rsync -a` of an edited file
 //! does) are read back in full and checked, so stale weights are refused at open, not run.
 
+use super::atomic::PendingFile;
 use super::bytes::{Bytes, Filling, Pool};
 use super::checkpoint::{
     io_pool, open_direct, pread_counted, Checkpoint, FaultSlot, ShardStat, DIRECT_ALIGN,
@@ -483,10 +484,11 @@ pub fn pack(
     if !force && (bin.exists() || json.exists()) {
         return Err(TrunkError::Exists(out.to_path_buf()));
     }
-    let tmp_bin = out.join(format!(".trunk.bin.partial-{}", std::process::id()));
-    let tmp_json = out.join(format!(".trunk.json.partial-{}", std::process::id()));
+    // Both files are written under temporary names and renamed into place at the end; an
+    // error drops them, which removes them.
     let result = (|| {
-        let mut f = File::create(&tmp_bin).map_err(wr(&tmp_bin))?;
+        let mut tmp_bin = PendingFile::shared(&bin).map_err(wr(&bin))?;
+        let f = tmp_bin.file();
         let mut done = 0u64;
         let mut buf = Vec::new();
         let mut piece = Vec::new();
@@ -528,11 +530,10 @@ pub fn pack(
                 t.source_crc32 = crc32fast::hash(src);
                 t.source_sample = sample_crc(src);
             }
-            f.write_all(&buf).map_err(wr(&tmp_bin))?;
+            f.write_all(&buf).map_err(wr(&bin))?;
             done += l.nbytes;
             progress(done, total);
         }
-        f.sync_all().map_err(wr(&tmp_bin))?;
         let after = source_shards(ck, &per_layer).map_err(&bad)?;
         if after != before {
             return Err(bad(
@@ -552,31 +553,22 @@ pub fn pack(
             layers: layers.clone(),
         };
         let text = serde_json::to_string(&manifest).expect("manifest serialises");
-        let mut j = File::create(&tmp_json).map_err(wr(&tmp_json))?;
-        j.write_all(text.as_bytes()).map_err(wr(&tmp_json))?;
-        j.sync_all().map_err(wr(&tmp_json))?;
-        std::fs::rename(&tmp_bin, &bin).map_err(wr(&bin))?;
-        std::fs::rename(&tmp_json, &json).map_err(wr(&json))?;
-        if let Ok(d) = File::open(out) {
-            let _ = d.sync_all();
-        }
+        let mut tmp_json = PendingFile::shared(&json).map_err(wr(&json))?;
+        tmp_json
+            .file()
+            .write_all(text.as_bytes())
+            .map_err(wr(&json))?;
+        tmp_bin.commit().map_err(wr(&bin))?;
+        tmp_json.commit().map_err(wr(&json))?;
         Ok(manifest)
     })();
-    match result {
-        Ok(manifest) => {
-            let gathered = manifest.layers.iter().filter(|l| l.gathered).count();
-            Ok(PackReport {
-                verbatim: manifest.layers.len() - gathered,
-                gathered,
-                manifest,
-            })
-        }
-        Err(e) => {
-            let _ = std::fs::remove_file(&tmp_bin);
-            let _ = std::fs::remove_file(&tmp_json);
-            Err(e)
-        }
-    }
+    let manifest = result?;
+    let gathered = manifest.layers.iter().filter(|l| l.gathered).count();
+    Ok(PackReport {
+        verbatim: manifest.layers.len() - gathered,
+        gathered,
+        manifest,
+    })
 }
 
 /// One layer's tensors read from the trunk, as raw bytes until taken.

@@ -16,6 +16,7 @@
 mod mutate;
 mod targets;
 
+use clap::Parser;
 use peak_alloc::PeakAlloc;
 use rustc_hash::FxHashSet;
 use std::path::{Path, PathBuf};
@@ -32,67 +33,59 @@ const MAX_CORPUS: usize = 2048;
 /// A progress line on stderr every this many inputs.
 const PROGRESS_EVERY: u64 = 1_000_000;
 
+/// The command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "k3-fuzz",
+    about = "A fuzz harness for every parser of untrusted bytes (docs/fuzzing.md)",
+    after_help = "`k3-fuzz list` names the targets; `k3-fuzz TARGET --replay FILE...` runs saved inputs."
+)]
 struct Options {
+    /// A target (`k3-fuzz list` names them), `all` for every target, or `list`.
     target: String,
+    /// Inputs to run per target, the seeds included.
+    #[arg(long, value_name = "N", default_value = "100000", value_parser = number)]
     execs: u64,
+    /// Seed of the mutator's random stream.
+    #[arg(long, value_name = "S", default_value = "1", value_parser = number)]
     seed: u64,
-    max_alloc: usize,
+    /// Most one input may hold allocated at once, in MiB, beyond what the harness holds; more
+    /// is a crash.
+    #[arg(long = "max-alloc-mb", value_name = "M", default_value = "64", value_parser = number)]
+    max_alloc_mb: u64,
+    /// The seed corpus: one folder per target.
+    #[arg(long, value_name = "DIR", default_value_os_t = default_corpus())]
     corpus: PathBuf,
+    /// Where a crashing input is written.
+    #[arg(long, value_name = "DIR", default_value = "fuzz-crashes")]
     crashes: PathBuf,
-    replay: Vec<PathBuf>,
+    /// Print every distinct outcome reached at the end.
+    #[arg(long = "outcomes")]
     show_outcomes: bool,
+    /// Run these inputs once each and print their outcomes instead of fuzzing.
+    #[arg(long, value_name = "FILE", num_args = 1..)]
+    replay: Vec<PathBuf>,
 }
 
-fn usage() -> ! {
-    eprintln!(
-        "usage: k3-fuzz TARGET|all [--execs N] [--seed S] [--max-alloc-mb M] [--corpus DIR] \
-         [--crashes DIR] [--outcomes]\n       k3-fuzz TARGET --replay FILE...\n       k3-fuzz list"
-    );
-    std::process::exit(2);
-}
-
-fn parse_args() -> Options {
-    let mut args = std::env::args().skip(1);
-    let target = args.next().unwrap_or_else(|| usage());
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut o = Options {
-        target,
-        execs: 100_000,
-        seed: 1,
-        max_alloc: 64 << 20,
-        corpus: root.join("tests/fuzz/corpus"),
-        crashes: PathBuf::from("fuzz-crashes"),
-        replay: Vec::new(),
-        show_outcomes: false,
-    };
-    while let Some(a) = args.next() {
-        let mut value = |what: &str| {
-            args.next().unwrap_or_else(|| {
-                eprintln!("k3-fuzz: {a} needs {what}");
-                usage()
-            })
-        };
-        let num = |s: String| {
-            s.replace('_', "").parse::<u64>().unwrap_or_else(|_| {
-                eprintln!("k3-fuzz: {s:?} is not a number");
-                usage()
-            })
-        };
-        match a.as_str() {
-            "--execs" => o.execs = num(value("a count")),
-            "--seed" => o.seed = num(value("a number")),
-            "--max-alloc-mb" => o.max_alloc = (num(value("MB")) as usize) << 20,
-            "--corpus" => o.corpus = PathBuf::from(value("a folder")),
-            "--crashes" => o.crashes = PathBuf::from(value("a folder")),
-            "--outcomes" => o.show_outcomes = true,
-            "--replay" => {
-                o.replay.push(PathBuf::from(value("a file")));
-                o.replay.extend(args.by_ref().map(PathBuf::from));
-            }
-            _ => usage(),
-        }
+impl Options {
+    /// The allocation bound in bytes.
+    fn max_alloc(&self) -> usize {
+        usize::try_from(self.max_alloc_mb)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(1 << 20)
     }
-    o
+}
+
+/// The committed seed corpus.
+fn default_corpus() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fuzz/corpus")
+}
+
+/// A count, with `_` allowed between digits (`10_000_000`).
+fn number(s: &str) -> Result<u64, String> {
+    s.replace('_', "")
+        .parse::<u64>()
+        .map_err(|_| format!("{s:?} is not a number"))
 }
 
 /// The last panic's message (the hook stores it instead of printing).
@@ -150,7 +143,7 @@ fn report_crash(o: &Options, t: &targets::Target, input: &[u8], crash: &Crash) -
         Crash::Panic(m) => format!("panic: {m}"),
         Crash::Alloc(n) => format!(
             "allocated {n} bytes for one input, above the bound of {} bytes",
-            o.max_alloc
+            o.max_alloc()
         ),
     };
     let preview: String = input
@@ -208,7 +201,7 @@ fn fuzz(o: &Options, t: &targets::Target) -> Stats {
     // reallocates.
     let mut input = Vec::with_capacity(2 * max_len + 4096);
     for s in &corpus {
-        match exec(t, s, o.max_alloc, &mut peak) {
+        match exec(t, s, o.max_alloc(), &mut peak) {
             Ok(sig) => {
                 seen.insert(sig);
             }
@@ -243,7 +236,7 @@ fn fuzz(o: &Options, t: &targets::Target) -> Stats {
                 corpus.len()
             );
         }
-        match exec(t, &input, o.max_alloc, &mut peak) {
+        match exec(t, &input, o.max_alloc(), &mut peak) {
             Ok(sig) => {
                 if corpus.len() < MAX_CORPUS && seen.insert(sig) {
                     corpus.push(input.clone());
@@ -268,7 +261,7 @@ fn fuzz(o: &Options, t: &targets::Target) -> Stats {
 }
 
 fn main() {
-    let o = parse_args();
+    let o = Options::parse();
     if o.target == "list" {
         for t in targets::TARGETS {
             println!("{:<16} {}", t.name, t.about);
@@ -299,7 +292,7 @@ fn main() {
                     eprintln!("k3-fuzz: {}: {e}", f.display());
                     std::process::exit(2);
                 });
-                match exec(t, &input, o.max_alloc, &mut peak) {
+                match exec(t, &input, o.max_alloc(), &mut peak) {
                     Ok(sig) => println!("{}: {sig}", f.display()),
                     Err(c) => report_crash(&o, t, &input, &c),
                 }
@@ -318,7 +311,7 @@ fn main() {
             s.outcomes,
             s.kept,
             s.peak_alloc as f64 / 1024.0,
-            o.max_alloc >> 20
+            o.max_alloc_mb
         );
     }
 }

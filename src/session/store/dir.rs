@@ -7,10 +7,9 @@ use super::format::*;
 use super::lock::*;
 use crate::session::naming::{validate_name, NameError};
 use std::ffi::OsString;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::engine::config::ModelConfig;
 
@@ -25,9 +24,9 @@ use crate::engine::config::ModelConfig;
 pub trait SaveIo {
     /// An open temporary file.
     type File;
-    /// Creates `path`, which must not exist yet (never following a link), readable by the owner
-    /// only.
-    fn create_new(&mut self, path: &Path) -> io::Result<Self::File>;
+    /// Creates a new file in `dir` whose name is `prefix` and a unique tail of letters and
+    /// digits (never following a link), readable by the owner only; its path and the open file.
+    fn create_temp(&mut self, dir: &Path, prefix: &str) -> io::Result<(PathBuf, Self::File)>;
     /// Writes all of `buf`.
     fn write(&mut self, file: &mut Self::File, buf: &[u8]) -> io::Result<()>;
     /// Flushes the file's data and metadata to the device.
@@ -47,15 +46,9 @@ pub struct OsIo;
 impl SaveIo for OsIo {
     type File = File;
 
-    fn create_new(&mut self, path: &Path) -> io::Result<File> {
-        let mut o = OpenOptions::new();
-        o.write(true).create_new(true);
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::OpenOptionsExt;
-            o.mode(0o600);
-        }
-        o.open(path)
+    fn create_temp(&mut self, dir: &Path, prefix: &str) -> io::Result<(PathBuf, File)> {
+        let (file, path) = crate::stream::atomic::temp_file_in(dir, prefix)?;
+        Ok((path, file))
     }
 
     fn write(&mut self, file: &mut File, buf: &[u8]) -> io::Result<()> {
@@ -137,8 +130,6 @@ pub struct SessionStore {
     pub(super) dir: PathBuf,
 }
 
-pub(super) static TEMP_SEQ: AtomicU64 = AtomicU64::new(0);
-
 pub(super) fn sessions_dir_from(data_dir_env: Option<OsString>) -> PathBuf {
     let base = match data_dir_env {
         Some(v) if !v.is_empty() => PathBuf::from(v),
@@ -155,7 +146,8 @@ pub(super) fn parse_temp_name(file_name: &str) -> Option<(&str, u32)> {
     let (name, tail) = rest.split_once(marker.as_str())?;
     let (pid, seq) = tail.split_once('.')?;
     let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    if !digits(pid) || !digits(seq) || validate_name(name).is_err() {
+    let tail = !seq.is_empty() && seq.bytes().all(|b| b.is_ascii_alphanumeric());
+    if !digits(pid) || !tail || validate_name(name).is_err() {
         return None;
     }
     Some((name, pid.parse().ok()?))
@@ -380,20 +372,8 @@ impl SessionStore {
         name: &str,
         io: &mut I,
     ) -> io::Result<(PathBuf, I::File)> {
-        let mut last = None;
-        for _ in 0..16 {
-            let seq = TEMP_SEQ.fetch_add(1, Ordering::Relaxed);
-            let tmp = self.dir.join(format!(
-                ".{name}.{EXTENSION}.tmp.{}.{seq}",
-                std::process::id()
-            ));
-            match io.create_new(&tmp) {
-                Ok(f) => return Ok((tmp, f)),
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => last = Some(e),
-                Err(e) => return Err(e),
-            }
-        }
-        Err(last.unwrap_or_else(|| io::Error::other("no free temporary file name")))
+        let prefix = format!(".{name}.{EXTENSION}.tmp.{}.", std::process::id());
+        io.create_temp(&self.dir, &prefix)
     }
 
     /// Loads the session `name` and checks it against the current model (see [`decode`]). The

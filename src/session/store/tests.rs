@@ -955,9 +955,9 @@ impl FaultIo {
 impl SaveIo for FaultIo {
     type File = File;
 
-    fn create_new(&mut self, path: &Path) -> io::Result<File> {
+    fn create_temp(&mut self, dir: &Path, prefix: &str) -> io::Result<(PathBuf, File)> {
         self.step("create")?;
-        OsIo.create_new(path)
+        OsIo.create_temp(dir, prefix)
     }
 
     fn write(&mut self, file: &mut File, buf: &[u8]) -> io::Result<()> {
@@ -1160,9 +1160,9 @@ struct NestedSave<'a> {
 impl SaveIo for NestedSave<'_> {
     type File = File;
 
-    fn create_new(&mut self, path: &Path) -> io::Result<File> {
+    fn create_temp(&mut self, dir: &Path, prefix: &str) -> io::Result<(PathBuf, File)> {
         self.result = Some(self.store.save(self.other));
-        OsIo.create_new(path)
+        OsIo.create_temp(dir, prefix)
     }
 
     fn write(&mut self, file: &mut File, buf: &[u8]) -> io::Result<()> {

@@ -6,6 +6,7 @@ pub mod bind;
 pub mod config;
 pub mod kda;
 pub mod layer;
+pub mod logit_adjust;
 pub mod mla;
 pub mod model;
 pub mod moe;

@@ -4,8 +4,9 @@
 
 use super::stop::StopMatcher;
 use super::ServeConfig;
+use crate::engine::logit_adjust::{LogitAdjust, TokenLogprob};
 use crate::engine::Model;
-use crate::session::chat::{Session, Settings, Stop};
+use crate::session::chat::{Served, Session, Settings, Stop};
 use crate::session::template::tools::{self, ApiMessage, ApiOptions, ToolCall};
 use crate::session::template::{self, Phase, TolerantParser};
 use crate::session::tokenizer::Tokenizer;
@@ -43,10 +44,29 @@ pub struct Job {
     pub settings: Settings,
     /// Stop strings: the reply ends before the first one (never sent).
     pub stop: Vec<String>,
+    /// Penalties and biases of this request.
+    pub adjust: LogitAdjust,
+    /// Report log-probabilities, with this many of the most likely tokens.
+    pub logprobs: Option<usize>,
+    /// Name tokens in log-probabilities as `token_id:ID` instead of their text.
+    pub token_ids: bool,
     /// Set when the client is gone.
     pub cancel: Arc<AtomicBool>,
     /// Where the events go.
     pub out: UnboundedSender<Out>,
+}
+
+/// One generated token's log-probabilities as the API shows them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Logprob {
+    /// The token: its text (invalid UTF-8 replaced), or `token_id:ID`.
+    pub token: String,
+    /// Its bytes.
+    pub bytes: Vec<u8>,
+    /// Its log-probability under the model.
+    pub logprob: f32,
+    /// The most likely tokens (token, bytes, log-probability), most likely first.
+    pub top: Vec<(String, Vec<u8>, f32)>,
 }
 
 /// A finished reply.
@@ -54,6 +74,8 @@ pub struct Job {
 pub struct Finished {
     /// Generated ids.
     pub generated: Vec<u32>,
+    /// Log-probabilities of the generated tokens (the final end id left out), when asked.
+    pub logprobs: Option<Vec<Logprob>>,
     /// The answer (chat) or the continuation (raw).
     pub content: String,
     /// Reasoning (chat with thinking).
@@ -82,10 +104,13 @@ pub enum Out {
         /// Prompt tokens.
         prompt_tokens: usize,
     },
-    /// The text of one generated token (complete UTF-8 characters only).
+    /// The text of one or more generated tokens (complete UTF-8 characters only; empty when
+    /// it only carries log-probabilities held back until now).
     Token {
         /// The text.
         text: String,
+        /// Log-probabilities of the tokens generated since the last event (when asked).
+        logprobs: Vec<Logprob>,
     },
     /// The reply is complete.
     Done(Box<Finished>),
@@ -140,13 +165,15 @@ pub struct Engine {
     pub metrics: Arc<Mutex<Metrics>>,
     /// One line about the model.
     pub info: String,
+    /// The model's vocabulary size (token ids a request may name are below it).
+    pub vocab: usize,
 }
 
 impl Engine {
     /// Start the thread and wait until the model is loaded (its error, if it fails).
     pub fn start(cfg: &ServeConfig) -> crate::Result<Engine> {
         let (tx, rx) = channel::<Job>();
-        let (ready_tx, ready_rx) = channel::<Result<String, crate::Error>>();
+        let (ready_tx, ready_rx) = channel::<Result<(String, usize), crate::Error>>();
         let in_system = Arc::new(AtomicUsize::new(0));
         let draining = Arc::new(AtomicBool::new(false));
         let metrics = Arc::new(Mutex::new(Metrics {
@@ -163,7 +190,7 @@ impl Engine {
             .name("k3-engine".into())
             .spawn(move || run(&cfg, &rx, &ready_tx, &ctx))
             .map_err(|e| crate::Error::Usage(format!("cannot start the engine thread: {e}")))?;
-        let info = ready_rx
+        let (info, vocab) = ready_rx
             .recv()
             .map_err(|_| crate::Error::Usage("the engine thread ended while loading".into()))??;
         Ok(Engine {
@@ -172,6 +199,7 @@ impl Engine {
             draining,
             metrics,
             info,
+            vocab,
         })
     }
 
@@ -194,7 +222,7 @@ struct Shared {
 fn run(
     cfg: &ServeConfig,
     rx: &Receiver<Job>,
-    ready: &Sender<Result<String, crate::Error>>,
+    ready: &Sender<Result<(String, usize), crate::Error>>,
     shared: &Shared,
 ) {
     let opts = crate::engine::weights::OpenOptions {
@@ -241,7 +269,7 @@ fn run(
         model.cfg.num_hidden_layers,
         model.cfg.vocab_size
     );
-    if ready.send(Ok(line)).is_err() {
+    if ready.send(Ok((line, model.cfg.vocab_size))).is_err() {
         return;
     }
     let load_bytes = info.bytes_read;
@@ -407,13 +435,31 @@ fn serve_job(
     }
     let mut first_token: Option<f64> = None;
     let cancel = &job.cancel;
+    // Log-probabilities: every token's (the final end id dropped), and those not sent yet.
+    let all_lp = std::cell::RefCell::new(Vec::<Logprob>::new());
+    let pending_lp = std::cell::RefCell::new(Vec::<Logprob>::new());
+    let mut observe = |t: TokenLogprob| {
+        let lp = shown_logprob(tok, &t, job.token_ids);
+        all_lp.borrow_mut().push(lp.clone());
+        pending_lp.borrow_mut().push(lp);
+    };
+    let mut served = Served {
+        adjust: &job.adjust,
+        logprobs: job.logprobs,
+        observe: &mut observe,
+    };
     // Stop strings apply to the answer (the whole text of a raw completion), not to the
     // reasoning; `sent` is every piece of text sent.
     let mut stopper = StopMatcher::new(job.stop.clone());
     let mut channel = thinking.map(TolerantParser::new);
     let mut sent = String::new();
-    let mut emit = |_id: u32, text: &str| {
+    let mut emit = |id: u32, text: &str| {
         first_token.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+        if stops.contains(&id) && job.logprobs.is_some() {
+            // The end of the reply is not part of it.
+            pending_lp.borrow_mut().pop();
+            all_lp.borrow_mut().pop();
+        }
         let in_answer = match &mut channel {
             None => true,
             Some(p) => {
@@ -435,30 +481,45 @@ fn serve_job(
             cancel.store(true, Ordering::Relaxed);
         }
         sent.push_str(&text);
-        if !text.is_empty() && job.out.send(Out::Token { text }).is_err() {
-            cancel.store(true, Ordering::Relaxed);
+        if !text.is_empty() {
+            let logprobs = std::mem::take(&mut *pending_lp.borrow_mut());
+            if job.out.send(Out::Token { text, logprobs }).is_err() {
+                cancel.store(true, Ordering::Relaxed);
+            }
         }
     };
-    let done =
-        match session.complete_prompt(&prompt, history_end, &stops, &settings, cancel, &mut emit) {
-            Ok(d) => d,
-            Err(e) => {
-                let status = match e {
-                    crate::session::chat::TurnError::Refused(_)
-                    | crate::session::chat::TurnError::ContextFull { .. }
-                    | crate::session::chat::TurnError::Template(_) => 400,
-                    _ => 500,
-                };
-                return fail(status, e.to_string());
-            }
-        };
-    let stopped_by_string = stopper.hit();
-    if !stopped_by_string && done.stop != Stop::Cancelled {
-        let rest = stopper.finish();
-        sent.push_str(&rest);
-        if !rest.is_empty() {
-            let _ = job.out.send(Out::Token { text: rest });
+    let done = match session.complete_prompt(
+        &prompt,
+        history_end,
+        &stops,
+        &settings,
+        cancel,
+        &mut emit,
+        Some(&mut served),
+    ) {
+        Ok(d) => d,
+        Err(e) => {
+            let status = match e {
+                crate::session::chat::TurnError::Refused(_)
+                | crate::session::chat::TurnError::ContextFull { .. }
+                | crate::session::chat::TurnError::Template(_) => 400,
+                _ => 500,
+            };
+            return fail(status, e.to_string());
         }
+    };
+    let stopped_by_string = stopper.hit();
+    let mut rest = String::new();
+    if !stopped_by_string && done.stop != Stop::Cancelled {
+        rest = stopper.finish();
+        sent.push_str(&rest);
+    }
+    let logprobs = pending_lp.take();
+    if !rest.is_empty() || !logprobs.is_empty() {
+        let _ = job.out.send(Out::Token {
+            text: rest,
+            logprobs,
+        });
     }
     let tok = session.tokenizer();
     let mut fin = Finished {
@@ -467,6 +528,7 @@ fn serve_job(
         first_token_seconds: first_token.unwrap_or_else(|| t0.elapsed().as_secs_f64()),
         prefill_seconds: done.prefill_seconds,
         decode_seconds: done.decode_seconds,
+        logprobs: job.logprobs.map(|_| all_lp.take()),
         finish_reason: match done.stop {
             _ if stopped_by_string => "stop",
             Stop::End(_) => "stop",
@@ -525,4 +587,31 @@ fn serve_job(
     fin.generated = done.generated;
     let _ = job.out.send(Out::Done(Box::new(fin.clone())));
     Some(fin)
+}
+
+/// A token's log-probabilities with the tokens named as the API shows them.
+fn shown_logprob(tok: &Tokenizer, t: &TokenLogprob, token_ids: bool) -> Logprob {
+    let named = |id: u32| {
+        let bytes = tok.decode_bytes(&[id]).unwrap_or_default();
+        let token = if token_ids {
+            format!("token_id:{id}")
+        } else {
+            String::from_utf8_lossy(&bytes).into_owned()
+        };
+        (token, bytes)
+    };
+    let (token, bytes) = named(t.id);
+    Logprob {
+        token,
+        bytes,
+        logprob: t.logprob,
+        top: t
+            .top
+            .iter()
+            .map(|&(id, lp)| {
+                let (token, bytes) = named(id);
+                (token, bytes, lp)
+            })
+            .collect(),
+    }
 }

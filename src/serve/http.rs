@@ -1,7 +1,7 @@
 //! The HTTP side of `k3 serve` (axum on tokio): routes, the API key, admission to the bounded
 //! queue, SSE streaming, `/metrics`, and the SIGTERM drain.
 
-use super::engine::{Engine, Finished, Job, Out};
+use super::engine::{Engine, Finished, Job, Logprob, Out};
 use super::wire::{self, ApiError, Limits, Parsed};
 use super::{ServeConfig, MAX_BODY_BYTES};
 use crate::session::template::TolerantParser;
@@ -466,6 +466,9 @@ async fn submit(s: &AppState, parsed: &Parsed) -> Result<Admitted, Response> {
         task: parsed.task.clone(),
         settings: parsed.settings.clone(),
         stop: parsed.stop.clone(),
+        adjust: parsed.adjust.clone(),
+        logprobs: parsed.logprobs,
+        token_ids: parsed.token_ids,
         cancel: Arc::clone(&cancel),
         out: tx,
     };
@@ -536,6 +539,7 @@ fn limits(s: &AppState) -> Limits {
         context: s.cfg.context,
         sampler: s.cfg.sampler,
         default_max_tokens: s.cfg.default_max_tokens,
+        vocab: s.engine.vocab,
     }
 }
 
@@ -628,6 +632,7 @@ async fn chat(State(s): State<Shared>, headers: HeaderMap, body: Body) -> Respon
         created,
         model,
         include_usage: parsed.include_usage,
+        logprobs: Vec::new(),
     };
     let events = futures_util::stream::unfold(st, |mut st| async move {
         if st.done {
@@ -652,6 +657,8 @@ struct ChatStream {
     created: u64,
     model: String,
     include_usage: bool,
+    /// Log-probabilities of tokens whose text is not sent yet (they go with the next chunk).
+    logprobs: Vec<Logprob>,
 }
 
 fn data(v: &Value) -> Event {
@@ -659,14 +666,13 @@ fn data(v: &Value) -> Event {
 }
 
 impl ChatStream {
-    fn chunk(&self, delta: Value, finish: Option<&str>) -> Event {
-        data(&wire::chunk(
-            &self.id,
-            self.created,
-            &self.model,
-            delta,
-            finish,
-        ))
+    /// A chunk, carrying the log-probabilities not sent yet.
+    fn chunk(&mut self, delta: Value, finish: Option<&str>) -> Event {
+        let mut v = wire::chunk(&self.id, self.created, &self.model, delta, finish);
+        if !self.logprobs.is_empty() {
+            v["choices"][0]["logprobs"] = wire::chat_logprobs(&std::mem::take(&mut self.logprobs));
+        }
+        data(&v)
     }
 
     /// Deltas for the text the parser has released since the last call.
@@ -693,7 +699,8 @@ impl ChatStream {
             return vec![self.chunk(json!({"role": "assistant"}), None)];
         }
         match self.a.rx.recv().await {
-            Some(Out::Token { text }) => {
+            Some(Out::Token { text, logprobs }) => {
+                self.logprobs.extend(logprobs);
                 self.parser.push(&text);
                 self.deltas()
             }
@@ -759,20 +766,25 @@ async fn completions(State(s): State<Shared>, headers: HeaderMap, body: Body) ->
     let model = s.cfg.model_name.clone();
     if !parsed.stream {
         return match finish(&mut admitted).await {
-            Ok(f) => Json(wire::text_completion(
-                &id,
-                created,
-                &model,
-                &f.content,
-                Some(f.finish_reason),
-                Some(wire::usage(&f)),
-            ))
-            .into_response(),
+            Ok(f) => {
+                let mut v = wire::text_completion(
+                    &id,
+                    created,
+                    &model,
+                    &f.content,
+                    Some(f.finish_reason),
+                    Some(wire::usage(&f)),
+                );
+                if let Some(lp) = &f.logprobs {
+                    v["choices"][0]["logprobs"] = wire::completion_logprobs(lp, 0);
+                }
+                Json(v).into_response()
+            }
             Err(e) => error_response(&e, None),
         };
     }
     let include_usage = parsed.include_usage;
-    let events = futures_util::stream::unfold((admitted, false), move |(mut a, done)| {
+    let events = futures_util::stream::unfold((admitted, false, 0), move |(mut a, done, at)| {
         let (id, model) = (id.clone(), model.clone());
         async move {
             if done {
@@ -783,8 +795,18 @@ async fn completions(State(s): State<Shared>, headers: HeaderMap, body: Body) ->
                     &id, created, &model, text, finish, usage,
                 ))
             };
+            let mut at = at;
             let (events, done) = match a.rx.recv().await {
-                Some(Out::Token { text }) => (vec![piece(&text, None, None)], false),
+                Some(Out::Token { text, logprobs }) if !logprobs.is_empty() => {
+                    let mut v = wire::text_completion(&id, created, &model, &text, None, None);
+                    v["choices"][0]["logprobs"] = wire::completion_logprobs(&logprobs, at);
+                    at += logprobs
+                        .iter()
+                        .map(|e| e.token.chars().count())
+                        .sum::<usize>();
+                    (vec![data(&v)], false)
+                }
+                Some(Out::Token { text, .. }) => (vec![piece(&text, None, None)], false),
                 Some(Out::Started { .. }) => (Vec::new(), false),
                 Some(Out::Done(f)) => {
                     let mut v = vec![piece("", Some(f.finish_reason), None)];
@@ -806,7 +828,7 @@ async fn completions(State(s): State<Shared>, headers: HeaderMap, body: Body) ->
                 }
                 None => (vec![Event::default().data("[DONE]")], true),
             };
-            Some((events, (a, done)))
+            Some((events, (a, done, at)))
         }
     })
     .flat_map(|v| futures_util::stream::iter(v.into_iter().map(Ok::<Event, Infallible>)));

@@ -1,15 +1,15 @@
 //! The JSON of the API: requests, their checks, and the response and chunk objects. No I/O.
 //!
 //! What real clients send is accepted as vLLM accepts it (docs/serve.md has the table):
-//! `stop` strings are applied; `n` must be 1; `seed`, `user`, `store`, `metadata`,
-//! `stream_options`, `parallel_tool_calls` are taken; `frequency_penalty`,
-//! `presence_penalty`, `logit_bias`, `logprobs` and `top_logprobs` are accepted and not
-//! applied. Fields this server does not know are ignored; [`Parsed::ignored`] names them (and
-//! the accepted-not-applied ones) for the server's log line. [`parse_chat`] and
+//! `stop` strings, `seed`, `frequency_penalty`, `presence_penalty`, `logit_bias`, `logprobs`
+//! and `top_logprobs` are applied; `n` must be 1; `user`, `store`, `metadata`,
+//! `stream_options`, `parallel_tool_calls` are taken. Fields this server does not know are
+//! ignored; [`Parsed::ignored`] names them for the server's log line. [`parse_chat`] and
 //! [`parse_completion`] are pure: bytes in, a checked request or an [`ApiError`] out.
 
-use super::engine::{Finished, Task};
+use super::engine::{Finished, Logprob, Task};
 use super::MAX_MESSAGES;
+use crate::engine::logit_adjust::{LogitAdjust, MAX_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS};
 use crate::session::chat::Settings;
 use crate::session::template::tools::{
     ApiMessage, ApiOptions, ApiRole, ResponseFormat, ToolCall, ToolChoice,
@@ -135,6 +135,8 @@ struct ChatRequest {
     logprobs: Option<bool>,
     top_logprobs: Option<u64>,
     logit_bias: Option<Value>,
+    /// vLLM's: name tokens in log-probabilities as `token_id:ID`.
+    return_tokens_as_token_ids: Option<bool>,
     store: Option<bool>,
     metadata: Option<Value>,
     /// Fields this server does not know (named in the log line).
@@ -164,6 +166,7 @@ struct CompletionRequest {
     echo: Option<bool>,
     logprobs: Option<Value>,
     logit_bias: Option<Value>,
+    return_tokens_as_token_ids: Option<bool>,
     suffix: Option<String>,
     best_of: Option<u64>,
     /// Fields this server does not know (named in the log line).
@@ -186,7 +189,13 @@ pub struct Parsed {
     pub thinking: bool,
     /// Stop strings: the reply ends before the first one, which is never sent.
     pub stop: Vec<String>,
-    /// Fields accepted but not applied, and fields not known, for the log line.
+    /// Penalties and biases.
+    pub adjust: LogitAdjust,
+    /// Report log-probabilities, with this many of the most likely tokens.
+    pub logprobs: Option<usize>,
+    /// Name tokens in log-probabilities as `token_id:ID`.
+    pub token_ids: bool,
+    /// Fields not known, for the log line.
     pub ignored: Vec<String>,
 }
 
@@ -202,6 +211,8 @@ pub struct Limits {
     pub sampler: crate::engine::sampling::SamplerConfig,
     /// Reply length of a request that gives no `max_tokens` (at most `max_tokens`).
     pub default_max_tokens: usize,
+    /// The model's vocabulary size: `logit_bias` may name ids below it.
+    pub vocab: usize,
 }
 
 fn json_error(e: &serde_json::Error) -> ApiError {
@@ -227,8 +238,9 @@ fn sampling(
     stop: Option<&Value>,
     presence: Option<f32>,
     frequency: Option<f32>,
+    logit_bias: Option<&Value>,
     limits: Limits,
-) -> Result<(Settings, Vec<String>), ApiError> {
+) -> Result<(Settings, Vec<String>, LogitAdjust), ApiError> {
     if n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad(
             "n",
@@ -239,13 +251,18 @@ fn sampling(
         ("presence_penalty", presence),
         ("frequency_penalty", frequency),
     ] {
-        if v.is_some_and(|v| !(v.is_finite() && (-2.0..=2.0).contains(&v))) {
+        if v.is_some_and(|v| !(v.is_finite() && (-MAX_PENALTY..=MAX_PENALTY).contains(&v))) {
             return Err(ApiError::bad(
                 name,
-                format!("{name} must be a number from -2 to 2"),
+                format!("{name} must be a number from -{MAX_PENALTY} to {MAX_PENALTY}"),
             ));
         }
     }
+    let adjust = LogitAdjust {
+        frequency_penalty: frequency.unwrap_or(0.0),
+        presence_penalty: presence.unwrap_or(0.0),
+        bias: bias(logit_bias, limits.vocab)?,
+    };
     let max = match max_tokens {
         None => default_max,
         Some(0) => return Err(ApiError::bad("max_tokens", "max_tokens must be at least 1")),
@@ -276,7 +293,66 @@ fn sampling(
     };
     crate::engine::sampling::Sampler::new(s.sampler())
         .map_err(|e| ApiError::bad("temperature", e.to_string()))?;
-    Ok((s, stop_strings(stop)?))
+    Ok((s, stop_strings(stop)?, adjust))
+}
+
+/// `logit_bias`: an object from token ids (as strings) to numbers from −100 to 100, the ids
+/// below the vocabulary size; null or absent is none.
+fn bias(v: Option<&Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let map = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(_) => {
+            return Err(ApiError::bad(
+                "logit_bias",
+                "logit_bias must be an object from token ids to numbers",
+            ))
+        }
+    };
+    let mut out = Vec::with_capacity(map.len());
+    for (k, v) in map {
+        let id = k
+            .trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|&id| (id as usize) < vocab);
+        let Some(id) = id else {
+            return Err(ApiError::bad(
+                "logit_bias",
+                format!(
+                    "logit_bias names {k:?}, which is not a token id of this model (0 to {})",
+                    vocab.saturating_sub(1)
+                ),
+            ));
+        };
+        let b = v.as_f64().filter(|b| b.abs() <= f64::from(MAX_BIAS));
+        let Some(b) = b else {
+            return Err(ApiError::bad(
+                "logit_bias",
+                format!(
+                    "logit_bias of token {id} is {v}; it must be a number from -{MAX_BIAS} to \
+                     {MAX_BIAS}"
+                ),
+            ));
+        };
+        out.push((id, b as f32));
+    }
+    out.sort_unstable_by_key(|p| p.0);
+    out.dedup_by_key(|p| p.0);
+    Ok(out)
+}
+
+/// `top_logprobs` (chat) or `logprobs` (completions): at most [`MAX_TOP_LOGPROBS`].
+fn top_count(n: u64, param: &str) -> Result<usize, ApiError> {
+    usize::try_from(n)
+        .ok()
+        .filter(|&n| n <= MAX_TOP_LOGPROBS)
+        .ok_or_else(|| {
+            ApiError::bad(
+                param,
+                format!("{param} is {n}; it must be from 0 to {MAX_TOP_LOGPROBS}"),
+            )
+        })
 }
 
 /// `stop`: a string or a list of strings (empty ones dropped), at most [`MAX_STOPS`] of at
@@ -322,31 +398,9 @@ fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
     Ok(list)
 }
 
-/// The names of the fields of `other` and of the accepted-but-not-applied parameters that are
-/// set, for the server's log line.
-fn ignored_fields(
-    other: &serde_json::Map<String, Value>,
-    not_applied: &[(&str, bool)],
-) -> Vec<String> {
-    let mut v: Vec<String> = not_applied
-        .iter()
-        .filter(|(_, set)| *set)
-        .map(|(n, _)| format!("{n} (accepted, not applied)"))
-        .collect();
-    v.extend(other.keys().map(|k| format!("{k} (unknown)")));
-    v
-}
-
-fn nonzero(v: Option<f32>) -> bool {
-    v.is_some_and(|v| v != 0.0)
-}
-
-fn present(v: Option<&Value>) -> bool {
-    match v {
-        None | Some(Value::Null) => false,
-        Some(Value::Object(m)) => !m.is_empty(),
-        Some(_) => true,
-    }
+/// The names of the fields of `other`, for the server's log line.
+fn ignored_fields(other: &serde_json::Map<String, Value>) -> Vec<String> {
+    other.keys().map(|k| format!("{k} (unknown)")).collect()
 }
 
 /// The text of a message's `content` (a string, a list of text parts, or null).
@@ -392,16 +446,17 @@ pub fn parse_chat(body: &[u8], limits: Limits) -> Result<Parsed, ApiError> {
         r.store,
         &r.metadata,
     );
-    let mut ignored = ignored_fields(
-        &r.other,
-        &[
-            ("frequency_penalty", nonzero(r.frequency_penalty)),
-            ("presence_penalty", nonzero(r.presence_penalty)),
-            ("logit_bias", present(r.logit_bias.as_ref())),
-            ("logprobs", r.logprobs == Some(true)),
-            ("top_logprobs", r.top_logprobs.is_some_and(|n| n > 0)),
-        ],
-    );
+    let mut ignored = ignored_fields(&r.other);
+    let logprobs = match (r.logprobs, r.top_logprobs) {
+        (Some(true), n) => Some(top_count(n.unwrap_or(0), "top_logprobs")?),
+        (_, Some(n)) if n > 0 => {
+            return Err(ApiError::bad(
+                "top_logprobs",
+                "top_logprobs needs logprobs set to true",
+            ))
+        }
+        _ => None,
+    };
     if r.messages.is_empty() {
         return Err(ApiError::bad("messages", "messages must not be empty"));
     }
@@ -414,7 +469,7 @@ pub fn parse_chat(body: &[u8], limits: Limits) -> Result<Parsed, ApiError> {
             ),
         ));
     }
-    let (settings, stop) = sampling(
+    let (settings, stop, adjust) = sampling(
         r.temperature,
         r.top_p,
         r.top_k,
@@ -427,6 +482,7 @@ pub fn parse_chat(body: &[u8], limits: Limits) -> Result<Parsed, ApiError> {
         r.stop.as_ref(),
         r.presence_penalty,
         r.frequency_penalty,
+        r.logit_bias.as_ref(),
         limits,
     )?;
     let mut render = RenderOptions::default();
@@ -586,6 +642,9 @@ pub fn parse_chat(body: &[u8], limits: Limits) -> Result<Parsed, ApiError> {
         stream: r.stream.unwrap_or(false),
         include_usage,
         stop,
+        adjust,
+        logprobs,
+        token_ids: r.return_tokens_as_token_ids == Some(true),
         ignored,
     })
 }
@@ -624,20 +683,21 @@ pub fn parse_completion(body: &[u8], limits: Limits) -> Result<Parsed, ApiError>
     if r.best_of.is_some_and(|n| n != 1) {
         return Err(ApiError::bad("best_of", "only best_of = 1 is supported"));
     }
-    let ignored = ignored_fields(
-        &r.other,
-        &[
-            ("frequency_penalty", nonzero(r.frequency_penalty)),
-            ("presence_penalty", nonzero(r.presence_penalty)),
-            ("logit_bias", present(r.logit_bias.as_ref())),
-            (
-                "logprobs",
-                r.logprobs
-                    .as_ref()
-                    .is_some_and(|v| !v.is_null() && v.as_u64() != Some(0) && *v != false),
-            ),
-        ],
-    );
+    let ignored = ignored_fields(&r.other);
+    let logprobs = match &r.logprobs {
+        None | Some(Value::Null | Value::Bool(false)) => None,
+        Some(v) => match v.as_u64() {
+            Some(n) => Some(top_count(n, "logprobs")?),
+            None => {
+                return Err(ApiError::bad(
+                    "logprobs",
+                    format!(
+                        "logprobs is {v}; it must be a whole number from 0 to {MAX_TOP_LOGPROBS}"
+                    ),
+                ))
+            }
+        },
+    };
     let prompt = match &r.prompt {
         Value::String(s) => s.clone(),
         Value::Array(a) if a.len() == 1 && a[0].is_string() => {
@@ -645,7 +705,7 @@ pub fn parse_completion(body: &[u8], limits: Limits) -> Result<Parsed, ApiError>
         }
         _ => return Err(ApiError::bad("prompt", "prompt must be one string")),
     };
-    let (settings, stop) = sampling(
+    let (settings, stop, adjust) = sampling(
         r.temperature,
         r.top_p,
         r.top_k,
@@ -658,6 +718,7 @@ pub fn parse_completion(body: &[u8], limits: Limits) -> Result<Parsed, ApiError>
         r.stop.as_ref(),
         r.presence_penalty,
         r.frequency_penalty,
+        r.logit_bias.as_ref(),
         limits,
     )?;
     Ok(Parsed {
@@ -671,6 +732,9 @@ pub fn parse_completion(body: &[u8], limits: Limits) -> Result<Parsed, ApiError>
             .unwrap_or(false),
         thinking: false,
         stop,
+        adjust,
+        logprobs,
+        token_ids: r.return_tokens_as_token_ids == Some(true),
         ignored,
     })
 }
@@ -718,7 +782,7 @@ pub fn chat_response(id: &str, created: u64, model: &str, f: &Finished) -> Value
     json!({
         "id": id, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": f.finish_reason,
-                     "logprobs": Value::Null}],
+                     "logprobs": f.logprobs.as_deref().map_or(Value::Null, chat_logprobs)}],
         "usage": usage(f),
         "local_stats": {
             "reused_tokens": f.cached_tokens,
@@ -727,6 +791,47 @@ pub fn chat_response(id: &str, created: u64, model: &str, f: &Finished) -> Value
             "prefill_seconds": f.prefill_seconds,
             "decode_seconds": f.decode_seconds,
         },
+    })
+}
+
+/// The `logprobs` of a chat choice: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
+#[must_use]
+pub fn chat_logprobs(entries: &[Logprob]) -> Value {
+    let content: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            let top: Vec<Value> = e
+                .top
+                .iter()
+                .map(|(t, b, lp)| json!({"token": t, "logprob": lp, "bytes": b}))
+                .collect();
+            json!({"token": e.token, "logprob": e.logprob, "bytes": e.bytes, "top_logprobs": top})
+        })
+        .collect();
+    json!({"content": content, "refusal": Value::Null})
+}
+
+/// The `logprobs` of a text completion choice (`tokens`, `token_logprobs`, `top_logprobs` as
+/// one object per token, `text_offset` in characters from `offset`).
+#[must_use]
+pub fn completion_logprobs(entries: &[Logprob], mut offset: usize) -> Value {
+    let mut text_offset = Vec::with_capacity(entries.len());
+    for e in entries {
+        text_offset.push(offset);
+        offset += e.token.chars().count();
+    }
+    json!({
+        "tokens": entries.iter().map(|e| e.token.clone()).collect::<Vec<_>>(),
+        "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
+        "top_logprobs": entries
+            .iter()
+            .map(|e| {
+                let m: serde_json::Map<String, Value> =
+                    e.top.iter().map(|(t, _, lp)| (t.clone(), json!(lp))).collect();
+                Value::Object(m)
+            })
+            .collect::<Vec<_>>(),
+        "text_offset": text_offset,
     })
 }
 
@@ -775,6 +880,7 @@ mod tests {
             seed: 1,
         },
         default_max_tokens: 100,
+        vocab: 1000,
     };
 
     fn chat(body: &str) -> Result<Parsed, ApiError> {
@@ -871,6 +977,34 @@ mod tests {
                 r#"{"messages":[{"role":"user","content":"x"}],"tool_choice":"sometimes"}"#,
                 "tool_choice",
             ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"1000":1}}"#,
+                "logit_bias",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"abc":1}}"#,
+                "logit_bias",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"5":100.5}}"#,
+                "logit_bias",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":[5]}"#,
+                "logit_bias",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":21}"#,
+                "top_logprobs",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"top_logprobs":3}"#,
+                "top_logprobs",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"presence_penalty":-2.5}"#,
+                "presence_penalty",
+            ),
         ];
         for (body, param) in cases {
             let e = chat(body).expect_err(body);
@@ -898,10 +1032,17 @@ mod tests {
         assert_eq!(p.stop, ["\n\n", "END"]);
         assert_eq!(p.settings.sampler.seed, 3);
         assert_eq!(
+            p.adjust,
+            LogitAdjust {
+                frequency_penalty: 0.5,
+                presence_penalty: 0.0,
+                bias: vec![(42, -100.0)],
+            }
+        );
+        assert_eq!(p.logprobs, None);
+        assert_eq!(
             p.ignored,
             [
-                "frequency_penalty (accepted, not applied)",
-                "logit_bias (accepted, not applied)",
                 "bogus (unknown)",
                 "messages[1].annotations (unknown)",
                 "messages[1].refusal (unknown)",
@@ -925,5 +1066,28 @@ mod tests {
         assert_eq!(c.stop, ["b"]);
         let e = parse_completion(br#"{"prompt":"a","suffix":"z"}"#, LIMITS).expect_err("suffix");
         assert_eq!(e.param.as_deref(), Some("suffix"));
+        for (body, want) in [
+            (r#"{"prompt":"a","logprobs":0}"#, Some(0)),
+            (r#"{"prompt":"a","logprobs":20}"#, Some(20)),
+            (r#"{"prompt":"a","logprobs":null}"#, None),
+        ] {
+            let c = parse_completion(body.as_bytes(), LIMITS).expect(body);
+            assert_eq!(c.logprobs, want, "{body}");
+        }
+        for body in [
+            r#"{"prompt":"a","logprobs":21}"#,
+            r#"{"prompt":"a","logprobs":"x"}"#,
+        ] {
+            let e = parse_completion(body.as_bytes(), LIMITS).expect_err(body);
+            assert_eq!(e.param.as_deref(), Some("logprobs"), "{body}");
+        }
+        let p = chat(
+            r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":20,
+            "logit_bias":{"999":100,"0":-100},"return_tokens_as_token_ids":true}"#,
+        )
+        .expect("logprobs");
+        assert_eq!(p.logprobs, Some(20));
+        assert!(p.token_ids);
+        assert_eq!(p.adjust.bias, [(0, -100.0), (999, 100.0)]);
     }
 }

@@ -9,6 +9,7 @@
 
 use super::template::{self, Markers, Message, RenderOptions, Role};
 use super::tokenizer::{Tokenizer, Utf8Stream};
+use crate::engine::logit_adjust::{self, LogitAdjust, TokenLogprob};
 use crate::engine::model::Logits;
 use crate::engine::sampling::{Sampler, SamplerConfig};
 use crate::engine::spec::{SpecMode, SpecStats, Speculator};
@@ -241,6 +242,42 @@ pub struct Completion {
     pub decode_seconds: f64,
 }
 
+/// What an API request adds to sampling in [`Session::complete_prompt`]: logit adjustments
+/// (penalties and biases) and the log-probabilities of each sampled token, computed from the
+/// model's logits before any adjustment and handed to `observe` before the token's text is
+/// emitted. With an identity adjustment and no log-probabilities, sampling is exactly the
+/// session's own.
+pub struct Served<'a> {
+    /// Applied to each step's logits before the sampler.
+    pub adjust: &'a LogitAdjust,
+    /// Report log-probabilities, with this many of the most likely tokens.
+    pub logprobs: Option<usize>,
+    /// Gets each sampled token's log-probabilities.
+    pub observe: &'a mut dyn FnMut(TokenLogprob),
+}
+
+impl Served<'_> {
+    fn sample(
+        &mut self,
+        sampler: &mut Sampler,
+        logits: &[f32],
+        history: &[u32],
+        generated: &[u32],
+    ) -> Result<u32, crate::engine::sampling::SampleError> {
+        let next = if self.adjust.is_identity() {
+            sampler.sample(logits, history)?
+        } else {
+            let mut adjusted = logits.to_vec();
+            self.adjust.apply(&mut adjusted, generated);
+            sampler.sample(&adjusted, history)?
+        };
+        if let Some(top) = self.logprobs {
+            (self.observe)(logit_adjust::logprobs(logits, next, top));
+        }
+        Ok(next)
+    }
+}
+
 /// A failure that leaves the session usable.
 #[derive(Debug, thiserror::Error)]
 pub enum TurnError {
@@ -445,7 +482,7 @@ impl<'a> Session<'a> {
 
     /// The tokenizer.
     #[must_use]
-    pub fn tokenizer(&self) -> &Tokenizer {
+    pub fn tokenizer(&self) -> &'a Tokenizer {
         self.tok
     }
 
@@ -813,6 +850,7 @@ impl<'a> Session<'a> {
         limits: Limits<'_>,
         cancel: &AtomicBool,
         emit: &mut dyn FnMut(u32, &str),
+        mut served: Option<&mut Served<'_>>,
     ) -> Result<(Vec<u32>, usize, Stop, f64, f64), TurnError> {
         let limit = self.settings.context_limit;
         if prompt.len() >= limit {
@@ -858,7 +896,10 @@ impl<'a> Session<'a> {
             }
             let next = match forced.pop_front() {
                 Some(id) => id,
-                None => match self.sampler.sample(&logits, &history) {
+                None => match match served.as_deref_mut() {
+                    None => self.sampler.sample(&logits, &history),
+                    Some(served) => served.sample(&mut self.sampler, &logits, &history, &generated),
+                } {
                     Ok(n) => n,
                     Err(e) => {
                         self.spec.settle(self.model, &mut self.state);
@@ -928,7 +969,9 @@ impl<'a> Session<'a> {
     /// one a fresh session would give; the engine state is reused up to the longest common
     /// prefix of what it has seen (live state or a snapshot) and `prompt`, and `history_end`
     /// (the prompt's length before its generation prompt) is snapshotted for the next request.
-    /// The transcript is not touched.
+    /// The transcript is not touched. `served` adds a request's penalties, biases and
+    /// log-probabilities (None: plain sampling).
+    #[allow(clippy::too_many_arguments)]
     pub fn complete_prompt(
         &mut self,
         prompt: &[u32],
@@ -937,6 +980,7 @@ impl<'a> Session<'a> {
         settings: &Settings,
         cancel: &AtomicBool,
         emit: &mut dyn FnMut(u32, &str),
+        served: Option<&mut Served<'_>>,
     ) -> Result<Completion, TurnError> {
         self.sampler =
             Sampler::new(settings.sampler()).map_err(|e| TurnError::Refused(e.to_string()))?;
@@ -947,7 +991,7 @@ impl<'a> Session<'a> {
             think_close: None,
         };
         let (generated, reused, stop, prefill_seconds, decode_seconds) =
-            self.generate(prompt, history_end, stops, limits, cancel, emit)?;
+            self.generate(prompt, history_end, stops, limits, cancel, emit, served)?;
         Ok(Completion {
             generated,
             reused,
@@ -987,8 +1031,15 @@ impl<'a> Session<'a> {
             mark_specials: false,
             think_close: close.as_deref().filter(|_| opts.thinking),
         };
-        let (generated, reused, stop, prefill_s, decode_s) =
-            self.generate(&prompt, Some(history_end), &stops, limits, cancel, emit)?;
+        let (generated, reused, stop, prefill_s, decode_s) = self.generate(
+            &prompt,
+            Some(history_end),
+            &stops,
+            limits,
+            cancel,
+            emit,
+            None,
+        )?;
         let parsed = template::parse_strict(self.tok, &self.markers, &generated, opts.thinking);
         let (reply, reasoning, accepted, why) = match parsed {
             Ok(p) => (p.content, p.reasoning, true, None),
@@ -1070,7 +1121,7 @@ impl<'a> Session<'a> {
             think_close: None,
         };
         let (generated, reused, stop, prefill_s, decode_s) =
-            self.generate(&prompt, None, &stops, limits, cancel, emit)?;
+            self.generate(&prompt, None, &stops, limits, cancel, emit, None)?;
         let output = self.raw_display(&generated, &stops)?;
         self.entries.push(Entry::Raw {
             prompt: text.to_string(),

@@ -24,6 +24,7 @@ mod remote;
 mod serve;
 mod serve_clients;
 mod serve_limits;
+mod serve_sampling;
 mod session;
 mod spec;
 mod streaming;

@@ -95,6 +95,30 @@ fn request_bodies_of_real_clients_get_answers() {
                 "{what}: {stop:?} in {content:?}"
             );
         }
+        // The answer is right: it names what was asked for, or it is the model's own
+        // continuation of the prompt (`k3 run`, greedy) up to the first stop string.
+        match f["expect"].as_str() {
+            Some(want) => assert!(content.contains(want), "{what}: {content:?}"),
+            None => {
+                let prompt = body["prompt"].as_str().expect("a raw completion");
+                let gen = body["max_tokens"].as_u64().unwrap().to_string();
+                let run = crate::common::run_ok(
+                    crate::common::k3_command()
+                        .arg("run")
+                        .arg(crate::common::demo_model())
+                        .args(["--prompt", prompt, "--gen", &gen, "--temperature", "0"])
+                        .arg("--json"),
+                );
+                let run: Value = serde_json::from_slice(&run.stdout).unwrap();
+                let mut want = run["text"].as_str().unwrap();
+                for stop in &stops {
+                    if let Some(at) = want.find(stop.as_str()) {
+                        want = &want[..at];
+                    }
+                }
+                assert_eq!(content, want, "{what}");
+            }
+        }
         let logged = log(&s);
         for field in f["unknown"].as_array().unwrap() {
             let field = field.as_str().unwrap();

@@ -421,6 +421,7 @@ fn serve_request(data: &[u8]) -> String {
             ..Default::default()
         },
         default_max_tokens: 128,
+        vocab: 4096,
     };
     let (chat, body) = match data.split_first() {
         Some((b, rest)) => (b & 1 == 0, rest),

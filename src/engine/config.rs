@@ -6,8 +6,15 @@
 //! `situ_linear_beta`). Every key is looked up in `text_config`, then `linear_attn_config`, then
 //! the root. An absent required key is an error, never a default; every problem found is
 //! reported together in one message naming the file and the key path. Unknown keys are ignored.
+//!
+//! The file is read into typed structs mirroring that nesting (`ConfigFile` → `TextConfig` →
+//! `Keys`), each key of its type inside a `Field`, which keeps a value of another type
+//! as written instead of failing, so the reader can report every problem at once and quote each
+//! value exactly. Only `quantization_config`'s groups, whose layout the release varies, are
+//! walked as they come.
 
-use serde_json::{Map, Value};
+use serde::Deserialize;
+use serde_json::{Map, Number, Value};
 use std::path::{Path, PathBuf};
 
 /// Largest `num_experts_per_token` the engine accepts.
@@ -239,11 +246,19 @@ impl ModelConfig {
             path: path.to_path_buf(),
             reason: e.to_string(),
         })?;
-        let root = v.as_object().ok_or_else(|| ConfigError::Parse {
+        if !v.is_object() {
+            return Err(ConfigError::Parse {
+                path: path.to_path_buf(),
+                reason: "the top level is not an object".into(),
+            });
+        }
+        // Every key's type is checked by the reader, so that all problems are reported at once:
+        // a key of the wrong type is kept as written ([`Field::Wrong`]), never a parse error.
+        let file = ConfigFile::deserialize(&v).map_err(|e| ConfigError::Parse {
             path: path.to_path_buf(),
-            reason: "the top level is not an object".into(),
+            reason: e.to_string(),
         })?;
-        let mut r = Reader::new(root);
+        let mut r = Reader::new(&file);
         let cfg = r.build();
         match cfg {
             Some(c) if r.problems.is_empty() => Ok(c),
@@ -295,37 +310,219 @@ impl ModelConfig {
     }
 }
 
+/// One key of `config.json` as the file has it: absent, `null`, of the type the key takes, or
+/// of another type. The value is kept as written (`raw`) so a refusal quotes it exactly; a
+/// value of the wrong type is a problem to report with the others, never a parse failure that
+/// would hide them.
+#[derive(Clone, Debug, Default)]
+enum Field<T> {
+    /// The key is not there.
+    #[default]
+    Absent,
+    /// The key is there with `null`.
+    Null,
+    /// The key holds a value of its type.
+    Ok {
+        /// The value.
+        value: T,
+        /// The value as written.
+        raw: Value,
+    },
+    /// The key holds a value of another type, as written.
+    Wrong(Value),
+}
+
+impl<'de, T: serde::de::DeserializeOwned> Deserialize<'de> for Field<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let raw = Value::deserialize(d)?;
+        Ok(match raw {
+            Value::Null => Field::Null,
+            raw => match T::deserialize(&raw) {
+                Ok(value) => Field::Ok { value, raw },
+                Err(_) => Field::Wrong(raw),
+            },
+        })
+    }
+}
+
+impl<T> Field<T> {
+    /// Whether the key is there (`null` included).
+    fn present(&self) -> bool {
+        !matches!(self, Field::Absent)
+    }
+
+    /// The value, when of its type.
+    fn value(&self) -> Option<&T> {
+        match self {
+            Field::Ok { value, .. } => Some(value),
+            _ => None,
+        }
+    }
+
+    /// The value as written, for messages.
+    fn shown(&self) -> String {
+        match self {
+            Field::Absent => "(absent)".into(),
+            Field::Null => "null".into(),
+            Field::Ok { raw, .. } | Field::Wrong(raw) => raw.to_string(),
+        }
+    }
+}
+
+/// `eos_token_id`: one id, or several stop tokens.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+enum TokenIds {
+    /// One id.
+    One(u64),
+    /// A list of ids (each checked on its own).
+    Many(Vec<Field<u64>>),
+}
+
+/// `quantization_config`: the method and format, and the rest as the release varies it
+/// (`config_groups`, `ignore`: docs/model.md), whose every `group_size` and `num_bits` is
+/// checked wherever it sits.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+struct Quantization {
+    /// Must be `compressed-tensors`.
+    quant_method: Field<String>,
+    /// Must be `mxfp4-pack-quantized`.
+    format: Field<String>,
+    /// Everything else.
+    #[serde(flatten)]
+    rest: Map<String, Value>,
+}
+
+/// The keys k3 reads, as any of the three scopes of `config.json` may hold them (the released
+/// file keeps almost all in `text_config`, the KDA ones in `linear_attn_config`, the token ids
+/// at the root; the flat fixture shape keeps all at the root). Keys not named are ignored.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+struct Keys {
+    hidden_size: Field<Number>,
+    num_hidden_layers: Field<Number>,
+    vocab_size: Field<Number>,
+    rms_norm_eps: Field<Number>,
+    num_heads: Field<Number>,
+    head_dim: Field<Number>,
+    kda_num_heads: Field<Number>,
+    kda_head_dim: Field<Number>,
+    short_conv_kernel_size: Field<Number>,
+    gate_lower_bound: Field<Number>,
+    num_attention_heads: Field<Number>,
+    num_key_value_heads: Field<Number>,
+    q_lora_rank: Field<Number>,
+    kv_lora_rank: Field<Number>,
+    qk_nope_head_dim: Field<Number>,
+    qk_rope_head_dim: Field<Number>,
+    v_head_dim: Field<Number>,
+    num_experts: Field<Number>,
+    n_routed_experts: Field<Number>,
+    num_experts_per_token: Field<Number>,
+    num_experts_per_tok: Field<Number>,
+    num_shared_experts: Field<Number>,
+    routed_expert_hidden_size: Field<Number>,
+    moe_intermediate_size: Field<Number>,
+    routed_scaling_factor: Field<Number>,
+    first_k_dense_replace: Field<Number>,
+    intermediate_size: Field<Number>,
+    attn_res_block_size: Field<Number>,
+    activation_situ_beta: Field<Number>,
+    situ_beta: Field<Number>,
+    activation_situ_linear_beta: Field<Number>,
+    situ_linear_beta: Field<Number>,
+    moe_layer_freq: Field<Number>,
+    num_nextn_predict_layers: Field<Number>,
+    max_position_embeddings: Field<Number>,
+    num_expert_group: Field<Number>,
+    topk_group: Field<Number>,
+    moe_renormalize: Field<bool>,
+    latent_moe_use_norm: Field<bool>,
+    mla_use_output_gate: Field<bool>,
+    mla_use_nope: Field<bool>,
+    use_full_rank_gate: Field<bool>,
+    tie_word_embeddings: Field<bool>,
+    hidden_act: Field<String>,
+    moe_router_activation_func: Field<String>,
+    topk_method: Field<String>,
+    full_attn_layers: Field<Vec<Field<u64>>>,
+    kda_layers: Field<Vec<Field<u64>>>,
+    bos_token_id: Field<u64>,
+    eos_token_id: Field<TokenIds>,
+    pad_token_id: Field<u64>,
+    media_placeholder_token_id: Field<u64>,
+    quantization_config: Field<Quantization>,
+}
+
+/// `text_config`: the language model's keys and its `linear_attn_config`.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+struct TextConfig {
+    /// The KDA keys and the layer maps.
+    linear_attn_config: Field<Keys>,
+    /// Everything else.
+    #[serde(flatten)]
+    keys: Keys,
+}
+
+/// `config.json`: the released nesting (root → `text_config` → `linear_attn_config`), or the
+/// flat fixture shape, optionally wrapped in a `"config"` object.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+struct ConfigFile {
+    /// The language model (released shape).
+    text_config: Field<TextConfig>,
+    /// The KDA keys at the root (when `text_config` has none).
+    linear_attn_config: Field<Keys>,
+    /// The fixture wrapper: the whole file inside `"config"`.
+    config: Field<Box<ConfigFile>>,
+    /// The keys at the root.
+    #[serde(flatten)]
+    keys: Keys,
+}
+
+/// A key of [`Keys`] by name: the name for messages and the field.
+type Key<T> = (&'static str, fn(&Keys) -> &Field<T>);
+
+/// `key!(name)`: the [`Key`] of field `name`.
+macro_rules! key {
+    ($name:ident) => {
+        (stringify!($name), |k: &Keys| &k.$name)
+    };
+}
+
 /// Key lookup across the scopes, collecting problems.
 struct Reader<'a> {
-    scopes: Vec<(&'static str, &'a Map<String, Value>)>,
-    lin: Option<(&'static str, &'a Map<String, Value>)>,
-    flat: Option<&'a Map<String, Value>>,
+    scopes: Vec<(&'static str, &'a Keys)>,
+    lin: Option<(&'static str, &'a Keys)>,
+    flat: Option<&'a Keys>,
     problems: ProblemList,
 }
 
 impl<'a> Reader<'a> {
-    fn new(root: &'a Map<String, Value>) -> Self {
-        let root = match root.get("config").and_then(Value::as_object) {
-            Some(inner) if !root.contains_key("text_config") => inner,
-            _ => root,
+    fn new(file: &'a ConfigFile) -> Self {
+        let root = match &file.config {
+            Field::Ok { value, .. } if !file.text_config.present() => value,
+            _ => file,
         };
-        let text = root.get("text_config").and_then(Value::as_object);
-        let lin_in_text = text
-            .and_then(|t| t.get("linear_attn_config"))
-            .and_then(Value::as_object);
-        let lin_in_root = root.get("linear_attn_config").and_then(Value::as_object);
-        let lin = lin_in_text
+        let text = root.text_config.value();
+        let lin = text
+            .and_then(|t| t.linear_attn_config.value())
             .map(|l| ("text_config.linear_attn_config", l))
-            .or(lin_in_root.map(|l| ("linear_attn_config", l)));
+            .or(root
+                .linear_attn_config
+                .value()
+                .map(|l| ("linear_attn_config", l)));
         let mut scopes = Vec::new();
         if let Some(t) = text {
-            scopes.push(("text_config", t));
+            scopes.push(("text_config", &t.keys));
         }
         if let Some(l) = lin {
             scopes.push(l);
         }
-        scopes.push(("", root));
-        let flat = text.is_none().then_some(root);
+        scopes.push(("", &root.keys));
+        let flat = text.is_none().then_some(&root.keys);
         Reader {
             scopes,
             lin,
@@ -343,29 +540,34 @@ impl<'a> Reader<'a> {
     }
 
     /// First occurrence of any of `names`, with its key path.
-    fn find(&self, names: &[&str]) -> Option<(String, &'a Value)> {
+    fn find<T>(&self, names: &[Key<T>]) -> Option<(String, &'a Field<T>)> {
         for (scope, m) in &self.scopes {
-            for n in names {
-                if let Some(v) = m.get(*n) {
-                    return Some((Self::path(scope, n), v));
+            for (n, get) in names {
+                let f = get(m);
+                if f.present() {
+                    return Some((Self::path(scope, n), f));
                 }
             }
         }
         None
     }
 
-    fn where_(names: &[&str]) -> String {
-        names.join(" or ")
+    fn where_<T>(names: &[Key<T>]) -> String {
+        names
+            .iter()
+            .map(|(n, _)| *n)
+            .collect::<Vec<_>>()
+            .join(" or ")
     }
 
-    fn number(&mut self, names: &[&str]) -> Option<(String, f64)> {
+    fn number(&mut self, names: &[Key<Number>]) -> Option<(String, f64)> {
         match self.find(names) {
             None => {
                 self.problems
                     .push(format!("missing key `{}`", Self::where_(names)));
                 None
             }
-            Some((p, Value::Number(n))) => match n.as_f64() {
+            Some((p, Field::Ok { value, .. })) => match value.as_f64() {
                 Some(x) if x.is_finite() => Some((p, x)),
                 _ => {
                     self.problems.push(format!("`{p}` is not a finite number"));
@@ -374,16 +576,16 @@ impl<'a> Reader<'a> {
             },
             Some((p, v)) => {
                 self.problems
-                    .push(format!("`{p}` must be a number, found {v}"));
+                    .push(format!("`{p}` must be a number, found {}", v.shown()));
                 None
             }
         }
     }
 
     /// A dimension: an integer ≥ `min` and at most its limit ([`dim_limit`] of `names[0]`).
-    fn size(&mut self, names: &[&str], min: usize) -> Option<usize> {
+    fn size(&mut self, names: &[Key<Number>], min: usize) -> Option<usize> {
         let (p, x) = self.number(names)?;
-        self.bounded(&p, x, min, dim_limit(names[0]))
+        self.bounded(&p, x, min, dim_limit(names[0].0))
     }
 
     fn bounded(&mut self, p: &str, x: f64, min: usize, max: usize) -> Option<usize> {
@@ -407,41 +609,45 @@ impl<'a> Reader<'a> {
         Some(x as usize)
     }
 
-    fn float(&mut self, names: &[&str]) -> Option<f32> {
+    fn float(&mut self, names: &[Key<Number>]) -> Option<f32> {
         self.number(names).map(|(_, x)| x as f32)
     }
 
-    fn optional_bool(&mut self, name: &str, default: bool) -> bool {
+    fn optional_bool(&mut self, name: Key<bool>, default: bool) -> bool {
         match self.find(&[name]) {
             None => default,
-            Some((_, Value::Bool(b))) => *b,
+            Some((_, Field::Ok { value, .. })) => *value,
             Some((p, v)) => {
                 self.problems
-                    .push(format!("`{p}` must be true or false, found {v}"));
+                    .push(format!("`{p}` must be true or false, found {}", v.shown()));
                 default
             }
         }
     }
 
-    /// A key that, when present, must equal `want` (string or number or bool).
-    fn require_if_present(&mut self, name: &str, ok: impl Fn(&Value) -> bool, why: &str) {
+    /// A key that, when present, must pass `ok` (given the key as found).
+    fn require_if_present<T>(&mut self, name: Key<T>, ok: impl Fn(&Field<T>) -> bool, why: &str) {
         if let Some((p, v)) = self.find(&[name]) {
             if !ok(v) {
-                self.problems.push(format!("`{p}` = {v}: {why}"));
+                self.problems.push(format!("`{p}` = {}: {why}", v.shown()));
             }
         }
     }
 
     /// KDA heads/head dim only from `linear_attn_config` or the flat `kda_*` aliases.
-    fn kda_size(&mut self, key: &str, alias: &str) -> Option<usize> {
+    fn kda_size(&mut self, key: Key<Number>, alias: Key<Number>) -> Option<usize> {
+        let ((key, get), (alias, get_alias)) = (key, alias);
         let found = if let Some((scope, m)) = self.lin {
-            m.get(key).map(|v| (Self::path(scope, key), v))
+            Some(get(m))
+                .filter(|f| f.present())
+                .map(|v| (Self::path(scope, key), v))
         } else {
             None
         }
         .or_else(|| {
             self.flat
-                .and_then(|f| f.get(alias))
+                .map(get_alias)
+                .filter(|f| f.present())
                 .map(|v| (alias.to_string(), v))
         });
         match found {
@@ -451,7 +657,7 @@ impl<'a> Reader<'a> {
                 ));
                 None
             }
-            Some((p, Value::Number(n))) => match n.as_f64() {
+            Some((p, Field::Ok { value, .. })) => match value.as_f64() {
                 Some(x) if x.is_finite() => {
                     self.bounded(&p, x, 1, dim_limit(&format!("linear_attn_config.{key}")))
                 }
@@ -461,16 +667,22 @@ impl<'a> Reader<'a> {
                 }
             },
             Some((p, v)) => {
-                self.problems
-                    .push(format!("`{p}` must be a positive integer, found {v}"));
+                self.problems.push(format!(
+                    "`{p}` must be a positive integer, found {}",
+                    v.shown()
+                ));
                 None
             }
         }
     }
 
-    fn layer_list(&mut self, name: &str, n_layers: usize) -> Option<(String, Vec<usize>)> {
+    fn layer_list(
+        &mut self,
+        name: Key<Vec<Field<u64>>>,
+        n_layers: usize,
+    ) -> Option<(String, Vec<usize>)> {
         let (p, v) = self.find(&[name])?;
-        let Some(arr) = v.as_array() else {
+        let Some(arr) = v.value() else {
             self.problems
                 .push(format!("`{p}` must be an array of one-based layer numbers"));
             return None;
@@ -485,7 +697,7 @@ impl<'a> Reader<'a> {
         let mut out = Vec::with_capacity(arr.len());
         let mut seen = vec![false; n_layers + 1];
         for x in arr {
-            match x.as_u64() {
+            match x.value().copied() {
                 Some(i) if i >= 1 && i as usize <= n_layers => {
                     if seen[i as usize] {
                         self.problems.push(format!("`{p}` lists layer {i} twice"));
@@ -494,7 +706,8 @@ impl<'a> Reader<'a> {
                     out.push(i as usize);
                 }
                 _ => self.problems.push(format!(
-                    "`{p}` contains {x}, outside the one-based range 1..={n_layers}"
+                    "`{p}` contains {}, outside the one-based range 1..={n_layers}",
+                    x.shown()
                 )),
             }
         }
@@ -503,8 +716,8 @@ impl<'a> Reader<'a> {
 
     fn layer_map(&mut self, n_layers: Option<usize>) -> Option<Vec<bool>> {
         let n = n_layers?;
-        let Some((p, full)) = self.layer_list("full_attn_layers", n) else {
-            if self.find(&["full_attn_layers"]).is_none() {
+        let Some((p, full)) = self.layer_list(key!(full_attn_layers), n) else {
+            if self.find(&[key!(full_attn_layers)]).is_none() {
                 self.problems.push(
                     "missing key `full_attn_layers` (the one-based MLA layer list; refusing to \
                      run every layer as KDA)"
@@ -525,7 +738,7 @@ impl<'a> Reader<'a> {
             self.problems
                 .push(format!("`{p}` covers every layer: no KDA layer is left"));
         }
-        if let Some((pk, kda)) = self.layer_list("kda_layers", n) {
+        if let Some((pk, kda)) = self.layer_list(key!(kda_layers), n) {
             let mut want: Vec<usize> = (1..=n).filter(|i| !is_mla[i - 1]).collect();
             let mut got = kda.clone();
             got.sort_unstable();
@@ -547,60 +760,61 @@ impl<'a> Reader<'a> {
     }
 
     fn check_semantics(&mut self) {
-        let is_false = |v: &Value| v.as_bool() == Some(false);
+        let is = |want: bool| move |v: &Field<bool>| v.value() == Some(&want);
+        let named = |want: &'static str| {
+            move |v: &Field<String>| v.value().map(String::as_str) == Some(want)
+        };
+        let not_null = |v: &Field<Number>| !matches!(v, Field::Null);
+        let number = |v: &Field<Number>| v.value().and_then(Number::as_f64);
+        self.require_if_present(key!(mla_use_nope), is(true), "only NoPE MLA is implemented");
         self.require_if_present(
-            "mla_use_nope",
-            |v| v.as_bool() == Some(true),
-            "only NoPE MLA is implemented",
-        );
-        self.require_if_present(
-            "use_full_rank_gate",
-            |v| v.as_bool() == Some(true),
+            key!(use_full_rank_gate),
+            is(true),
             "only the full-rank KDA gate is implemented",
         );
         self.require_if_present(
-            "hidden_act",
-            |v| v.as_str() == Some("situ"),
+            key!(hidden_act),
+            named("situ"),
             "only `situ` is implemented",
         );
         self.require_if_present(
-            "moe_router_activation_func",
-            |v| v.as_str() == Some("sigmoid"),
+            key!(moe_router_activation_func),
+            named("sigmoid"),
             "only the sigmoid router is implemented",
         );
         self.require_if_present(
-            "moe_layer_freq",
-            |v| v.as_f64() == Some(1.0),
+            key!(moe_layer_freq),
+            |v| number(v) == Some(1.0),
             "only moe_layer_freq 1 is implemented",
         );
         self.require_if_present(
-            "q_lora_rank",
-            |v| !v.is_null(),
+            key!(q_lora_rank),
+            not_null,
             "the direct q_proj variant is not implemented",
         );
         self.require_if_present(
-            "routed_expert_hidden_size",
-            |v| !v.is_null(),
+            key!(routed_expert_hidden_size),
+            not_null,
             "non-latent MoE is not implemented",
         );
         self.require_if_present(
-            "num_nextn_predict_layers",
-            |v| v.as_f64().is_none_or(|x| x == 0.0),
+            key!(num_nextn_predict_layers),
+            |v| number(v).is_none_or(|x| x == 0.0),
             "MTP layers are not implemented",
         );
         self.require_if_present(
-            "tie_word_embeddings",
-            is_false,
+            key!(tie_word_embeddings),
+            is(false),
             "tied embeddings are not supported (a separate lm_head is required)",
         );
         self.require_if_present(
-            "gate_lower_bound",
-            |v| !v.is_null(),
+            key!(gate_lower_bound),
+            not_null,
             "null selects a different decay law that is not implemented",
         );
         self.require_if_present(
-            "topk_method",
-            |v| v.as_str() == Some("noaux_tc"),
+            key!(topk_method),
+            named("noaux_tc"),
             "only `noaux_tc` routing (sigmoid scores, bias-corrected top-k) is implemented",
         );
         self.check_quantization();
@@ -608,16 +822,18 @@ impl<'a> Reader<'a> {
 
     /// An optional integer key: None when absent or null; a problem when it is not an integer
     /// in `min..=max`.
-    fn optional_int(&mut self, name: &str, min: u64, max: u64) -> Option<(String, u64)> {
+    fn optional_int(&mut self, name: Key<Number>, min: u64, max: u64) -> Option<(String, u64)> {
         let (p, v) = self.find(&[name])?;
-        if v.is_null() {
+        if matches!(v, Field::Null) {
             return None;
         }
-        match v.as_u64() {
+        match v.value().and_then(Number::as_u64) {
             Some(x) if (min..=max).contains(&x) => Some((p, x)),
             _ => {
-                self.problems
-                    .push(format!("`{p}` = {v} must be an integer in {min}..={max}"));
+                self.problems.push(format!(
+                    "`{p}` = {} must be an integer in {min}..={max}",
+                    v.shown()
+                ));
                 None
             }
         }
@@ -629,35 +845,52 @@ impl<'a> Reader<'a> {
     fn check_values(&mut self, vocab_size: Option<usize>, num_experts: Option<usize>) {
         if let Some(vocab) = vocab_size {
             let scopes = self.scopes.clone();
-            for key in [
-                "bos_token_id",
-                "eos_token_id",
-                "pad_token_id",
-                "media_placeholder_token_id",
-            ] {
-                for (scope, m) in &scopes {
-                    let Some(v) = m.get(key) else { continue };
-                    let p = Self::path(scope, key);
-                    // A list of ids is allowed for eos (several stop tokens).
-                    let ids: Vec<&Value> = match v {
-                        Value::Null => Vec::new(),
-                        Value::Array(a) if key == "eos_token_id" => a.iter().collect(),
-                        other => vec![other],
-                    };
-                    for id in ids {
-                        if id.as_u64().is_none_or(|x| x >= vocab as u64) {
-                            self.problems.push(format!(
-                                "`{p}` = {id} is not a token id of the vocabulary (0..={})",
-                                vocab - 1
-                            ));
+            let ids: [Key<u64>; 3] = [
+                key!(bos_token_id),
+                key!(pad_token_id),
+                key!(media_placeholder_token_id),
+            ];
+            for (scope, m) in &scopes {
+                // (key, whether the id is in the vocabulary, the id as written)
+                let mut found: Vec<(&str, bool, String)> = Vec::new();
+                for (key, get) in ids {
+                    let f = get(m);
+                    if f.present() && !matches!(f, Field::Null) {
+                        let ok = f.value().is_some_and(|&x| x < vocab as u64);
+                        found.push((key, ok, f.shown()));
+                    }
+                }
+                // A list of ids is allowed for eos (several stop tokens).
+                match &m.eos_token_id {
+                    Field::Absent | Field::Null => {}
+                    Field::Ok {
+                        value: TokenIds::Many(list),
+                        ..
+                    } => {
+                        for id in list {
+                            let ok = id.value().is_some_and(|&x| x < vocab as u64);
+                            found.push(("eos_token_id", ok, id.shown()));
                         }
+                    }
+                    f @ (Field::Ok { .. } | Field::Wrong(_)) => {
+                        let ok = matches!(f.value(), Some(TokenIds::One(x)) if *x < vocab as u64);
+                        found.push(("eos_token_id", ok, f.shown()));
+                    }
+                }
+                for (key, ok, id) in found {
+                    if !ok {
+                        let p = Self::path(scope, key);
+                        self.problems.push(format!(
+                            "`{p}` = {id} is not a token id of the vocabulary (0..={})",
+                            vocab - 1
+                        ));
                     }
                 }
             }
         }
-        self.optional_int("max_position_embeddings", 2, 1 << 40);
-        let groups = self.optional_int("num_expert_group", 1, 1 << 20);
-        let topk_group = self.optional_int("topk_group", 1, 1 << 20);
+        self.optional_int(key!(max_position_embeddings), 2, 1 << 40);
+        let groups = self.optional_int(key!(num_expert_group), 1, 1 << 20);
+        let topk_group = self.optional_int(key!(topk_group), 1, 1 << 20);
         let g = groups.as_ref().map_or(1, |(_, g)| *g);
         if let Some((p, tg)) = &topk_group {
             if *tg > g {
@@ -683,28 +916,26 @@ impl<'a> Reader<'a> {
     }
 
     fn check_quantization(&mut self) {
-        let Some((p, q)) = self.find(&["quantization_config"]) else {
+        let Some((p, Field::Ok { value: q, .. })) = self.find(&[key!(quantization_config)]) else {
             return;
         };
-        if q.is_null() {
-            return;
+        let m = &q.quant_method;
+        if m.present() && m.value().map(String::as_str) != Some("compressed-tensors") {
+            self.problems.push(format!(
+                "`{p}.quant_method` = {}: expected \"compressed-tensors\"",
+                m.shown()
+            ));
         }
-        if let Some(m) = q.get("quant_method") {
-            if m.as_str() != Some("compressed-tensors") {
-                self.problems.push(format!(
-                    "`{p}.quant_method` = {m}: expected \"compressed-tensors\""
-                ));
-            }
-        }
-        if let Some(f) = q.get("format") {
-            if f.as_str() != Some("mxfp4-pack-quantized") {
-                self.problems.push(format!(
-                    "`{p}.format` = {f}: expected \"mxfp4-pack-quantized\""
-                ));
-            }
+        let f = &q.format;
+        if f.present() && f.value().map(String::as_str) != Some("mxfp4-pack-quantized") {
+            self.problems.push(format!(
+                "`{p}.format` = {}: expected \"mxfp4-pack-quantized\"",
+                f.shown()
+            ));
         }
         // Every group_size / num_bits stated anywhere inside must be 32 / 4.
-        let mut stack = vec![(p.clone(), q)];
+        let rest = Value::Object(q.rest.clone());
+        let mut stack = vec![(p.clone(), &rest)];
         while let Some((path, v)) = stack.pop() {
             if let Some(o) = v.as_object() {
                 for (k, child) in o {
@@ -726,36 +957,37 @@ impl<'a> Reader<'a> {
     }
 
     fn build(&mut self) -> Option<ModelConfig> {
-        let hidden_size = self.size(&["hidden_size"], 1);
-        let num_hidden_layers = self.size(&["num_hidden_layers"], 1);
-        let vocab_size = self.size(&["vocab_size"], 1);
-        let rms_norm_eps = self.float(&["rms_norm_eps"]);
+        let hidden_size = self.size(&[key!(hidden_size)], 1);
+        let num_hidden_layers = self.size(&[key!(num_hidden_layers)], 1);
+        let vocab_size = self.size(&[key!(vocab_size)], 1);
+        let rms_norm_eps = self.float(&[key!(rms_norm_eps)]);
         if rms_norm_eps.is_some_and(|e| e <= 0.0 || e >= 1.0) {
             self.problems
                 .push("`rms_norm_eps` must be in (0, 1)".into());
         }
-        let kda_num_heads = self.kda_size("num_heads", "kda_num_heads");
-        let kda_head_dim = self.kda_size("head_dim", "kda_head_dim");
-        let short_conv_kernel_size = self.size(&["short_conv_kernel_size"], 1);
-        let gate_lower_bound = self.float(&["gate_lower_bound"]);
+        let kda_num_heads = self.kda_size(key!(num_heads), key!(kda_num_heads));
+        let kda_head_dim = self.kda_size(key!(head_dim), key!(kda_head_dim));
+        let short_conv_kernel_size = self.size(&[key!(short_conv_kernel_size)], 1);
+        let gate_lower_bound = self.float(&[key!(gate_lower_bound)]);
         if gate_lower_bound.is_some_and(|g| g >= 0.0) {
             self.problems
                 .push("`gate_lower_bound` must be negative".into());
         }
-        let num_attention_heads = self.size(&["num_attention_heads"], 1);
-        if let (Some(h), Some((p, kv))) = (num_attention_heads, self.find(&["num_key_value_heads"]))
+        let num_attention_heads = self.size(&[key!(num_attention_heads)], 1);
+        if let (Some(h), Some((p, kv))) =
+            (num_attention_heads, self.find(&[key!(num_key_value_heads)]))
         {
-            if kv.as_f64() != Some(h as f64) {
-                self.problems.push(format!("`{p}` = {kv} must equal num_attention_heads ({h}): grouped KV is not implemented"));
+            if kv.value().and_then(Number::as_f64) != Some(h as f64) {
+                self.problems.push(format!("`{p}` = {} must equal num_attention_heads ({h}): grouped KV is not implemented", kv.shown()));
             }
         }
-        let q_lora_rank = self.size(&["q_lora_rank"], 1);
-        let kv_lora_rank = self.size(&["kv_lora_rank"], 1);
-        let qk_nope_head_dim = self.size(&["qk_nope_head_dim"], 1);
-        let qk_rope_head_dim = self.size(&["qk_rope_head_dim"], 0);
-        let v_head_dim = self.size(&["v_head_dim"], 1);
-        let num_experts = self.size(&["num_experts", "n_routed_experts"], 1);
-        let top_k = self.size(&["num_experts_per_token", "num_experts_per_tok"], 1);
+        let q_lora_rank = self.size(&[key!(q_lora_rank)], 1);
+        let kv_lora_rank = self.size(&[key!(kv_lora_rank)], 1);
+        let qk_nope_head_dim = self.size(&[key!(qk_nope_head_dim)], 1);
+        let qk_rope_head_dim = self.size(&[key!(qk_rope_head_dim)], 0);
+        let v_head_dim = self.size(&[key!(v_head_dim)], 1);
+        let num_experts = self.size(&[key!(num_experts), key!(n_routed_experts)], 1);
+        let top_k = self.size(&[key!(num_experts_per_token), key!(num_experts_per_tok)], 1);
         if let (Some(k), Some(e)) = (top_k, num_experts) {
             if k > e {
                 self.problems.push(format!(
@@ -768,15 +1000,16 @@ impl<'a> Reader<'a> {
                 "`num_experts_per_token` above the engine maximum {MAX_TOP_K}"
             ));
         }
-        let num_shared_experts = self.size(&["num_shared_experts"], 0);
-        let routed_expert_hidden_size = self.size(&["routed_expert_hidden_size"], 1);
-        let moe_intermediate_size = self.size(&["moe_intermediate_size"], 1);
-        let routed_scaling_factor = self.float(&["routed_scaling_factor"]);
-        let first_k_dense_replace = self.size(&["first_k_dense_replace"], 0);
-        let intermediate_size = self.size(&["intermediate_size"], 1);
-        let attn_res_block_size = self.size(&["attn_res_block_size"], 1);
-        let situ_beta = self.float(&["activation_situ_beta", "situ_beta"]);
-        let situ_linear_beta = self.float(&["activation_situ_linear_beta", "situ_linear_beta"]);
+        let num_shared_experts = self.size(&[key!(num_shared_experts)], 0);
+        let routed_expert_hidden_size = self.size(&[key!(routed_expert_hidden_size)], 1);
+        let moe_intermediate_size = self.size(&[key!(moe_intermediate_size)], 1);
+        let routed_scaling_factor = self.float(&[key!(routed_scaling_factor)]);
+        let first_k_dense_replace = self.size(&[key!(first_k_dense_replace)], 0);
+        let intermediate_size = self.size(&[key!(intermediate_size)], 1);
+        let attn_res_block_size = self.size(&[key!(attn_res_block_size)], 1);
+        let situ_beta = self.float(&[key!(activation_situ_beta), key!(situ_beta)]);
+        let situ_linear_beta =
+            self.float(&[key!(activation_situ_linear_beta), key!(situ_linear_beta)]);
         for (n, b) in [
             ("activation_situ_beta", situ_beta),
             ("activation_situ_linear_beta", situ_linear_beta),
@@ -785,13 +1018,13 @@ impl<'a> Reader<'a> {
                 self.problems.push(format!("`{n}` must be positive"));
             }
         }
-        let moe_renormalize = self.optional_bool("moe_renormalize", true);
-        let latent_moe_use_norm = self.optional_bool("latent_moe_use_norm", true);
+        let moe_renormalize = self.optional_bool(key!(moe_renormalize), true);
+        let latent_moe_use_norm = self.optional_bool(key!(latent_moe_use_norm), true);
         if !latent_moe_use_norm {
             self.problems
                 .push("`latent_moe_use_norm` false is not implemented".into());
         }
-        let mla_use_output_gate = self.optional_bool("mla_use_output_gate", true);
+        let mla_use_output_gate = self.optional_bool(key!(mla_use_output_gate), true);
         if !mla_use_output_gate {
             self.problems
                 .push("`mla_use_output_gate` false is not implemented".into());
@@ -799,10 +1032,16 @@ impl<'a> Reader<'a> {
         let is_mla = self.layer_map(num_hidden_layers);
         self.check_semantics();
         self.check_values(vocab_size, num_experts);
-        let eos_token_id = self
-            .find(&["eos_token_id"])
-            .and_then(|(_, v)| v.as_u64())
-            .and_then(|x| u32::try_from(x).ok());
+        let eos_token_id = match self.find(&[key!(eos_token_id)]) {
+            Some((
+                _,
+                Field::Ok {
+                    value: TokenIds::One(x),
+                    ..
+                },
+            )) => u32::try_from(*x).ok(),
+            _ => None,
+        };
         Some(ModelConfig {
             hidden_size: hidden_size?,
             num_hidden_layers: num_hidden_layers?,

@@ -222,7 +222,9 @@ fn demo_budget(model_dir: &std::path::Path, context: u64) -> crate::Result<(u64,
     Ok((b, line))
 }
 
-/// The most recently saved session that can be read, for `--continue`.
+/// The most recent conversation, for `--continue`: the newest of the saved sessions that can
+/// be read and the conversations kept in journals (saved or not), by the time each was last
+/// saved or journaled.
 fn most_recent(args: &ChatArgs) -> crate::Result<String> {
     use crate::session::store::SessionStore;
     let store = SessionStore::new(
@@ -230,19 +232,30 @@ fn most_recent(args: &ChatArgs) -> crate::Result<String> {
             .clone()
             .unwrap_or_else(SessionStore::default_dir),
     );
-    let list = store
+    let unreadable = |e: std::io::Error| {
+        crate::Error::Usage(format!("--continue: {}: {e}", store.dir().display()))
+    };
+    // Both lists are newest first.
+    let saved = store
         .list()
-        .map_err(|e| crate::Error::Usage(format!("--continue: {}: {e}", store.dir().display())))?;
-    // The list is newest first.
-    list.into_iter()
+        .map_err(unreadable)?
+        .into_iter()
         .find(|s| s.problem.is_none())
-        .map(|s| s.name)
-        .ok_or_else(|| {
-            crate::Error::Usage(format!(
-                "--continue: no saved session in {} to continue",
-                store.dir().display()
-            ))
-        })
+        .map(|s| (s.saved_unix, s.name));
+    let journaled = store
+        .journals()
+        .map_err(unreadable)?
+        .into_iter()
+        .next()
+        .map(|j| (j.modified_unix, j.name));
+    match (saved, journaled) {
+        (Some(s), Some(j)) => Ok(if j.0 >= s.0 { j.1 } else { s.1 }),
+        (Some((_, name)), None) | (None, Some((_, name))) => Ok(name),
+        (None, None) => Err(crate::Error::Usage(format!(
+            "--continue: no saved session or unsaved conversation in {} to continue",
+            store.dir().display()
+        ))),
+    }
 }
 
 /// The user data directory (`$K3_DATA_DIR`, else the platform's).

@@ -73,9 +73,12 @@ pub struct HistoryView {
     pub mode: Mode,
     /// The transcript, oldest first.
     pub entries: Vec<Entry>,
+    /// It holds changes that are not saved (turns recovered from a journal, or made since the
+    /// last save): the client marks it unsaved and asks before quitting.
+    pub unsaved: bool,
 }
 
-/// One saved session, as listed by the worker.
+/// One session, saved or journaled only, as listed by the worker.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SessionRow {
     /// Name.
@@ -90,6 +93,9 @@ pub struct SessionRow {
     pub bytes: u64,
     /// Why the file could not be read, if so.
     pub problem: Option<String>,
+    /// It has changes that are not saved, kept in its journal: all of it when it was never
+    /// saved (then `saved_unix` is when the journal was last written, and `saved` says so).
+    pub unsaved: bool,
 }
 
 /// Worker → front end.
@@ -155,6 +161,13 @@ pub enum EngineEvent {
         turn: TurnId,
         /// One row per session file.
         rows: Vec<SessionRow>,
+    },
+    /// The conversation has a name now: its first turn named it (a new conversation is
+    /// journaled under its first words and the date from then on). Front ends show it and
+    /// offer it as the name to save under.
+    Named {
+        /// The conversation's name.
+        name: String,
     },
     /// A command's answer, as text.
     Notice {

@@ -261,6 +261,7 @@ pub fn run(
                     system: ctx.system.clone(),
                     mode: crate::session::chat::Mode::Chat,
                     entries: ctx.entries.clone(),
+                    unsaved: ctx.changed,
                 }),
             }),
             Request::ListSessions { turn } => {
@@ -274,6 +275,7 @@ pub fn run(
                         turns: 0,
                         bytes: 0,
                         problem: None,
+                        unsaved: false,
                     })
                     .collect();
                 ctx.event(EngineEvent::Sessions { turn, rows })
@@ -788,6 +790,7 @@ impl Ctx<'_> {
             (None, None) => {
                 let n = self.fresh_name();
                 self.name = Some(n.clone());
+                let _ = self.event(EngineEvent::Named { name: n.clone() });
                 n
             }
         };

@@ -14,6 +14,8 @@ mod events;
 mod keys;
 mod select;
 #[cfg(test)]
+mod session_tests;
+#[cfg(test)]
 mod tests;
 
 use crate::app::config::{Cmd, ThemeName};

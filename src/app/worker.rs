@@ -529,6 +529,7 @@ fn run(
             break; // the front end is gone
         }
     }
+    ctx.drop_empty_journal();
     if let Some(text) = ctx.unsaved_notice() {
         let _ = tx.send(EngineEvent::Notice { turn: 0, text });
     }
@@ -545,6 +546,7 @@ impl Ctx<'_> {
             system: s.system.clone(),
             mode: s.mode,
             entries: s.entries.clone(),
+            unsaved: self.changed,
         }
     }
 
@@ -696,6 +698,7 @@ impl Ctx<'_> {
         let _ = tx.send(started);
         let result = f(&mut self.session, self.cancel, &mut emit);
         self.deferred.extend(deferred);
+        let named_before = self.name.clone();
         if result.is_ok() {
             self.changed = true;
             self.unsaved_turns += 1;
@@ -707,6 +710,10 @@ impl Ctx<'_> {
             }
             Ok(_) => self.journal(RecordKind::Turn, None),
             Err(_) => self.journal(RecordKind::Change, None),
+        }
+        // The first turn of a new conversation names it: the front end learns the name now.
+        if let Some(name) = self.name.clone().filter(|_| self.name != named_before) {
+            alive &= self.event(EngineEvent::Named { name });
         }
         if let Ok(r) = &result {
             self.busy_seconds += r.prefill_seconds + r.decode_seconds;
@@ -866,6 +873,7 @@ impl Ctx<'_> {
     /// `/new`: a new conversation, unnamed until its first turn. The one before is let go;
     /// its journal stays on disk (its name's `--resume` recovers its unsaved turns).
     fn new_conversation(&mut self) -> Result<String, String> {
+        self.drop_empty_journal();
         self.session.reset().map_err(|e| e.to_string())?;
         let kept = self
             .journal

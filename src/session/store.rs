@@ -15,7 +15,7 @@ pub mod lock;
 
 pub use super::naming::{validate_name, NameError, MAX_NAME_LEN};
 pub use decode::decode;
-pub use dir::{OsIo, SaveIo, SessionInfo, SessionStore};
+pub use dir::{JournalInfo, OsIo, SaveIo, SessionInfo, SessionStore};
 pub use encode::encode;
 pub use error::{LoadError, LockError, RecordError, Refusal, SaveError, SaveStep, WriteError};
 pub use format::{

@@ -7,6 +7,7 @@ mod ceilings;
 mod common;
 mod config;
 mod config_values;
+mod conversations;
 mod demo;
 mod docs;
 mod fuzz;

@@ -921,7 +921,7 @@ fn leaving_with_unsaved_turns_says_so_and_a_last_save_still_runs() {
 }
 
 #[test]
-fn continue_opens_the_most_recently_saved_session() {
+fn continue_opens_the_most_recent_conversation_saved_or_not() {
     use std::io::Write;
     let dir = tempfile::tempdir().unwrap();
     let chat = |extra: &[&str], input: &[u8]| {
@@ -967,6 +967,22 @@ fn continue_opens_the_most_recently_saved_session() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("loaded session \"zeta\""), "{err}");
+    // A conversation never saved, newer than `zeta`, is the last one: `-c` continues it from
+    // its journal.
+    let saved = now();
+    while now() <= saved {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let out = chat(&[], b"an unsaved chat\n");
+    assert!(out.status.success());
+    let out = chat(&["-c"], b"/stats\n");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("session \"an-unsaved-chat-") && err.contains("was never saved"),
+        "{err}"
+    );
+    assert!(err.contains("recovered 1 unsaved turn"), "{err}");
     // It conflicts with --resume.
     let out = chat(&["-c", "--resume", "alpha"], b"");
     assert_eq!(out.status.code(), Some(2));

@@ -111,6 +111,7 @@ impl App {
                 }
                 self.session_rows(Ok(rows));
             }
+            EngineEvent::Named { name } => self.session = Some(name),
             EngineEvent::Notice { turn, text } => {
                 if self.is_cancelled(turn) {
                     return false;
@@ -444,6 +445,8 @@ impl App {
                 self.fetch_history(fx);
             }
             Command::New => {
+                // The new conversation is named at its first turn (`EngineEvent::Named`).
+                self.session = None;
                 self.items.clear();
                 self.dirty = false;
                 self.scroll = 0;
@@ -515,6 +518,9 @@ impl App {
             self.push_entry(e);
         }
         self.mode = t.mode;
+        // Turns recovered from a journal are not saved: the status bar says so and quitting
+        // asks first.
+        self.dirty = t.unsaved;
         self.scroll = 0;
     }
 

@@ -695,6 +695,14 @@ impl App {
                 None => d.message = Some("no saved session selected".into()),
             },
             (Action::Delete, _) | (_, Some('d')) => match names.get(d.selected) {
+                // The worker refuses the conversation open here: say so before asking.
+                Some(name) if self.session.as_deref() == Some(name.as_str()) => {
+                    d.message = Some(format!(
+                        "{name:?} is the conversation open here: it cannot be deleted; {} \
+                         starts a new one",
+                        self.keys.of(Cmd::New)
+                    ));
+                }
                 Some(name) => d.deleting = Some(name.clone()),
                 None => d.message = Some("no saved session selected".into()),
             },

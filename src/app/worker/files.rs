@@ -136,26 +136,59 @@ pub(super) fn delete_session(
 
 /// The answer to [`Request::ListSessions`]: the rows, or why the directory cannot be read.
 pub(super) fn session_rows(store: &SessionStore, turn: TurnId) -> EngineEvent {
-    match store.list() {
-        Ok(list) => EngineEvent::Sessions {
-            turn,
-            rows: list
-                .into_iter()
-                .map(|s| SessionRow {
-                    name: s.name,
-                    saved_unix: s.saved_unix,
-                    saved: naming::local_time(s.saved_unix),
-                    turns: s.turns,
-                    bytes: s.bytes,
-                    problem: s.problem,
-                })
-                .collect(),
-        },
+    match listing(store) {
+        Ok(rows) => EngineEvent::Sessions { turn, rows },
         Err(e) => EngineEvent::Failed {
             turn,
             message: format!("{}: {e}", store.dir().display()),
         },
     }
+}
+
+/// The saved sessions and the conversations only journaled, newest first: a saved session
+/// with a journal is marked unsaved (and dated by its journal's last write); a conversation
+/// never saved is listed from its journal, with the turns its last record holds.
+pub(super) fn listing(store: &SessionStore) -> std::io::Result<Vec<SessionRow>> {
+    let mut rows: Vec<SessionRow> = store
+        .list()?
+        .into_iter()
+        .map(|s| SessionRow {
+            name: s.name,
+            saved_unix: s.saved_unix,
+            saved: naming::local_time(s.saved_unix),
+            turns: s.turns,
+            bytes: s.bytes,
+            problem: s.problem,
+            unsaved: false,
+        })
+        .collect();
+    for j in store.journals()? {
+        if let Some(row) = rows.iter_mut().find(|r| r.name == j.name) {
+            row.unsaved = true;
+            row.saved_unix = row.saved_unix.max(j.modified_unix);
+            continue;
+        }
+        let turns = store
+            .journal_path(&j.name)
+            .ok()
+            .and_then(|p| super::journaled::journal_turns(&p))
+            .unwrap_or(0);
+        rows.push(SessionRow {
+            saved: "not saved".into(),
+            name: j.name,
+            saved_unix: j.modified_unix,
+            turns,
+            bytes: j.bytes,
+            problem: None,
+            unsaved: true,
+        });
+    }
+    rows.sort_by(|a, b| {
+        b.saved_unix
+            .cmp(&a.saved_unix)
+            .then_with(|| a.name.cmp(&b.name))
+    });
+    Ok(rows)
 }
 
 impl Ctx<'_> {
@@ -225,6 +258,7 @@ impl Ctx<'_> {
     /// a non-interactive caller should use.
     pub(super) fn load(&mut self, name: &str) -> Result<String, (String, i32)> {
         let claim = self.claim_to_open(name)?;
+        self.drop_empty_journal();
         let mut msg = if !self.store.exists(name) && self.store.has_journal(name) {
             self.start_from_journal(name)?
         } else {
@@ -439,7 +473,8 @@ impl Ctx<'_> {
 
     pub(super) fn sessions(&self) -> Result<String, String> {
         let list = self.store.list().map_err(|e| e.to_string())?;
-        if list.is_empty() {
+        let journals = self.store.journals().map_err(|e| e.to_string())?;
+        if list.is_empty() && journals.is_empty() {
             return Ok(format!(
                 "no saved sessions in {}",
                 self.store.dir().display()
@@ -450,16 +485,46 @@ impl Ctx<'_> {
             list.len(),
             self.store.dir().display()
         );
-        for s in list {
+        for s in &list {
+            let journaled = journals.iter().any(|j| j.name == s.name);
             out.push_str(&format!(
-                "\n  {:<24} saved {}  {} turns  {} positions  {:.1} KB  {:.0} B/position",
+                "\n  {:<24} saved {}  {} turns  {} positions  {:.1} KB  {:.0} B/position{}",
                 s.name,
                 naming::local_time(s.saved_unix),
                 s.turns,
                 s.positions,
                 s.bytes as f64 / 1e3,
-                s.bytes_per_position
+                s.bytes_per_position,
+                if journaled {
+                    "  + unsaved changes (journaled)"
+                } else {
+                    ""
+                }
             ));
+        }
+        let unsaved: Vec<_> = journals
+            .iter()
+            .filter(|j| !list.iter().any(|s| s.name == j.name))
+            .collect();
+        if !unsaved.is_empty() {
+            out.push_str(&format!(
+                "\n{} conversation(s) never saved, kept in their journals (--resume NAME or \
+                 /load NAME opens one):",
+                unsaved.len()
+            ));
+            for j in unsaved {
+                let turns = self
+                    .store
+                    .journal_path(&j.name)
+                    .ok()
+                    .and_then(|p| super::journaled::journal_turns(&p))
+                    .unwrap_or(0);
+                out.push_str(&format!(
+                    "\n  {:<24} unsaved, last written {}  {turns} turns",
+                    j.name,
+                    naming::local_time(j.modified_unix),
+                ));
+            }
         }
         Ok(out)
     }

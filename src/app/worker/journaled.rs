@@ -2,7 +2,7 @@
 //! that applies it after a crash.
 
 use super::{unix_now, Base, Ctx, SavedTranscript};
-use crate::session::chat::Settings;
+use crate::session::chat::{Entry, Settings};
 use crate::session::journal::{self, Journal};
 use crate::session::naming;
 use crate::session::store::{SessionLock, SessionStore};
@@ -79,6 +79,29 @@ pub(super) fn set_aside(path: &Path) -> String {
         Ok(()) => kept.display().to_string(),
         Err(e) => format!("{} (it could not be renamed: {e})", path.display()),
     }
+}
+
+/// The turns of the conversation a journal holds (as its last readable record has it), for a
+/// listing; `None` when the journal cannot be read.
+pub(super) fn journal_turns(path: &Path) -> Option<u32> {
+    let read = journal::read(path).ok()??;
+    let last = read
+        .records
+        .iter()
+        .skip(1)
+        .rev()
+        .find_map(|r| serde_json::from_slice::<JournalRecord>(r).ok())?;
+    let turns = last
+        .transcript
+        .entries
+        .iter()
+        .filter(|e| match e {
+            Entry::Message { role, .. } => role == "user",
+            Entry::Raw { .. } => true,
+            Entry::Mode { .. } => false,
+        })
+        .count();
+    u32::try_from(turns).ok()
 }
 
 impl Ctx<'_> {
@@ -359,6 +382,21 @@ impl Ctx<'_> {
             Ok((name, None))
         } else {
             Ok((name, Some(lock)))
+        }
+    }
+
+    /// A conversation never saved that holds no message leaves no journal: it goes, with the
+    /// lock of its name (at the end of a run, at `/new` and before a load).
+    pub(super) fn drop_empty_journal(&mut self) {
+        let empty = !self
+            .session
+            .entries
+            .iter()
+            .any(|e| matches!(e, Entry::Message { .. } | Entry::Raw { .. }));
+        if self.journal.is_some() && self.base.is_none() && empty {
+            if let Some(problem) = self.drop_journal() {
+                self.journal_problem = Some(problem);
+            }
         }
     }
 

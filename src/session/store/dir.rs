@@ -101,6 +101,17 @@ impl<I: SaveIo> Write for IoWriter<'_, I> {
 // The store
 // ---------------------------------------------------------------------------------------------
 
+/// A journal as [`SessionStore::journals`] lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JournalInfo {
+    /// The conversation's name (from the file name).
+    pub name: String,
+    /// When the journal was last written, Unix seconds.
+    pub modified_unix: u64,
+    /// Its size in bytes.
+    pub bytes: u64,
+}
+
 /// One session as `list` shows it, read from the header and summary only.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SessionInfo {
@@ -473,6 +484,52 @@ impl SessionStore {
         out.sort_by(|a, b| {
             b.saved_unix
                 .cmp(&a.saved_unix)
+                .then_with(|| a.name.cmp(&b.name))
+        });
+        Ok(out)
+    }
+
+    /// Every journal in the store (the unsaved changes of a conversation: all of it for one
+    /// never saved), newest first by the time it was last written. A missing directory has
+    /// none.
+    pub fn journals(&self) -> io::Result<Vec<JournalInfo>> {
+        let rd = match fs::read_dir(&self.dir) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e),
+        };
+        let suffix = format!(".{}", crate::session::journal::EXTENSION);
+        let mut out = Vec::new();
+        for entry in rd {
+            let entry = entry?;
+            let file_name = entry.file_name();
+            let Some(name) = file_name
+                .to_str()
+                .and_then(|f| f.strip_suffix(suffix.as_str()))
+                .filter(|n| validate_name(n).is_ok())
+            else {
+                continue;
+            };
+            let Ok(meta) = fs::symlink_metadata(entry.path()) else {
+                continue; // removed meanwhile
+            };
+            if !meta.is_file() {
+                continue;
+            }
+            let modified_unix = meta
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_secs());
+            out.push(JournalInfo {
+                name: name.to_string(),
+                modified_unix,
+                bytes: meta.len(),
+            });
+        }
+        out.sort_by(|a, b| {
+            b.modified_unix
+                .cmp(&a.modified_unix)
                 .then_with(|| a.name.cmp(&b.name))
         });
         Ok(out)

@@ -194,10 +194,12 @@ pub fn sessions(app: &App, d: &SessionDialog, theme: &Theme, area: Rect, buf: &m
             let first = d.selected.saturating_sub(room - 1);
             for (i, r) in rows.iter().enumerate().skip(first).take(room) {
                 let name = fit(&one_line(&r.name), name_w).to_string();
+                // `*`: changes kept in a journal and not saved (all of it when "not saved").
+                let mark = if r.unsaved { "* " } else { "  " };
                 let text = match &r.problem {
-                    Some(p) => format!("  {name:<name_w$} {}", one_line(p)),
+                    Some(p) => format!("{mark}{name:<name_w$} {}", one_line(p)),
                     None => format!(
-                        "  {name:<name_w$} {:<16} {:>5} {:>10}",
+                        "{mark}{name:<name_w$} {:<16} {:>5} {:>10}",
                         one_line(&r.saved),
                         r.turns,
                         bytes(r.bytes)

@@ -244,6 +244,7 @@ fn session_dialog() {
                 turns: 4,
                 bytes: 134_313,
                 problem: None,
+                unsaved: false,
             },
             SessionRow {
                 name: "notes".into(),
@@ -252,6 +253,7 @@ fn session_dialog() {
                 turns: 12,
                 bytes: 2_500_000,
                 problem: None,
+                unsaved: false,
             },
             SessionRow {
                 name: "broken".into(),
@@ -260,6 +262,7 @@ fn session_dialog() {
                 turns: 0,
                 bytes: 0,
                 problem: Some("bad magic".into()),
+                unsaved: false,
             },
         ],
     }));

@@ -12,6 +12,7 @@ fn rows() -> Vec<SessionRow> {
             turns: 3,
             bytes: 12_345,
             problem: None,
+            unsaved: false,
         },
         SessionRow {
             name: "beta".into(),
@@ -20,6 +21,7 @@ fn rows() -> Vec<SessionRow> {
             turns: 1,
             bytes: 999,
             problem: None,
+            unsaved: false,
         },
     ]
 }
@@ -70,6 +72,7 @@ fn the_session_dialog_loads_and_shows_the_history() {
                 reasoning: Some("hm".into()),
             },
         ],
+        unsaved: false,
     };
     ev(
         &mut app,

@@ -1,0 +1,274 @@
+//! Transition tests of what the client says about the conversation it has open: its name
+//! after `/new` and its first turn, recovered turns marked unsaved, the session dialog's
+//! refusals, the token limit behind the time-left estimate, the cost of a thinking change and
+//! the panes key. The tests play the worker's part, as in `tests.rs`.
+
+use super::*;
+use crate::app::config::Cmd;
+use crate::app::protocol::HistoryView;
+use crate::session::chat::Entry;
+
+fn start(resume: bool) -> App {
+    let mut app = App::new(AppInit {
+        model: "tiny".into(),
+        session: None,
+        resume,
+        thinking: false,
+        effort: "high".into(),
+        context_limit: 4096,
+        max_tokens: 512,
+        history: Vec::new(),
+        budget_gb: None,
+        keys: KeyLabels(vec![
+            (Cmd::New, "Ctrl-N".into()),
+            (Cmd::Effort, "F2".into()),
+        ]),
+        theme: ThemeName::Dark,
+    });
+    app.update(Msg::Engine(EngineEvent::Ready {
+        info: "k3: tiny (13 layers, vocabulary 512), new session (named at its first turn, \
+               and journaled until saved), chat mode"
+            .into(),
+    }));
+    app
+}
+
+fn act(app: &mut App, a: Action) -> Vec<Effect> {
+    app.update(Msg::Action(a))
+}
+
+fn ev(app: &mut App, e: EngineEvent) -> Vec<Effect> {
+    app.update(Msg::Engine(e))
+}
+
+fn type_text(app: &mut App, text: &str) {
+    for c in text.chars() {
+        act(app, Action::Char(c));
+    }
+}
+
+/// The requests among `fx`.
+fn requests(fx: &[Effect]) -> Vec<Request> {
+    fx.iter()
+        .filter_map(|e| match e {
+            Effect::Send(r) => Some(r.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The turn and command of the single command request among `fx`.
+fn command(fx: &[Effect]) -> (TurnId, Command) {
+    match &requests(fx)[..] {
+        [Request::Command { turn, command }] => (*turn, command.clone()),
+        other => panic!("one command expected: {other:?}"),
+    }
+}
+
+/// Answer a command as the worker would.
+fn answer(app: &mut App, turn: TurnId, text: &str) -> Vec<Effect> {
+    ev(
+        app,
+        EngineEvent::Notice {
+            turn,
+            text: text.into(),
+        },
+    )
+}
+
+fn report(prefilled: usize, prefill_seconds: f64) -> Box<TurnReport> {
+    Box::new(TurnReport {
+        mode: Mode::Chat,
+        prompt_ids: vec![1, 2, 3],
+        generated_ids: vec![4, 5],
+        generated_tokens: 2,
+        reply: "ok".into(),
+        reasoning: None,
+        reused_tokens: 0,
+        prefilled_tokens: prefilled,
+        stop: Stop::End(0),
+        accepted: true,
+        rejected_because: None,
+        prefill_seconds,
+        decode_seconds: 0.2,
+        context_warning: None,
+    })
+}
+
+/// Send `text` and finish its reply (the worker names a new conversation at its first turn:
+/// `named`); the reply read `prefilled` prompt tokens in `prefill_seconds`.
+fn chat(app: &mut App, text: &str, named: Option<&str>, prefilled: usize, prefill_seconds: f64) {
+    type_text(app, text);
+    let fx = act(app, Action::Submit);
+    let turn = match &requests(&fx)[..] {
+        [Request::Send { turn, .. }] => *turn,
+        other => panic!("a message expected: {other:?}"),
+    };
+    if let Some(name) = named {
+        ev(app, EngineEvent::Named { name: name.into() });
+    }
+    ev(
+        app,
+        EngineEvent::Stats {
+            turn,
+            stats: Box::new(StatsSnapshot {
+                positions: 40,
+                ..StatsSnapshot::default()
+            }),
+        },
+    );
+    ev(
+        app,
+        EngineEvent::TurnDone {
+            turn,
+            report: report(prefilled, prefill_seconds),
+        },
+    );
+    assert_eq!(app.phase, Phase::Idle);
+}
+
+fn row(name: &str, unsaved: bool) -> SessionRow {
+    SessionRow {
+        name: name.into(),
+        saved_unix: 1_800_000_000,
+        saved: if unsaved {
+            "not saved"
+        } else {
+            "2027-01-15 08:00"
+        }
+        .into(),
+        turns: 1,
+        bytes: 1_000,
+        problem: None,
+        unsaved,
+    }
+}
+
+/// Ctrl-S with the worker's listing `rows`.
+fn open_dialog(app: &mut App, rows: Vec<SessionRow>) {
+    let fx = act(app, Action::Cmd(Cmd::Sessions));
+    let turn = match &requests(&fx)[..] {
+        [Request::ListSessions { turn }] => *turn,
+        other => panic!("a listing expected: {other:?}"),
+    };
+    ev(app, EngineEvent::Sessions { turn, rows });
+}
+
+fn dialog(app: &App) -> &SessionDialog {
+    match &app.dialog {
+        Some(Dialog::Sessions(d)) => d,
+        other => panic!("no session dialog: {other:?}"),
+    }
+}
+
+#[test]
+fn after_new_the_conversation_is_saved_under_its_own_name() {
+    let mut app = start(false);
+    chat(
+        &mut app,
+        "Hello there",
+        Some("hello-there-2026-12-04"),
+        5,
+        0.1,
+    );
+    assert_eq!(app.session.as_deref(), Some("hello-there-2026-12-04"));
+    // Save as priya-chat from the dialog.
+    open_dialog(&mut app, vec![row("hello-there-2026-12-04", true)]);
+    act(&mut app, Action::Char('s'));
+    type_text(&mut app, "priya-chat");
+    let (turn, cmd) = command(&act(&mut app, Action::Submit));
+    assert_eq!(cmd, Command::Save(Some("priya-chat".into())));
+    answer(
+        &mut app,
+        turn,
+        "saved session \"priya-chat\" (40 positions)",
+    );
+    assert_eq!(app.session.as_deref(), Some("priya-chat"));
+    // Ctrl-N: a new conversation, unnamed until its first turn.
+    let (turn, cmd) = command(&act(&mut app, Action::Cmd(Cmd::New)));
+    assert_eq!(cmd, Command::New);
+    answer(&mut app, turn, "new conversation");
+    assert_eq!(app.session, None);
+    let name = "my-favourite-colour-is-green-2026-12-04";
+    chat(&mut app, "My favourite colour is green", Some(name), 9, 0.1);
+    assert_eq!(app.session.as_deref(), Some(name));
+    // Ctrl-S, s: the dialog offers the conversation's own name, and Enter saves under it
+    // (never "a different saved session has that name").
+    open_dialog(&mut app, vec![row("priya-chat", false), row(name, true)]);
+    act(&mut app, Action::Char('s'));
+    assert_eq!(dialog(&app).naming.as_ref().map(Editor::text), Some(name));
+    let (_, cmd) = command(&act(&mut app, Action::Submit));
+    assert_eq!(cmd, Command::Save(Some(name.into())));
+    assert_eq!(app.dialog, None);
+}
+
+#[test]
+fn recovered_turns_are_unsaved_and_quitting_asks() {
+    let mut app = start(true);
+    let turn = match &app.pending[..] {
+        [(t, Purpose::History)] => *t,
+        other => panic!("the history asked for: {other:?}"),
+    };
+    let entries = vec![
+        Entry::Message {
+            role: "user".into(),
+            content: "hi".into(),
+            reasoning: None,
+        },
+        Entry::Message {
+            role: "assistant".into(),
+            content: "hello".into(),
+            reasoning: None,
+        },
+    ];
+    ev(
+        &mut app,
+        EngineEvent::History {
+            turn,
+            history: Box::new(HistoryView {
+                name: Some("kept".into()),
+                system: None,
+                mode: Mode::Chat,
+                entries,
+                unsaved: true,
+            }),
+        },
+    );
+    assert!(app.dirty, "recovered turns are not saved");
+    let fx = act(&mut app, Action::Cmd(Cmd::Quit));
+    assert!(requests(&fx).is_empty() && !fx.iter().any(|e| matches!(e, Effect::Quit { .. })));
+    assert_eq!(app.dialog, Some(Dialog::ConfirmQuit));
+}
+
+#[test]
+fn deleting_the_open_conversation_is_refused_before_asking() {
+    let mut app = start(false);
+    chat(
+        &mut app,
+        "Hello there",
+        Some("hello-there-2026-12-04"),
+        5,
+        0.1,
+    );
+    open_dialog(
+        &mut app,
+        vec![row("hello-there-2026-12-04", true), row("other", false)],
+    );
+    let fx = act(&mut app, Action::Char('d'));
+    assert!(requests(&fx).is_empty());
+    let d = dialog(&app);
+    assert_eq!(
+        d.deleting, None,
+        "no question for a delete the worker refuses"
+    );
+    let msg = d.message.clone().unwrap_or_default();
+    assert!(msg.contains("open here") && msg.contains("Ctrl-N"), "{msg}");
+    // Another row is asked about, and deleted on y.
+    act(&mut app, Action::Down);
+    act(&mut app, Action::Char('d'));
+    assert_eq!(dialog(&app).deleting.as_deref(), Some("other"));
+    match &requests(&act(&mut app, Action::Char('y')))[..] {
+        [Request::DeleteSession { name, .. }] => assert_eq!(name, "other"),
+        other => panic!("{other:?}"),
+    }
+}

@@ -14,6 +14,29 @@ pub struct Cli {
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
+    /// Set a speed knob for this run: NAME is a K3_* variable's name with or without the
+    /// prefix (`--tune io_threads=4`, `--tune K3_KERNELS=generic`); it wins over the variable
+    /// and the config file's [tuning] table. Repeatable. See docs/tuning.md.
+    #[arg(long, global = true, value_name = "NAME=VALUE", value_parser = parse_tune)]
+    pub tune: Vec<(&'static str, String)>,
+}
+
+/// One `--tune NAME=VALUE`: the variable it sets and the value (checked with the others).
+fn parse_tune(s: &str) -> Result<(&'static str, String), String> {
+    let (name, value) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: expected NAME=VALUE"))?;
+    let var = crate::tuning::Tuning::variable(name).ok_or_else(|| {
+        format!(
+            "{name:?} is no speed knob: expected one of {}",
+            crate::tuning::VARIABLES
+                .iter()
+                .map(|v| v.trim_start_matches("K3_").to_ascii_lowercase())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    })?;
+    Ok((var, value.to_string()))
 }
 
 /// Subcommands.
@@ -78,11 +101,39 @@ pub enum Command {
 pub fn main() -> i32 {
     crate::stream::alloc::keep_rss_inside_the_plan();
     let cli = Cli::parse();
-    // The speed knobs of the environment, checked once before anything reads them.
-    if let Err(e) = crate::tuning::Tuning::init() {
+    // The speed knobs (flags, environment, config file), checked once before anything reads
+    // them. `k3 config` manages the file itself (it must be able to replace a broken one).
+    let file = if matches!(cli.command, Command::Config(_)) {
+        crate::app::config::Config::default()
+    } else {
+        match crate::app::config::Config::load() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!(
+                    "k3: error: {}",
+                    crate::app::run::terminal_safe(&e.to_string())
+                );
+                return crate::Error::Usage(String::new()).exit_code();
+            }
+        }
+    };
+    if let Err(e) = crate::tuning::Tuning::init_layered(&cli.tune, |var| file.tuning.value(var)) {
+        let from = if cli.tune.iter().any(|(v, _)| *v == e.var) {
+            format!("--tune {}", crate::app::config::TuningConfig::key_of(e.var))
+        } else if std::env::var(e.var).is_ok_and(|v| !v.trim().is_empty()) {
+            e.var.to_string()
+        } else {
+            format!(
+                "[tuning] {}",
+                crate::app::config::TuningConfig::key_of(e.var)
+            )
+        };
         eprintln!(
             "k3: error: {}",
-            crate::app::run::terminal_safe(&e.to_string())
+            crate::app::run::terminal_safe(&format!(
+                "{from}={:?} is not valid: expected {}",
+                e.value, e.expected
+            ))
         );
         return crate::Error::Usage(String::new()).exit_code();
     }

@@ -1,8 +1,9 @@
 //! Every knob that changes how fast k3 runs — and never what it computes — in one value.
 //!
-//! The environment variables below are read here and nowhere else, once per process
-//! ([`Tuning::get`]); `k3` refuses a malformed value at start with an error naming the
-//! variable (exit 2) instead of falling back to a default, and `k3 run --json` and `k3 bench`
+//! The environment variables below are read here and nowhere else, once per process, layered
+//! under `--tune NAME=VALUE` flags and over the config file's `[tuning]` table
+//! ([`Tuning::init_layered`], docs/tuning.md); `k3` refuses a malformed value at start with an
+//! error naming it (exit 2) instead of falling back to a default, and `k3 run --json` and `k3 bench`
 //! print the value in force so a measurement can be reproduced. Tokens and logits are the
 //! same under every setting (the tests run the suite with the scalar kernels forced).
 //!
@@ -253,8 +254,46 @@ impl Tuning {
     /// # Errors
     /// A variable holds a value it does not take; the error names it.
     pub fn init() -> Result<&'static Tuning, TuningError> {
-        let t = Self::from_env()?;
+        Self::init_layered(&[], |_| None)
+    }
+
+    /// Settle the settings now from three layers, the first that sets a knob winning: `flags`
+    /// (`(variable, value)` pairs from the command line), the environment, then `file` (the
+    /// config file's value for a variable). What a program calls before anything else reads
+    /// them.
+    ///
+    /// # Errors
+    /// A layer holds a value a knob does not take; the error names the variable.
+    pub fn init_layered(
+        flags: &[(&'static str, String)],
+        file: impl Fn(&str) -> Option<String>,
+    ) -> Result<&'static Tuning, TuningError> {
+        let t = Self::from_lookup(|var| {
+            let set = |v: &Option<String>| v.as_ref().is_some_and(|v| !v.trim().is_empty());
+            let flag = flags
+                .iter()
+                .rev()
+                .find(|(f, _)| *f == var)
+                .map(|(_, v)| v.clone());
+            let env = std::env::var(var).ok();
+            [flag, env, file(var)].into_iter().find(set).flatten()
+        })?;
         Ok(TUNING.get_or_init(|| t))
+    }
+
+    /// The variable a `--tune` name stands for: `io_threads`, `io-threads` or `K3_IO_THREADS`
+    /// all name `K3_IO_THREADS`; None for a name that is no knob.
+    #[must_use]
+    pub fn variable(name: &str) -> Option<&'static str> {
+        let upper = name.trim().replace('-', "_").to_ascii_uppercase();
+        let var = if upper.starts_with("K3_") {
+            upper
+        } else if upper == "NO_SPEC" {
+            "K3_NOSPEC".to_string()
+        } else {
+            format!("K3_{upper}")
+        };
+        VARIABLES.iter().copied().find(|v| *v == var)
     }
 }
 

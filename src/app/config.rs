@@ -525,6 +525,86 @@ pub struct Config {
     pub memory: MemoryConfig,
     /// Key bindings.
     pub keys: KeysConfig,
+    /// Speed knobs (docs/tuning.md): the same as the `K3_*` variables, which override them.
+    #[serde(skip_serializing_if = "TuningConfig::is_empty")]
+    pub tuning: TuningConfig,
+}
+
+/// The `[tuning]` table: each key is a `K3_*` speed variable's name without the prefix, in
+/// lower case (docs/tuning.md). Checked like the variables: a value a knob does not take is
+/// refused with its line.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TuningConfig {
+    /// `K3_KERNELS`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kernels: Option<String>,
+    /// `K3_ROW_ORDER`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub row_order: Option<String>,
+    /// `K3_IO_THREADS`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub io_threads: Option<i64>,
+    /// `K3_NO_DIRECT`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub no_direct: Option<bool>,
+    /// `K3_MMAP`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mmap: Option<bool>,
+    /// `K3_PREFETCH`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefetch: Option<i64>,
+    /// `K3_PREFETCH_DEPTH`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefetch_depth: Option<i64>,
+    /// `K3_PREFETCH_LATE_DEPTH`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefetch_late_depth: Option<i64>,
+    /// `K3_PREFETCH_EARLY`: `"on"`, `"off"` or `"auto"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefetch_early: Option<String>,
+    /// `K3_CACHE_POLICY`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_policy: Option<String>,
+    /// `K3_NOSPEC`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub no_spec: Option<bool>,
+}
+
+impl TuningConfig {
+    fn is_empty(&self) -> bool {
+        *self == TuningConfig::default()
+    }
+
+    /// The key of the table that sets variable `var` (`K3_IO_THREADS` → `io_threads`).
+    #[must_use]
+    pub fn key_of(var: &str) -> String {
+        match var {
+            "K3_NOSPEC" => "no_spec".into(),
+            v => v.trim_start_matches("K3_").to_ascii_lowercase(),
+        }
+    }
+
+    /// What the table sets variable `var` to, spelled as the variable would be.
+    #[must_use]
+    pub fn value(&self, var: &str) -> Option<String> {
+        let flag = |b: &Option<bool>| b.map(|b| if b { "1" } else { "0" }.to_string());
+        let num = |n: &Option<i64>| n.map(|n| n.to_string());
+        match var {
+            "K3_KERNELS" => self.kernels.clone(),
+            "K3_ROW_ORDER" => self.row_order.clone(),
+            "K3_IO_THREADS" => num(&self.io_threads),
+            "K3_NO_DIRECT" => flag(&self.no_direct),
+            "K3_MMAP" => flag(&self.mmap),
+            "K3_PREFETCH" => num(&self.prefetch),
+            "K3_PREFETCH_DEPTH" => num(&self.prefetch_depth),
+            "K3_PREFETCH_LATE_DEPTH" => num(&self.prefetch_late_depth),
+            "K3_PREFETCH_EARLY" => self.prefetch_early.clone(),
+            "K3_CACHE_POLICY" => self.cache_policy.clone(),
+            "K3_NOSPEC" => flag(&self.no_spec),
+            _ => None,
+        }
+    }
 }
 
 /// The file `k3 config init` writes: every key with its default, commented.
@@ -552,6 +632,14 @@ theme = "dark"
 [thinking]
 enabled = true
 effort = "max"         # low, high or max
+
+[tuning]
+# Speed knobs (docs/tuning.md); they never change what is computed. The K3_* variable of the
+# same name (K3_IO_THREADS for io_threads) and `--tune NAME=VALUE` override a key set here.
+# kernels = "auto"            # generic, avx2, avx512 or auto
+# io_threads = 8
+# prefetch = 16
+# cache_policy = "cycle-queue"
 
 [memory]
 # Memory budget in GB the full-screen client applies once the model is open, as /budget
@@ -640,6 +728,13 @@ impl Config {
             field: field.into(),
             message,
         };
+        if let Err(e) = crate::tuning::Tuning::from_lookup(|var| self.tuning.value(var)) {
+            let field = format!("tuning.{}", TuningConfig::key_of(e.var));
+            return Err(bad(
+                &field,
+                format!("{:?} is not valid: expected {}", e.value, e.expected),
+            ));
+        }
         let s = &self.sampling;
         let checks: [(&str, bool, &str); 8] = [
             (

@@ -526,3 +526,81 @@ fn a_malformed_tuning_variable_is_refused_by_name() {
     );
     assert_eq!(code, 0, "{err}");
 }
+
+/// The tuning in force, as `k3 run --json` reports it, with `extra` flags, `envs` and a config
+/// file holding `toml`.
+fn tuning_in_force(extra: &[&str], envs: &[(&str, &str)], toml: &str) -> (i32, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, toml).unwrap();
+    let tiny = fixture("tiny");
+    let out = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .args([
+            "run",
+            tiny.to_str().unwrap(),
+            "--ids",
+            "1,2",
+            "--gen",
+            "1",
+            "--json",
+        ])
+        .args(extra)
+        .env("K3_CONFIG", &cfg)
+        .env_remove("K3_IO_THREADS")
+        .env_remove("K3_PREFETCH")
+        .envs(envs.iter().copied())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!err.contains("panicked"), "panic: {err}");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    (out.status.code().unwrap_or(-1), stdout, err)
+}
+
+#[test]
+fn tuning_comes_from_flags_then_environment_then_the_config_file() {
+    let knobs = |stdout: &str| -> (u64, u64) {
+        let v: serde_json::Value = serde_json::from_str(stdout).expect("json");
+        let t = &v["kernels"]["tuning"];
+        (
+            t["io_threads"].as_u64().expect("io_threads"),
+            t["prefetch"].as_u64().expect("prefetch"),
+        )
+    };
+    let file = "[tuning]\nio_threads = 3\nprefetch = 5\n";
+    let (code, out, err) = tuning_in_force(&[], &[], file);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(knobs(&out), (3, 5));
+    let (code, out, err) = tuning_in_force(&[], &[("K3_IO_THREADS", "4")], file);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(knobs(&out), (4, 5));
+    let (code, out, err) = tuning_in_force(
+        &["--tune", "io-threads=6", "--tune", "K3_PREFETCH=7"],
+        &[("K3_IO_THREADS", "4")],
+        file,
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(knobs(&out), (6, 7));
+}
+
+#[test]
+fn a_malformed_tuning_flag_or_table_entry_is_refused_by_name() {
+    let (code, _, err) = tuning_in_force(&["--tune", "io_threads=0"], &[], "");
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--tune io_threads=\"0\""), "{err}");
+    let (code, _, err) = tuning_in_force(&["--tune", "warp_speed=9"], &[], "");
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("warp_speed") && err.contains("io_threads"),
+        "{err}"
+    );
+    let (code, _, err) = tuning_in_force(&[], &[], "[tuning]\nkernels = \"avx3\"\n");
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("config.toml:2:") && err.contains("tuning.kernels"),
+        "{err}"
+    );
+    let (code, _, err) = tuning_in_force(&[], &[], "[tuning]\nturbo = true\n");
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("turbo"), "{err}");
+}

@@ -220,7 +220,9 @@ fn oversized_config_files_are_refused_unread() {
         err.contains("2000000 bytes, above the limit of 1048576 bytes"),
         "{err}"
     );
-    // The model's config.json: valid JSON padded past 16 MiB.
+    // The model's config.json: valid JSON padded past 16 MiB (under a sound user config,
+    // which every command reads first for its [tuning] table).
+    std::fs::write(&file, "# nothing set\n").unwrap();
     let (_t, model) = crate::bad_inputs::copy_tiny();
     let p = model.join("config.json");
     let mut text = std::fs::read(&p).unwrap();

@@ -17,8 +17,8 @@ use std::time::Instant;
 /// Arguments of `k3 bench`.
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// Checkpoint directory.
-    pub model_dir: PathBuf,
+    /// Checkpoint directory; default: the small demo model built into k3.
+    pub model_dir: Option<PathBuf>,
     /// Memory budget (default: the whole model resident).
     #[command(flatten)]
     pub budget: BudgetArgs,
@@ -216,10 +216,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "--gen and --prompt-len must be at least 1".into(),
         ));
     }
+    let model_dir = match &args.model_dir {
+        Some(d) => d.clone(),
+        None => super::demo::materialise()?,
+    };
     let req = args.budget.request(BudgetRequest::Resident)?;
     let t_open = Instant::now();
     let (model, info) = Model::open_with(
-        &args.model_dir,
+        &model_dir,
         &crate::engine::weights::OpenOptions {
             budget: req,
             context: args
@@ -241,7 +245,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 .map_err(|e| e.to_string())
                 .and_then(|b| String::from_utf8(b).map_err(|e| e.to_string()))
                 .map_err(|e| Error::Usage(format!("--prompt-file {}: {e}", path.display())))?;
-            let tok = crate::session::tokenizer::Tokenizer::load_expecting(&args.model_dir, vocab)?;
+            let tok = crate::session::tokenizer::Tokenizer::load_expecting(&model_dir, vocab)?;
             let mut ids = tok.encode(&text, true);
             ids.truncate(args.prompt_len);
             ids
@@ -280,7 +284,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mem_bw = memory_bandwidth();
     let sizes = &info.sizes;
     // After the timed passes, so the engine's reads and the probe's do not share the disk.
-    let disk = disk_bandwidth(&args.model_dir, sizes.expert_bytes);
+    let disk = disk_bandwidth(&model_dir, sizes.expert_bytes);
     let disk_bw = disk.as_ref().map(|d| (d.best, d.direct));
     let touched = sizes.layer_trunk.iter().sum::<u64>() as f64
         + sizes.head as f64
@@ -360,13 +364,17 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         serde_json::to_string(crate::tuning::Tuning::get()).unwrap_or_default()
     );
     println!(
-        "prefill              {:.1} tokens/s ({} tokens)",
+        "prefill              {:.1} tokens/s ({} token{})",
         args.prompt_len as f64 / prefill_s,
-        args.prompt_len
+        args.prompt_len,
+        if args.prompt_len == 1 { "" } else { "s" }
     );
     println!(
-        "decode               {:.4} s/token mean, {:.4} median ({} tokens)",
-        decode_s, median_s, args.gen
+        "decode               {:.4} s/token mean, {:.4} median ({} token{})",
+        decode_s,
+        median_s,
+        args.gen,
+        if args.gen == 1 { "" } else { "s" }
     );
     println!(
         "read per token       {:.1} MB ({:.1} MB/s)",

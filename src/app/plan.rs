@@ -13,8 +13,8 @@ use std::path::PathBuf;
 /// Arguments of `k3 plan`.
 #[derive(Debug, Args)]
 pub struct PlanArgs {
-    /// Checkpoint directory.
-    pub model_dir: PathBuf,
+    /// Checkpoint directory; default: the small demo model built into k3.
+    pub model_dir: Option<PathBuf>,
     /// The budget (default: 80% of the memory available now).
     #[command(flatten)]
     pub budget: BudgetArgs,
@@ -33,8 +33,12 @@ pub struct PlanArgs {
 
 /// Run `k3 plan`.
 pub fn run(args: &PlanArgs) -> Result<()> {
-    let cfg = ModelConfig::load(&args.model_dir.join("config.json"))?;
-    let ck = Checkpoint::open(&args.model_dir)?;
+    let model_dir = match &args.model_dir {
+        Some(d) => d.clone(),
+        None => super::demo::materialise()?,
+    };
+    let cfg = ModelConfig::load(&model_dir.join("config.json"))?;
+    let ck = Checkpoint::open(&model_dir)?;
     let sizes = model_sizes(&cfg, &ck);
     let trunk = match &args.budget.trunk {
         Some(dir) => Some(Trunk::open(dir, &ck, cfg.num_hidden_layers)?),

@@ -419,9 +419,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let positions = prompt.len().saturating_add(args.gen);
     if positions > args.context {
         return Err(Error::Usage(format!(
-            "the prompt is {} tokens and --gen is {}: {positions} positions exceed --context {} \
-             (raise --context or shorten the prompt)",
+            "the prompt is {} token{} and --gen is {}: {positions} positions exceed --context \
+             {} (raise --context or shorten the prompt)",
             prompt.len(),
+            if prompt.len() == 1 { "" } else { "s" },
             args.gen,
             args.context
         )));

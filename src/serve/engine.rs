@@ -415,9 +415,10 @@ fn serve_job(
         return fail(
             400,
             format!(
-                "the prompt is {} tokens; with one generated token it does not fit the context \
-                 of {limit} positions",
-                prompt.len()
+                "the prompt is {} token{}; with one generated token it does not fit the \
+                 context of {limit} positions",
+                prompt.len(),
+                if prompt.len() == 1 { "" } else { "s" }
             ),
         );
     }

@@ -263,11 +263,16 @@ fn source_shards(ck: &Checkpoint, per_layer: &[Vec<String>]) -> Result<Vec<Sourc
     Ok(out)
 }
 
-fn describe(st: &ShardStat) -> String {
-    format!(
-        "{} bytes, modified {}.{:09}",
-        st.size, st.mtime_sec, st.mtime_nsec
-    )
+/// Size and modification time (UTC; to the nanosecond when `fine`, for two times within one
+/// second).
+fn describe(st: &ShardStat, fine: bool) -> String {
+    let nsec = u32::try_from(st.mtime_nsec).unwrap_or(0);
+    let when = match chrono::DateTime::from_timestamp(st.mtime_sec, nsec) {
+        Some(t) if fine => t.format("%Y-%m-%d %H:%M:%S%.9f UTC").to_string(),
+        Some(t) => t.format("%Y-%m-%d %H:%M:%S UTC").to_string(),
+        None => format!("{}.{:09} s after 1970", st.mtime_sec, st.mtime_nsec),
+    };
+    format!("{} bytes, modified {when}", st.size)
 }
 
 /// Refuse a trunk whose source shards are not the ones it was packed from: a recorded shard
@@ -300,8 +305,8 @@ fn check_sources(
         if (now.size, now.mtime_sec, now.mtime_nsec) != (was.size, was.mtime_sec, was.mtime_nsec) {
             changed.push(format!(
                 "{shown} was {} when packed and is {} now",
-                describe(&s.stat()),
-                describe(&now)
+                describe(&s.stat(), now.mtime_sec == was.mtime_sec),
+                describe(&now, now.mtime_sec == was.mtime_sec)
             ));
         }
     }
@@ -997,5 +1002,30 @@ impl Trunk {
             tensors.insert(name.clone(), (dtype, b));
         }
         Ok(LayerRun { layer: il, tensors })
+    }
+}
+
+#[cfg(test)]
+mod describe_tests {
+    use super::*;
+
+    #[test]
+    fn shard_times_are_shown_in_utc() {
+        let st = ShardStat {
+            size: 5,
+            mtime_sec: 1_796_380_267,
+            mtime_nsec: 25,
+            ino: 1,
+            ctime_sec: 0,
+            ctime_nsec: 0,
+        };
+        assert_eq!(
+            describe(&st, false),
+            "5 bytes, modified 2026-12-04 10:31:07 UTC"
+        );
+        assert_eq!(
+            describe(&st, true),
+            "5 bytes, modified 2026-12-04 10:31:07.000000025 UTC"
+        );
     }
 }

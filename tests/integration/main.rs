@@ -4,6 +4,7 @@
 mod bad_inputs;
 mod cache_policy;
 mod ceilings;
+mod cli_defaults;
 mod common;
 mod config;
 mod config_values;

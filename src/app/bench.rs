@@ -210,6 +210,8 @@ fn time_reads(dir: &Path, pattern: ReadPattern, bytes: u64) -> Option<(f64, bool
 }
 
 /// Run `k3 bench`.
+/// Over 100 lines: one measurement in order (open, prefill, decode, the bandwidth probes) and
+/// the one report of its figures, as JSON or as the text table.
 pub fn run(args: &BenchArgs) -> Result<()> {
     if args.gen == 0 || args.prompt_len == 0 {
         return Err(Error::Usage(

@@ -295,6 +295,8 @@ pub struct Started {
 }
 
 /// Check everything that can be checked before the model opens, then start the worker.
+/// Over 100 lines: every check that can be made before the model opens, each a few lines, in
+/// the order the flags depend on each other, then the start.
 pub fn start(args: &ChatArgs) -> crate::Result<Started> {
     let mut args_resume = args.resume.clone();
     if args.continue_last {

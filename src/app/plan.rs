@@ -32,6 +32,7 @@ pub struct PlanArgs {
 }
 
 /// Run `k3 plan`.
+/// Over 100 lines: one plan and its report, as JSON or as the text table, figure by figure.
 pub fn run(args: &PlanArgs) -> Result<()> {
     let model_dir = match &args.model_dir {
         Some(d) => d.clone(),

@@ -162,6 +162,8 @@ struct Ctx<'a> {
 }
 
 /// The worker thread's body.
+/// Over 100 lines: the remote worker's start (URL, TLS, model, resume) and its request loop
+/// share the connection context.
 pub fn run(
     cfg: RemoteConfig,
     rx: &Receiver<Request>,
@@ -540,6 +542,8 @@ impl Ctx<'_> {
         }
     }
 
+    /// Over 100 lines: one SSE read loop; its state (reasoning, content, finish reason, usage,
+    /// limits, cancellation) is shared by every event it handles.
     fn stream(&mut self, turn: TurnId, body: &Value, thinking: bool) -> Result<TurnReport, String> {
         let t0 = Instant::now();
         let resp = self.request("POST", "/chat/completions", Some(body))?;

@@ -382,6 +382,8 @@ fn sampling(args: &RunArgs, model_dir: &Path) -> Result<(SamplerConfig, String)>
 }
 
 /// Run `k3 run`.
+/// Over 100 lines: `k3 run` is one pass in order (check, open, prefill, decode, report) whose
+/// figures are gathered along the way and reported together at the end.
 pub fn run(args: &RunArgs) -> Result<()> {
     set_threads(args.threads)?;
     let model_dir = match &args.model_dir {

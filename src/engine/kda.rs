@@ -367,6 +367,9 @@ pub fn forward_recorded(
 }
 
 /// [`forward_recorded`] into `out` `[n_tok, hidden]` with the buffers of `sc`.
+/// Over 100 lines: the KDA block's steps over one set of scratch buffers (projections,
+/// convolution, gates, the chunked recurrence, output) in one place, so the order of the
+/// operations, which fixes the bits, stays in view.
 pub fn forward_into(
     w: &KdaWeights,
     p: &KdaParams,

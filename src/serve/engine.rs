@@ -374,6 +374,8 @@ impl Replies {
 }
 
 /// Serve one job; the figures of a completed reply.
+/// Over 100 lines: render, check, generate and answer one job; the emit callback shares the
+/// stop matcher, the thinking parser and the stream's state.
 fn serve_job(
     session: &mut Session<'_>,
     job: &Job,

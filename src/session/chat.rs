@@ -842,6 +842,8 @@ impl<'a> Session<'a> {
 
     /// Prefill `prompt`, then sample until a stop id, the length limit, the context limit or
     /// cancellation. `emit` receives each id and its printable text as it is generated.
+    /// Over 100 lines: the decode loop's state (history, thinking channel, forced ids, UTF-8
+    /// stream, stops) is shared by every step.
     fn generate(
         &mut self,
         prompt: &[u32],

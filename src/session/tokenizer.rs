@@ -208,6 +208,8 @@ impl Tokenizer {
         Ok(tok)
     }
 
+    /// Over 100 lines: the special table, the id-to-bytes table and the BPE core are built in
+    /// one pass from the checked files, each step using the counts of the one before.
     fn build(
         ranks: RankTable,
         added: Vec<(String, AddedToken)>,

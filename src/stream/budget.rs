@@ -264,6 +264,8 @@ pub fn plan(
 
 /// [`plan`] with room for `states` sequence states of `context` positions each (a chat's live
 /// state and the snapshots it keeps to reuse a prompt's prefix).
+/// Over 100 lines: one derivation of the plan from the sizes; each kind of budget is a branch
+/// over the same floor and reserves.
 pub fn plan_states(
     s: &ModelSizes,
     req: BudgetRequest,

@@ -443,6 +443,8 @@ fn layout(ck: &Checkpoint, il: usize, names: &[String]) -> Result<Layout, String
 /// Pack the trunk of the checkpoint in `ck` (with `n_layers` layers) into `out`:
 /// `trunk.bin` and `trunk.json` are written under temporary names, synced, and renamed into
 /// place (the manifest last). `progress(done, total)` is called as bytes are copied.
+/// Over 100 lines: one sequential pass over the layers writes the trunk, then the manifest; the
+/// checksums and the check of the shards share the pass's state.
 pub fn pack(
     ck: &Checkpoint,
     n_layers: usize,
@@ -900,6 +902,8 @@ impl Trunk {
     /// Read layer `il`'s run in large pieces, several in flight (direct where allowed),
     /// straight into one allocation whose ranges become the tensors; the run's checksum is
     /// verified the first time the layer is read.
+    /// Over 100 lines: the parallel positioned reads, the direct-I/O fallback and the first
+    /// read's checksum share the layer's buffer and error context.
     pub fn read_layer(&self, il: usize) -> Result<LayerRun, StreamError> {
         use rayon::prelude::*;
         let l = &self.manifest.layers[il];

@@ -291,6 +291,8 @@ fn summary(r: &TurnReport) -> String {
 }
 
 /// Run the REPL until the input ends or `/quit`; returns the exit status.
+/// Over 100 lines: the REPL's one loop (wait for the model, read a line, send it, print its
+/// turn's events) over the signal flags it shares.
 #[must_use]
 pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
     let cancel = worker.cancel_flag();

@@ -556,6 +556,8 @@ pub struct ApiTurn {
 /// message's: `<|open|>tools<|sep|>` then per call `<|open|>call tool="NAME" index="I"<|sep|>`,
 /// its `argument` (or `json`) elements, `<|close|>call<|sep|>`, and `<|close|>tools<|sep|>`.
 /// An argument's value is JSON text unless its type is `string`.
+/// Over 100 lines: one parser over the completion's markers in order, each refusal with its own
+/// message.
 pub fn parse_api_completion(
     tok: &Tokenizer,
     markers: &Markers,

@@ -144,61 +144,79 @@ fn cells_width(cells: &[Cell]) -> usize {
     cells.iter().map(|(c, _)| char_width(*c)).sum()
 }
 
-fn trim_end(mut cells: Vec<Cell>) -> Vec<Cell> {
-    while cells.last().is_some_and(|(c, _)| *c == ' ') {
-        cells.pop();
-    }
-    cells
+/// One word of a line of cells for `textwrap`'s line filling: cells `start..end` of the line,
+/// `width` columns wide, followed by `gap` columns of spaces.
+#[derive(Debug)]
+struct CellWord {
+    start: usize,
+    end: usize,
+    width: usize,
+    gap: usize,
 }
 
-/// Word-wrap one line of cells (no line breaks) at `width` columns: break at spaces, cut a word
-/// longer than the line by characters (the rules of [`super::text::wrap_line`]).
+impl textwrap::core::Fragment for CellWord {
+    fn width(&self) -> f64 {
+        self.width as f64
+    }
+
+    fn whitespace_width(&self) -> f64 {
+        self.gap as f64
+    }
+
+    fn penalty_width(&self) -> f64 {
+        0.0
+    }
+}
+
+/// Word-wrap one line of cells (no line breaks) at `width` columns with the rules of
+/// [`super::text::wrap_line`]: break at spaces, cut a word longer than the line by characters,
+/// drop the spaces at a break. The words are cut here; `textwrap` fills the lines (first fit),
+/// on cells because each character carries its style.
 fn wrap_cells(line: &[Cell], width: usize) -> Vec<Vec<Cell>> {
     let width = width.max(1);
-    let mut out = Vec::new();
-    let mut cur: Vec<Cell> = Vec::new();
-    let mut cur_w = 0;
+    let mut words = Vec::new();
     let mut i = 0;
     while i < line.len() {
-        let mut j = i;
-        while j < line.len() && line[j].0 != ' ' {
-            j += 1;
+        let mut end = i;
+        while end < line.len() && line[end].0 != ' ' {
+            end += 1;
         }
-        let word_end = j;
-        while j < line.len() && line[j].0 == ' ' {
-            j += 1;
+        let mut next = end;
+        while next < line.len() && line[next].0 == ' ' {
+            next += 1;
         }
-        let word = &line[i..j];
-        let (w, tw) = (cells_width(word), cells_width(&line[i..word_end]));
-        if cur_w + tw <= width {
-            cur.extend_from_slice(word);
-            cur_w += w;
-        } else {
-            if !cur.is_empty() {
-                out.push(trim_end(std::mem::take(&mut cur)));
-                cur_w = 0;
+        // A word longer than the line becomes pieces of at most `width` columns.
+        let (mut start, mut w) = (i, 0);
+        for (k, cell) in line.iter().enumerate().take(end).skip(i) {
+            let cw = char_width(cell.0);
+            if w + cw > width && k > start {
+                words.push(CellWord {
+                    start,
+                    end: k,
+                    width: w,
+                    gap: 0,
+                });
+                (start, w) = (k, 0);
             }
-            if tw <= width {
-                cur.extend_from_slice(word);
-                cur_w = w;
-            } else {
-                for &cell in word {
-                    let cw = char_width(cell.0);
-                    if cur_w + cw > width && !cur.is_empty() {
-                        out.push(std::mem::take(&mut cur));
-                        cur_w = 0;
-                    }
-                    cur.push(cell);
-                    cur_w += cw;
-                }
-            }
+            w += cw;
         }
-        i = j;
+        words.push(CellWord {
+            start,
+            end,
+            width: w,
+            gap: next - end,
+        });
+        i = next;
     }
-    if !cur.is_empty() || out.is_empty() {
-        out.push(trim_end(cur));
+    let rows: Vec<Vec<Cell>> = textwrap::wrap_algorithms::wrap_first_fit(&words, &[width as f64])
+        .iter()
+        .filter_map(|row| Some(line[row.first()?.start..row.last()?.end].to_vec()))
+        .collect();
+    if rows.is_empty() {
+        vec![Vec::new()]
+    } else {
+        rows
     }
-    out
 }
 
 /// Cut one line of cells by characters into rows of at most `width` columns (code).
@@ -450,6 +468,7 @@ impl Md<'_> {
         }
     }
 
+    /// Over 100 lines: one arm per kind of Markdown tag end, most a few lines.
     fn end(&mut self, tag: TagEnd) {
         match tag {
             TagEnd::Paragraph | TagEnd::HtmlBlock => {
@@ -870,6 +889,63 @@ fn highlight(code: &str, lang: &str, name: ThemeName) -> Option<Vec<Vec<(String,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Lines of words, spaces (runs of one to three, leading and trailing too), wide characters
+    /// and words longer than the line, from a fixed seed.
+    fn wrap_cases() -> Vec<String> {
+        let words = [
+            "a",
+            "to",
+            "wrap",
+            "日本語",
+            "supercalifragilistic",
+            "é",
+            "x-y-z",
+            "0123456789abcdef",
+        ];
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        (0..2000)
+            .map(|_| {
+                let mut line = " ".repeat(next(3));
+                for _ in 0..next(12) {
+                    line.push_str(words[next(words.len())]);
+                    line.push_str(&" ".repeat(1 + next(3)));
+                }
+                if next(2) == 0 {
+                    line.truncate(line.trim_end().len());
+                }
+                line
+            })
+            .collect()
+    }
+
+    #[test]
+    fn styled_cells_wrap_exactly_as_plain_text_does() {
+        // Two paths to the same rule: `textwrap::wrap` on the text, and textwrap's line filling
+        // over words of cells.
+        for line in wrap_cases() {
+            let cells: Vec<Cell> = line.chars().map(|c| (c, Style::default())).collect();
+            for width in 1..30 {
+                let plain = super::super::text::wrap_line(&line, width);
+                let styled: Vec<String> = wrap_cells(&cells, width)
+                    .iter()
+                    .map(|r| r.iter().map(|(c, _)| c).collect())
+                    .collect();
+                assert_eq!(styled, plain, "{line:?} at {width}");
+                for row in &plain {
+                    // A character wider than the line stands alone.
+                    let fits = str_width(row) <= width || row.chars().count() == 1;
+                    assert!(fits, "{row:?} at {width}");
+                }
+            }
+        }
+    }
 
     fn text_of(line: &Line<'_>) -> String {
         line.spans.iter().map(|s| s.content.as_ref()).collect()

@@ -149,6 +149,8 @@ pub fn help(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
 }
 
 /// The session dialog: saved sessions (name, date, turns, size), save-as, new.
+/// Over 100 lines: the session dialog drawn top to bottom (list, rename field, keys, message),
+/// one block each.
 pub fn sessions(app: &App, d: &SessionDialog, theme: &Theme, area: Rect, buf: &mut Buffer) {
     let width = area.width.saturating_sub(4).min(90);
     let inner_w = usize::from(width.saturating_sub(2));

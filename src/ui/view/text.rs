@@ -66,45 +66,25 @@ pub fn fit(s: &str, width: usize) -> &str {
 }
 
 /// Break one line (no `\n`, already escaped) into pieces of at most `width` columns, at spaces
-/// where possible.
+/// where possible; a word longer than the line is cut by characters. Trailing spaces at a
+/// break are dropped. `textwrap`, first fit, no hyphenation.
 #[must_use]
 pub fn wrap_line(line: &str, width: usize) -> Vec<String> {
-    let width = width.max(1);
-    let mut out = Vec::new();
-    let mut cur = String::new();
-    let mut cur_w = 0;
-    for word in line.split_inclusive(' ') {
-        let w = str_width(word);
-        let trimmed_w = str_width(word.trim_end_matches(' '));
-        if cur_w + trimmed_w <= width {
-            cur.push_str(word);
-            cur_w += w;
-            continue;
-        }
-        if !cur.is_empty() {
-            out.push(std::mem::take(&mut cur).trim_end_matches(' ').to_string());
-            cur_w = 0;
-        }
-        if trimmed_w <= width {
-            cur.push_str(word);
-            cur_w = w;
-            continue;
-        }
-        // A word longer than the line: cut it by characters.
-        for c in word.chars() {
-            let cw = char_width(c);
-            if cur_w + cw > width && !cur.is_empty() {
-                out.push(std::mem::take(&mut cur));
-                cur_w = 0;
-            }
-            cur.push(c);
-            cur_w += cw;
-        }
-    }
-    if !cur.is_empty() || out.is_empty() {
-        out.push(cur.trim_end_matches(' ').to_string());
-    }
-    out
+    textwrap::wrap(line, wrap_options(width))
+        .into_iter()
+        .map(Cow::into_owned)
+        .collect()
+}
+
+/// The wrapping rules of [`wrap_line`]: break only at ASCII spaces, never hyphenate, cut a word
+/// longer than the line, fill each line before the next (first fit: a line's content does not
+/// depend on what follows it, so streamed text never re-flows lines above).
+fn wrap_options(width: usize) -> textwrap::Options<'static> {
+    textwrap::Options::new(width.max(1))
+        .break_words(true)
+        .word_separator(textwrap::WordSeparator::AsciiSpace)
+        .word_splitter(textwrap::WordSplitter::NoHyphenation)
+        .wrap_algorithm(textwrap::WrapAlgorithm::FirstFit)
 }
 
 /// Break one line by characters only (code, input): pieces of at most `width` columns.
@@ -143,6 +123,14 @@ mod tests {
 
     #[test]
     fn wraps_at_spaces_and_cuts_long_words() {
+        assert_eq!(wrap_line("  indented line", 20), vec!["  indented line"]);
+        assert_eq!(wrap_line("trailing   ", 20), vec!["trailing"]);
+        // The spaces at a break are dropped, not carried to the start of the next line.
+        assert_eq!(wrap_line("ab   cd", 3), vec!["ab", "cd"]);
+        assert_eq!(
+            wrap_line("a-hyphenated-word x", 8),
+            vec!["a-hyphen", "ated-wor", "d x"]
+        );
         assert_eq!(wrap_line("hello big world", 9), vec!["hello big", "world"]);
         assert_eq!(wrap_line("abcdefghij", 4), vec!["abcd", "efgh", "ij"]);
         assert_eq!(wrap_line("", 4), vec![""]);

@@ -210,6 +210,16 @@ pub enum StreamError {
         /// Why.
         reason: String,
     },
+    /// Bytes read back intact that do not decode (a corrupt encoded trunk block).
+    #[error("{}: {what}: {reason}", shown(.path))]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What was being decoded.
+        what: String,
+        /// Why it was refused.
+        reason: String,
+    },
     /// A read failed or came back short (file shrank, I/O error).
     #[error("read error in {} at byte {offset} ({len} bytes for {name:?}): {source}",
         shown(.path))]

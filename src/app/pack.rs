@@ -21,6 +21,10 @@ pub struct PackArgs {
     /// Replace a trunk already in TRUNK_DIR.
     #[arg(long)]
     pub force: bool,
+    /// Store every tensor as in the checkpoint; by default BF16 tensors are stored with the
+    /// lossless trunk codec (docs/trunk-codec.md), about 0.68x their size.
+    #[arg(long)]
+    pub raw: bool,
 }
 
 /// Run `k3 pack`.
@@ -37,6 +41,7 @@ pub fn run(args: &PackArgs) -> Result<()> {
         cfg.num_hidden_layers,
         &args.trunk_dir,
         args.force,
+        !args.raw,
         &progress,
     );
     bar.finish();
@@ -44,17 +49,28 @@ pub fn run(args: &PackArgs) -> Result<()> {
     let secs = start.elapsed().as_secs_f64();
     let m = &r.manifest;
     let largest = m.layers.iter().map(|l| l.nbytes).max().unwrap_or(0);
+    let layout = if args.raw {
+        format!("{} copied as one run, {} gathered", r.verbatim, r.gathered)
+    } else {
+        let (bf16, stored) = r.bf16;
+        format!(
+            "BF16 tensors encoded: {} in {}, {:.3}x",
+            gb(bf16),
+            gb(stored),
+            stored as f64 / bf16.max(1) as f64
+        )
+    };
     eprintln!(
-        "k3 pack: {} layers ({} copied as one run, {} gathered) -> {}: {} in trunk.bin, largest \
-         layer {}, {:.1} s ({:.0} MB/s)",
+        "k3 pack: {} layers ({layout}) -> {}: {} in trunk.bin ({:.3}x of the raw {}), largest \
+         layer {}, {:.1} s ({:.0} MB/s of source)",
         m.n_layers,
-        r.verbatim,
-        r.gathered,
         crate::stream::shown(&args.trunk_dir),
         gb(m.total_bytes),
+        m.total_bytes as f64 / r.raw_bytes.max(1) as f64,
+        gb(r.raw_bytes),
         gb(largest),
         secs,
-        m.total_bytes as f64 / 1e6 / secs.max(1e-9)
+        r.raw_bytes as f64 / 1e6 / secs.max(1e-9)
     );
     Ok(())
 }

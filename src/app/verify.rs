@@ -187,7 +187,7 @@ pub fn run(args: &VerifyArgs) -> Result<i32> {
             .layers
             .iter()
             .flat_map(|l| l.tensors.values())
-            .map(|t| 2 * t.nbytes)
+            .map(|t| t.stored + t.nbytes)
             .sum()
     });
     let total = r.shard_bytes + trunk_bytes;

@@ -241,13 +241,23 @@ impl BitWriter<'_> {
 }
 
 /// Append the encoding of the BF16 values `src` (little-endian, an even number of bytes) to
-/// `out`. Returns false, appending nothing, when `src` has an odd length.
+/// `out` (the blocks encoded on the current rayon pool). Returns false, appending nothing, when
+/// `src` has an odd length.
 pub fn encode(src: &[u8], out: &mut Vec<u8>) -> bool {
     if !src.len().is_multiple_of(2) {
         return false;
     }
-    for block in src.chunks(BLOCK_ELEMS * 2) {
-        encode_block(block, out);
+    use rayon::prelude::*;
+    let blocks: Vec<Vec<u8>> = src
+        .par_chunks(BLOCK_ELEMS * 2)
+        .map(|block| {
+            let mut v = Vec::with_capacity(block.len() + HEADER + BLOCK_ALIGN);
+            encode_block(block, &mut v);
+            v
+        })
+        .collect();
+    for b in blocks {
+        out.extend_from_slice(&b);
     }
     true
 }

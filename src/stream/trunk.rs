@@ -30,7 +30,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Manifest format written in `trunk.json`.
-pub const FORMAT: &str = "k3-trunk/3";
+pub const FORMAT: &str = "k3-trunk/4";
+/// Earlier manifest formats still read: every tensor stored raw.
+const RAW_FORMATS: [&str; 1] = ["k3-trunk/3"];
+/// [`TrunkTensor::encoding`] of a tensor stored as in the checkpoint.
+pub const RAW: &str = "raw";
 /// Earlier manifest formats: refused with a request to re-pack (they do not record enough to
 /// tell a shard edited in place from the one packed).
 const OLD_FORMATS: [&str; 2] = ["k3-trunk/1", "k3-trunk/2"];
@@ -60,6 +64,25 @@ pub struct TrunkTensor {
     pub source_crc32: u32,
     /// CRC-32 of the sampled windows of the tensor's source bytes ([`sample_spans`]).
     pub source_sample: u32,
+    /// How the tensor is stored: [`RAW`] (its bytes as in the checkpoint) or
+    /// [`super::codec::NAME`] (BF16, docs/trunk-codec.md).
+    #[serde(default = "raw_encoding")]
+    pub encoding: String,
+    /// Bytes stored in the run (`nbytes` when raw).
+    #[serde(default)]
+    pub stored: u64,
+}
+
+fn raw_encoding() -> String {
+    RAW.into()
+}
+
+impl TrunkTensor {
+    /// Whether the tensor is stored encoded.
+    #[must_use]
+    pub fn is_encoded(&self) -> bool {
+        self.encoding != RAW
+    }
 }
 
 /// The windows `(offset, length)` of a tensor of `n` bytes whose CRC-32 is its
@@ -353,6 +376,7 @@ pub fn parse_manifest(bytes: &[u8], dir: &Path) -> Result<Manifest, String> {
     }
     match v.get("format").and_then(serde_json::Value::as_str) {
         Some(FORMAT) => {}
+        Some(f) if RAW_FORMATS.contains(&f) => {}
         Some(f) if OLD_FORMATS.contains(&f) => {
             return Err(format!(
                 "trunk.json is format {f:?}, written by an earlier k3 that did not record \
@@ -366,7 +390,15 @@ pub fn parse_manifest(bytes: &[u8], dir: &Path) -> Result<Manifest, String> {
             return Err("trunk.json is not a k3 trunk manifest: no \"format\" string".into());
         }
     }
-    serde_json::from_value(v).map_err(|e| format!("trunk.json is not a k3 trunk manifest: {e}"))
+    let mut m: Manifest = serde_json::from_value(v)
+        .map_err(|e| format!("trunk.json is not a k3 trunk manifest: {e}"))?;
+    // A raw tensor's stored length is its length (earlier formats do not record it).
+    for t in m.layers.iter_mut().flat_map(|l| l.tensors.values_mut()) {
+        if t.encoding == RAW && t.stored == 0 {
+            t.stored = t.nbytes;
+        }
+    }
+    Ok(m)
 }
 
 /// What [`pack`] did.
@@ -378,6 +410,10 @@ pub struct PackReport {
     pub verbatim: usize,
     /// Layers gathered tensor by tensor.
     pub gathered: usize,
+    /// Size `trunk.bin` has with every tensor stored raw (`k3 pack --raw`).
+    pub raw_bytes: u64,
+    /// Bytes of the BF16 tensors, and what they are stored in.
+    pub bf16: (u64, u64),
 }
 
 /// Where a layer's run comes from and how its tensors sit in it.
@@ -428,6 +464,8 @@ fn layout(ck: &Checkpoint, il: usize, names: &[String]) -> Result<Layout, String
                 shape: i.shape.clone(),
                 source_crc32: 0,
                 source_sample: 0,
+                encoding: RAW.into(),
+                stored: i.n_bytes(),
             },
         );
     }
@@ -442,7 +480,9 @@ fn layout(ck: &Checkpoint, il: usize, names: &[String]) -> Result<Layout, String
 
 /// Pack the trunk of the checkpoint in `ck` (with `n_layers` layers) into `out`:
 /// `trunk.bin` and `trunk.json` are written under temporary names, synced, and renamed into
-/// place (the manifest last). `progress(done, total)` is called as bytes are copied.
+/// place (the manifest last). With `encode`, every BF16 tensor is stored with
+/// [`super::codec`] and each layer's tensors are gathered one by one. `progress(done, total)`
+/// is called as source bytes are packed.
 /// Over 100 lines: one sequential pass over the layers writes the trunk, then the manifest; the
 /// checksums and the check of the shards share the pass's state.
 pub fn pack(
@@ -450,6 +490,7 @@ pub fn pack(
     n_layers: usize,
     out: &Path,
     force: bool,
+    encode: bool,
     progress: &dyn Fn(u64, u64),
 ) -> Result<PackReport, TrunkError> {
     let src = ck.dir().to_path_buf();
@@ -477,6 +518,7 @@ pub fn pack(
         });
         file_off += nbytes;
     }
+    let raw_bytes = file_off;
     let total = file_off;
     let wr = |path: &Path| {
         let path = path.to_path_buf();
@@ -499,7 +541,20 @@ pub fn pack(
         let mut done = 0u64;
         let mut buf = Vec::new();
         let mut piece = Vec::new();
+        let mut file_off = 0u64;
         for l in &mut layers {
+            let raw_len = l.nbytes;
+            if encode {
+                pack_encoded(ck, l, &mut buf, &mut piece)?;
+                l.file_off = file_off;
+                file_off += l.nbytes;
+                f.write_all(&buf).map_err(wr(&bin))?;
+                done += raw_len;
+                progress(done, total);
+                continue;
+            }
+            l.file_off = file_off;
+            file_off += l.nbytes;
             buf.clear();
             buf.resize(l.nbytes as usize, 0);
             if l.gathered {
@@ -555,7 +610,7 @@ pub fn pack(
             align: ALIGN,
             source_digest: hex(&ck.index_digest()),
             source_dir: src.display().to_string(),
-            total_bytes: total,
+            total_bytes: file_off,
             shards: before.clone(),
             layers: layers.clone(),
         };
@@ -571,11 +626,59 @@ pub fn pack(
     })();
     let manifest = result?;
     let gathered = manifest.layers.iter().filter(|l| l.gathered).count();
+    let bf16 = manifest
+        .layers
+        .iter()
+        .flat_map(|l| l.tensors.values())
+        .filter(|t| t.dtype == "BF16")
+        .fold((0, 0), |(a, b), t| (a + t.nbytes, b + t.stored));
     Ok(PackReport {
         verbatim: manifest.layers.len() - gathered,
         gathered,
+        raw_bytes,
+        bf16,
         manifest,
     })
+}
+
+/// Lay out layer `l` encoded in `buf` (its length a multiple of [`ALIGN`]): its tensors in the
+/// order of their source offsets, each at a [`GATHER_ALIGN`]-aligned offset, BF16 ones
+/// encoded; the layer's and the tensors' checksums and stored lengths are filled in.
+fn pack_encoded(
+    ck: &Checkpoint,
+    l: &mut TrunkLayer,
+    buf: &mut Vec<u8>,
+    piece: &mut Vec<u8>,
+) -> Result<(), TrunkError> {
+    let mut order: Vec<(String, u64)> = l.tensors.iter().map(|(n, t)| (n.clone(), t.off)).collect();
+    order.sort_by_key(|(_, off)| *off);
+    buf.clear();
+    let mut source = crc32fast::Hasher::new();
+    for (name, _) in order {
+        let Some(t) = l.tensors.get_mut(&name) else {
+            continue;
+        };
+        ck.read_span(&name, 0, t.nbytes, piece)?;
+        source.update(piece);
+        t.source_crc32 = crc32fast::hash(piece);
+        t.source_sample = sample_crc(piece);
+        let at = buf.len().next_multiple_of(GATHER_ALIGN as usize);
+        buf.resize(at, 0);
+        t.off = at as u64;
+        if t.dtype == "BF16" && super::codec::encode(piece, buf) {
+            t.encoding = super::codec::NAME.into();
+        } else {
+            buf.extend_from_slice(piece);
+            t.encoding = RAW.into();
+        }
+        t.stored = (buf.len() - at) as u64;
+    }
+    buf.resize(buf.len().next_multiple_of(ALIGN as usize), 0);
+    l.source_crc32 = source.finalize();
+    l.crc32 = crc32fast::hash(buf);
+    l.nbytes = buf.len() as u64;
+    l.gathered = true;
+    Ok(())
 }
 
 /// One layer's tensors read from the trunk, as raw bytes until taken.
@@ -625,7 +728,38 @@ pub struct Trunk {
     fault: FaultSlot,
     /// Allocations of streamed layers, reused by the next read.
     pool: std::sync::Arc<Pool>,
+    /// Allocations of decoded layers, reused by the next decode.
+    decoded_pool: std::sync::Arc<Pool>,
+    /// Per layer, where its tensors go when it holds encoded ones.
+    decoded: Vec<Option<Decoded>>,
     source_check: SourceCheck,
+}
+
+/// Where a layer holding encoded tensors is decoded to: every tensor (raw ones copied, so the
+/// read allocation is freed at once) at a [`GATHER_ALIGN`]-aligned offset of one allocation.
+#[derive(Debug)]
+struct Decoded {
+    /// Bytes of the allocation.
+    len: usize,
+    /// Tensors by offset in the allocation: name, offset.
+    tensors: Vec<(String, usize)>,
+}
+
+/// The decoded layout of `l`, None when every tensor is raw.
+fn decoded_layout(l: &TrunkLayer) -> Option<Decoded> {
+    if !l.tensors.values().any(TrunkTensor::is_encoded) {
+        return None;
+    }
+    let mut order: Vec<(&String, &TrunkTensor)> = l.tensors.iter().collect();
+    order.sort_by_key(|(_, t)| t.off);
+    let mut at = 0usize;
+    let mut tensors = Vec::with_capacity(order.len());
+    for (name, t) in order {
+        let off = at.next_multiple_of(GATHER_ALIGN as usize);
+        tensors.push((name.clone(), off));
+        at = off + t.nbytes as usize;
+    }
+    Some(Decoded { len: at, tensors })
 }
 
 /// What [`Trunk::open`] read back from the shards to check the trunk still matches them.
@@ -812,11 +946,23 @@ impl Trunk {
                         i.shape
                     )));
                 }
-                if t.off.checked_add(t.nbytes).is_none_or(|e| e > l.nbytes) {
+                match t.encoding.as_str() {
+                    RAW if t.stored == t.nbytes => {}
+                    super::codec::NAME if t.dtype == "BF16" => {}
+                    e => {
+                        return Err(bad(format!(
+                            "layer {il}: tensor {n} ({}, {} bytes) is stored as {e:?} in {} \
+                             bytes",
+                            t.dtype, t.nbytes, t.stored
+                        )));
+                    }
+                }
+                if t.off.checked_add(t.stored).is_none_or(|e| e > l.nbytes) {
                     return Err(bad(format!("layer {il}: tensor {n} lies outside its run")));
                 }
             }
         }
+        let decoded = m.layers.iter().map(decoded_layout).collect();
         let source_check = check_source_bytes(&m, ck, &rewritten, dir)?;
         let bin = dir.join("trunk.bin");
         let (file, len) =
@@ -836,6 +982,8 @@ impl Trunk {
             reads: AtomicU64::new(0),
             fault: FaultSlot::default(),
             pool: Pool::new(1),
+            decoded_pool: Pool::new(1),
+            decoded,
             manifest: m,
             file,
             source_check,
@@ -851,6 +999,7 @@ impl Trunk {
     /// Free the idle layer allocation kept for the next read (after a smaller plan).
     pub fn release_pooled(&self) {
         self.pool.release();
+        self.decoded_pool.release();
     }
 
     /// Read with `O_DIRECT` where the filesystem allows it; returns whether it does.
@@ -991,6 +1140,10 @@ impl Trunk {
             }
             self.verified[il].store(true, Ordering::Relaxed);
         }
+        let run = match &self.decoded[il] {
+            Some(d) => self.decode_layer(il, &run, d)?,
+            None => run,
+        };
         let mut tensors = std::collections::HashMap::with_capacity(l.tensors.len());
         for (name, t) in &l.tensors {
             let bad = |reason: String| StreamError::Unrepresentable {
@@ -999,13 +1152,67 @@ impl Trunk {
                 reason,
             };
             let dtype = Dtype::parse(&t.dtype).ok_or_else(|| bad(format!("dtype {}", t.dtype)))?;
-            // `Trunk::open` checked every tensor lies inside its run.
+            // `Trunk::open` checked every tensor lies inside its run; a decoded layer's
+            // tensors are where `decoded_layout` put them.
+            let off = match &self.decoded[il] {
+                Some(d) => d
+                    .tensors
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map_or(usize::MAX, |(_, o)| *o),
+                None => t.off as usize,
+            };
             let b = run
-                .slice(t.off as usize, t.nbytes as usize)
+                .slice(off, t.nbytes as usize)
                 .ok_or_else(|| bad("outside its run".into()))?;
             tensors.insert(name.clone(), (dtype, b));
         }
         Ok(LayerRun { layer: il, tensors })
+    }
+
+    /// Decode layer `il`'s tensors from `run` (its bytes in `trunk.bin`) into one pooled
+    /// allocation laid out by `d`: encoded tensors decoded (docs/trunk-codec.md), raw ones
+    /// copied. A block that does not decode is refused naming the layer and the tensor.
+    fn decode_layer(&self, il: usize, run: &Bytes, d: &Decoded) -> Result<Bytes, StreamError> {
+        let l = &self.manifest.layers[il];
+        let mut fill = Filling::new_in(d.len, &self.decoded_pool);
+        let src = run.as_slice();
+        let mut area = fill.area();
+        let mut at = 0usize;
+        for (name, off) in &d.tensors {
+            let corrupt = |reason: String| StreamError::Corrupt {
+                path: self.dir.join("trunk.bin"),
+                what: format!("trunk layer {il}, tensor {name:?}"),
+                reason,
+            };
+            let t = l
+                .tensors
+                .get(name)
+                .ok_or_else(|| corrupt("not in the manifest".into()))?;
+            let (gap, rest) = area.split_at_mut(off - at);
+            for b in gap {
+                b.write(0);
+            }
+            let (dst, rest) = rest.split_at_mut(t.nbytes as usize);
+            area = rest;
+            at = off + t.nbytes as usize;
+            // `Trunk::open` checked the stored bytes lie inside the run.
+            let stored = src
+                .get(t.off as usize..(t.off + t.stored) as usize)
+                .ok_or_else(|| corrupt("outside its run".into()))?;
+            if t.is_encoded() {
+                super::codec::decode(stored, dst).map_err(|e| {
+                    corrupt(format!(
+                        "{e}; trunk.bin is corrupt: run `k3 pack --force` to re-pack it"
+                    ))
+                })?;
+            } else {
+                for (d, &s) in dst.iter_mut().zip(stored) {
+                    d.write(s);
+                }
+            }
+        }
+        Ok(fill.finish(at))
     }
 }
 

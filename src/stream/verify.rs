@@ -424,6 +424,36 @@ pub fn compare_trunk(
                     at += take as u64;
                     totals.trunk_bytes += take as u64;
                 }
+                if t.is_encoded() {
+                    let stored = usize::try_from(t.stored).unwrap_or(usize::MAX);
+                    trunk_piece(&file, l.file_off + t.off, stored, tb, &mut run)?;
+                    totals.trunk_bytes += t.stored;
+                    at = at.max(t.off + t.stored);
+                    ck.read_span(name, 0, t.nbytes, sb)
+                        .map_err(|e| std::io::Error::other(e.to_string()))?;
+                    source.update(sb);
+                    progress(t.stored + t.nbytes);
+                    match super::codec::decode_to_vec(tb, sb.len()) {
+                        Err(e) => {
+                            totals.differing_tensors += 1;
+                            p.push(format!(
+                                "trunk layer {il}: tensor {name:?} does not decode: {e} \
+                                 (trunk.bin offset {})",
+                                l.file_off + t.off
+                            ));
+                        }
+                        Ok(dec) => {
+                            if let Some(i) = dec.iter().zip(sb.iter()).position(|(a, b)| a != b) {
+                                totals.differing_tensors += 1;
+                                p.push(format!(
+                                    "trunk layer {il}: tensor {name:?} decodes to bytes that \
+                                     differ from its source at byte {i}"
+                                ));
+                            }
+                        }
+                    }
+                    continue;
+                }
                 let mut differs = false;
                 let mut k = 0u64;
                 while k < t.nbytes {

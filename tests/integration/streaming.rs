@@ -485,33 +485,35 @@ fn small_checkpoint_same_logits_at_every_budget_and_rss_within_budget() {
         // At every budget, the whole process stays inside it.
         assert!(peak <= budget, "peak RSS {peak} above the budget {budget}");
     }
-    // The same with a packed trunk.
-    let trunk = small().join("trunk");
-    crate::common::run_ok(
-        crate::common::k3_command()
-            .arg("pack")
-            .arg(small().join("small"))
-            .arg(&trunk),
-    );
-    let t = trunk.to_str().unwrap();
-    for budget in [Some(floor), Some(model / 4), Some(model / 2), None] {
-        let gb = budget.map(|b| format!("{}", b as f64 / 1e9));
-        let mut extra = vec!["--trunk", t];
-        if let Some(gb) = &gb {
-            extra.extend(["--mem", gb.as_str()]);
+    // The same with a packed trunk, encoded (the default) and raw.
+    for (name, raw) in [("trunk", false), ("trunk-raw", true)] {
+        let trunk = small().join(name);
+        let mut pack = crate::common::k3_command();
+        pack.arg("pack").arg(small().join("small")).arg(&trunk);
+        if raw {
+            pack.arg("--raw");
         }
-        let (got_ids, got_logits, peak) = run_small(&extra);
-        assert_eq!(got_ids, ids, "trunk, budget {budget:?}");
-        assert!(
-            got_logits == logits,
-            "dumped logits differ with the trunk at {budget:?}"
-        );
-        println!("small with trunk at {budget:?} B: peak RSS {peak} B");
-        if let Some(b) = budget {
+        crate::common::run_ok(&mut pack);
+        let t = trunk.to_str().unwrap();
+        for budget in [Some(floor), Some(model / 4), Some(model / 2), None] {
+            let gb = budget.map(|b| format!("{}", b as f64 / 1e9));
+            let mut extra = vec!["--trunk", t];
+            if let Some(gb) = &gb {
+                extra.extend(["--mem", gb.as_str()]);
+            }
+            let (got_ids, got_logits, peak) = run_small(&extra);
+            assert_eq!(got_ids, ids, "trunk, budget {budget:?}");
             assert!(
-                peak <= b,
-                "peak RSS {peak} above the budget {b} with the trunk"
+                got_logits == logits,
+                "dumped logits differ with the trunk at {budget:?}"
             );
+            println!("small with {name} at {budget:?} B: peak RSS {peak} B");
+            if let Some(b) = budget {
+                assert!(
+                    peak <= b,
+                    "peak RSS {peak} above the budget {b} with {name}"
+                );
+            }
         }
     }
 }

@@ -37,10 +37,10 @@ fn generate(
     Ok(out)
 }
 
-fn pack_into(model: &Path, out: &Path) -> trunk::PackReport {
+fn pack_into(model: &Path, out: &Path, encode: bool) -> trunk::PackReport {
     let ck = Checkpoint::open(model).unwrap();
     let cfg = k3::engine::config::ModelConfig::load(&model.join("config.json")).unwrap();
-    trunk::pack(&ck, cfg.num_hidden_layers, out, false, &|_, _| {}).unwrap()
+    trunk::pack(&ck, cfg.num_hidden_layers, out, false, encode, &|_, _| {}).unwrap()
 }
 
 fn open(model: &Path, budget: BudgetRequest, trunk: Option<&Path>, direct: bool) -> Model {
@@ -76,15 +76,29 @@ fn k3(args: &[&str]) -> (i32, String, String) {
 
 #[test]
 fn with_or_without_the_trunk_every_budget_gives_the_same_logits() {
-    for set in ["tiny", "tiny2"] {
+    for (set, encode) in [
+        ("tiny", false),
+        ("tiny2", false),
+        ("tiny", true),
+        ("tiny2", true),
+    ] {
         let dir = fixture(set);
         let tmp = tempfile::tempdir().unwrap();
         let t = tmp.path().join("trunk");
-        let r = pack_into(&dir, &t);
-        assert_eq!(
-            r.verbatim, r.manifest.n_layers,
-            "{set}: runs are contiguous"
-        );
+        let r = pack_into(&dir, &t, encode);
+        if encode {
+            // Every BF16 tensor encoded, the others raw; the stored size below the raw one.
+            for t in r.manifest.layers.iter().flat_map(|l| l.tensors.values()) {
+                assert_eq!(t.is_encoded(), t.dtype == "BF16", "{t:?}");
+            }
+            assert!(r.bf16.1 < r.bf16.0, "{:?}", r.bf16);
+            assert!(r.manifest.total_bytes <= r.raw_bytes);
+        } else {
+            assert_eq!(
+                r.verbatim, r.manifest.n_layers,
+                "{set}: runs are contiguous"
+            );
+        }
         for l in &r.manifest.layers {
             assert_eq!(l.file_off % 4096, 0);
             assert_eq!(l.nbytes % 4096, 0);
@@ -103,7 +117,11 @@ fn with_or_without_the_trunk_every_budget_gives_the_same_logits() {
                 let m = open(&dir, req, Some(&t), direct);
                 let got = generate(&m, &prompt, 10, |_| {}).unwrap();
                 for (a, b) in got.iter().zip(&want) {
-                    assert_eq!(bits(a), bits(b), "{set} {req:?} direct {direct}");
+                    assert_eq!(
+                        bits(a),
+                        bits(b),
+                        "{set} {req:?} direct {direct} encoded {encode}"
+                    );
                 }
                 if let Some(st) = m.streamer() {
                     let tr = st.trunk().expect("streaming from the trunk");
@@ -170,7 +188,7 @@ fn scrambled_tiny() -> (tempfile::TempDir, PathBuf) {
 fn scattered_layers_are_gathered_and_give_the_same_logits() {
     let (_tmp, dir) = scrambled_tiny();
     let t = dir.parent().unwrap().join("trunk");
-    let r = pack_into(&dir, &t);
+    let r = pack_into(&dir, &t, false);
     assert!(r.gathered > 0, "the scrambled layout needs gathering");
     let prompt = u32s(&json("tiny/oracle.json")["prompt_ids"]);
     let want = generate(
@@ -255,17 +273,17 @@ fn bad_trunks_are_refused_with_their_reason() {
     for (from, to, says) in [
         ("\"align\":4096", "\"align\":512", "align"),
         (
-            "\"format\":\"k3-trunk/3\"",
+            "\"format\":\"k3-trunk/4\"",
             "\"format\":\"k3-trunk/9\"",
             "format",
         ),
         (
-            "\"format\":\"k3-trunk/3\"",
+            "\"format\":\"k3-trunk/4\"",
             "\"format\":\"k3-trunk/1\"",
             "re-pack it with `k3 pack --force",
         ),
         (
-            "\"format\":\"k3-trunk/3\"",
+            "\"format\":\"k3-trunk/4\"",
             "\"format\":\"k3-trunk/2\"",
             "re-pack it with `k3 pack --force",
         ),
@@ -309,7 +327,7 @@ fn trunk_read_faults_are_retried_or_fail_the_step() {
     let dir = fixture("tiny");
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path().join("trunk");
-    pack_into(&dir, &t);
+    pack_into(&dir, &t, true);
     let prompt = u32s(&json("tiny/oracle.json")["prompt_ids"]);
     let want = generate(
         &open(&dir, BudgetRequest::Resident, None, true),
@@ -369,7 +387,7 @@ fn a_trunk_whose_source_changed_is_refused_until_repacked() {
     assert_eq!(code, 0, "{err}");
     let manifest: serde_json::Value =
         serde_json::from_slice(&std::fs::read(t.join("trunk.json")).unwrap()).unwrap();
-    assert_eq!(manifest["format"], "k3-trunk/3");
+    assert_eq!(manifest["format"], "k3-trunk/4");
     // The shards holding layer tensors (the third holds only the model-level ones).
     let recorded: Vec<&str> = manifest["shards"]
         .as_array()
@@ -511,4 +529,95 @@ fn a_shard_edited_in_place_keeping_its_size_and_mtime_is_refused() {
     let (code, repacked, err) = run(true);
     assert_eq!(code, 0, "{err}");
     assert_eq!(repacked, plain);
+}
+
+/// An encoded block that does not decode, though the layer's checksum was made to match (a
+/// block corrupted after the layer was first verified, or a buggy writer): refused with exit 3
+/// naming the layer and the tensor, never run on different weights. A raw (`--raw`) trunk
+/// and an encoded one give the same tokens.
+#[test]
+fn corrupt_encoded_blocks_are_refused_naming_the_layer_and_tensor() {
+    let tiny = fixture("tiny");
+    let tmp = tempfile::tempdir().unwrap();
+    let (t, traw) = (tmp.path().join("trunk"), tmp.path().join("raw"));
+    let (ts, tiny_s) = (t.to_str().unwrap(), tiny.to_str().unwrap());
+    let (code, _, err) = k3(&["pack", tiny_s, ts]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("BF16 tensors encoded"), "{err}");
+    let (code, _, err) = k3(&["pack", tiny_s, traw.to_str().unwrap(), "--raw"]);
+    assert_eq!(code, 0, "{err}");
+    let run = |trunk: &str| {
+        k3(&[
+            "run", tiny_s, "--ids", "1,2,3", "--gen", "3", "--mem", "0.05", "--trunk", trunk,
+        ])
+    };
+    let (code, good, err) = run(ts);
+    assert_eq!(code, 0, "{err}");
+    let (code, raw_out, err) = run(traw.to_str().unwrap());
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(good, raw_out);
+
+    let json_path = t.join("trunk.json");
+    let bin = t.join("trunk.bin");
+    let (orig_json, orig_bin) = (
+        std::fs::read(&json_path).unwrap(),
+        std::fs::read(&bin).unwrap(),
+    );
+    let m: serde_json::Value = serde_json::from_slice(&orig_json).unwrap();
+    // The largest encoded tensor of layer 2.
+    let layer = &m["layers"][2];
+    let (name, tensor) = layer["tensors"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(_, v)| v["encoding"] == "k3h1")
+        .max_by_key(|(_, v)| v["stored"].as_u64().unwrap())
+        .unwrap();
+    let file_off = layer["file_off"].as_u64().unwrap() as usize;
+    let (off, stored) = (
+        tensor["off"].as_u64().unwrap() as usize,
+        tensor["stored"].as_u64().unwrap() as usize,
+    );
+    let nbytes = layer["nbytes"].as_u64().unwrap() as usize;
+    // Flip a byte inside the tensor's blocks and re-seal the layer's checksum.
+    let mut bad = orig_bin.clone();
+    bad[file_off + off + stored / 2] ^= 0x20;
+    let mut m2 = m.clone();
+    m2["layers"][2]["crc32"] =
+        serde_json::json!(crc32fast::hash(&bad[file_off..file_off + nbytes]));
+    std::fs::write(&bin, &bad).unwrap();
+    std::fs::write(&json_path, serde_json::to_vec(&m2).unwrap()).unwrap();
+    let (code, out, err) = run(ts);
+    assert_eq!(code, 3, "{err}");
+    assert_ne!(out, good);
+    assert!(
+        err.contains(&format!("trunk layer 2, tensor \"{name}\"")),
+        "{err}"
+    );
+    assert!(
+        err.contains("checksum") && err.contains("k3 pack --force"),
+        "{err}"
+    );
+    // The manifest says the tensor's blocks are shorter than they are.
+    std::fs::write(&bin, &orig_bin).unwrap();
+    let mut m3 = m.clone();
+    m3["layers"][2]["tensors"][name]["stored"] = serde_json::json!(stored - 8);
+    std::fs::write(&json_path, serde_json::to_vec(&m3).unwrap()).unwrap();
+    let (code, _, err) = run(ts);
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains(&format!("trunk layer 2, tensor \"{name}\"")),
+        "{err}"
+    );
+    // An encoding the reader does not know, or on a tensor that is not BF16: refused at open.
+    let mut m4 = m.clone();
+    m4["layers"][2]["tensors"][name]["encoding"] = serde_json::json!("zstd");
+    std::fs::write(&json_path, serde_json::to_vec(&m4).unwrap()).unwrap();
+    let (code, _, err) = run(ts);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("\"zstd\""), "{err}");
+    // Restored, it runs as before.
+    std::fs::write(&json_path, &orig_json).unwrap();
+    let (code, out, err) = run(ts);
+    assert_eq!((code, out), (0, good), "{err}");
 }

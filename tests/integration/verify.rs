@@ -280,39 +280,54 @@ fn sha256_sums_are_checked_per_shard() {
 fn a_trunk_with_one_byte_flipped_fails() {
     let (tmp, dir) = synth_tiny();
     let d = dir.to_str().unwrap();
-    let t = tmp.path().join("trunk");
-    let ts = t.to_str().unwrap();
-    crate::common::run_ok(k3_command().args(["pack", d, ts]));
-    let (code, out, err) = verify(&[d, "--trunk", ts, "--json"]);
-    assert_eq!(code, 0, "{out}{err}");
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert!(v["trunk"]["layers"].as_u64().unwrap() > 0, "{v}");
-    assert_eq!(v["trunk"]["differing_tensors"], 0);
+    for raw in [true, false] {
+        let t = tmp.path().join(if raw { "trunk-raw" } else { "trunk" });
+        let ts = t.to_str().unwrap();
+        let mut pack = k3_command();
+        pack.args(["pack", d, ts]);
+        if raw {
+            pack.arg("--raw");
+        }
+        crate::common::run_ok(&mut pack);
+        let (code, out, err) = verify(&[d, "--trunk", ts, "--json"]);
+        assert_eq!(code, 0, "{out}{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert!(v["trunk"]["layers"].as_u64().unwrap() > 0, "{v}");
+        assert_eq!(v["trunk"]["differing_tensors"], 0);
 
-    // Flip one byte of the first tensor of layer 1.
-    let m: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(t.join("trunk.json")).unwrap()).unwrap();
-    let l1 = &m["layers"][1];
-    let (name, first) = l1["tensors"]
-        .as_object()
-        .unwrap()
-        .iter()
-        .min_by_key(|(_, t)| t["off"].as_u64().unwrap())
-        .unwrap();
-    let at = (l1["file_off"].as_u64().unwrap() + first["off"].as_u64().unwrap() + 1) as usize;
-    let bin = t.join("trunk.bin");
-    let mut bytes = std::fs::read(&bin).unwrap();
-    bytes[at] ^= 0x01;
-    std::fs::write(&bin, &bytes).unwrap();
-    let (code, out, err) = verify(&[d, "--trunk", ts]);
-    assert_eq!(code, 3, "{out}{err}");
-    assert!(
-        out.contains(&format!(
-            "trunk layer 1: tensor {name:?} differs from its source at byte 1"
-        )),
-        "{out}"
-    );
-    assert!(out.contains("trunk layer 1: trunk.bin checksum"), "{out}");
+        // Flip one byte of the first tensor of layer 1 (raw), or inside the blocks of its
+        // first encoded tensor.
+        let m: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(t.join("trunk.json")).unwrap()).unwrap();
+        let l1 = &m["layers"][1];
+        let (name, first) = l1["tensors"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(_, t)| raw || t["encoding"] == "k3h1")
+            .min_by_key(|(_, t)| t["off"].as_u64().unwrap())
+            .unwrap();
+        let within = if raw {
+            1
+        } else {
+            first["stored"].as_u64().unwrap() / 2
+        };
+        let at =
+            (l1["file_off"].as_u64().unwrap() + first["off"].as_u64().unwrap() + within) as usize;
+        let bin = t.join("trunk.bin");
+        let mut bytes = std::fs::read(&bin).unwrap();
+        bytes[at] ^= 0x01;
+        std::fs::write(&bin, &bytes).unwrap();
+        let (code, out, err) = verify(&[d, "--trunk", ts]);
+        assert_eq!(code, 3, "{out}{err}");
+        let says = if raw {
+            format!("trunk layer 1: tensor {name:?} differs from its source at byte 1")
+        } else {
+            format!("trunk layer 1: tensor {name:?} does not decode: block 0: checksum")
+        };
+        assert!(out.contains(&says), "{out}");
+        assert!(out.contains("trunk layer 1: trunk.bin checksum"), "{out}");
+    }
 }
 
 #[test]

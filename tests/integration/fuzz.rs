@@ -17,6 +17,7 @@ fn every_fuzz_target_runs_clean_for_a_bounded_number_of_inputs() {
         "st_index_json",
         "config_json",
         "trunk_manifest",
+        "trunk_blocks",
         "session_decode",
         "tiktoken_ranks",
         "user_toml",

@@ -69,6 +69,47 @@ fn fix_journal(b: &mut [u8]) {
     }
 }
 
+/// Encoded trunk blocks (after the 4-byte decoded length): every block's CRC-32 that lies
+/// inside the input, recomputed.
+fn fix_trunk_blocks(b: &mut [u8]) {
+    let mut at = 4usize;
+    while at + 16 <= b.len() {
+        let len = u32::from_le_bytes([b[at + 8], b[at + 9], b[at + 10], b[at + 11]]) as usize;
+        let Some(end) = (at + 16).checked_add(len).filter(|&e| e <= b.len()) else {
+            return;
+        };
+        let mut h = crc32fast::Hasher::new();
+        h.update(&b[at..at + 12]);
+        h.update(&b[at + 16..end]);
+        b[at + 12..at + 16].copy_from_slice(&h.finalize().to_le_bytes());
+        at = end.next_multiple_of(8);
+    }
+}
+
+/// An encoded BF16 tensor of the packed trunk: a little-endian u32 giving the decoded length
+/// (capped at 4 MiB), then the blocks. Both decoders agree, and a decode fills exactly the
+/// length asked for.
+fn trunk_blocks(data: &[u8]) -> String {
+    let Some((len, enc)) = data.split_first_chunk::<4>() else {
+        return "short".into();
+    };
+    let want = (u32::from_le_bytes(*len) as usize) % (4 << 20);
+    match k3::stream::codec::decode_to_vec(enc, want) {
+        Ok(v) => {
+            assert_eq!(v.len(), want);
+            let mut par = vec![0u8; want];
+            assert!(k3::stream::codec::decode(enc, &mut par).is_ok());
+            assert!(par == v, "the parallel decoder disagrees");
+            format!("ok:{}", (want / 2).min(3))
+        }
+        Err(e) => {
+            let mut par = vec![0u8; want];
+            assert!(k3::stream::codec::decode(enc, &mut par).is_err());
+            sig("blocks", &e.to_string())
+        }
+    }
+}
+
 /// An outcome's signature: the message with its numbers and quoted parts taken out, so that
 /// one kind of refusal is one signature whatever the input's values.
 fn sig(kind: &str, msg: &str) -> String {
@@ -559,6 +600,14 @@ const RANKS_DICT: &[&[u8]] = &[
     b"\t",
 ];
 
+const BLOCK_DICT: &[&[u8]] = &[
+    b"\x00\x00\x00\x00",
+    b"\x01\x00\x00\x00",
+    b"\x00\x00\x04\x00",
+    b"\xff\xff\xff\xff",
+    b"\x11\x11\x11\x11",
+];
+
 const JOURNAL_DICT: &[&[u8]] = &[
     b"\x89K3JRNL\n",
     b"\0\0\0\0",
@@ -595,6 +644,13 @@ pub const TARGETS: &[Target] = &[
         dict: JSON_DICT,
         run: trunk_manifest,
         fixup: None,
+    },
+    Target {
+        name: "trunk_blocks",
+        about: "an encoded BF16 tensor of trunk.bin (docs/trunk-codec.md)",
+        dict: BLOCK_DICT,
+        run: trunk_blocks,
+        fixup: Some(fix_trunk_blocks),
     },
     Target {
         name: "session_decode",

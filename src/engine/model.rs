@@ -394,6 +394,9 @@ impl Model {
     ///
     /// # Panics
     /// If a token id is not below the vocabulary size (callers validate ids first).
+    ///
+    /// Over 100 lines: the layer loop in the order that fixes the bits (embed, per layer
+    /// AttnRes, mixer, AttnRes, feed-forward with its prediction hooks, then the head).
     pub fn forward(
         &self,
         state: &mut SeqState,
@@ -496,6 +499,7 @@ impl Model {
         rayon::scope(|_| self.forward_chunk(state, run, tokens, want, trace, records))
     }
 
+    /// Over 100 lines: one chunk through every layer, in the order that fixes the bits.
     fn forward_chunk(
         &self,
         state: &mut SeqState,

@@ -1002,6 +1002,8 @@ impl Streamer {
     /// `K3_PREFETCH` ranks), each once, lowest id first, at most
     /// [`Streamer::chunk_prediction_reads`], all eager: a pass asks for its experts in that
     /// order, a cache-full group at a time, so these are the ones its first group reads.
+    ///
+    /// Over 100 lines: route, choose, score and queue share one locked scratch.
     fn predict(&self, j: usize, next: &Layer, x: &[f32], late: bool, single: bool) {
         let n = self.prefetch.load(Ordering::Relaxed);
         let FeedForward::Moe(m) = &next.ffn else {

@@ -122,6 +122,8 @@ pub enum EngineEvent {
         raw: bool,
         /// The completion starts inside the thinking channel.
         thinking: bool,
+        /// The most tokens this reply may have (the chat or the raw-mode limit in force).
+        max_tokens: u64,
     },
     /// Text of one generated token (may be empty while a UTF-8 sequence is incomplete).
     Token {

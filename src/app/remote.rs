@@ -480,6 +480,7 @@ impl Ctx<'_> {
             turn,
             raw: false,
             thinking,
+            max_tokens: s.max_tokens as u64,
         }) {
             return false;
         }

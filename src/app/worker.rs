@@ -690,10 +690,17 @@ impl Ctx<'_> {
                     .is_ok();
             }
         };
+        let raw = self.session.mode == crate::session::chat::Mode::Raw;
+        let settings = &self.session.settings;
         let started = EngineEvent::TurnStarted {
             turn,
-            raw: self.session.mode == crate::session::chat::Mode::Raw,
-            thinking: self.session.settings.thinking,
+            raw,
+            thinking: settings.thinking,
+            max_tokens: if raw {
+                settings.raw_max_tokens
+            } else {
+                settings.max_tokens
+            } as u64,
         };
         let _ = tx.send(started);
         let result = f(&mut self.session, self.cancel, &mut emit);

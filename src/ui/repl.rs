@@ -380,6 +380,7 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
                     turn: t,
                     raw,
                     thinking,
+                    ..
                 }) if t == turn => {
                     view = (!raw).then(|| (TolerantParser::new(thinking), 0, 0));
                 }

@@ -60,8 +60,16 @@ impl App {
                 return true;
             }
             EngineEvent::Ready { info } => self.ready(info, fx),
-            // The client already knows the mode it sent the turn in.
-            EngineEvent::TurnStarted { .. } => return false,
+            // The client already knows the mode it sent the turn in; the limit in force (chat
+            // or raw, as `/set` left it) bounds the estimate of the time left.
+            EngineEvent::TurnStarted {
+                turn, max_tokens, ..
+            } => {
+                if self.live_turn() == Some(turn) && max_tokens > 0 {
+                    self.max_tokens = max_tokens;
+                }
+                return false;
+            }
             EngineEvent::Token {
                 turn,
                 id,

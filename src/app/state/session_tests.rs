@@ -272,3 +272,48 @@ fn deleting_the_open_conversation_is_refused_before_asking() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn the_time_left_counts_to_the_limit_of_the_turn() {
+    // Started with 512; the raw-mode turn runs under a limit of 1,500.
+    let mut app = start(false);
+    type_text(&mut app, "Once upon a time");
+    let turn = match &requests(&act(&mut app, Action::Submit))[..] {
+        [Request::Send { turn, .. }] => *turn,
+        other => panic!("{other:?}"),
+    };
+    ev(
+        &mut app,
+        EngineEvent::TurnStarted {
+            turn,
+            raw: true,
+            thinking: false,
+            max_tokens: 1_500,
+        },
+    );
+    for _ in 0..500 {
+        ev(
+            &mut app,
+            EngineEvent::Token {
+                turn,
+                id: 7,
+                text: "a".into(),
+                position: 0,
+            },
+        );
+    }
+    ev(
+        &mut app,
+        EngineEvent::Stats {
+            turn,
+            stats: Box::new(StatsSnapshot {
+                tokens_per_second: 10.0,
+                ..StatsSnapshot::default()
+            }),
+        },
+    );
+    let (per_token, left) = app.pace().expect("a pace while streaming");
+    assert!((per_token - 0.1).abs() < 1e-9, "{per_token}");
+    // 1,000 tokens to go at 10 tokens/s (with the start-up 512 it said 1.2 s).
+    assert!((left - 100.0).abs() < 1e-9, "{left}");
+}

@@ -22,10 +22,11 @@ use crate::app::config::{Cmd, ThemeName};
 pub use crate::app::protocol::SessionRow;
 use crate::app::protocol::{EngineEvent, Request, TurnId};
 use crate::session::chat::{Mode, Stop, TurnReport};
-use crate::session::commands::Command;
+use crate::session::commands::{Command, Think};
 use crate::session::template::TolerantParser;
 use crate::stream::stats::StatsSnapshot;
 use editor::{Editor, History};
+pub use keys::think_word;
 pub use select::{code_blocks, markdown_options, Target};
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -166,6 +167,9 @@ pub enum Dialog {
     ConfirmReplace(String),
     /// Loading this session over unsaved turns (`/load`, or Enter in the session dialog).
     ConfirmLoad(String),
+    /// Changing thinking (F2, `/think`) in a conversation that has turns: the change re-reads
+    /// it. Enter applies it now; Esc keeps it for the next new conversation.
+    ConfirmThink(Think),
 }
 
 /// Where keys go.
@@ -546,6 +550,11 @@ pub struct App {
     pub loading: Option<(u64, u64)>,
     /// The remote engine's figures (`k3 chat --remote`), in place of the local panes.
     pub remote: Option<RemoteView>,
+    /// Prompt tokens read per second by the last reply that read a prompt, measured under the
+    /// budget in force (`None` before any, and again after the budget changes).
+    pub prefill_rate: Option<f64>,
+    /// A thinking change kept for the next new conversation (Esc in its confirmation).
+    pub next_think: Option<Think>,
 }
 
 /// What the remote pane shows: the server, and the last reply's figures.
@@ -568,6 +577,19 @@ fn remote_in(info: &str) -> Option<(String, String)> {
     let (server, rest) = rest.split_once(" (model ")?;
     let model: String = serde_json::from_str(rest.split_once("),")?.0).ok()?;
     Some((server.to_owned(), model))
+}
+
+/// `1062` → `1,062`.
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// Rounds to three significant digits (for budgets asked in GB).
@@ -682,6 +704,8 @@ impl App {
             quit_after_save: None,
             last_error: None,
             disk_at_start: None,
+            prefill_rate: None,
+            next_think: None,
         }
     }
 
@@ -743,6 +767,31 @@ impl App {
         }
         let left = self.max_tokens.saturating_sub(tokens) as f64;
         Some((1.0 / tps, left / tps))
+    }
+
+    /// Positions the conversation holds (0 before its first turn): what a thinking change
+    /// re-reads.
+    #[must_use]
+    pub fn held_positions(&self) -> u64 {
+        self.stats.last.as_ref().map_or(0, |s| s.positions)
+    }
+
+    /// What a thinking change costs before the next reply: the conversation is read again.
+    #[must_use]
+    pub fn think_cost(&self) -> String {
+        let n = self.held_positions();
+        let time = match self.prefill_rate {
+            Some(rate) => {
+                let s = n as f64 / rate;
+                if s < 10.0 {
+                    format!("about {s:.1} s at this budget")
+                } else {
+                    format!("about {s:.0} s at this budget")
+                }
+            }
+            None => "time unknown until a prompt has been read under this budget".into(),
+        };
+        format!("re-reads {} tokens, {time}", thousands(n))
     }
 
     /// The text of the newest reply.

@@ -161,6 +161,7 @@ fn popups(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         Some(Dialog::Sessions(d)) => popups::sessions(app, d, theme, area, buf),
         Some(Dialog::ConfirmQuit) => popups::confirm_quit(app, theme, area, buf),
         Some(Dialog::ConfirmNew) => popups::confirm_new(theme, area, buf),
+        Some(Dialog::ConfirmThink(t)) => popups::confirm_think(app, *t, theme, area, buf),
         Some(Dialog::ConfirmReplace(name)) => popups::confirm_replace(name, theme, area, buf),
         Some(Dialog::ConfirmLoad(name)) => popups::confirm_load(name, theme, area, buf),
     }

@@ -279,6 +279,11 @@ impl App {
 
     pub(super) fn turn_done(&mut self, turn: TurnId, kind: ReplyKind, report: &TurnReport) {
         self.finish_parser(turn);
+        // The prefill speed under this budget, for what a re-read would cost (a prompt of a
+        // few tokens says little).
+        if report.prefilled_tokens >= 16 && report.prefill_seconds > 0.0 {
+            self.prefill_rate = Some(report.prefilled_tokens as f64 / report.prefill_seconds);
+        }
         let disk_read = match (self.disk_at_start.take(), &self.stats.last) {
             (Some(a), Some(s)) => Some(s.disk_bytes_read.saturating_sub(a)),
             _ => None,
@@ -420,6 +425,9 @@ impl App {
             let bytes = (gb * 1e9) as u64;
             self.budget.answer = Some((bytes, answer.clone()));
             // A typed `/budget` moves the slider to what is now in force.
+            if answer.is_ok() {
+                self.prefill_rate = None;
+            }
             if answer.is_ok() && self.budget.ready() {
                 self.budget.step = self.budget.step_of(bytes);
                 self.budget.touched = true;
@@ -455,6 +463,10 @@ impl App {
             Command::New => {
                 // The new conversation is named at its first turn (`EngineEvent::Named`).
                 self.session = None;
+                // A thinking change kept for it applies now (nothing to read again).
+                if let Some(t) = self.next_think.take() {
+                    self.send_command(Command::Think(t), fx);
+                }
                 self.items.clear();
                 self.dirty = false;
                 self.scroll = 0;

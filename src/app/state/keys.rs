@@ -185,16 +185,33 @@ impl App {
             Cmd::New => self.new_conversation(fx),
             Cmd::AnswerNow => self.answer_now(fx),
             Cmd::Effort => {
-                // off → low → high → max → off; the engine applies it to the next reply.
-                let next = match (self.thinking, self.effort.as_str()) {
-                    (false, _) => Think::Low,
-                    (true, "low") => Think::High,
-                    (true, "high") => Think::Max,
-                    _ => Think::Off,
-                };
-                self.send_command(Command::Think(next), fx);
+                // off → low → high → max → off, from what the changes already asked for will
+                // leave (two presses step twice); the engine applies it to the next reply.
+                let next = step_effort(self.wanted_thinking());
+                self.change_thinking(next, fx);
             }
             Cmd::Select => self.enter_select(),
+        }
+    }
+
+    /// Thinking and its effort as they will be once the thinking changes sent are applied.
+    pub(super) fn wanted_thinking(&self) -> (bool, String) {
+        let mut state = (self.thinking, self.effort.clone());
+        for (_, p) in &self.pending {
+            if let Purpose::Command(Command::Think(t)) = p {
+                state = thinking_after(*t, state);
+            }
+        }
+        state
+    }
+
+    /// Change thinking: at once in a conversation without turns, else after saying what it
+    /// costs (the conversation is read again) and asking.
+    pub(super) fn change_thinking(&mut self, t: Think, fx: &mut Vec<Effect>) {
+        if self.held_positions() > 0 && !self.busy() {
+            self.dialog = Some(Dialog::ConfirmThink(t));
+        } else {
+            self.send_command(Command::Think(t), fx);
         }
     }
 
@@ -285,6 +302,11 @@ impl App {
             Some(Ok(Command::Help)) => {
                 self.input.take();
                 self.open_help();
+            }
+            Some(Ok(Command::Think(t))) if self.held_positions() > 0 && !self.busy() => {
+                self.history.push(&text);
+                self.input.take();
+                self.dialog = Some(Dialog::ConfirmThink(t));
             }
             Some(Ok(Command::Load(name))) if self.dirty && !self.busy() => {
                 self.history.push(&text);
@@ -515,7 +537,9 @@ impl App {
         } else if self.budget.touched && self.budget.value_bytes() != bytes {
             self.budget_send(fx);
         } else {
-            // Accepted: this is the budget in force now, whatever figures come next.
+            // Accepted: this is the budget in force now, whatever figures come next; prefill
+            // runs at another speed under it.
+            self.prefill_rate = None;
             self.budget.in_force = Some(bytes);
             self.budget.exact = Some(bytes);
         }
@@ -569,6 +593,28 @@ impl App {
                 Some('n') => {}
                 _ if closes => {}
                 _ => self.dialog = Some(Dialog::ConfirmLoad(name)),
+            },
+            Dialog::ConfirmThink(t) => match (&a, ch) {
+                (Action::Submit, _) | (_, Some('y')) => {
+                    self.items
+                        .push(Item::Info(format!("› /think {}", think_word(t))));
+                    self.send_command(Command::Think(t), fx);
+                }
+                // Another press steps on from the change shown.
+                (Action::Cmd(Cmd::Effort), _) => {
+                    let after = thinking_after(t, (self.thinking, self.effort.clone()));
+                    self.dialog = Some(Dialog::ConfirmThink(step_effort(after)));
+                }
+                (Action::Cmd(Cmd::Stop), _) | (_, Some('n')) => {
+                    self.next_think = Some(t);
+                    self.toast(format!(
+                        "thinking {} kept for the next new conversation ({})",
+                        think_word(t),
+                        self.keys.of(Cmd::New)
+                    ));
+                }
+                _ if closes => {}
+                _ => self.dialog = Some(Dialog::ConfirmThink(t)),
             },
             Dialog::ConfirmReplace(name) => match ch {
                 Some('y') => {
@@ -783,6 +829,39 @@ impl App {
             }
         }
         self.dialog = Some(Dialog::Sessions(d));
+    }
+}
+
+/// Thinking and effort once `t` is applied to `(thinking, effort)`.
+fn thinking_after(t: Think, (_, effort): (bool, String)) -> (bool, String) {
+    match t {
+        Think::Off => (false, effort),
+        Think::On => (true, effort),
+        Think::Low => (true, "low".into()),
+        Think::High => (true, "high".into()),
+        Think::Max => (true, "max".into()),
+    }
+}
+
+/// The effort key's next step: off → low → high → max → off.
+fn step_effort((thinking, effort): (bool, String)) -> Think {
+    match (thinking, effort.as_str()) {
+        (false, _) => Think::Low,
+        (true, "low") => Think::High,
+        (true, "high") => Think::Max,
+        _ => Think::Off,
+    }
+}
+
+/// `/think`'s word for `t`.
+#[must_use]
+pub fn think_word(t: Think) -> &'static str {
+    match t {
+        Think::On => "on",
+        Think::Off => "off",
+        Think::Low => "low",
+        Think::High => "high",
+        Think::Max => "max",
     }
 }
 

@@ -7,6 +7,7 @@ use super::*;
 use crate::app::config::Cmd;
 use crate::app::protocol::HistoryView;
 use crate::session::chat::Entry;
+use crate::session::commands::Think;
 
 fn start(resume: bool) -> App {
     let mut app = App::new(AppInit {
@@ -316,4 +317,108 @@ fn the_time_left_counts_to_the_limit_of_the_turn() {
     assert!((per_token - 0.1).abs() < 1e-9, "{per_token}");
     // 1,000 tokens to go at 10 tokens/s (with the start-up 512 it said 1.2 s).
     assert!((left - 100.0).abs() < 1e-9, "{left}");
+}
+
+/// The engine's figures outside a turn: the conversation holds `positions`.
+fn holds(app: &mut App, positions: u64) {
+    ev(
+        app,
+        EngineEvent::Stats {
+            turn: 0,
+            stats: Box::new(StatsSnapshot {
+                positions,
+                ..StatsSnapshot::default()
+            }),
+        },
+    );
+}
+
+#[test]
+fn a_thinking_change_says_what_it_costs_before_it_takes_effect() {
+    let mut app = start(false);
+    // The reply read 400 prompt tokens in 2 s: 200 tokens/s under this budget.
+    chat(
+        &mut app,
+        "Hello there",
+        Some("hello-there-2026-12-04"),
+        400,
+        2.0,
+    );
+    holds(&mut app, 1_062);
+    // F2 (off → low): nothing is sent; the cost is shown first.
+    let fx = act(&mut app, Action::Cmd(Cmd::Effort));
+    assert!(requests(&fx).is_empty(), "{fx:?}");
+    assert_eq!(app.dialog, Some(Dialog::ConfirmThink(Think::Low)));
+    assert_eq!(
+        app.think_cost(),
+        "re-reads 1,062 tokens, about 5.3 s at this budget"
+    );
+    // A second press steps on (low → high); Enter applies it.
+    act(&mut app, Action::Cmd(Cmd::Effort));
+    assert_eq!(app.dialog, Some(Dialog::ConfirmThink(Think::High)));
+    let (turn, cmd) = command(&act(&mut app, Action::Submit));
+    assert_eq!(cmd, Command::Think(Think::High));
+    // Before its answer, F2 steps from what was asked (high → max); Esc keeps that for the
+    // next new conversation and sends nothing.
+    act(&mut app, Action::Cmd(Cmd::Effort));
+    assert_eq!(app.dialog, Some(Dialog::ConfirmThink(Think::Max)));
+    assert!(requests(&act(&mut app, Action::Cmd(Cmd::Stop))).is_empty());
+    assert_eq!(app.next_think, Some(Think::Max));
+    answer(&mut app, turn, "thinking on, effort high");
+    assert_eq!((app.thinking, app.effort.as_str()), (true, "high"));
+    // A typed /think asks the same way.
+    type_text(&mut app, "/think off");
+    assert!(requests(&act(&mut app, Action::Submit)).is_empty());
+    assert_eq!(app.dialog, Some(Dialog::ConfirmThink(Think::Off)));
+    act(&mut app, Action::Char('n'));
+    assert_eq!(app.next_think, Some(Think::Off));
+    // The new conversation takes the change kept for it.
+    act(&mut app, Action::Cmd(Cmd::New));
+    assert_eq!(app.dialog, Some(Dialog::ConfirmNew));
+    let (turn, cmd) = command(&act(&mut app, Action::Char('y')));
+    assert_eq!(cmd, Command::New);
+    let (_, cmd) = command(&answer(&mut app, turn, "new conversation"));
+    assert_eq!(cmd, Command::Think(Think::Off));
+    assert_eq!(app.next_think, None);
+}
+
+#[test]
+fn the_cost_is_unknown_before_a_prompt_is_read_and_after_the_budget_changes() {
+    let mut app = start(false);
+    chat(&mut app, "Hi", Some("hi-2026-12-04"), 3, 0.01);
+    holds(&mut app, 40);
+    assert!(
+        app.think_cost()
+            .starts_with("re-reads 40 tokens, time unknown"),
+        "{}",
+        app.think_cost()
+    );
+    chat(&mut app, "Tell me more", None, 400, 2.0);
+    assert!(
+        app.think_cost().contains("about 0.2 s"),
+        "{}",
+        app.think_cost()
+    );
+    type_text(&mut app, "/budget 2");
+    let (turn, _) = command(&act(&mut app, Action::Submit));
+    answer(&mut app, turn, "budget 2 GB");
+    assert!(
+        app.think_cost().contains("time unknown"),
+        "{}",
+        app.think_cost()
+    );
+}
+
+#[test]
+fn two_effort_presses_in_a_new_conversation_step_twice() {
+    let mut app = start(false);
+    // No turns: nothing to re-read, so each press is sent at once, the second from where the
+    // first leaves thinking although its answer has not come yet.
+    let (_, first) = command(&act(&mut app, Action::Cmd(Cmd::Effort)));
+    let (_, second) = command(&act(&mut app, Action::Cmd(Cmd::Effort)));
+    assert_eq!(
+        (first, second),
+        (Command::Think(Think::Low), Command::Think(Think::High))
+    );
+    assert_eq!(app.dialog, None);
 }

@@ -309,6 +309,28 @@ pub fn confirm_new(theme: &Theme, area: Rect, buf: &mut Buffer) {
     popup("new conversation?", lines, 52, area, theme, buf);
 }
 
+/// "Change thinking? It re-reads the conversation": what it costs, before it takes effect.
+pub fn confirm_think(
+    app: &App,
+    t: crate::session::commands::Think,
+    theme: &Theme,
+    area: Rect,
+    buf: &mut Buffer,
+) {
+    let word = crate::app::state::think_word(t);
+    let lines = vec![
+        Line::styled(format!("thinking {word}: {}", app.think_cost()), theme.text),
+        Line::default(),
+        Line::from(vec![
+            Span::styled("Enter", theme.user),
+            Span::styled(" apply it now   ", theme.text),
+            Span::styled("Esc", theme.user),
+            Span::styled(" keep it for new conversations", theme.text),
+        ]),
+    ];
+    popup("change thinking?", lines, 76, area, theme, buf);
+}
+
 /// "Load another session over unsaved changes?"
 pub fn confirm_load(name: &str, theme: &Theme, area: Rect, buf: &mut Buffer) {
     let lines = vec![

@@ -92,6 +92,9 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                     serde_json::json!({
                         "dir": t.dir().display().to_string(),
                         "bytes": t.manifest().total_bytes,
+                        "decoded_bytes": sizes.layer_trunk.iter().sum::<u64>(),
+                        "streamed_read_per_token": streamed_per_token(t, &plan.pinned).0,
+                        "streamed_decoded_per_token": streamed_per_token(t, &plan.pinned).1,
                         "layers": t.manifest().n_layers,
                     }),
                 );
@@ -160,13 +163,33 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     );
     if let Some(t) = &trunk {
         let m = t.manifest();
+        let (read, decoded) = streamed_per_token(t, &plan.pinned);
         println!(
-            "trunk        {} ({} layers, {} in trunk.bin, checked against this checkpoint)",
+            "trunk        {} ({} layers, {} in trunk.bin for {} of weights, checked against this \
+             checkpoint); streamed per token: {} read for {} decoded",
             crate::stream::shown(t.dir()),
             m.n_layers,
-            gb(m.total_bytes)
+            gb(m.total_bytes),
+            gb(sizes.layer_trunk.iter().sum::<u64>()),
+            gb(read),
+            gb(decoded)
         );
     }
     println!("planned      {}", gb(plan.planned_bytes(&sizes)));
     Ok(())
+}
+
+/// Bytes of `trunk.bin` read per token for the layers `pinned` leaves streamed, and the bytes
+/// of weights they decode to (docs/trunk-codec.md).
+fn streamed_per_token(t: &Trunk, pinned: &[bool]) -> (u64, u64) {
+    t.manifest()
+        .layers
+        .iter()
+        .filter(|l| !pinned.get(l.layer).copied().unwrap_or(false))
+        .fold((0, 0), |(r, d), l| {
+            (
+                r + l.nbytes,
+                d + l.tensors.values().map(|t| t.nbytes).sum::<u64>(),
+            )
+        })
 }

@@ -311,10 +311,13 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
                 .map_err(|e| crate::Error::Usage(format!("{flag}: {e}")))?;
         }
     }
-    if let Some(n) = args.context.filter(|&n| n > super::run::MAX_CONTEXT) {
+    if let Some(n) = args
+        .context
+        .filter(|&n| n > crate::session::chat::MAX_CONTEXT)
+    {
         return Err(crate::Error::Usage(format!(
             "--context {n} is above the limit of {} positions",
-            super::run::MAX_CONTEXT
+            crate::session::chat::MAX_CONTEXT
         )));
     }
     if let Some(url) = &args.remote {

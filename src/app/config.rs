@@ -770,7 +770,7 @@ impl Config {
             (
                 "sampling.context",
                 s.context
-                    .is_none_or(|n| (2..=crate::app::run::MAX_CONTEXT).contains(&n)),
+                    .is_none_or(|n| (2..=crate::session::chat::MAX_CONTEXT).contains(&n)),
                 "must be in 2..=1048576",
             ),
             (

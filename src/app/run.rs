@@ -187,8 +187,7 @@ pub fn peak_rss_bytes() -> u64 {
     crate::stream::stats::rss_bytes().1
 }
 
-/// Largest `--context` accepted: the released model's `max_position_embeddings`.
-pub const MAX_CONTEXT: usize = 1 << 20;
+pub use crate::session::chat::MAX_CONTEXT;
 
 /// Largest `--prompt-file` read, whatever the context: 256 MiB.
 const MAX_PROMPT_FILE_BYTES: u64 = 256 << 20;

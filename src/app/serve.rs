@@ -59,10 +59,10 @@ pub fn run(args: &ServeArgs) -> Result<i32> {
         .context
         .or(cfg.sampling.context)
         .unwrap_or(crate::session::chat::Settings::default().context_limit);
-    if !(2..=super::run::MAX_CONTEXT).contains(&context) {
+    if !(2..=crate::session::chat::MAX_CONTEXT).contains(&context) {
         return Err(Error::Usage(format!(
             "--context {context} must be between 2 and {} positions",
-            super::run::MAX_CONTEXT
+            crate::session::chat::MAX_CONTEXT
         )));
     }
     if args.client_timeout == 0 || args.client_timeout > 3600 {

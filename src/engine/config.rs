@@ -956,6 +956,8 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Over 100 lines: one read per key of the release's config, each problem recorded so all
+    /// are reported at once.
     fn build(&mut self) -> Option<ModelConfig> {
         let hidden_size = self.size(&[key!(hidden_size)], 1);
         let num_hidden_layers = self.size(&[key!(num_hidden_layers)], 1);

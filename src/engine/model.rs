@@ -248,6 +248,9 @@ impl Layer {
     /// its partial sum is the previous layer's (the embedding at layer 0). Returns the routing
     /// decisions when `want_routing` and the layer routes. After its attention it computes
     /// the positions `finish` names; the residual stream in `run` is then cut down to them.
+    ///
+    /// Over 100 lines: AttnRes, mixer, AttnRes and feed-forward in the order that fixes the
+    /// bits, over one shared run state.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -666,7 +669,7 @@ impl Model {
     /// only it has (prefetch depths, fault injection in tests).
     #[must_use]
     pub fn streamer(&self) -> Option<&Streamer> {
-        self.weights.as_streamer()
+        self.weights.as_any().downcast_ref::<Streamer>()
     }
 }
 

@@ -1312,8 +1312,8 @@ impl WeightStore for Streamer {
         self.trunk.as_deref()
     }
 
-    fn as_streamer(&self) -> Option<&Streamer> {
-        Some(self)
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 

@@ -4,7 +4,7 @@
 //! non-expert weights, a MoE block computed with its routed experts, and the output head's
 //! logits — and every answer is written into the caller's buffers. Where the bytes live is
 //! the store's business alone: [`ResidentWeights`] holds the whole model (read or mapped at
-//! open), the [`Streamer`](super::residency::Streamer) serves the same requests under a
+//! open), the `Streamer` (`residency.rs`) serves the same requests under a
 //! memory plan (pinned layers, a read-ahead ring, an expert cache). The forward pass never
 //! branches on which it has; the front ends read the engine's figures through
 //! [`WeightStore::stats`] and re-plan through [`WeightStore::set_plan`].
@@ -15,7 +15,6 @@
 use super::config::ModelConfig;
 use super::layer::Layer;
 use super::moe::{self, MoeParams, MoeScratch, MoeWeights};
-use super::residency::Streamer;
 use super::tensor::Dense;
 use crate::kernels;
 use crate::stream::budget::{ModelSizes, Plan};
@@ -124,10 +123,9 @@ pub trait WeightStore: std::fmt::Debug + Send + Sync {
         None
     }
 
-    /// The streamer, for the knobs only it has (prefetch depths in tests and tuning).
-    fn as_streamer(&self) -> Option<&Streamer> {
-        None
-    }
+    /// The store as `Any`, so a caller that knows an implementation (the `Streamer`'s knobs
+    /// in tests and tuning) can reach it without this interface naming it.
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 /// Every weight in memory: read (or mapped) when the model was opened.
@@ -224,5 +222,9 @@ impl WeightStore for ResidentWeights {
             layers,
             ..StatsSnapshot::default()
         }
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }

@@ -913,6 +913,7 @@ mod tests {
         assert_eq!(p.settings.max_tokens, 50);
     }
 
+    /// Over 100 lines: one case per request field the parser checks.
     #[test]
     fn chat_requests_are_checked() {
         let p = chat(r#"{"messages":[{"role":"user","content":"hi"}]}"#).expect("minimal");

@@ -341,6 +341,10 @@ pub struct Session<'a> {
 /// reserves memory for them, see `stream::budget::plan_states`).
 pub const SNAPSHOTS: usize = 4;
 
+/// Largest context (`--context`, `k3 serve`'s and the config file's) accepted: the released
+/// model's `max_position_embeddings`.
+pub const MAX_CONTEXT: usize = 1 << 20;
+
 /// Prompt tokens fed to the engine per forward call while prefilling (results do not depend
 /// on it; it only sets how often progress is reported).
 pub const PREFILL_CHUNK: usize = 64;

@@ -460,6 +460,8 @@ impl Put for MaybeUninit<u8> {
     }
 }
 
+/// Decode block `b` into `out`. Over 100 lines: the header checks and the four interleaved
+/// streams' hot loop share their cursors, which a split would pass around on every symbol.
 fn decode_block<T: Put>(
     b: usize,
     enc: &[u8],

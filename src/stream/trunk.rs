@@ -882,6 +882,8 @@ impl Trunk {
     /// Open the trunk in `dir` for the checkpoint `ck` with `n_layers` layers: the manifest is
     /// validated in full (format, alignment, every offset and size, `trunk.bin`'s length) and
     /// must describe exactly this checkpoint's trunk tensors with their dtypes and shapes.
+    ///
+    /// Over 100 lines: one check per manifest field, in the order the manifest is read.
     pub fn open(dir: &Path, ck: &Checkpoint, n_layers: usize) -> Result<Trunk, TrunkError> {
         let bad = |reason: String| TrunkError::Invalid {
             dir: dir.to_path_buf(),

@@ -391,6 +391,8 @@ fn trunk_piece(
 
 /// Compare every tensor of `trunk` byte for byte with its source in `ck`, and recompute each
 /// layer's run checksum and source checksum against the manifest.
+///
+/// Over 100 lines: one pass over the layers with the read buffers and report it shares.
 pub fn compare_trunk(
     ck: &Checkpoint,
     trunk: &Trunk,

@@ -21,8 +21,13 @@ pub struct PackArgs {
     /// Replace a trunk already in TRUNK_DIR.
     #[arg(long)]
     pub force: bool,
-    /// Store every tensor as in the checkpoint; by default BF16 tensors are stored with the
-    /// lossless trunk codec (docs/trunk-codec.md), about 0.68x their size.
+    /// Store BF16 tensors with the lossless trunk codec (docs/trunk-codec.md), about 0.68x
+    /// their size, decoded bit for bit as layers are read. Off by default: its decoder is not
+    /// yet faster than the disk on two cores (docs/trunk-codec.md), so a fully streamed run is
+    /// slower with it.
+    #[arg(long, conflicts_with = "raw")]
+    pub encode: bool,
+    /// Store every tensor as in the checkpoint (the default).
     #[arg(long)]
     pub raw: bool,
 }
@@ -41,7 +46,7 @@ pub fn run(args: &PackArgs) -> Result<()> {
         cfg.num_hidden_layers,
         &args.trunk_dir,
         args.force,
-        !args.raw,
+        args.encode,
         &progress,
     );
     bar.finish();
@@ -49,7 +54,7 @@ pub fn run(args: &PackArgs) -> Result<()> {
     let secs = start.elapsed().as_secs_f64();
     let m = &r.manifest;
     let largest = m.layers.iter().map(|l| l.nbytes).max().unwrap_or(0);
-    let layout = if args.raw {
+    let layout = if !args.encode {
         format!("{} copied as one run, {} gathered", r.verbatim, r.gathered)
     } else {
         let (bf16, stored) = r.bf16;

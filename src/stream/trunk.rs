@@ -1203,7 +1203,15 @@ impl Trunk {
                 .get(t.off as usize..(t.off + t.stored) as usize)
                 .ok_or_else(|| corrupt("outside its run".into()))?;
             if t.is_encoded() {
-                super::codec::decode(stored, dst).map_err(|e| {
+                // On the I/O pool: this runs on the read-ahead thread while the compute pool's
+                // workers may all be blocked waiting for this very layer, so blocks queued on
+                // the compute pool would never be decoded.
+                let mut decode = || super::codec::decode(stored, dst);
+                match io_pool() {
+                    Some(pool) => pool.install(decode),
+                    None => decode(),
+                }
+                .map_err(|e| {
                     corrupt(format!(
                         "{e}; trunk.bin is corrupt: run `k3 pack --force` to re-pack it"
                     ))

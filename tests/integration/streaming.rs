@@ -485,13 +485,13 @@ fn small_checkpoint_same_logits_at_every_budget_and_rss_within_budget() {
         // At every budget, the whole process stays inside it.
         assert!(peak <= budget, "peak RSS {peak} above the budget {budget}");
     }
-    // The same with a packed trunk, encoded (the default) and raw.
+    // The same with a packed trunk, encoded and raw (the default).
     for (name, raw) in [("trunk", false), ("trunk-raw", true)] {
         let trunk = small().join(name);
         let mut pack = crate::common::k3_command();
         pack.arg("pack").arg(small().join("small")).arg(&trunk);
-        if raw {
-            pack.arg("--raw");
+        if !raw {
+            pack.arg("--encode");
         }
         crate::common::run_ok(&mut pack);
         let t = trunk.to_str().unwrap();

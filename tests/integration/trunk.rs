@@ -541,10 +541,10 @@ fn corrupt_encoded_blocks_are_refused_naming_the_layer_and_tensor() {
     let tmp = tempfile::tempdir().unwrap();
     let (t, traw) = (tmp.path().join("trunk"), tmp.path().join("raw"));
     let (ts, tiny_s) = (t.to_str().unwrap(), tiny.to_str().unwrap());
-    let (code, _, err) = k3(&["pack", tiny_s, ts]);
+    let (code, _, err) = k3(&["pack", tiny_s, ts, "--encode"]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("BF16 tensors encoded"), "{err}");
-    let (code, _, err) = k3(&["pack", tiny_s, traw.to_str().unwrap(), "--raw"]);
+    let (code, _, err) = k3(&["pack", tiny_s, traw.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
     let run = |trunk: &str| {
         k3(&[

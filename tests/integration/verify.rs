@@ -285,8 +285,8 @@ fn a_trunk_with_one_byte_flipped_fails() {
         let ts = t.to_str().unwrap();
         let mut pack = k3_command();
         pack.args(["pack", d, ts]);
-        if raw {
-            pack.arg("--raw");
+        if !raw {
+            pack.arg("--encode");
         }
         crate::common::run_ok(&mut pack);
         let (code, out, err) = verify(&[d, "--trunk", ts, "--json"]);

@@ -462,25 +462,11 @@ impl SessionStore {
     /// Every session file in the store, newest first, read from headers and summaries only.
     /// A file that cannot be read is listed with `problem` set. A missing directory is empty.
     pub fn list(&self) -> io::Result<Vec<SessionInfo>> {
-        let rd = match fs::read_dir(&self.dir) {
-            Ok(rd) => rd,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(e),
-        };
-        let suffix = format!(".{EXTENSION}");
-        let mut out = Vec::new();
-        for entry in rd {
-            let entry = entry?;
-            let file_name = entry.file_name();
-            let Some(name) = file_name
-                .to_str()
-                .and_then(|f| f.strip_suffix(suffix.as_str()))
-                .filter(|n| validate_name(n).is_ok())
-            else {
-                continue;
-            };
-            out.push(self.info(name));
-        }
+        let mut out: Vec<SessionInfo> = self
+            .named_entries(EXTENSION)?
+            .iter()
+            .map(|(name, _)| self.info(name))
+            .collect();
         out.sort_by(|a, b| {
             b.saved_unix
                 .cmp(&a.saved_unix)
@@ -493,24 +479,9 @@ impl SessionStore {
     /// never saved), newest first by the time it was last written. A missing directory has
     /// none.
     pub fn journals(&self) -> io::Result<Vec<JournalInfo>> {
-        let rd = match fs::read_dir(&self.dir) {
-            Ok(rd) => rd,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(e),
-        };
-        let suffix = format!(".{}", crate::session::journal::EXTENSION);
         let mut out = Vec::new();
-        for entry in rd {
-            let entry = entry?;
-            let file_name = entry.file_name();
-            let Some(name) = file_name
-                .to_str()
-                .and_then(|f| f.strip_suffix(suffix.as_str()))
-                .filter(|n| validate_name(n).is_ok())
-            else {
-                continue;
-            };
-            let Ok(meta) = fs::symlink_metadata(entry.path()) else {
+        for (name, path) in self.named_entries(crate::session::journal::EXTENSION)? {
+            let Ok(meta) = fs::symlink_metadata(&path) else {
                 continue; // removed meanwhile
             };
             if !meta.is_file() {
@@ -522,7 +493,7 @@ impl SessionStore {
                 .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
                 .map_or(0, |d| d.as_secs());
             out.push(JournalInfo {
-                name: name.to_string(),
+                name,
                 modified_unix,
                 bytes: meta.len(),
             });
@@ -532,6 +503,30 @@ impl SessionStore {
                 .cmp(&a.modified_unix)
                 .then_with(|| a.name.cmp(&b.name))
         });
+        Ok(out)
+    }
+
+    /// The store's files named `NAME.extension` with a valid NAME: (NAME, path), in directory
+    /// order. A missing directory has none.
+    fn named_entries(&self, extension: &str) -> io::Result<Vec<(String, PathBuf)>> {
+        let rd = match fs::read_dir(&self.dir) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e),
+        };
+        let suffix = format!(".{extension}");
+        let mut out = Vec::new();
+        for entry in rd {
+            let entry = entry?;
+            let file_name = entry.file_name();
+            if let Some(name) = file_name
+                .to_str()
+                .and_then(|f| f.strip_suffix(suffix.as_str()))
+                .filter(|n| validate_name(n).is_ok())
+            {
+                out.push((name.to_string(), entry.path()));
+            }
+        }
         Ok(out)
     }
 

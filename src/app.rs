@@ -18,4 +18,5 @@ pub mod serve;
 pub mod state;
 pub mod synth;
 pub mod verify;
+pub mod words;
 pub mod worker;

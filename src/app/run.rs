@@ -441,8 +441,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
     )
     .map_err(|e| match e {
         crate::engine::weights::LoadError::Budget(m) => Error::Usage(format!(
-            "{m} (the plan holds state for {positions} positions: {} prompt tokens + --gen {})",
-            prompt.len(),
+            "{m} (the plan holds state for {positions} positions: {} + --gen {})",
+            super::words::count(prompt.len() as u64, "prompt token"),
             args.gen
         )),
         e => e.into(),
@@ -580,8 +580,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
         println!();
         eprintln!("k3: {sampling_line}");
         eprintln!(
-            "k3: loaded in {load_s:.1} s; {} prompt tokens at {:.1} tokens/s; {} generated at {:.4} s/token ({:.4} median); peak RSS {:.1} MB",
-            prompt.len(),
+            "k3: loaded in {load_s:.1} s; {} at {:.1} tokens/s; {} generated at {:.4} s/token ({:.4} median); peak RSS {:.1} MB",
+            super::words::count(prompt.len() as u64, "prompt token"),
             prefill_tps,
             generated.len(),
             s_per_tok,

@@ -636,7 +636,8 @@ fn summary(r: &TurnReport, disk_read: Option<u64>) -> String {
     };
     let disk = disk_read.map_or(String::new(), |b| format!(" · {} read", short_bytes(b)));
     format!(
-        "{n} tokens · {tps:.1} tokens/s · prompt {} reused + {} read · {:.1} s{disk} · {}",
+        "{} · {tps:.1} tokens/s · prompt {} reused + {} read · {:.1} s{disk} · {}",
+        super::words::count(n as u64, "token"),
         r.reused_tokens,
         r.prefilled_tokens,
         r.prefill_seconds + r.decode_seconds,
@@ -791,7 +792,11 @@ impl App {
             }
             None => "time unknown until a prompt has been read under this budget".into(),
         };
-        format!("re-reads {} tokens, {time}", thousands(n))
+        format!(
+            "re-reads {} {}, {time}",
+            thousands(n),
+            super::words::plural(n, "token")
+        )
     }
 
     /// The text of the newest reply.

@@ -6,6 +6,7 @@
 
 use crate::app::protocol::StatsSnapshot;
 use crate::app::protocol::{EngineEvent, Request, TurnId};
+use crate::app::words::count;
 use crate::app::worker::Worker;
 use crate::session::chat::{Stop, TurnReport};
 use crate::session::commands::{self, Command};
@@ -278,8 +279,12 @@ fn summary(r: &TurnReport) -> String {
         0.0
     };
     let mut s = format!(
-        "[{} tokens, {:.1} tokens/s; prompt {} reused + {} prefilled; {}]",
-        n, tps, r.reused_tokens, r.prefilled_tokens, stop
+        "[{}, {:.1} tokens/s; prompt {} reused + {} prefilled; {}]",
+        count(n as u64, "token"),
+        tps,
+        r.reused_tokens,
+        r.prefilled_tokens,
+        stop
     );
     if let Some(why) = &r.rejected_because {
         s.push_str(&format!("\n[reply not added to the history: {why}]"));
@@ -452,7 +457,8 @@ pub fn run(worker: Worker, opts: &ReplOptions) -> i32 {
 
 #[cfg(test)]
 mod tests {
-    use super::{read_lossy_line, show_new, ANSWER_MARK, THINKING_MARK};
+    use super::{read_lossy_line, show_new, summary, ANSWER_MARK, THINKING_MARK};
+    use crate::session::chat::{Stop, TurnReport};
     use crate::session::template::TolerantParser;
 
     #[test]
@@ -486,6 +492,36 @@ mod tests {
         let (mut r, mut c) = (0, 0);
         p.push("Hello");
         assert_eq!(show_new(&p, &mut r, &mut c), "Hello");
+    }
+
+    #[test]
+    fn the_summary_counts_one_token_in_the_singular() {
+        let mut r = TurnReport {
+            mode: crate::session::chat::Mode::Chat,
+            prompt_ids: vec![1, 2],
+            generated_ids: vec![3],
+            generated_tokens: 1,
+            reply: "x".into(),
+            reasoning: None,
+            reused_tokens: 0,
+            prefilled_tokens: 2,
+            stop: Stop::MaxTokens,
+            accepted: true,
+            rejected_because: None,
+            prefill_seconds: 0.1,
+            decode_seconds: 0.5,
+            context_warning: None,
+        };
+        assert_eq!(
+            summary(&r),
+            "[1 token, 2.0 tokens/s; prompt 0 reused + 2 prefilled; token limit]"
+        );
+        r.generated_tokens = 2;
+        assert!(
+            summary(&r).starts_with("[2 tokens, 4.0 tokens/s;"),
+            "{}",
+            summary(&r)
+        );
     }
 
     #[test]

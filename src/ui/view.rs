@@ -376,7 +376,11 @@ fn status_bar(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         Phase::Idle => "ready".to_string(),
         Phase::Prefill { .. } => format!("{} reading prompt", SPINNER[(app.ticks % 10) as usize]),
         Phase::Streaming { tokens, .. } => {
-            format!("{} {tokens} tokens", SPINNER[(app.ticks % 10) as usize])
+            format!(
+                "{} {}",
+                SPINNER[(app.ticks % 10) as usize],
+                crate::app::words::count(*tokens, "token")
+            )
         }
         Phase::Failed { .. } => "stopped".to_string(),
         Phase::Exiting => "leaving".to_string(),

@@ -99,8 +99,8 @@ impl App {
                         let secs = report.prefill_seconds + report.decode_seconds;
                         if secs >= super::NOTIFY_AFTER_S {
                             fx.push(Effect::Notify(format!(
-                                "k3: the reply is ready ({} tokens, {secs:.0} s)",
-                                report.generated_tokens
+                                "k3: the reply is ready ({}, {secs:.0} s)",
+                                crate::app::words::count(report.generated_tokens as u64, "token")
                             )));
                         }
                     }

@@ -393,6 +393,14 @@ fn the_cost_is_unknown_before_a_prompt_is_read_and_after_the_budget_changes() {
         "{}",
         app.think_cost()
     );
+    holds(&mut app, 1);
+    assert!(
+        app.think_cost()
+            .starts_with("re-reads 1 token, time unknown"),
+        "{}",
+        app.think_cost()
+    );
+    holds(&mut app, 40);
     chat(&mut app, "Tell me more", None, 400, 2.0);
     assert!(
         app.think_cost().contains("about 0.2 s"),

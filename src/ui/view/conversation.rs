@@ -116,7 +116,8 @@ impl Lines<'_> {
         if live && r.content.is_empty() {
             let waiting = match app.phase {
                 Phase::Prefill { done, total, .. } if total > 0 => format!(
-                    "  reading the prompt: {done} / {total} tokens ({:.0}%)",
+                    "  reading the prompt: {done} / {} ({:.0}%)",
+                    crate::app::words::count(total, "token"),
                     done as f64 * 100.0 / total as f64
                 ),
                 Phase::Prefill { .. } => "  reading the prompt…".to_string(),

@@ -5,6 +5,7 @@
 use super::text::{clean, fit, str_width, wrap_line};
 use crate::app::protocol::{Residency, StatsSnapshot};
 use crate::app::state::{App, Focus, Phase, BUDGET_STEPS};
+use crate::app::words::count;
 use crate::ui::theme::Theme;
 use ratatui::buffer::Buffer;
 use ratatui::layout::Rect;
@@ -123,7 +124,7 @@ pub fn tokens(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
                 }
             } else if w >= NARROW {
                 lines.push(Line::styled(
-                    format!("{} tokens this turn", s.turn_tokens),
+                    format!("{} this turn", count(s.turn_tokens, "token")),
                     theme.dim,
                 ));
                 if s.spec_proposed > 0 {

@@ -554,3 +554,31 @@ fn a_remote_engine_has_one_pane_and_its_model_in_the_status_bar() {
         app.toast
     );
 }
+
+/// The text of a `w`×`h` buffer drawn by `draw`, rows joined by newlines.
+fn drawn(w: u16, h: u16, draw: impl Fn(Rect, &mut Buffer)) -> String {
+    let area = Rect::new(0, 0, w, h);
+    let mut buf = Buffer::empty(area);
+    draw(area, &mut buf);
+    (0..h)
+        .map(|y| (0..w).map(|x| buf[(x, y)].symbol()).collect::<String>())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn the_tokens_pane_counts_one_token_in_the_singular() {
+    let theme = Theme::new(ThemeName::Mono);
+    for (n, want) in [(1, "1 token this turn "), (2, "2 tokens this turn")] {
+        let mut app = mid_reply();
+        ev(
+            &mut app,
+            EngineEvent::Stats {
+                turn: 0,
+                stats: figures(0, 4.0, n),
+            },
+        );
+        let text = drawn(36, 6, |area, buf| panes::tokens(&app, &theme, area, buf));
+        assert!(text.contains(want), "{text}");
+    }
+}

@@ -405,6 +405,29 @@ fn a_finished_reply_sums_up_what_the_engine_did() {
 }
 
 #[test]
+fn one_token_is_counted_in_the_singular() {
+    let mut app = ready_app();
+    let turn = send_message(&mut app, "hi");
+    token(&mut app, turn, "x");
+    assert_eq!(app.phase, Phase::Streaming { turn, tokens: 1 });
+    let mut one = report("x", Stop::MaxTokens, true);
+    one.generated_tokens = 1;
+    one.decode_seconds = 12.0;
+    let fx = ev(&mut app, EngineEvent::TurnDone { turn, report: one });
+    assert_eq!(
+        last_reply(&app).summary.as_deref(),
+        Some("1 token · 0.1 tokens/s · prompt 1 reused + 2 read · 12.0 s · token limit")
+    );
+    assert!(
+        fx.iter().any(|e| matches!(
+            e,
+            Effect::Notify(t) if t == "k3: the reply is ready (1 token, 12 s)"
+        )),
+        "{fx:?}"
+    );
+}
+
+#[test]
 fn a_long_reply_rings_when_it_ends_and_the_pace_is_shown_while_it_streams() {
     let mut app = ready_app();
     let turn = send_message(&mut app, "hi");

@@ -494,3 +494,126 @@ pub fn forward_into(
     }
     w.o_proj.apply_into(o, out);
 }
+
+/// One KDA block over `n_rows` rows that belong to different sequences, one position each
+/// (a batched decoding step): `x` `[n_rows, hidden]` → `out` `[n_rows, hidden]`, row `t`
+/// against the state `states` yields `t`-th. The projections take every row in one call; the
+/// convolution and the recurrence run row by row on that row's own state. Each row's output and
+/// state are bitwise those of [`forward_into`] over that row alone: every step is per row,
+/// and the matrix products give a row the same bits whatever rows share the call.
+///
+/// # Panics
+/// If `states` yields fewer states than `x` has rows.
+pub fn forward_rows_into<'s>(
+    w: &KdaWeights,
+    p: &KdaParams,
+    x: &[f32],
+    states: impl Iterator<Item = &'s mut KdaState>,
+    sc: &mut KdaScratch,
+    out: &mut [f32],
+) {
+    let (heads, d) = (p.heads, p.head_dim);
+    let width = heads * d;
+    let n_rows = x.len() / w.q_proj.cols;
+    let nw = n_rows * width;
+    let [rq, rk, rv] = &mut sc.raw;
+    let (rq, rk, rv) = (fit(rq, nw), fit(rk, nw), fit(rv, nw));
+    w.q_proj.apply_into(x, rq);
+    w.k_proj.apply_into(x, rk);
+    w.v_proj.apply_into(x, rv);
+    let beta = fit(&mut sc.beta, n_rows * heads);
+    w.b_proj.apply_into(x, beta);
+    for b in beta.iter_mut() {
+        *b = ops::sigmoid(*b);
+    }
+    let fa = fit(&mut sc.fa, n_rows * w.f_a.rows);
+    w.f_a.apply_into(x, fa);
+    let z = fit(&mut sc.z, nw);
+    w.f_b.apply_into(fa, z);
+    let gate = fit(&mut sc.gate, nw);
+    w.g_proj.apply_into(x, gate);
+    let [cq, ck, cv] = &mut sc.conv;
+    let (q, k, v) = (fit(cq, nw), fit(ck, nw), fit(cv, nw));
+    let alpha = fit(&mut sc.alpha, nw);
+    let o = fit(&mut sc.o, nw);
+    let uw = fit(&mut sc.uw, heads * 2 * d);
+    let q_scale = 1.0 / (d as f32).sqrt();
+    let mut states = states;
+    for t in 0..n_rows {
+        let Some(state) = states.next() else {
+            panic!("forward_rows_into: a state for every row");
+        };
+        let row = t * width..(t + 1) * width;
+        let (qt, kt, vt) = (
+            &mut q[row.clone()],
+            &mut k[row.clone()],
+            &mut v[row.clone()],
+        );
+        conv_chunk(
+            &rq[row.clone()],
+            &w.q_conv,
+            &mut state.conv[0],
+            p.kernel,
+            width,
+            qt,
+        );
+        conv_chunk(
+            &rk[row.clone()],
+            &w.k_conv,
+            &mut state.conv[1],
+            p.kernel,
+            width,
+            kt,
+        );
+        conv_chunk(
+            &rv[row.clone()],
+            &w.v_conv,
+            &mut state.conv[2],
+            p.kernel,
+            width,
+            vt,
+        );
+        for h in 0..heads {
+            let hr = h * d..(h + 1) * d;
+            ops::l2norm(&mut qt[hr.clone()], p.l2_eps);
+            ops::l2norm(&mut kt[hr.clone()], p.l2_eps);
+            for x in &mut qt[hr] {
+                *x *= q_scale;
+            }
+        }
+        let at = &mut alpha[row.clone()];
+        decay(&z[row.clone()], &w.a_log, &w.dt_bias, p, at);
+        // One position: a head's rows of q, k, v, α are its slice of the row, and the
+        // recurrence's output for it lands where the output norm reads it.
+        let (qt, kt, vt, at) = (&*qt, &*kt, &*vt, &*at);
+        let bt = &beta[t * heads..(t + 1) * heads];
+        state
+            .s
+            .par_chunks_mut(d * d)
+            .zip(o[row].par_chunks_mut(d))
+            .zip(uw.par_chunks_mut(2 * d))
+            .enumerate()
+            .for_each(|(h, ((s, oh), uw))| {
+                let r = h * d..(h + 1) * d;
+                recur_head_into(
+                    &qt[r.clone()],
+                    &kt[r.clone()],
+                    &vt[r.clone()],
+                    &at[r],
+                    &bt[h..=h],
+                    s,
+                    d,
+                    oh,
+                    uw,
+                );
+            });
+    }
+    // Head-wise RMSNorm, then the sigmoid gate, then the output projection.
+    for head in o.chunks_mut(d) {
+        ops::rmsnorm(head, &w.o_norm, p.rms_eps);
+    }
+    for (oi, &g) in o.iter_mut().zip(gate.iter()) {
+        *oi *= ops::sigmoid(g);
+    }
+    w.o_proj.apply_into(o, out);
+}

@@ -163,3 +163,80 @@ pub fn forward_into(
     }
     w.o_proj.apply_into(o, out);
 }
+
+/// One MLA block over `n_rows` rows that belong to different sequences, one position each (a
+/// batched decoding step): row `t` of `x` `[n_rows, hidden]` appends its latent row to the
+/// `t`-th cache `caches` yields and attends over that cache alone. The projections take every
+/// row in one call. Each row's output and cache are bitwise those of [`forward_into`] over
+/// that row alone: every step is per row, and the matrix products give a row the same bits
+/// whatever rows share the call.
+///
+/// # Panics
+/// If `caches` yields fewer caches than `x` has rows.
+pub fn forward_rows_into<'c>(
+    w: &MlaWeights,
+    p: &MlaParams,
+    x: &[f32],
+    caches: impl Iterator<Item = &'c mut Vec<f32>>,
+    sc: &mut MlaScratch,
+    out: &mut [f32],
+) {
+    let n_rows = x.len() / w.q_a.cols;
+    let cw = p.cache_width();
+    let qh = p.nope + p.rope;
+    let cq = fit(&mut sc.cq, n_rows * w.q_a.rows);
+    w.q_a.apply_into(x, cq);
+    for row in cq.chunks_mut(w.q_a.rows) {
+        ops::rmsnorm(row, &w.q_a_norm, p.lora_eps);
+    }
+    let q = fit(&mut sc.q, n_rows * w.q_b.rows);
+    w.q_b.apply_into(cq, q);
+    let kv = fit(&mut sc.kv, n_rows * cw);
+    w.kv_a.apply_into(x, kv);
+    for row in kv.chunks_mut(cw) {
+        ops::rmsnorm(&mut row[..p.kv_lora], &w.kv_a_norm, p.lora_eps);
+    }
+    let scale = 1.0 / (qh as f32).sqrt();
+    let ow = p.heads * p.v;
+    let o = fit(&mut sc.o, n_rows * ow);
+    let q: &[f32] = q;
+    let mut caches = caches;
+    for t in 0..n_rows {
+        let Some(cache) = caches.next() else {
+            panic!("mla::forward_rows_into: a cache for every row");
+        };
+        cache.extend_from_slice(&kv[t * cw..(t + 1) * cw]);
+        let n_ctx = cache.len() / cw;
+        let per_head = 2 * p.kv_lora + n_ctx.max(cache.capacity() / cw.max(1));
+        let head = fit(&mut sc.head, p.heads * per_head);
+        let cache: &[f32] = cache;
+        let qt = &q[t * p.heads * qh..(t + 1) * p.heads * qh];
+        o[t * ow..(t + 1) * ow]
+            .par_chunks_mut(p.v)
+            .zip(head.par_chunks_mut(per_head))
+            .enumerate()
+            .for_each(|(h, (ho, buf))| {
+                let (q_nope, q_rope) = qt[h * qh..(h + 1) * qh].split_at(p.nope);
+                let (q_abs, rest) = buf.split_at_mut(p.kv_lora);
+                let (ctx, a) = rest.split_at_mut(p.kv_lora);
+                let a = &mut a[..n_ctx];
+                q_abs.fill(0.0);
+                for (dd, &qd) in q_nope.iter().enumerate() {
+                    w.kv_b.row_axpy(h * (p.nope + p.v) + dd, qd, q_abs);
+                }
+                kernels::scores(q_abs, q_rope, &cache[..n_ctx * cw], cw, scale, a);
+                ops::softmax(a);
+                ctx.fill(0.0);
+                kernels::axpy_rows(a, &cache[..n_ctx * cw], cw, ctx);
+                for (j, oj) in ho.iter_mut().enumerate() {
+                    *oj = w.kv_b.row_dot(h * (p.nope + p.v) + p.nope + j, ctx);
+                }
+            });
+    }
+    let gate = fit(&mut sc.gate, n_rows * w.g_proj.rows);
+    w.g_proj.apply_into(x, gate);
+    for (oi, &g) in o.iter_mut().zip(gate.iter()) {
+        *oi *= ops::sigmoid(g);
+    }
+    w.o_proj.apply_into(o, out);
+}

@@ -257,7 +257,7 @@ impl Layer {
         il: usize,
         cfg: &ModelConfig,
         run: &mut RunState,
-        state: &mut LayerState,
+        state: LayerStates<'_, '_>,
         weights: &dyn WeightStore,
         record: Option<&mut Option<kda::KdaRecord>>,
         want_routing: bool,
@@ -313,11 +313,29 @@ impl Layer {
             ops::rmsnorm(row, &self.input_norm, eps);
         }
         match (&self.attn, state) {
-            (Attention::Kda(w), LayerState::Kda(s)) => {
+            (Attention::Kda(w), LayerStates::One(LayerState::Kda(s))) => {
                 kda::forward_into(w, &kda_params(cfg), h, s, record, kda_sc, branch);
             }
-            (Attention::Mla(w), LayerState::Mla(c)) => {
+            (Attention::Mla(w), LayerStates::One(LayerState::Mla(c))) => {
                 mla::forward_into(w, &mla_params(cfg), h, c, mla_sc, branch);
+            }
+            (Attention::Kda(w), LayerStates::Rows(seqs)) => {
+                let states = seqs.iter_mut().map(|s| match &mut s.layers[il] {
+                    LayerState::Kda(k) => k,
+                    LayerState::Mla(_) => {
+                        unreachable!("layer state kind is built from the same layer map")
+                    }
+                });
+                kda::forward_rows_into(w, &kda_params(cfg), h, states, kda_sc, branch);
+            }
+            (Attention::Mla(w), LayerStates::Rows(seqs)) => {
+                let caches = seqs.iter_mut().map(|s| match &mut s.layers[il] {
+                    LayerState::Mla(c) => c,
+                    LayerState::Kda(_) => {
+                        unreachable!("layer state kind is built from the same layer map")
+                    }
+                });
+                mla::forward_rows_into(w, &mla_params(cfg), h, caches, mla_sc, branch);
             }
             _ => unreachable!("layer state kind is built from the same layer map"),
         }
@@ -378,6 +396,23 @@ impl Layer {
     }
 }
 
+/// The sequences a forward pass advances: one (a chunk of its positions), or several with one
+/// position each (a batched decoding step).
+enum Seqs<'a, 'b> {
+    /// One sequence.
+    One(&'a mut SeqState),
+    /// Row `t` of the pass is the next position of the `t`-th sequence.
+    Rows(&'a mut [&'b mut SeqState]),
+}
+
+/// The carried state a layer's attention runs on ([`Seqs`] at one layer).
+enum LayerStates<'a, 'b> {
+    /// The layer's state of one sequence.
+    One(&'a mut LayerState),
+    /// Every sequence, one row each (the layer picks its own state out of each).
+    Rows(&'a mut [&'b mut SeqState]),
+}
+
 /// Add a block's output to the partial sum (which it becomes, bit for bit, when there is
 /// none).
 fn add(partial: &mut [f32], has_partial: &mut bool, x: &[f32]) {
@@ -422,7 +457,7 @@ impl Model {
         tokens: &[u32],
         want: Logits,
     ) -> Result<&'r [f32], StreamError> {
-        self.forward_impl(state, run, tokens, want, None, None)?;
+        self.forward_impl(Seqs::One(state), run, tokens, want, None, None)?;
         Ok(run.logits())
     }
 
@@ -438,8 +473,32 @@ impl Model {
         trace: Option<&mut Trace>,
     ) -> Result<Vec<f32>, StreamError> {
         let mut run = RunState::new();
-        self.forward_impl(state, &mut run, tokens, want, trace, None)?;
+        self.forward_impl(Seqs::One(state), &mut run, tokens, want, trace, None)?;
         Ok(take_logits(run))
+    }
+
+    /// One decoding step of several sequences in one pass over the weights: `tokens[t]` is the
+    /// next token of `seqs[t]` (each advanced by one position), and the logits after it are
+    /// row `t` of the `[n, vocab]` result, written into `run` and borrowed from it. Each
+    /// layer's matrices are applied to every row in one product and each routed expert to the
+    /// rows routed to it, so the weights are read once for all the sequences; attention runs
+    /// per row on that sequence's own state. Every row is bitwise what [`Model::forward_run`]
+    /// gives that sequence alone (docs/batching.md). Sequences may be at any positions.
+    ///
+    /// # Errors
+    /// A weight read failed; the states may be partly advanced (restore snapshots to retry).
+    ///
+    /// # Panics
+    /// If `tokens` and `seqs` differ in length, or a token id is not below the vocabulary size.
+    pub fn forward_batch<'r>(
+        &self,
+        seqs: &mut [&mut SeqState],
+        run: &'r mut RunState,
+        tokens: &[u32],
+    ) -> Result<&'r [f32], StreamError> {
+        assert_eq!(seqs.len(), tokens.len(), "one token per sequence");
+        self.forward_impl(Seqs::Rows(seqs), run, tokens, Logits::All, None, None)?;
+        Ok(run.logits())
     }
 
     /// Run a chunk that may be only partly kept (speculative verification): the logits of
@@ -475,7 +534,7 @@ impl Model {
         rollback.len = 0;
         rollback.records.resize_with(state.layers.len(), || None);
         self.forward_impl(
-            state,
+            Seqs::One(state),
             run,
             tokens,
             Logits::All,
@@ -492,7 +551,7 @@ impl Model {
     /// shared queue.
     fn forward_impl(
         &self,
-        state: &mut SeqState,
+        state: Seqs<'_, '_>,
         run: &mut RunState,
         tokens: &[u32],
         want: Logits,
@@ -505,7 +564,7 @@ impl Model {
     /// Over 100 lines: one chunk through every layer, in the order that fixes the bits.
     fn forward_chunk(
         &self,
-        state: &mut SeqState,
+        mut seqs: Seqs<'_, '_>,
         run: &mut RunState,
         tokens: &[u32],
         want: Logits,
@@ -540,7 +599,18 @@ impl Model {
             Logits::Last => Finish::Last,
             Logits::None => Finish::None,
         };
-        let n_layers = state.layers.len();
+        let n_layers = match &seqs {
+            Seqs::One(s) => s.layers.len(),
+            Seqs::Rows(r) => {
+                assert_eq!(r.len(), n_tok, "one token per sequence");
+                let n = r.first().map_or(0, |s| s.layers.len());
+                assert!(
+                    r.iter().all(|s| s.layers.len() == n),
+                    "sequences of one model"
+                );
+                n
+            }
+        };
         let finish_of = |il: usize| {
             if il + 1 == n_layers {
                 finish
@@ -548,7 +618,11 @@ impl Model {
                 Finish::All
             }
         };
-        for (il, ls) in state.layers.iter_mut().enumerate() {
+        for il in 0..n_layers {
+            let ls = match &mut seqs {
+                Seqs::One(s) => LayerStates::One(&mut s.layers[il]),
+                Seqs::Rows(r) => LayerStates::Rows(r),
+            };
             let layer = self.weights.layer(il)?;
             let record = records.as_deref_mut().map(|r| &mut r[il]);
             let routing = layer.forward(
@@ -568,7 +642,10 @@ impl Model {
                 t.routing.push(routing.unwrap_or_default());
             }
         }
-        state.n_pos += n_tok;
+        match seqs {
+            Seqs::One(s) => s.n_pos += n_tok,
+            Seqs::Rows(r) => r.iter_mut().for_each(|s| s.n_pos += 1),
+        }
         if finish == Finish::None {
             return Ok(());
         }

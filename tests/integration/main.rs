@@ -2,6 +2,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod bad_inputs;
+mod batch;
 mod cache_policy;
 mod ceilings;
 mod cli_defaults;

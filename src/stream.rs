@@ -15,6 +15,7 @@ pub mod checkpoint;
 pub mod codec;
 pub mod index;
 pub mod mapped;
+pub mod ring;
 pub mod safetensors;
 pub mod stats;
 pub mod trial;

@@ -86,6 +86,8 @@ pub(crate) struct Binder<'a> {
     run: Option<LayerRun>,
     /// Take tensors from read-only mappings of the shards instead of reading them.
     mapped: bool,
+    /// The names fetched, in order (the layout of a layer read into a ring slot).
+    pub(crate) order: Vec<String>,
 }
 
 impl<'a> Binder<'a> {
@@ -99,7 +101,14 @@ impl<'a> Binder<'a> {
             trunk: None,
             run: None,
             mapped: false,
+            order: Vec::new(),
         }
+    }
+
+    /// Take the next layer's tensors from `run` (already read) instead of reading them.
+    pub(crate) fn with_run(mut self, run: LayerRun) -> Self {
+        self.run = Some(run);
+        self
     }
 
     /// Take tensors in place from mappings of the shards (resident weights).
@@ -116,6 +125,9 @@ impl<'a> Binder<'a> {
 
     /// Start binding layer `il`: with a trunk, its run is read in one pass.
     fn enter_layer(&mut self, il: usize) -> Result<(), StreamError> {
+        if self.run.as_ref().is_some_and(|r| r.layer() == il) {
+            return Ok(());
+        }
         self.run = match self.trunk {
             Some(t) if self.read => Some(t.read_layer(il)?),
             _ => None,
@@ -144,7 +156,9 @@ impl Binder<'_> {
         shapes: &[&[usize]],
         dtypes: &[Dtype],
     ) -> Result<Option<TensorData>, StreamError> {
-        self.claimed.insert(name.to_string());
+        if self.claimed.insert(name.to_string()) {
+            self.order.push(name.to_string());
+        }
         let Some(info) = self.ck.info(name) else {
             self.problems.push(format!(
                 "missing tensor {name} (expected shape {:?})",

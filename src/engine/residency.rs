@@ -10,12 +10,14 @@
 
 mod cache;
 mod expert_io;
+mod layers;
 mod prefetch;
 
 use self::cache::{lock, Arrival, Counters, ExpertCache, Resident, Source};
 use self::expert_io::{read_expert, ExpertTable};
+use self::layers::{load_layer, LayerResult, LayerRing, LayerTable};
 use self::prefetch::{eager_ranks, score_by_rank, PrefetchState, Prefetcher};
-use super::bind::{bind_layer, names, Binder};
+use super::bind::names;
 use super::config::ModelConfig;
 use super::layer::{FeedForward, Layer};
 use super::moe::{self, Expert, MoeParams, MoeScratch, MoeWeights};
@@ -31,13 +33,10 @@ use crate::stream::trial::PairedTrial;
 use crate::stream::trunk::Trunk;
 use crate::stream::{Checkpoint, Dtype, StreamError};
 use crate::tuning::Tuning;
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
-
-type LayerResult = Result<Arc<Layer>, StreamError>;
 
 pub use crate::tuning::{DEFAULT_PREFETCH, DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFETCH_LATE_DEPTH};
 
@@ -231,20 +230,6 @@ impl Drop for Arrivals<'_> {
     }
 }
 
-/// The read-ahead ring: requests in flight to the reader thread, oldest first.
-struct Ring {
-    tx: Sender<(usize, Sender<LayerResult>)>,
-    pending: VecDeque<(usize, Receiver<LayerResult>)>,
-}
-
-impl std::fmt::Debug for Ring {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ring")
-            .field("pending", &self.pending.len())
-            .finish()
-    }
-}
-
 /// Weights read from a checkpoint under a memory plan.
 #[derive(Debug)]
 pub struct Streamer {
@@ -254,7 +239,8 @@ pub struct Streamer {
     trunk: Option<Arc<Trunk>>,
     sizes: ModelSizes,
     resident: Arc<Mutex<Resident>>,
-    ring: Mutex<Ring>,
+    /// The read-ahead ring streamed layers are read into.
+    ring: Arc<LayerRing>,
     counters: Arc<Counters>,
     /// How many of the next layer's predicted experts (the most likely first) are read
     /// ahead (`K3_PREFETCH=N`; 0 turns it off).
@@ -305,33 +291,6 @@ struct PredictScratch {
 /// (`K3_IO_THREADS`, default 8), one where there is none.
 fn load_workers() -> usize {
     io_pool().map_or(1, rayon::ThreadPool::current_num_threads)
-}
-
-/// Read one layer's non-expert weights.
-fn load_layer(
-    ck: &Checkpoint,
-    trunk: Option<&Trunk>,
-    cfg: &ModelConfig,
-    il: usize,
-    mapped: bool,
-) -> LayerResult {
-    let mut b = Binder::new(ck, true, false)
-        .with_trunk(trunk)
-        .mapped(mapped);
-    let layer = bind_layer(&mut b, cfg, il)?;
-    match (layer, b.into_result()) {
-        (Some(l), Ok(())) => Ok(Arc::new(l)),
-        (_, Err(e)) => Err(StreamError::Unrepresentable {
-            path: ck.dir().to_path_buf(),
-            name: format!("layer {il}"),
-            reason: e.to_string(),
-        }),
-        (None, Ok(())) => Err(StreamError::Unrepresentable {
-            path: ck.dir().to_path_buf(),
-            name: format!("layer {il}"),
-            reason: "incomplete layer".into(),
-        }),
-    }
 }
 
 /// Widen `rows` rows of raw little-endian `dtype` bytes to f32.
@@ -389,19 +348,16 @@ impl Streamer {
         plan: Plan,
         mapped: bool,
     ) -> Result<Streamer, StreamError> {
-        let (tx, rx) = channel::<(usize, Sender<LayerResult>)>();
-        let (ck2, cfg2, trunk2) = (Arc::clone(&ck), cfg.clone(), trunk.clone());
-        std::thread::Builder::new()
-            .name("k3-reader".into())
-            .spawn(move || {
-                while let Ok((il, reply)) = rx.recv() {
-                    let _ = reply.send(load_layer(&ck2, trunk2.as_deref(), &cfg2, il, false));
-                }
-            })
-            .map_err(|e| StreamError::Open {
-                path: ck.dir().to_path_buf(),
-                source: e,
-            })?;
+        let ring = LayerRing::start(layers::Source {
+            table: LayerTable::new(&ck, trunk.as_deref(), &cfg),
+            ck: Arc::clone(&ck),
+            trunk: trunk.clone(),
+            cfg: cfg.clone(),
+        })
+        .map_err(|e| StreamError::Open {
+            path: ck.dir().to_path_buf(),
+            source: e,
+        })?;
         let missing = |name: &str| StreamError::NoSuchTensor(name.to_string());
         let embed_info = ck.info(names::EMBED).ok_or_else(|| missing(names::EMBED))?;
         let head_info = ck
@@ -443,10 +399,7 @@ impl Streamer {
             trunk,
             sizes,
             resident,
-            ring: Mutex::new(Ring {
-                tx,
-                pending: VecDeque::new(),
-            }),
+            ring,
             counters,
             prefetch: std::sync::atomic::AtomicUsize::new(tuning.prefetch),
             prefetcher,
@@ -591,9 +544,19 @@ impl Streamer {
             .filter(|&il| r.plan.pinned[il] && r.pinned[il].is_none())
             .collect();
         let want_head = r.plan.head_resident && r.head.is_none();
+        let r_ring_slots = r.plan.ring_slots;
         drop(r);
-        // Drop read-ahead that the new plan no longer needs.
-        lock(&self.ring).pending.clear();
+        // Drop the read-ahead and make the new plan's ring.
+        let ring_slots = usize::try_from(r_ring_slots).unwrap_or(usize::MAX);
+        self.ring
+            .resize(ring_slots)
+            .map_err(|e| StreamError::Open {
+                path: self.ck.dir().to_path_buf(),
+                source: std::io::Error::new(
+                    e.kind(),
+                    format!("could not map the read-ahead ring ({ring_slots} slots): {e}"),
+                ),
+            })?;
         let arena_error = |e: std::io::Error| StreamError::Open {
             path: self.ck.dir().to_path_buf(),
             source: std::io::Error::new(
@@ -785,36 +748,18 @@ impl Streamer {
             lock(&self.resident).pinned[il] = Some(Arc::clone(&l));
             l
         } else {
-            let waiting = {
-                let mut ring = lock(&self.ring);
-                while ring.pending.front().is_some_and(|(j, _)| *j != il) {
-                    ring.pending.pop_front();
-                }
-                ring.pending.pop_front()
-            };
-            match waiting.and_then(|(_, rx)| rx.recv().ok()) {
-                Some(result) => result?,
-                None => load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il, false)?,
-            }
+            self.ring.take(il)?
         };
         if !is_pinned || t0.elapsed().as_nanos() > 0 {
             self.note_io(t0, self.sizes.layer_trunk[il], &self.counters.trunk_bytes);
         }
-        // Read ahead: keep up to ring_slots − 1 streamed layers in flight.
-        let mut ring = lock(&self.ring);
+        // Read ahead: keep up to ring_slots − 1 streamed layers asked for.
+        let depth = usize::try_from(ring_slots.saturating_sub(1)).unwrap_or(usize::MAX);
         let mut at = il;
-        while (ring.pending.len() as u64) + 1 < ring_slots.max(1) {
-            let Some(next) = self.next_streamed(at, &pinned_map) else {
-                break;
-            };
-            if next == il || ring.pending.iter().any(|(j, _)| *j == next) {
+        while let Some(next) = self.next_streamed(at, &pinned_map) {
+            if next == il || !self.ring.read_ahead(next, depth) {
                 break;
             }
-            let (tx, rx) = channel();
-            if ring.tx.send((next, tx)).is_err() {
-                break;
-            }
-            ring.pending.push_back((next, rx));
             at = next;
         }
         Ok(layer)
@@ -1247,6 +1192,13 @@ impl Streamer {
             arena: self.arena.stats(),
             ..StatsSnapshot::default()
         }
+    }
+}
+
+impl Drop for Streamer {
+    fn drop(&mut self) {
+        // The reader thread holds the ring; it ends once told.
+        self.ring.stop();
     }
 }
 

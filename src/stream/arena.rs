@@ -182,7 +182,8 @@ pub struct Slot {
 // time, and the index returns to it only when this value is dropped); the segment it points
 // into is kept alive by `seg`.
 unsafe impl Send for Slot {}
-// SAFETY: shared access only reads the bytes (`as_slice`); writing needs `&mut self`.
+// SAFETY: shared access only reads the bytes (`as_slice`); writing needs `&mut self`, or the
+// caller's guarantee of `area_shared` that nothing reads them meanwhile.
 unsafe impl Sync for Slot {}
 
 impl Slot {
@@ -214,6 +215,20 @@ impl Slot {
     pub fn area(&mut self) -> &mut [MaybeUninit<u8>] {
         // SAFETY: `ptr..ptr + slot_len` lies inside the live mapping `seg`, is owned by this
         // slot alone, and `&mut self` makes this the only reference to it.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.cast(), self.arena.slot_len) }
+    }
+
+    /// The slot's memory for writing, through a shared reference: the slot of a buffer that
+    /// is refilled in place while values holding ranges of it are kept ([`super::ring`]).
+    ///
+    /// # Safety
+    /// Until the returned area is dropped, nothing may read the slot's bytes (no
+    /// [`Slot::as_slice`] on any thread) and no other area of it may exist.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn area_shared(&self) -> &mut [MaybeUninit<u8>] {
+        // SAFETY: `ptr..ptr + slot_len` lies inside the live mapping `seg` and is owned by
+        // this slot alone (it is a raw mapping, never a Rust allocation); the caller
+        // guarantees that nothing else reads or writes it while the area lives.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.cast(), self.arena.slot_len) }
     }
 

@@ -312,6 +312,36 @@ impl Filling {
 }
 
 impl Bytes {
+    /// The whole of an arena slot as bytes (zeroed now), to be refilled in place
+    /// ([`super::ring::RingSlot`]).
+    #[must_use]
+    pub(crate) fn whole_slot(slot: Slot) -> Bytes {
+        let len = slot.len();
+        Filling {
+            raw: Vec::new(),
+            base: 0,
+            len,
+            pool: None,
+            slot: Some(slot),
+        }
+        .finish(0)
+    }
+
+    /// The whole allocation of bytes made by [`Bytes::whole_slot`], writable, for a refill in
+    /// place; None for any other allocation.
+    ///
+    /// # Safety
+    /// Until the returned area is dropped, no range of this allocation may be read (no
+    /// `as_slice` or deref of any `Bytes` sharing it, on any thread), and no other area of it
+    /// may exist.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn refill_area(&self) -> Option<&mut [MaybeUninit<u8>]> {
+        let slot = self.slab.slot.as_ref()?;
+        (self.slab.base == 0 && self.start == 0 && self.len == slot.len()).then_some(())?;
+        // SAFETY: the caller's guarantee, which is `area_shared`'s.
+        Some(unsafe { slot.area_shared() })
+    }
+
     /// An aligned copy of `src` (for weights that were not read from a file).
     #[must_use]
     pub fn copy_from(src: &[u8]) -> Bytes {

@@ -977,6 +977,44 @@ impl Checkpoint {
         let _ = self.group_arena.set(arena);
     }
 
+    /// Read tensor `info`'s bytes into `area` (its length), through the page cache, counted as
+    /// read: a streamed layer's tensor read into its place in a ring slot.
+    pub fn read_tensor_into(
+        &self,
+        name: &str,
+        info: &TensorInfo,
+        area: &mut [MaybeUninit<u8>],
+    ) -> Result<(), StreamError> {
+        let (shard, at, len) = (info.shard, info.offset, info.n_bytes());
+        let err = |source: std::io::Error| StreamError::Read {
+            path: self.paths[shard].clone(),
+            offset: at,
+            len,
+            name: name.to_string(),
+            source,
+        };
+        if area.len() as u64 != len {
+            return Err(err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "the area does not fit the tensor",
+            )));
+        }
+        let got = read_pieces(
+            &self.reads,
+            &self.fault,
+            &self.files[shard],
+            area,
+            at,
+            len as usize,
+        )
+        .map_err(err)?;
+        if (got as u64) < len {
+            return Err(err(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        self.after_read(shard, at, len);
+        Ok(())
+    }
+
     /// [`Checkpoint::read_shared`] into a slot of `arena` where one is free.
     fn read_shared_in(
         &self,

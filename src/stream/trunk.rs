@@ -1051,29 +1051,66 @@ impl Trunk {
     }
 
     /// Read layer `il`'s run in large pieces, several in flight (direct where allowed),
-    /// straight into one allocation whose ranges become the tensors; the run's checksum is
-    /// verified the first time the layer is read.
-    /// Over 100 lines: the parallel positioned reads, the direct-I/O fallback and the first
-    /// read's checksum share the layer's buffer and error context.
+    /// straight into one allocation whose ranges become the tensors (decoded first where the
+    /// layer holds encoded ones); the run's checksum is verified the first time the layer is
+    /// read.
     pub fn read_layer(&self, il: usize) -> Result<LayerRun, StreamError> {
-        use rayon::prelude::*;
         let l = &self.manifest.layers[il];
-        let path = self.dir.join("trunk.bin");
-        let err = |at: u64, len: u64, source: std::io::Error| StreamError::Read {
-            path: path.clone(),
-            offset: at,
-            len,
-            name: format!("trunk layer {il}"),
-            source,
-        };
         let total = usize::try_from(l.nbytes).map_err(|_| {
-            err(
+            self.read_error(
+                il,
                 l.file_off,
                 l.nbytes,
                 std::io::Error::new(std::io::ErrorKind::InvalidInput, "run too large"),
             )
         })?;
         let mut fill = Filling::new_in(total, &self.pool);
+        self.read_run_into(il, fill.area())?;
+        let run = fill.finish(total);
+        self.check_run(il, &run)?;
+        let run = match &self.decoded[il] {
+            Some(d) => self.decode_layer(il, &run, d)?,
+            None => run,
+        };
+        self.layer_run(il, &run)
+    }
+
+    /// The bytes layer `il`'s run takes when it holds no encoded tensor (what
+    /// [`Trunk::read_run_into`] writes and [`Trunk::raw_layer_run`] binds); None when it
+    /// holds encoded ones, which are decoded into a buffer of their own.
+    #[must_use]
+    pub fn raw_run_len(&self, il: usize) -> Option<usize> {
+        let l = self.manifest.layers.get(il)?;
+        if self.decoded.get(il)?.is_some() {
+            return None;
+        }
+        usize::try_from(l.nbytes).ok()
+    }
+
+    fn read_error(&self, il: usize, at: u64, len: u64, source: std::io::Error) -> StreamError {
+        StreamError::Read {
+            path: self.dir.join("trunk.bin"),
+            offset: at,
+            len,
+            name: format!("trunk layer {il}"),
+            source,
+        }
+    }
+
+    /// Read layer `il`'s run (as stored) into the first bytes of `area`, in large pieces,
+    /// several in flight (direct where allowed), counted as read.
+    pub fn read_run_into(
+        &self,
+        il: usize,
+        area: &mut [std::mem::MaybeUninit<u8>],
+    ) -> Result<(), StreamError> {
+        use rayon::prelude::*;
+        let l = &self.manifest.layers[il];
+        let total = usize::try_from(l.nbytes).unwrap_or(usize::MAX);
+        let Some(area) = area.get_mut(..total) else {
+            let e = std::io::Error::new(std::io::ErrorKind::InvalidInput, "run too large");
+            return Err(self.read_error(il, l.file_off, l.nbytes, e));
+        };
         let direct = self.direct.as_ref().filter(|_| self.is_direct());
         let read_piece = |k: usize, piece: &mut [std::mem::MaybeUninit<u8>]| {
             let at = l.file_off + (k * PIECE) as u64;
@@ -1091,21 +1128,20 @@ impl Trunk {
                 },
                 None => pread_counted(&self.reads, &self.fault, &self.file, piece, at, take),
             };
-            r.map(|_| ()).map_err(|e| err(at, take as u64, e))
+            r.map(|_| ())
+                .map_err(|e| self.read_error(il, at, take as u64, e))
         };
+        // The lowest failing piece's error, whichever thread saw it first.
         let read_all = |area: &mut [std::mem::MaybeUninit<u8>]| -> Result<(), StreamError> {
-            let results: Vec<Result<(), StreamError>> = area
-                .par_chunks_mut(PIECE)
+            area.par_chunks_mut(PIECE)
                 .enumerate()
-                .map(|(k, piece)| read_piece(k, piece))
-                .collect();
-            results.into_iter().collect()
+                .try_for_each(|(k, piece)| read_piece(k, piece))
         };
-        match io_pool() {
-            Some(pool) => pool.install(|| read_all(fill.area()))?,
-            None => read_all(fill.area())?,
+        // Inside a pool (the read-ahead ring's reader), on that pool; else on the I/O pool.
+        match io_pool().filter(|_| rayon::current_thread_index().is_none()) {
+            Some(pool) => pool.install(|| read_all(area))?,
+            None => read_all(area)?,
         }
-        let run = fill.finish(total);
         if direct.is_none() {
             if let Some(n) = std::num::NonZeroU64::new(l.nbytes) {
                 let _ = rustix::fs::fadvise(
@@ -1116,36 +1152,50 @@ impl Trunk {
                 );
             }
         }
-        // The checksum is only needed on a layer's first read.
-        let hasher = (!self.verified[il].load(Ordering::Relaxed)).then(|| {
-            let mut h = crc32fast::Hasher::new();
-            h.update(&run);
-            h
-        });
         self.bytes_read.fetch_add(l.nbytes, Ordering::Relaxed);
-        if let Some(h) = hasher {
-            let got = h.finalize();
-            if got != l.crc32 {
-                return Err(StreamError::Read {
-                    path,
-                    offset: l.file_off,
-                    len: l.nbytes,
-                    name: format!("trunk layer {il}"),
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::InvalidData,
-                        format!(
-                            "checksum {got:08x}, the manifest says {:08x} (trunk.bin is corrupt; run `k3 pack --force`)",
-                            l.crc32
-                        ),
-                    ),
-                });
-            }
-            self.verified[il].store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Verify layer `il`'s run (as stored, at the start of `run`) against the manifest's
+    /// checksum, the first time the layer is read.
+    pub fn check_run(&self, il: usize, run: &Bytes) -> Result<(), StreamError> {
+        if self.verified[il].load(Ordering::Relaxed) {
+            return Ok(());
         }
-        let run = match &self.decoded[il] {
-            Some(d) => self.decode_layer(il, &run, d)?,
-            None => run,
-        };
+        let l = &self.manifest.layers[il];
+        let stored = run.as_slice().get(..l.nbytes as usize).unwrap_or_default();
+        let got = crc32fast::hash(stored);
+        if got != l.crc32 {
+            return Err(self.read_error(
+                il,
+                l.file_off,
+                l.nbytes,
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!(
+                        "checksum {got:08x}, the manifest says {:08x} (trunk.bin is corrupt; run `k3 pack --force`)",
+                        l.crc32
+                    ),
+                ),
+            ));
+        }
+        self.verified[il].store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Layer `il`'s tensors as ranges of `run`: its raw run as read by
+    /// [`Trunk::read_run_into`] (checked first, when it has not been yet), for a layer
+    /// without encoded tensors.
+    pub fn raw_layer_run(&self, il: usize, run: &Bytes) -> Result<LayerRun, StreamError> {
+        self.check_run(il, run)?;
+        self.layer_run(il, run)
+    }
+
+    /// Layer `il`'s tensors as ranges of `run` (decoded, where the layer holds encoded
+    /// tensors).
+    fn layer_run(&self, il: usize, run: &Bytes) -> Result<LayerRun, StreamError> {
+        let l = &self.manifest.layers[il];
+        let path = self.dir.join("trunk.bin");
         let mut tensors = std::collections::HashMap::with_capacity(l.tensors.len());
         for (name, t) in &l.tensors {
             let bad = |reason: String| StreamError::Unrepresentable {

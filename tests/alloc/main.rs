@@ -1,6 +1,6 @@
 //! Allocations of a decoding step: after a few warm-up steps have sized the run state's
 //! buffers, a step allocates nothing, on any thread, with the model resident or under a
-//! budget (pinned layers, experts found in the cache); nor does a speculative step with
+//! budget (pinned layers, streamed layers, experts found in the cache); nor does a speculative step with
 //! drafts verified and rolled back, nor a prefill chunk.
 //!
 //! The counting allocator (`stats_alloc`) counts every thread of the process, rayon's workers
@@ -156,6 +156,82 @@ fn a_decoding_step_under_a_budget_allocates_nothing() {
         let want = bits(&decode_plain(&resident));
         assert_eq!(bits(&first), want, "{set}: the budget changed a bit");
         assert_eq!(bits(&seen), want, "{set}: the budget changed a bit");
+    }
+}
+
+/// Decoding at the floor budget: no layer pinned, so every layer is read for each step (from
+/// the shards, then from a packed trunk) into the read-ahead ring's slots and bound through the
+/// layer table made at open. With an expert cache that holds every expert, a step allocates
+/// nothing; at the floor's own cache, only the expert misses allocate.
+fn a_decoding_step_at_the_floor_allocates_nothing() {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    for set in ["tiny", "tiny2"] {
+        let resident = Model::load(&fixture(set)).unwrap();
+        let want = bits(&decode_plain(&resident));
+        let (_, info) =
+            Model::open(&fixture(set), BudgetRequest::Resident, POSITIONS as u64).unwrap();
+        let floor = info.plan.floor_bytes;
+        let dir = std::env::temp_dir().join(format!("k3-alloc-trunk-{set}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        {
+            let ck = k3::stream::checkpoint::Checkpoint::open(&fixture(set)).unwrap();
+            let layers = resident.cfg.num_hidden_layers;
+            k3::stream::trunk::pack(&ck, layers, &dir, false, false, &|_, _| {}).unwrap();
+        }
+        // The floor's plan, and the same with an expert cache that holds every expert: there
+        // every layer is still read for each step, and the counted decode (the second) finds
+        // every expert in the cache.
+        let every = (resident.cfg.num_hidden_layers * resident.cfg.num_experts) as u64;
+        for (trunk, cache_all) in [
+            (None, false),
+            (None, true),
+            (Some(&dir), false),
+            (Some(&dir), true),
+        ] {
+            let opts = k3::engine::weights::OpenOptions {
+                budget: BudgetRequest::Total(floor),
+                context: POSITIONS as u64,
+                trunk: trunk.cloned(),
+                ..Default::default()
+            };
+            let (m, _) = Model::open_with(&fixture(set), &opts).unwrap();
+            let mut plan = m.store().planned().unwrap().1;
+            assert_eq!(plan.n_pinned(), 0, "{set}: nothing pinned at the floor");
+            if cache_all {
+                plan.expert_slots = every;
+                m.store().set_plan(plan).unwrap();
+                let _ = pool.install(|| decode_run_state(&m));
+            }
+            let before = m.stats();
+            let (n, seen) = pool.install(|| decode_run_state(&m));
+            let s = m.stats();
+            let (misses, hits) = (
+                s.expert_misses - before.expert_misses,
+                s.expert_hits - before.expert_hits,
+            );
+            if cache_all {
+                assert_eq!(misses, 0, "{set}: every expert was in the cache");
+                assert!(hits > 0);
+                assert_eq!(
+                    n, 0,
+                    "{set} (trunk {trunk:?}): {n} allocations in {STEPS} steps streaming every layer"
+                );
+            } else {
+                // An expert read into the cache still allocates (its read handed to the I/O
+                // pool, and the expert bound to the slot it was read into): a few per miss,
+                // and nothing for the layers.
+                assert!(misses > 0, "{set}: the floor's cache missed");
+                assert!(
+                    n <= 4 * misses as usize,
+                    "{set} (trunk {trunk:?}): {n} allocations for {misses} expert misses"
+                );
+            }
+            assert_eq!(bits(&seen), want, "{set}: the floor changed a bit");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
 
@@ -339,6 +415,7 @@ macro_rules! tests {
 const TESTS: &[(&str, fn())] = tests![
     a_resident_decoding_step_allocates_nothing,
     a_decoding_step_under_a_budget_allocates_nothing,
+    a_decoding_step_at_the_floor_allocates_nothing,
     a_step_on_two_worker_threads_allocates_nothing,
     a_speculator_step_without_a_draft_allocates_nothing,
     a_speculator_step_with_drafts_allocates_nothing,

@@ -1,0 +1,477 @@
+//! Streamed layers: where each layer's non-expert tensors lie, found once when the model
+//! opens, and the read-ahead ring that reads them into its slots ahead of the forward pass.
+//!
+//! A slot is memory for one layer ([`RingSlot`]): a layer is read into it and multiplied in
+//! place, and the `Layer` bound to its bytes the first time is kept with the slot and handed
+//! out again the next time the same layer comes to it. One reader thread fills the slots in
+//! the order they are asked for; the forward pass takes them in that order. The ring's whole
+//! state sits behind one mutex and one condition variable, and no read is ever made while
+//! the mutex is held: once every (slot, layer) pair has been seen, streaming a layer
+//! allocates nothing.
+
+use super::cache::lock;
+use crate::engine::bind::{bind_layer, Binder};
+use crate::engine::config::ModelConfig;
+use crate::engine::layer::Layer;
+use crate::stream::arena::Arena;
+use crate::stream::index::TensorInfo;
+use crate::stream::ring::RingSlot;
+use crate::stream::trunk::{LayerRun, Trunk};
+use crate::stream::{Checkpoint, StreamError};
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex};
+
+/// A layer, or why it could not be read.
+pub(super) type LayerResult = Result<Arc<Layer>, StreamError>;
+
+/// Read one layer's non-expert weights into allocations of their own (pinned layers, and
+/// streamed layers whose trunk holds encoded tensors).
+pub(super) fn load_layer(
+    ck: &Checkpoint,
+    trunk: Option<&Trunk>,
+    cfg: &ModelConfig,
+    il: usize,
+    mapped: bool,
+) -> LayerResult {
+    let b = Binder::new(ck, true, false)
+        .with_trunk(trunk)
+        .mapped(mapped);
+    bind(ck, cfg, il, b).map(Arc::new)
+}
+
+/// Bind layer `il` with `b`: the layer, or its problems as one error.
+fn bind(
+    ck: &Checkpoint,
+    cfg: &ModelConfig,
+    il: usize,
+    mut b: Binder,
+) -> Result<Layer, StreamError> {
+    let layer = bind_layer(&mut b, cfg, il)?;
+    match (layer, b.into_result()) {
+        (Some(l), Ok(())) => Ok(l),
+        (_, Err(e)) => Err(StreamError::Unrepresentable {
+            path: ck.dir().to_path_buf(),
+            name: format!("layer {il}"),
+            reason: e.to_string(),
+        }),
+        (None, Ok(())) => Err(StreamError::Unrepresentable {
+            path: ck.dir().to_path_buf(),
+            name: format!("layer {il}"),
+            reason: "incomplete layer".into(),
+        }),
+    }
+}
+
+/// One of a layer's tensors: its name, where it lies in its shard, and its place in a slot.
+#[derive(Debug)]
+struct Span {
+    name: String,
+    info: TensorInfo,
+    at: usize,
+}
+
+/// How a layer is read into a slot.
+#[derive(Debug)]
+enum Layout {
+    /// Its run of the packed trunk, in one piece of `len` bytes.
+    Trunk { len: usize },
+    /// Its tensors from the shards, each to its place.
+    Shards { spans: Vec<Span> },
+    /// Into an allocation of its own: a trunk layer holding encoded tensors, decoded into a
+    /// buffer of the trunk's.
+    Apart,
+}
+
+/// Tensors start at this alignment in a slot (the widest kernel load).
+const SPAN_ALIGN: usize = 64;
+
+/// Where every layer's non-expert tensors lie, found once.
+#[derive(Debug)]
+pub(super) struct LayerTable {
+    layouts: Vec<Layout>,
+    /// Bytes a slot needs for the largest layer.
+    slot_len: usize,
+}
+
+impl LayerTable {
+    /// The table of `ck`'s layers (read from `trunk` when there is one). A layer whose
+    /// tensors do not bind is laid out by the names it has; its first read reports what is
+    /// wrong.
+    pub(super) fn new(ck: &Checkpoint, trunk: Option<&Trunk>, cfg: &ModelConfig) -> LayerTable {
+        let layouts: Vec<Layout> = (0..cfg.num_hidden_layers)
+            .map(|il| match trunk {
+                Some(t) => t
+                    .raw_run_len(il)
+                    .map_or(Layout::Apart, |len| Layout::Trunk { len }),
+                None => {
+                    // The names a layer's binding fetches, in order, without reading them.
+                    let mut b = Binder::new(ck, false, false);
+                    let _ = bind_layer(&mut b, cfg, il);
+                    let mut at = 0;
+                    let spans = b
+                        .order
+                        .into_iter()
+                        .filter_map(|name| {
+                            let info = ck.info(&name)?;
+                            let span = Span { name, info, at };
+                            at += (span.info.n_bytes() as usize).next_multiple_of(SPAN_ALIGN);
+                            Some(span)
+                        })
+                        .collect();
+                    Layout::Shards { spans }
+                }
+            })
+            .collect();
+        let slot_len = layouts.iter().map(Layout::len).max().unwrap_or(0);
+        LayerTable { layouts, slot_len }
+    }
+
+    /// Bytes of a slot.
+    pub(super) fn slot_len(&self) -> usize {
+        self.slot_len
+    }
+}
+
+impl Layout {
+    fn len(&self) -> usize {
+        match self {
+            Layout::Trunk { len } => *len,
+            Layout::Shards { spans } => spans.last().map_or(0, |s| {
+                s.at + (s.info.n_bytes() as usize).next_multiple_of(SPAN_ALIGN)
+            }),
+            Layout::Apart => 0,
+        }
+    }
+}
+
+/// What the reader needs to read a layer.
+#[derive(Debug)]
+pub(super) struct Source {
+    pub(super) ck: Arc<Checkpoint>,
+    pub(super) trunk: Option<Arc<Trunk>>,
+    pub(super) cfg: ModelConfig,
+    pub(super) table: LayerTable,
+}
+
+impl Source {
+    /// Read layer `il` into `slot`: the layer bound to it, None (nothing read) while a layer
+    /// bound to the slot is still lent out.
+    fn fill(&self, slot: &mut RingSlot<Layer>, il: usize) -> Option<LayerResult> {
+        let ck = &*self.ck;
+        match (&self.table.layouts[il], self.trunk.as_deref()) {
+            (Layout::Trunk { len }, Some(trunk)) => slot.fill(
+                il,
+                |area| match area.get_mut(..*len) {
+                    Some(area) => trunk.read_run_into(il, area),
+                    None => Err(too_large(ck, il)),
+                },
+                |mem| {
+                    let run = trunk.raw_layer_run(il, mem)?;
+                    bind(
+                        ck,
+                        &self.cfg,
+                        il,
+                        Binder::new(ck, true, false).with_run(run),
+                    )
+                },
+            ),
+            (Layout::Shards { spans }, _) => slot.fill(
+                il,
+                |area| {
+                    for s in spans {
+                        let n = s.info.n_bytes() as usize;
+                        let Some(to) = area.get_mut(s.at..s.at + n) else {
+                            return Err(too_large(ck, il));
+                        };
+                        ck.read_tensor_into(&s.name, &s.info, to)?;
+                    }
+                    Ok(())
+                },
+                |mem| {
+                    let parts = spans
+                        .iter()
+                        .map(|s| {
+                            let n = s.info.n_bytes() as usize;
+                            let b = mem.slice(s.at, n).ok_or_else(|| too_large(ck, il))?;
+                            Ok((s.name.clone(), s.info.dtype, b))
+                        })
+                        .collect::<Result<Vec<_>, StreamError>>()?;
+                    let run = LayerRun::from_parts(il, parts);
+                    bind(
+                        ck,
+                        &self.cfg,
+                        il,
+                        Binder::new(ck, true, false).with_run(run),
+                    )
+                },
+            ),
+            _ => Some(load_layer(ck, self.trunk.as_deref(), &self.cfg, il, false)),
+        }
+    }
+}
+
+fn too_large(ck: &Checkpoint, il: usize) -> StreamError {
+    StreamError::Unrepresentable {
+        path: ck.dir().to_path_buf(),
+        name: format!("layer {il}"),
+        reason: "larger than a slot of the read-ahead ring".into(),
+    }
+}
+
+/// Where a slot stands.
+#[derive(Debug)]
+enum Status {
+    /// Nothing asked of it.
+    Free,
+    /// Layer `il` is to be read into it.
+    Queued(usize),
+    /// The reader is reading layer `il` into it.
+    Reading(usize),
+    /// Layer `il` was read (or failed), waiting to be taken.
+    Ready(usize, LayerResult),
+    /// Being read, but no longer wanted: free once the read ends.
+    Discard,
+}
+
+impl Status {
+    fn layer(&self) -> Option<usize> {
+        match self {
+            Status::Queued(il) | Status::Reading(il) | Status::Ready(il, _) => Some(*il),
+            Status::Free | Status::Discard => None,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct RingState {
+    /// The slots; None while the reader has one out.
+    slots: Vec<Option<RingSlot<Layer>>>,
+    status: Vec<Status>,
+    /// Slots asked for, oldest first.
+    pending: VecDeque<usize>,
+    /// Slots for the reader to fill, in order.
+    queue: VecDeque<usize>,
+    stop: bool,
+}
+
+impl RingState {
+    /// Give up slot `s`'s request.
+    fn discard(&mut self, s: usize) {
+        self.status[s] = match self.status[s] {
+            Status::Reading(_) | Status::Discard => Status::Discard,
+            _ => Status::Free,
+        };
+        self.queue.retain(|&q| q != s);
+    }
+
+    /// Ask for layer `il` in a free slot (one whose layers are not lent out, when there is
+    /// one); None when every slot is asked for or still being read.
+    fn ask(&mut self, il: usize) -> Option<usize> {
+        let free = |st: &RingState, s: usize| {
+            matches!(st.status[s], Status::Free) && st.slots[s].is_some()
+        };
+        let n = self.slots.len();
+        let s = (0..n)
+            .find(|&s| free(self, s) && self.slots[s].as_ref().is_some_and(|x| !x.is_lent()))
+            .or_else(|| (0..n).find(|&s| free(self, s)))?;
+        self.status[s] = Status::Queued(il);
+        self.queue.push_back(s);
+        self.pending.push_back(s);
+        Some(s)
+    }
+}
+
+/// The read-ahead ring: its slots, their state, and the reader thread that fills them.
+#[derive(Debug)]
+pub(super) struct LayerRing {
+    state: Mutex<RingState>,
+    changed: Condvar,
+    /// The memory of the slots.
+    arena: Arc<Arena>,
+    /// Layers of the model (a slot keeps one bound layer per layer it has held).
+    layers: usize,
+}
+
+impl LayerRing {
+    /// A ring with no slot yet (see [`LayerRing::resize`]) and its reader thread, reading
+    /// from `src`.
+    pub(super) fn start(src: Source) -> std::io::Result<Arc<LayerRing>> {
+        let ring = Arc::new(LayerRing {
+            state: Mutex::new(RingState {
+                slots: Vec::new(),
+                status: Vec::new(),
+                pending: VecDeque::new(),
+                queue: VecDeque::new(),
+                stop: false,
+            }),
+            changed: Condvar::new(),
+            arena: Arena::new(src.table.slot_len().max(1)),
+            layers: src.cfg.num_hidden_layers,
+        });
+        let reader = Arc::clone(&ring);
+        // The reader runs on a thread of a pool of its own, whose other threads take the
+        // pieces of its reads straight from its queue (a thread outside a pool hands work to
+        // it through the pool's shared queue, which allocates now and then). It is as wide as
+        // the I/O pool; with none, the reader reads alone.
+        match crate::stream::checkpoint::io_pool().map(rayon::ThreadPool::current_num_threads) {
+            Some(n) => {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(n.max(2))
+                    .thread_name(|i| format!("k3-reader-{i}"))
+                    .build()
+                    .map_err(std::io::Error::other)?;
+                // The pool's threads end once the reader returns and the pool is dropped.
+                pool.spawn(move || reader.read(&src));
+            }
+            None => {
+                std::thread::Builder::new()
+                    .name("k3-reader".into())
+                    .spawn(move || reader.read(&src))?;
+            }
+        }
+        Ok(ring)
+    }
+
+    /// The reader thread: fill the queued slots in order until stopped.
+    fn read(&self, src: &Source) {
+        let mut g = lock(&self.state);
+        loop {
+            let Some(s) = g.queue.pop_front() else {
+                if g.stop {
+                    return;
+                }
+                g = self
+                    .changed
+                    .wait(g)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                continue;
+            };
+            let Status::Queued(il) = g.status[s] else {
+                continue;
+            };
+            let Some(mut slot) = g.slots[s].take() else {
+                continue;
+            };
+            g.status[s] = Status::Reading(il);
+            drop(g);
+            // A slot whose last layer is still lent out is waited for: the forward pass
+            // gives a layer back before it asks for the next.
+            let result = loop {
+                if let Some(r) = src.fill(&mut slot, il) {
+                    break Some(r);
+                }
+                if matches!(lock(&self.state).status[s], Status::Discard) {
+                    break None;
+                }
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            };
+            g = lock(&self.state);
+            g.slots[s] = Some(slot);
+            g.status[s] = match (&g.status[s], result) {
+                (Status::Reading(_), Some(r)) => Status::Ready(il, r),
+                _ => Status::Free,
+            };
+            self.changed.notify_all();
+        }
+    }
+
+    /// Layer `il`: the one read ahead for it, waited for, or else read now. Requests
+    /// ahead of it that were not taken are given up.
+    pub(super) fn take(&self, il: usize) -> LayerResult {
+        let mut g = lock(&self.state);
+        while let Some(&s) = g.pending.front() {
+            if g.status[s].layer() == Some(il) {
+                break;
+            }
+            g.pending.pop_front();
+            g.discard(s);
+        }
+        let s = loop {
+            if let Some(s) = g.pending.pop_front() {
+                break s;
+            }
+            if g.slots.is_empty() {
+                return Err(StreamError::Unrepresentable {
+                    path: std::path::PathBuf::new(),
+                    name: format!("layer {il}"),
+                    reason: "the read-ahead ring has no slot".into(),
+                });
+            }
+            if g.ask(il).is_some() {
+                self.changed.notify_all();
+            } else {
+                g = self
+                    .changed
+                    .wait(g)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+        };
+        loop {
+            if let Status::Ready(..) = g.status[s] {
+                if let Status::Ready(_, r) = std::mem::replace(&mut g.status[s], Status::Free) {
+                    return r;
+                }
+            }
+            g = self
+                .changed
+                .wait(g)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
+
+    /// Read layer `il` ahead, if fewer than `depth` layers are asked for and `il` is not one
+    /// of them. Returns whether more may be asked for.
+    pub(super) fn read_ahead(&self, il: usize, depth: usize) -> bool {
+        let mut g = lock(&self.state);
+        if g.pending.len() >= depth {
+            return false;
+        }
+        if g.pending.iter().any(|&s| g.status[s].layer() == Some(il)) {
+            return false;
+        }
+        let asked = g.ask(il).is_some();
+        if asked {
+            self.changed.notify_all();
+        }
+        asked && g.pending.len() < depth
+    }
+
+    /// Drop every request, wait for the reader to finish the read under way, and make
+    /// `slots` slots (the layers bound to the old ones go with them).
+    pub(super) fn resize(&self, slots: usize) -> std::io::Result<()> {
+        let mut g = lock(&self.state);
+        while let Some(s) = g.pending.pop_front() {
+            g.discard(s);
+        }
+        while g
+            .status
+            .iter()
+            .any(|s| matches!(s, Status::Reading(_) | Status::Discard))
+        {
+            g = self
+                .changed
+                .wait(g)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        g.slots.clear();
+        g.status.clear();
+        g.queue.clear();
+        self.arena.set_slots(slots)?;
+        for _ in 0..slots {
+            let slot = RingSlot::new(&self.arena, self.layers).ok_or_else(|| {
+                std::io::Error::other("the read-ahead ring's memory has no free slot")
+            })?;
+            g.slots.push(Some(slot));
+            g.status.push(Status::Free);
+        }
+        g.pending.reserve(slots);
+        g.queue.reserve(slots);
+        Ok(())
+    }
+
+    /// Stop the reader thread.
+    pub(super) fn stop(&self) {
+        lock(&self.state).stop = true;
+        self.changed.notify_all();
+    }
+}

@@ -32,11 +32,13 @@ pub struct ReplOptions {
 
 /// Where input lines come from.
 enum Input {
-    /// The line editor, with the lines entered so far (and those loaded from the history
-    /// file). A fresh editor is made for each line: while it waits for a line it owns SIGINT
-    /// (an external `kill -INT` reads as Ctrl-C at the prompt), and once it is dropped the
-    /// REPL's own handler is back, so a Ctrl-C while a reply streams stops it.
-    Editor(Vec<String>),
+    /// The line editor, one for the REPL's life, its history holding the inputs entered so far
+    /// (after those loaded from the history file). One editor keeps what it read ahead: lines
+    /// typed or pasted in one burst reach the terminal together, the editor's first read takes
+    /// them all, and the next `readline` answers from what is left. While it waits for a line
+    /// it owns SIGINT (an external `kill -INT` reads as Ctrl-C at the prompt); between lines
+    /// the REPL's own handler is back, so a Ctrl-C while a reply streams stops it.
+    Editor(Box<rustyline::DefaultEditor>),
     /// Lines of plain stdin read by a thread, so that a Ctrl-C while waiting for one is seen
     /// here; and the number of lines received so far.
     Lines(Receiver<(String, bool)>, usize),
@@ -71,7 +73,7 @@ impl Input {
                 if let Some(h) = &opts.history_file {
                     let _ = ed.load_history(h);
                 }
-                return Input::Editor(ed.history().iter().cloned().collect());
+                return Input::Editor(Box::new(ed));
             }
         }
         let (tx, rx) = std::sync::mpsc::channel();
@@ -104,21 +106,19 @@ impl Input {
         let mut prompt = "> ";
         loop {
             let line = match self {
-                Input::Editor(lines) => {
-                    match editor(lines).and_then(|mut ed| ed.readline(prompt)) {
-                        Ok(l) => l,
-                        Err(rustyline::error::ReadlineError::Interrupted) => {
-                            if text.is_empty() {
-                                interrupted.store(true, Ordering::Relaxed);
-                                return None;
-                            }
-                            text.clear();
-                            prompt = "> ";
-                            continue;
+                Input::Editor(ed) => match ed.readline(prompt) {
+                    Ok(l) => l,
+                    Err(rustyline::error::ReadlineError::Interrupted) => {
+                        if text.is_empty() {
+                            interrupted.store(true, Ordering::Relaxed);
+                            return None;
                         }
-                        Err(_) => return None,
+                        text.clear();
+                        prompt = "> ";
+                        continue;
                     }
-                }
+                    Err(_) => return None,
+                },
                 Input::Lines(rx, n) => match next_line(rx, sigint) {
                     Err(()) => {
                         interrupted.store(true, Ordering::Relaxed);
@@ -157,34 +157,22 @@ impl Input {
                 continue;
             }
             text.push_str(&line);
-            if let Input::Editor(lines) = self {
-                if lines.last() != Some(&text) {
-                    lines.push(text.clone());
-                }
+            if let Input::Editor(ed) = self {
+                // Up recalls the whole input, continued lines included; a repeat is kept once.
+                let _ = ed.add_history_entry(text.as_str());
             }
             return Some(text);
         }
     }
 
     fn save_history(&mut self, opts: &ReplOptions) {
-        if let (Input::Editor(lines), Some(h)) = (self, &opts.history_file) {
+        if let (Input::Editor(ed), Some(h)) = (self, &opts.history_file) {
             if let Some(dir) = h.parent() {
                 let _ = std::fs::create_dir_all(dir);
             }
-            if let Ok(mut ed) = editor(lines) {
-                let _ = ed.save_history(h);
-            }
+            let _ = ed.save_history(h);
         }
     }
-}
-
-/// A line editor holding `lines` as its history.
-fn editor(lines: &[String]) -> rustyline::Result<rustyline::DefaultEditor> {
-    let mut ed = rustyline::DefaultEditor::new()?;
-    for l in lines {
-        let _ = ed.add_history_entry(l.as_str());
-    }
-    Ok(ed)
 }
 
 /// The next line from the stdin thread; `Ok(None)` at the end of input, `Err` when Ctrl-C came

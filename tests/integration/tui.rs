@@ -535,6 +535,61 @@ fn plain_mode_on_a_terminal_stops_a_reply_on_ctrl_c_and_takes_sigint_at_the_prom
 }
 
 #[test]
+fn plain_mode_on_a_terminal_runs_every_line_typed_ahead_in_one_burst() {
+    require_tmux();
+    let dir = tempfile::tempdir().unwrap();
+    let command = format!(
+        "env K3_DATA_DIR={data} K3_CONFIG={data}/no-config.toml TERM=xterm-256color {bin} chat \
+         {model} --plain --session-dir {data}/sessions --greedy --no-think; echo K3-EXIT=$?; \
+         sleep 60",
+        data = dir.path().display(),
+        bin = env!("CARGO_BIN_EXE_k3"),
+        model = fixture("tiny").display(),
+    );
+    let t = Tmux::start(&dir.path().join("tmux-b.sock"), "k3b", &command);
+    t.wait_for("the prompt", 60, |s| {
+        s.contains("/help lists the commands") && s.trim_end().ends_with('>')
+    });
+    // Three lines in one write to the terminal, as a fast typist or a paste without
+    // bracketed paste sends them: the line editor's first read takes all three.
+    t.type_text("/set seed 5\r/set max_tokens 100\r/stats\r");
+    let screen = t.wait_for("all three lines answered", 30, |s| {
+        s.contains("seed 5 (/set), max_tokens 100 (/set)")
+    });
+    let answers: Vec<&str> = screen
+        .lines()
+        .map(str::trim_end)
+        .filter(|l| {
+            ["seed = 5", "max_tokens = 100", "positions 0 / "]
+                .iter()
+                .any(|a| l.starts_with(a))
+        })
+        .collect();
+    assert_eq!(answers.len(), 3, "{screen}");
+    assert!(
+        answers[0] == "seed = 5" && answers[1] == "max_tokens = 100",
+        "{screen}"
+    );
+    assert!(!screen.contains("K3-EXIT="), "{screen}");
+    // The one editor's history has all three: Up recalls the last, and the file keeps them.
+    t.keys(&["Up"]);
+    t.wait_for("the recalled line", 10, |s| {
+        s.trim_end().ends_with("> /stats")
+    });
+    t.keys(&["C-u"]);
+    t.type_text("/quit\r");
+    let screen = t.wait_for("the exit", 30, |s| s.contains("K3-EXIT="));
+    assert!(screen.contains("K3-EXIT=0"), "{screen}");
+    let history = std::fs::read_to_string(dir.path().join("repl_history")).unwrap();
+    let lines: Vec<&str> = history.lines().filter(|l| l.starts_with('/')).collect();
+    assert_eq!(
+        lines,
+        ["/set seed 5", "/set max_tokens 100", "/stats", "/quit"],
+        "{history}"
+    );
+}
+
+#[test]
 fn a_budget_below_the_floor_is_refused_before_the_terminal_is_taken() {
     require_tmux();
     let dir = tempfile::tempdir().unwrap();

@@ -10,6 +10,7 @@ pub mod demo;
 pub mod pack;
 pub mod plan;
 pub mod progress;
+pub mod prompts;
 pub mod protocol;
 pub mod remote;
 pub mod run;

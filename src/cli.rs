@@ -4,7 +4,7 @@
 
 pub mod chat;
 
-use crate::app::{bench, config, pack, plan, run, serve, synth, verify};
+use crate::app::{bench, config, pack, plan, prompts, run, serve, synth, verify};
 use clap::{Parser, Subcommand};
 
 /// k3 — Kimi K3 inference engine.
@@ -138,7 +138,10 @@ pub fn main() -> i32 {
         return crate::Error::Usage(String::new()).exit_code();
     }
     let result = match cli.command {
-        Command::Run(args) => run::run(&args).map(|()| 0),
+        Command::Run(args) => match &args.prompts {
+            Some(path) => prompts::run(&args, path).map(|()| 0),
+            None => run::run(&args).map(|()| 0),
+        },
         Command::Plan(args) => plan::run(&args).map(|()| 0),
         Command::Bench(args) => bench::run(&args).map(|()| 0),
         Command::Chat(args) => chat::run(&args),

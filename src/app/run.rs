@@ -15,7 +15,7 @@ use std::time::Instant;
 
 /// Arguments of `k3 run`.
 #[derive(Debug, Args)]
-#[command(group = clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "ids"]))]
+#[command(group = clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "ids", "prompts"]))]
 pub struct RunArgs {
     /// Checkpoint directory (config.json, safetensors shards, tokenizer files); default: the
     /// small demo model built into k3.
@@ -29,6 +29,15 @@ pub struct RunArgs {
     /// Token ids, separated by commas or whitespace (no tokenizer needed).
     #[arg(long, value_name = "1,2,3")]
     pub ids: Option<String>,
+    /// Many prompts, one per line: text, or a JSON object with "prompt" or "ids" and its own
+    /// "max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed",
+    /// "stop_ids". Decoded --parallel at a time in one pass over the weights; one JSON line
+    /// per prompt, in input order, on stdout (docs/batching.md#k3-run---prompts).
+    #[arg(long, value_name = "FILE")]
+    pub prompts: Option<PathBuf>,
+    /// With --prompts: how many prompts are decoded together in one pass [default: 4].
+    #[arg(long, value_name = "N")]
+    pub parallel: Option<usize>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 16)]
     pub gen: usize,
@@ -192,7 +201,7 @@ pub use crate::session::chat::MAX_CONTEXT;
 /// Largest `--prompt-file` read, whatever the context: 256 MiB.
 const MAX_PROMPT_FILE_BYTES: u64 = 256 << 20;
 
-fn load_tokenizer(dir: &Path, vocab: u32) -> Result<Option<Tokenizer>> {
+pub(crate) fn load_tokenizer(dir: &Path, vocab: u32) -> Result<Option<Tokenizer>> {
     // Anything at that path (a FIFO, a device...) is loaded, so that it is refused by name;
     // only a missing file means "no tokenizer".
     if std::fs::metadata(dir.join("tiktoken.model")).is_ok() {
@@ -344,7 +353,7 @@ fn run_stats(model: &Model, info: &crate::engine::weights::LoadInfo) -> serde_js
 
 /// The sampler of `k3 run`: the flags over the user config file's `[sampling]` over the model's
 /// `generation_config.json` over greedy decoding; and the line saying where each value came from.
-fn sampling(args: &RunArgs, model_dir: &Path) -> Result<(SamplerConfig, String)> {
+pub(crate) fn sampling(args: &RunArgs, model_dir: &Path) -> Result<(SamplerConfig, String)> {
     use crate::session::defaults::{self, SamplingLayer, Source};
     let user = super::config::Config::load().map_err(|e| Error::Usage(e.to_string()))?;
     let gen = defaults::GenerationConfig::load(model_dir)?;
@@ -384,6 +393,11 @@ fn sampling(args: &RunArgs, model_dir: &Path) -> Result<(SamplerConfig, String)>
 /// Over 100 lines: `k3 run` is one pass in order (check, open, prefill, decode, report) whose
 /// figures are gathered along the way and reported together at the end.
 pub fn run(args: &RunArgs) -> Result<()> {
+    if args.parallel.is_some() {
+        return Err(Error::Usage(
+            "--parallel sets how many --prompts are decoded together; give --prompts FILE".into(),
+        ));
+    }
     set_threads(args.threads)?;
     let model_dir = match &args.model_dir {
         Some(d) => d.clone(),

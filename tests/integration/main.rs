@@ -21,6 +21,7 @@ mod messages;
 mod ops;
 mod oracle_tiny;
 mod plan_chat;
+mod prompts;
 mod reader;
 mod recovery;
 mod remote;

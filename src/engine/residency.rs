@@ -231,6 +231,13 @@ impl Drop for Arrivals<'_> {
 }
 
 /// Weights read from a checkpoint under a memory plan.
+///
+/// Locks: three nest, always in this order — `predict_scratch` (a prediction's buffers),
+/// then `resident` (the plan, the pinned layers, the expert cache and the prediction scores),
+/// then the prefetch queue's state. Every other lock (`fetch_pool`, `io`, `early`, the
+/// read-ahead ring's, the arena's) is taken alone and released before another is taken.
+/// `tests/integration/streaming.rs` runs the streamed path while another thread reads the
+/// figures and the plan changes between tokens.
 #[derive(Debug)]
 pub struct Streamer {
     cfg: ModelConfig,
@@ -376,6 +383,8 @@ impl Streamer {
             pinned: vec![None; n],
             head: None,
             cache: ExpertCache::new(plan.expert_slots as usize, n, n_exp),
+            right_by_rank: Vec::new(),
+            early_right_by_rank: Vec::new(),
         }));
         let counters = Arc::new(Counters::default());
         let tuning = Tuning::get();
@@ -479,7 +488,7 @@ impl Streamer {
                 .iter()
                 .enumerate()
                 .any(|(j, p)| j > il && p.is_some() && !self.cfg.is_dense(j));
-        // Taken after `resident` is released (`stats` takes the two in the other order).
+        // A leaf lock: taken after `resident` is released.
         let mut trial = lock(&self.early);
         if n_tok != 1 {
             trial.interrupt();
@@ -772,15 +781,20 @@ impl Streamer {
         let mut bufs = lock(&self.fetch_pool).pop().unwrap_or_else(FetchBufs::new);
         let used = {
             let mut r = lock(&self.resident);
-            let c = &mut r.cache;
+            let Resident {
+                cache: c,
+                right_by_rank,
+                early_right_by_rank,
+                ..
+            } = &mut *r;
             // The routing is known: predictions not started yet give way to its reads.
             self.prefetcher.cancel_queued(c);
             if let Some(predicted) = c.prediction.take_for(il) {
-                self.note_prediction(predicted, ids);
+                self.note_prediction(right_by_rank, predicted, ids);
             }
             if let Some(predicted) = c.early_prediction.take_for(il) {
+                score_by_rank(early_right_by_rank, predicted, ids);
                 let c = &self.counters;
-                score_by_rank(&mut lock(&c.early_right_by_rank), predicted, ids);
                 c.early_predictions.fetch_add(1, Ordering::Relaxed);
             }
             let FetchBufs {
@@ -841,9 +855,9 @@ impl Streamer {
 
     /// Count how many of the experts `predicted` for a layer (the most likely first) its
     /// routing chose (`ids`), in all and per rank.
-    fn note_prediction(&self, predicted: &[usize], ids: &[usize]) {
+    fn note_prediction(&self, by_rank: &mut Vec<u64>, predicted: &[usize], ids: &[usize]) {
         let c = &self.counters;
-        let right = score_by_rank(&mut lock(&c.right_by_rank), predicted, ids);
+        let right = score_by_rank(by_rank, predicted, ids);
         c.predictions.fetch_add(1, Ordering::Relaxed);
         c.predicted
             .fetch_add(predicted.len() as u64, Ordering::Relaxed);
@@ -989,7 +1003,7 @@ impl Streamer {
         let c = &self.counters;
         let eager = if late {
             eager_ranks(
-                &lock(&c.right_by_rank),
+                &lock(&self.resident).right_by_rank,
                 c.predictions.load(Ordering::Relaxed),
             )
         } else {
@@ -1003,7 +1017,7 @@ impl Streamer {
                 n
             } else {
                 n.min(eager_ranks(
-                    &lock(&c.early_right_by_rank),
+                    &lock(&self.resident).early_right_by_rank,
                     c.early_predictions.load(Ordering::Relaxed),
                 ))
             };
@@ -1150,7 +1164,13 @@ impl Streamer {
     /// Figures for the stats panes (the engine-side part).
     #[must_use]
     pub fn stats(&self) -> StatsSnapshot {
+        // Each lock is taken alone: the resident set's for the plan and the cache, released
+        // before the counters' and the trial's.
         let r = lock(&self.resident);
+        let (budget_bytes, floor_bytes, model_bytes) =
+            (r.plan.budget_bytes, r.plan.floor_bytes, r.plan.model_bytes);
+        let right_by_rank = r.right_by_rank.clone();
+        let early_right_by_rank = r.early_right_by_rank.clone();
         let layers = (0..self.cfg.num_hidden_layers)
             .map(|il| LayerResidency {
                 trunk: if r.plan.pinned[il] {
@@ -1166,14 +1186,15 @@ impl Streamer {
                 },
             })
             .collect();
+        drop(r);
         let c = &self.counters;
         let read = c.trunk_bytes.load(Ordering::Relaxed)
             + c.expert_bytes.load(Ordering::Relaxed)
             + c.embed_head_bytes.load(Ordering::Relaxed);
         StatsSnapshot {
-            budget_bytes: r.plan.budget_bytes,
-            floor_bytes: r.plan.floor_bytes,
-            model_bytes: r.plan.model_bytes,
+            budget_bytes,
+            floor_bytes,
+            model_bytes,
             disk_bytes_read: read,
             expert_hits: c.hits.load(Ordering::Relaxed),
             expert_misses: c.misses.load(Ordering::Relaxed),
@@ -1184,9 +1205,9 @@ impl Streamer {
             predicted: c.predicted.load(Ordering::Relaxed),
             predicted_right: c.predicted_right.load(Ordering::Relaxed),
             predictions: c.predictions.load(Ordering::Relaxed),
-            predicted_right_by_rank: lock(&c.right_by_rank).clone(),
+            predicted_right_by_rank: right_by_rank,
             early_predictions: c.early_predictions.load(Ordering::Relaxed),
-            early_predicted_right_by_rank: lock(&c.early_right_by_rank).clone(),
+            early_predicted_right_by_rank: early_right_by_rank,
             prefetch_cancelled: c.prefetch_cancelled.load(Ordering::Relaxed),
             early: lock(&self.early).stats(),
             arena: self.arena.stats(),

@@ -36,11 +36,9 @@ pub(super) struct Counters {
     pub(super) predicted_right: AtomicU64,
     /// Predictions checked against their layer's routing.
     pub(super) predictions: AtomicU64,
-    /// Per rank of a prediction (the most likely first): how often its layer chose it.
-    pub(super) right_by_rank: Mutex<Vec<u64>>,
-    /// The same two for the early predictions (from the previous layer's FFN input).
+    /// The same for the early predictions (from the previous layer's FFN input); the counts
+    /// by rank are kept with the resident set ([`Resident::right_by_rank`]).
     pub(super) early_predictions: AtomicU64,
-    pub(super) early_right_by_rank: Mutex<Vec<u64>>,
     /// Predicted reads dropped from the queue before they started.
     pub(super) prefetch_cancelled: AtomicU64,
 }
@@ -345,6 +343,10 @@ pub(super) struct Resident {
     pub(super) pinned: Vec<Option<Arc<Layer>>>,
     pub(super) head: Option<Arc<Dense>>,
     pub(super) cache: ExpertCache,
+    /// Per rank of a prediction (the most likely first): how often its layer chose it.
+    pub(super) right_by_rank: Vec<u64>,
+    /// The same for the early predictions.
+    pub(super) early_right_by_rank: Vec<u64>,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

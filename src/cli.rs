@@ -107,7 +107,11 @@ pub fn main() -> i32 {
         crate::app::config::Config::default()
     } else {
         match crate::app::config::Config::load() {
-            Ok(c) => c,
+            Ok(c) => {
+                // Read once: the command reads its own settings from this copy.
+                c.keep();
+                c
+            }
             Err(e) => {
                 eprintln!(
                     "k3: error: {}",

@@ -842,13 +842,22 @@ impl Config {
         }
     }
 
-    /// Read the user's config file (defaults when there is none).
+    /// The user's config file (defaults when there is none): read once per process, at
+    /// start ([`Config::keep`]), and the same values every time after.
     pub fn load() -> Result<Config, ConfigFileError> {
+        if let Some(kept) = KEPT.get() {
+            return Ok(kept.clone());
+        }
         match Config::path() {
             Ok(p) => Config::load_from(&p),
             Err(ConfigFileError::NoConfigDir) => Ok(Config::default()),
             Err(e) => Err(e),
         }
+    }
+
+    /// Keep `self` (the file as read at start) as what [`Config::load`] answers from now on.
+    pub fn keep(&self) {
+        let _ = KEPT.set(self.clone());
     }
 
     /// The effective configuration as TOML.
@@ -857,6 +866,9 @@ impl Config {
         toml::to_string(self).unwrap_or_else(|e| format!("# cannot show the configuration: {e}\n"))
     }
 }
+
+/// The config file as read at start, kept for the commands that read it later.
+static KEPT: std::sync::OnceLock<Config> = std::sync::OnceLock::new();
 
 /// Arguments of `k3 config`.
 #[derive(Debug, Args)]

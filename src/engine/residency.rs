@@ -236,8 +236,8 @@ impl Drop for Arrivals<'_> {
 /// then `resident` (the plan, the pinned layers, the expert cache and the prediction scores),
 /// then the prefetch queue's state. Every other lock (`fetch_pool`, `io`, `early`, the
 /// read-ahead ring's, the arena's) is taken alone and released before another is taken.
-/// `tests/integration/streaming.rs` runs the streamed path while another thread reads the
-/// figures and the plan changes between tokens.
+/// `streaming::stats_read_under_load_change_nothing_and_never_block` runs the streamed path
+/// while another thread reads the figures and the plan changes between tokens.
 #[derive(Debug)]
 pub struct Streamer {
     cfg: ModelConfig,

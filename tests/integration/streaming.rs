@@ -349,50 +349,6 @@ fn a_plan_change_between_tokens_changes_no_token() {
     }
 }
 
-/// The streamed path while another thread reads the engine's figures without pause, as the
-/// client's panes do, and the plan changes between tokens (the budget slider): every lock the
-/// store takes is taken by both threads, and the logits stay those of the resident model.
-#[test]
-fn the_streamed_path_under_stats_reads_and_plan_changes_is_exact() {
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-    for set in ["tiny", "tiny2"] {
-        let (prompt, want, info) = serial_reference(set, 12);
-        let sizes = info.sizes.clone();
-        let floor = info.plan.floor_bytes;
-        let (m, _) = open(set, BudgetRequest::Total(floor));
-        let (done, reads) = (AtomicBool::new(false), AtomicU64::new(0));
-        let got = std::thread::scope(|sc| {
-            sc.spawn(|| {
-                while !done.load(Ordering::Relaxed) {
-                    let s = m.stats();
-                    assert!(s.layers.len() == m.cfg.num_hidden_layers);
-                    let _ = m.store().planned();
-                    reads.fetch_add(1, Ordering::Relaxed);
-                }
-            });
-            let got = generate(&m, &prompt, 12, |step| {
-                let total = match step % 4 {
-                    1 => floor + sizes.model_bytes() / 3,
-                    2 => floor + sizes.model_bytes(),
-                    3 => floor,
-                    _ => return,
-                };
-                let p = budget::plan(&sizes, BudgetRequest::Total(total), 512, None).unwrap();
-                m.store().set_plan(p).unwrap();
-            });
-            done.store(true, Ordering::Relaxed);
-            got
-        });
-        assert!(
-            reads.load(Ordering::Relaxed) > 12,
-            "{set}: the figures were read"
-        );
-        for (a, b) in got.iter().zip(&want) {
-            assert_eq!(bits(a), bits(b), "{set}");
-        }
-    }
-}
-
 #[test]
 fn a_budget_below_the_floor_is_refused_with_three_numbers() {
     let (_, info) = open("tiny", BudgetRequest::Resident);

@@ -44,6 +44,60 @@ pub struct BenchArgs {
     /// what speculation gains.
     #[arg(long, value_name = "PATH")]
     pub prompt_file: Option<PathBuf>,
+    /// Also decode this many sequences together, one pass over the weights per step
+    /// (docs/batching.md#k3-bench---sequences): aggregate and per-sequence tokens/s and bytes
+    /// read per generated token. Sequence `i`'s prompt is the prompt with `i` added to each id.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub sequences: usize,
+}
+
+/// Most sequences `--sequences` accepts.
+const MAX_SEQUENCES: usize = 256;
+
+/// What `k3 bench --sequences N` measured: N prompts prefilled alone, then `gen` batched
+/// greedy steps.
+struct BatchFigures {
+    /// Seconds of the batched steps.
+    seconds: f64,
+    /// Bytes read during them.
+    bytes_read: u64,
+    /// Each sequence's generated ids.
+    ids: Vec<Vec<u32>>,
+}
+
+/// Decode `n` sequences together for `gen` greedy steps after prompts derived from `prompt`
+/// (sequence `i` adds `i` to each id, modulo the vocabulary).
+fn bench_batch(model: &Model, prompt: &[u32], n: usize, gen: usize) -> Result<BatchFigures> {
+    let vocab = model.cfg.vocab_size;
+    let mut states = Vec::with_capacity(n);
+    let mut ids: Vec<Vec<u32>> = Vec::with_capacity(n);
+    for i in 0..n {
+        let p: Vec<u32> = prompt
+            .iter()
+            .map(|&t| ((t as usize + i) % vocab) as u32)
+            .collect();
+        let mut st = SeqState::new(&model.cfg);
+        let logits = model.forward(&mut st, &p, Logits::Last)?;
+        states.push(st);
+        ids.push(vec![crate::kernels::argmax(&logits)]);
+    }
+    let mut run = crate::engine::RunState::new();
+    let read0 = model.stats().disk_bytes_read;
+    let t = Instant::now();
+    // The first ids came from the prefills; each step feeds the last and yields the next.
+    for _ in 1..gen {
+        let tokens: Vec<u32> = ids.iter().map(|v| v[v.len() - 1]).collect();
+        let mut seqs: Vec<&mut SeqState> = states.iter_mut().collect();
+        let logits = model.forward_batch(&mut seqs, &mut run, &tokens)?;
+        for (v, row) in ids.iter_mut().zip(logits.chunks(vocab)) {
+            v.push(crate::kernels::argmax(row));
+        }
+    }
+    Ok(BatchFigures {
+        seconds: t.elapsed().as_secs_f64(),
+        bytes_read: model.stats().disk_bytes_read - read0,
+        ids,
+    })
 }
 
 /// Memory read bandwidth as the shared harness's probe (`membw`, its "read" figure) takes it:
@@ -218,6 +272,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "--gen and --prompt-len must be at least 1".into(),
         ));
     }
+    if args.sequences == 0 || args.sequences > MAX_SEQUENCES {
+        return Err(Error::Usage(format!(
+            "--sequences {}: expected 1 to {MAX_SEQUENCES}",
+            args.sequences
+        )));
+    }
     let model_dir = match &args.model_dir {
         Some(d) => d.clone(),
         None => super::demo::materialise()?,
@@ -232,6 +292,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 .context
                 .unwrap_or((args.prompt_len + args.gen) as u64)
                 .max((args.prompt_len + args.gen) as u64),
+            states: args.sequences as u64,
             trunk: args.budget.trunk.clone(),
             ..Default::default()
         },
@@ -278,6 +339,33 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     spec.settle(&model, &mut st);
     let steal = super::run::steal_since(cpu_before);
     let decode_s = t1.elapsed().as_secs_f64() / args.gen as f64;
+    let batch = if args.sequences > 1 {
+        drop(st);
+        Some(bench_batch(&model, &prompt, args.sequences, args.gen)?)
+    } else {
+        None
+    };
+    // Tokens the batched steps generated (the first of each sequence came from its prefill).
+    let batch_json = batch.as_ref().map(|b| {
+        let n = args.sequences;
+        let tokens = (n * (args.gen - 1)) as f64;
+        let tps = if b.seconds > 0.0 {
+            tokens / b.seconds
+        } else {
+            0.0
+        };
+        serde_json::json!({
+            "sequences": n,
+            "steps": args.gen - 1,
+            "seconds": b.seconds,
+            "aggregate_tokens_per_second": tps,
+            "per_sequence_tokens_per_second": tps / n as f64,
+            "one_sequence_tokens_per_second": 1.0 / decode_s,
+            "speedup": tps * decode_s,
+            "bytes_read_per_token": if tokens > 0.0 { b.bytes_read as f64 / tokens } else { 0.0 },
+            "generated_ids": b.ids,
+        })
+    });
     let median_s = super::run::median_per_token(&steps);
     let read_per_tok = (read_now() - read0) as f64 / args.gen as f64;
     // Peak RSS before the bandwidth probes, whose buffers (512 MiB for the memory, at most
@@ -339,6 +427,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "ratio_to_io_floor": io_floor.filter(|f| *f > 0.0).map(|f| decode_s / f),
         "kernels": super::run::kernels_json(),
         "cpu_steal_fraction": steal,
+        "batch": batch_json,
     });
     if args.json {
         println!("{j}");
@@ -396,6 +485,17 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     );
     if model.store().planned().is_some() {
         println!("early prediction     {}", model.stats().early.describe());
+    }
+    if let Some(b) = &batch_json {
+        println!(
+            "batched decode       {} sequences: {:.2} tokens/s together, {:.2} each ({:.2}x one \
+             sequence); {:.1} MB read per token",
+            args.sequences,
+            b["aggregate_tokens_per_second"].as_f64().unwrap_or(0.0),
+            b["per_sequence_tokens_per_second"].as_f64().unwrap_or(0.0),
+            b["speedup"].as_f64().unwrap_or(0.0),
+            b["bytes_read_per_token"].as_f64().unwrap_or(0.0) / 1e6,
+        );
     }
     println!("peak RSS             {:.1} MB", peak as f64 / 1e6);
     println!(

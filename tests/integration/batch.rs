@@ -285,3 +285,51 @@ fn every_batch_width_gives_a_row_the_same_bits() {
         }
     }
 }
+
+#[test]
+fn k3_bench_sequences_reports_the_batch_and_each_sequence_gets_its_lone_ids() {
+    let tiny = fixture("tiny");
+    let out = crate::common::run_ok(crate::common::k3_command().arg("bench").arg(&tiny).args([
+        "--sequences",
+        "3",
+        "--gen",
+        "5",
+        "--prompt-len",
+        "6",
+        "--json",
+    ]));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let b = &j["batch"];
+    assert_eq!(b["sequences"], 3, "{b}");
+    assert_eq!(b["steps"], 4, "{b}");
+    assert!(
+        b["aggregate_tokens_per_second"].as_f64().unwrap() > 0.0,
+        "{b}"
+    );
+    let agg = b["aggregate_tokens_per_second"].as_f64().unwrap();
+    let each = b["per_sequence_tokens_per_second"].as_f64().unwrap();
+    assert!((agg / 3.0 - each).abs() <= 1e-9 * agg, "{b}");
+    let vocab = 512;
+    for (i, ids) in b["generated_ids"].as_array().unwrap().iter().enumerate() {
+        let prompt: Vec<String> = (0..6u32)
+            .map(|k| ((k * 7 + 3 + i as u32) % vocab).to_string())
+            .collect();
+        let alone =
+            crate::common::run_ok(crate::common::k3_command().arg("run").arg(&tiny).args([
+                "--ids",
+                &prompt.join(","),
+                "--gen",
+                "5",
+                "--json",
+            ]));
+        let a: serde_json::Value = serde_json::from_slice(&alone.stdout).unwrap();
+        assert_eq!(ids, &a["generated_ids"], "sequence {i}");
+    }
+    let bad = crate::common::k3_command()
+        .arg("bench")
+        .arg(&tiny)
+        .args(["--sequences", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+}

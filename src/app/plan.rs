@@ -31,6 +31,41 @@ pub struct PlanArgs {
     pub json: bool,
 }
 
+/// Most sequences [`sequences_fit`] counts up to.
+const MAX_SEQUENCES: u64 = 256;
+
+/// How many sequences decoded together (docs/batching.md) fit `req` at `context` positions
+/// each: the most whose states the plan can hold above its floor (each sequence's state is
+/// counted against the budget), at most [`MAX_SEQUENCES`]. None for a request without a budget.
+fn sequences_fit(
+    sizes: &budget::ModelSizes,
+    req: BudgetRequest,
+    context: u64,
+    limit: Option<u64>,
+) -> Option<u64> {
+    if matches!(req, BudgetRequest::Resident) && limit.is_none() {
+        return None;
+    }
+    let fits = |n: u64| budget::plan_states(sizes, req, context, n, limit).is_ok();
+    if !fits(1) {
+        return Some(0);
+    }
+    // The floor grows with every state: the largest n that fits, by bisection.
+    let (mut lo, mut hi) = (1, MAX_SEQUENCES);
+    if fits(hi) {
+        return Some(hi);
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Some(lo)
+}
+
 /// Run `k3 plan`.
 /// Over 100 lines: one plan and its report, as JSON or as the text table, figure by figure.
 pub fn run(args: &PlanArgs) -> Result<()> {
@@ -80,9 +115,13 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         }
         Err(e) => return Err(Error::Usage(e.to_string())),
     };
+    let seq_fit = sequences_fit(&sizes, req, context, budget::cgroup_limit());
+    let seq_state = sizes.state_bytes + sizes.kv_per_position * context;
     if args.json {
         let mut j = serde_json::to_value(&plan).map_err(|e| Error::Usage(e.to_string()))?;
         if let Some(o) = j.as_object_mut() {
+            o.insert("sequences_fit".into(), seq_fit.into());
+            o.insert("sequence_state_bytes".into(), seq_state.into());
             o.insert("planned_bytes".into(), plan.planned_bytes(&sizes).into());
             o.insert("index_bytes".into(), index_bytes.into());
             o.insert("tensors".into(), n_tensors.into());
@@ -160,6 +199,19 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         plan.states,
         if args.chat { " (chat)" } else { "" },
         gb(plan.fixed_bytes)
+    );
+    println!(
+        "sequences    {} decoded together fit ({} of state each at {} positions; k3 run \
+         --prompts --parallel, k3 bench --sequences)",
+        seq_fit.map_or("no budget: any number".to_string(), |n| {
+            if n >= MAX_SEQUENCES {
+                format!("{n} or more")
+            } else {
+                n.to_string()
+            }
+        }),
+        gb(seq_state),
+        context
     );
     if let Some(t) = &trunk {
         let m = t.manifest();

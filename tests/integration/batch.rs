@@ -7,6 +7,7 @@ use k3::engine::model::Logits;
 use k3::engine::sampling::{Sampler, SamplerConfig};
 use k3::engine::{Model, RunState, SeqState};
 use k3::stream::budget::BudgetRequest;
+use std::io::Write;
 
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
@@ -332,4 +333,51 @@ fn k3_bench_sequences_reports_the_batch_and_each_sequence_gets_its_lone_ids() {
         .output()
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
+}
+
+#[test]
+fn k3_plan_counts_the_sequences_that_fit_as_k3_run_prompts_plans_them() {
+    let tiny = fixture("tiny");
+    let plan = |extra: &[&str]| {
+        let out = crate::common::k3_command()
+            .arg("plan")
+            .arg(&tiny)
+            .args(["--context", "4", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (out.status.code(), j)
+    };
+    let (code, j) = plan(&[]);
+    assert_eq!(code, Some(0), "{j}");
+    let floor = j["floor_bytes"].as_u64().unwrap();
+    let each = j["sequence_state_bytes"].as_u64().unwrap();
+    assert!(each > 0, "{j}");
+    // Room above the one-sequence floor for two and a half more states: three fit.
+    let mem = format!("{:.9}", (floor + each * 5 / 2) as f64 / 1e9);
+    let (code, j) = plan(&["--mem", &mem]);
+    assert_eq!(code, Some(0), "{j}");
+    assert_eq!(j["sequences_fit"], 3, "{j}");
+    // `k3 run --prompts` at that budget: three prompts of 4 positions together are planned,
+    // four are refused.
+    for (n, ok) in [(3, true), (4, false)] {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        for _ in 0..n {
+            writeln!(f, "{{\"ids\": [1, 2], \"max_tokens\": 2}}").unwrap();
+        }
+        let out = crate::common::k3_command()
+            .arg("run")
+            .arg(&tiny)
+            .args(["--mem", &mem, "--parallel", &n.to_string(), "--prompts"])
+            .arg(f.path())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.success(), ok, "{n}: {err}");
+        if !ok {
+            assert_eq!(out.status.code(), Some(2));
+            assert!(err.contains("lower --parallel"), "{err}");
+        }
+    }
 }

@@ -345,11 +345,13 @@ pub enum Cmd {
     Effort,
     /// Select mode: move over messages and code blocks, `y` copies one.
     Select,
+    /// Hide or show the live panes (the conversation takes their room).
+    Panes,
 }
 
 impl Cmd {
     /// Every command with its `[keys]` name, in help order.
-    pub const ALL: [(&'static str, Cmd); 16] = [
+    pub const ALL: [(&'static str, Cmd); 17] = [
         ("help", Cmd::Help),
         ("quit", Cmd::Quit),
         ("stop", Cmd::Stop),
@@ -366,6 +368,7 @@ impl Cmd {
         ("answer_now", Cmd::AnswerNow),
         ("effort", Cmd::Effort),
         ("select", Cmd::Select),
+        ("panes", Cmd::Panes),
     ];
 
     /// What the command does, for the help popup.
@@ -388,6 +391,7 @@ impl Cmd {
             Cmd::AnswerNow => "answer now: end the thinking, the model answers",
             Cmd::Effort => "thinking effort: off, low, high, max (next reply)",
             Cmd::Select => "select a message or code block; y copies it",
+            Cmd::Panes => "hide / show the live panes (more room to read)",
         }
     }
 }
@@ -428,6 +432,8 @@ pub struct KeysConfig {
     pub effort: String,
     /// Select mode (copy any message or code block).
     pub select: String,
+    /// Hide or show the live panes.
+    pub panes: String,
 }
 
 impl Default for KeysConfig {
@@ -449,6 +455,7 @@ impl Default for KeysConfig {
             answer_now: "ctrl-g".into(),
             effort: "f2".into(),
             select: "ctrl-o".into(),
+            panes: "f3".into(),
         }
     }
 }
@@ -472,6 +479,7 @@ impl KeysConfig {
             Cmd::AnswerNow => &self.answer_now,
             Cmd::Effort => &self.effort,
             Cmd::Select => &self.select,
+            Cmd::Panes => &self.panes,
         }
     }
 

@@ -494,6 +494,8 @@ pub struct App {
     pub effort: String,
     /// Show reasoning text (otherwise one collapsed line per reply).
     pub show_thinking: bool,
+    /// The live panes are hidden: the conversation takes their room.
+    pub hide_panes: bool,
     /// What the conversation is doing.
     pub phase: Phase,
     /// The conversation.
@@ -664,6 +666,7 @@ impl App {
             thinking: init.thinking,
             effort: init.effort,
             show_thinking: true,
+            hide_panes: false,
             phase: Phase::Loading,
             loading: None,
             remote: None,

@@ -87,7 +87,9 @@ pub fn render(app: &App, area: Rect, buf: &mut Buffer) -> Measure {
         Constraint::Length(1),
     ])
     .areas(area);
-    let (conv, panes_at) = if main.width >= 110 && main.height >= 18 {
+    let (conv, panes_at) = if app.hide_panes {
+        (main, PanesAt::None)
+    } else if main.width >= 110 && main.height >= 18 {
         let [c, p] =
             Layout::horizontal([Constraint::Min(1), Constraint::Length(COLUMN_W)]).areas(main);
         (c, PanesAt::Column(p))
@@ -409,8 +411,9 @@ fn status_bar(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
                     .to_string()
             };
             format!(
-                " {} help · {} stop · {} sessions · {} quit ",
+                " {} help · {} panes · {} stop · {} sessions · {} quit ",
                 k(Cmd::Help),
+                k(Cmd::Panes),
                 k(Cmd::Stop),
                 k(Cmd::Sessions),
                 k(Cmd::Quit)

@@ -181,7 +181,11 @@ impl App {
             Cmd::BudgetUp => self.budget_move(1, fx),
             Cmd::Newline => self.type_char('\n'),
             Cmd::Follow => self.scroll = 0,
-            Cmd::Focus => self.focus = Focus::Budget,
+            Cmd::Focus => {
+                // The slider is in a pane: focusing it shows the panes.
+                self.hide_panes = false;
+                self.focus = Focus::Budget;
+            }
             Cmd::New => self.new_conversation(fx),
             Cmd::AnswerNow => self.answer_now(fx),
             Cmd::Effort => {
@@ -191,6 +195,17 @@ impl App {
                 self.change_thinking(next, fx);
             }
             Cmd::Select => self.enter_select(),
+            Cmd::Panes => {
+                self.hide_panes = !self.hide_panes;
+                if self.hide_panes && self.focus == Focus::Budget {
+                    self.focus = Focus::Input;
+                }
+                self.toast(if self.hide_panes {
+                    format!("panes hidden ({})", self.keys.of(Cmd::Panes))
+                } else {
+                    "panes shown".to_string()
+                });
+            }
         }
     }
 

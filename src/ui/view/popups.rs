@@ -83,6 +83,7 @@ pub fn help(app: &App, theme: &Theme, area: Rect, buf: &mut Buffer) {
         (k(Cmd::AnswerNow), Cmd::AnswerNow.describe()),
         (k(Cmd::Effort), Cmd::Effort.describe()),
         (k(Cmd::Select), Cmd::Select.describe()),
+        (k(Cmd::Panes), Cmd::Panes.describe()),
         (
             format!("{} / {}", k(Cmd::BudgetDown), k(Cmd::BudgetUp)),
             "memory budget down / up (input empty)",

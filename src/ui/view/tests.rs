@@ -582,3 +582,83 @@ fn the_tokens_pane_counts_one_token_in_the_singular() {
         assert!(text.contains(want), "{text}");
     }
 }
+
+/// The screen's rows as text.
+fn screen_rows(app: &App, w: u16, h: u16) -> Vec<String> {
+    let t = screen(app, w, h);
+    let buf = t.backend().buffer();
+    (0..h)
+        .map(|y| (0..w).map(|x| buf[(x, y)].symbol()).collect::<String>())
+        .collect()
+}
+
+/// The conversation's rows: those above the input box (and above the panes, when shown).
+fn conversation_rows(rows: &[String]) -> Vec<String> {
+    rows.iter()
+        .take_while(|r| !r.starts_with("┌ tokens/s") && !r.starts_with("┌ generating"))
+        .cloned()
+        .collect()
+}
+
+#[test]
+fn the_panes_key_gives_the_conversation_the_whole_screen_at_80x24() {
+    let mut app = mid_reply();
+    let shown = screen_rows(&app, 80, 24);
+    assert!(
+        shown.iter().any(|r| r.starts_with("┌ tokens/s")),
+        "{shown:#?}"
+    );
+    let conv_shown = conversation_rows(&shown);
+    assert_eq!(conv_shown.len(), 14, "{shown:#?}");
+    // F3 hides the panes: their six rows go to the conversation, which shows the same tail
+    // and six more rows above it.
+    app.update(Msg::Action(Action::Cmd(Cmd::Panes)));
+    assert!(app.hide_panes);
+    let hidden = screen_rows(&app, 80, 24);
+    for pane in ["tokens/s", "memory", "disk", "experts", "budget"] {
+        assert!(
+            !hidden.iter().any(|r| r.contains(&format!("┌ {pane} "))),
+            "{pane} is still drawn: {hidden:#?}"
+        );
+    }
+    let conv_hidden = conversation_rows(&hidden);
+    assert_eq!(conv_hidden.len(), 20, "{hidden:#?}");
+    assert_eq!(conv_hidden[6..], conv_shown[..], "{hidden:#?}");
+    assert!(
+        hidden[23].ends_with(" panes hidden (F3) "),
+        "{}",
+        hidden[23]
+    );
+    // No mouse region for a budget pane that is not drawn.
+    let mut buf = Buffer::empty(Rect::new(0, 0, 80, 24));
+    assert_eq!(render(&app, buf.area, &mut buf).regions.budget_pane, None);
+    // The same key shows them again, as they were.
+    app.update(Msg::Action(Action::Cmd(Cmd::Panes)));
+    assert!(!app.hide_panes);
+    let again = screen_rows(&app, 80, 24);
+    assert_eq!(again[..23], shown[..23]);
+    // Focusing the budget slider shows the panes it is in.
+    app.update(Msg::Action(Action::Cmd(Cmd::Panes)));
+    app.update(Msg::Action(Action::Cmd(Cmd::Focus)));
+    assert!(!app.hide_panes);
+    assert_eq!(app.focus, crate::app::state::Focus::Budget);
+    // Hiding them gives the keys back to the input.
+    app.update(Msg::Action(Action::Cmd(Cmd::Panes)));
+    assert_eq!(app.focus, crate::app::state::Focus::Input);
+}
+
+#[test]
+fn the_key_hints_name_the_panes_key_at_80_columns() {
+    let mut app = mid_reply();
+    let turn = app.live_turn().unwrap();
+    ev(
+        &mut app,
+        EngineEvent::TurnDone {
+            turn,
+            report: done("ok", None),
+        },
+    );
+    app.toast = None;
+    let rows = screen_rows(&app, 80, 24);
+    assert!(rows[23].contains(" F1 help · F3 panes · "), "{}", rows[23]);
+}

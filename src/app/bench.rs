@@ -51,8 +51,8 @@ pub struct BenchArgs {
     pub sequences: usize,
 }
 
-/// Most sequences `--sequences` accepts.
-const MAX_SEQUENCES: usize = 256;
+/// Most sequences `--sequences` accepts: the rows whose activations the plan reserves.
+const MAX_SEQUENCES: usize = crate::stream::budget::MIN_PREFILL_CHUNK as usize;
 
 /// What `k3 bench --sequences N` measured: N prompts prefilled alone, then `gen` batched
 /// greedy steps.

@@ -31,8 +31,9 @@ pub struct PlanArgs {
     pub json: bool,
 }
 
-/// Most sequences [`sequences_fit`] counts up to.
-const MAX_SEQUENCES: u64 = 256;
+/// Most sequences [`sequences_fit`] counts up to: the rows whose activations the plan
+/// reserves, the most `k3 run --prompts --parallel` takes.
+const MAX_SEQUENCES: u64 = budget::MIN_PREFILL_CHUNK;
 
 /// How many sequences decoded together (docs/batching.md) fit `req` at `context` positions
 /// each: the most whose states the plan can hold above its floor (each sequence's state is

@@ -22,8 +22,9 @@ const MAX_PROMPTS_FILE_BYTES: u64 = 256 << 20;
 /// Sequences decoded together when `--parallel` is not given.
 pub const DEFAULT_PARALLEL: usize = 4;
 
-/// Most sequences `--parallel` accepts.
-pub const MAX_PARALLEL: usize = 256;
+/// Most sequences `--parallel` accepts: the rows whose activations the plan reserves (a
+/// batched step is a pass of one row per sequence).
+pub const MAX_PARALLEL: usize = crate::stream::budget::MIN_PREFILL_CHUNK as usize;
 
 /// One JSONL line of a `--prompts` file: the prompt (text or ids) and its own settings, each
 /// over the command's.

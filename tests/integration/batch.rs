@@ -333,6 +333,13 @@ fn k3_bench_sequences_reports_the_batch_and_each_sequence_gets_its_lone_ids() {
         .output()
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
+    let bad = crate::common::k3_command()
+        .arg("bench")
+        .arg(&tiny)
+        .args(["--sequences", "65"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
 }
 
 #[test]

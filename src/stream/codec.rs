@@ -415,7 +415,7 @@ pub fn decode<T: Put + Send>(enc: &[u8], dst: &mut [T]) -> Result<(), CodecError
     dst.par_chunks_mut(BLOCK_ELEMS * 2)
         .zip(list.par_iter())
         .enumerate()
-        .try_for_each(|(b, (out, blk))| decode_block(b, &enc[blk.at..], blk, out))
+        .try_for_each(|(b, (out, blk))| decode_block(b, &enc[blk.at..], blk, out, Pace::Fast))
 }
 
 /// Decode `enc` into a new vector of `len` bytes.
@@ -427,11 +427,34 @@ pub fn decode_to_vec(enc: &[u8], len: usize) -> Result<Vec<u8>, CodecError> {
 
 /// [`decode`] on the calling thread only.
 pub fn decode_into<T: Put>(enc: &[u8], dst: &mut [T]) -> Result<(), CodecError> {
+    decode_serial(enc, dst, Pace::Fast)
+}
+
+/// The plain decoder: one code per table lookup, one stream after the other. It gives the same
+/// result as [`decode`] on every input (the same bytes, or the same error); the tests and the
+/// fuzz target hold the fast decoder to it.
+pub fn decode_reference(enc: &[u8], len: usize) -> Result<Vec<u8>, CodecError> {
+    let mut out = vec![0u8; len];
+    decode_serial(enc, &mut out, Pace::Reference)?;
+    Ok(out)
+}
+
+fn decode_serial<T: Put>(enc: &[u8], dst: &mut [T], pace: Pace) -> Result<(), CodecError> {
     let list = blocks(enc, dst.len())?;
     for (b, (out, blk)) in dst.chunks_mut(BLOCK_ELEMS * 2).zip(&list).enumerate() {
-        decode_block(b, &enc[blk.at..], blk, out)?;
+        decode_block(b, &enc[blk.at..], blk, out, pace)?;
     }
     Ok(())
+}
+
+/// Which decoding loop [`decode_block`] runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pace {
+    /// Several codes per lookup, the four streams in lockstep, then [`Pace::Reference`] for
+    /// the last values of each stream.
+    Fast,
+    /// One code per lookup.
+    Reference,
 }
 
 /// A byte the decoder writes: `u8` or `MaybeUninit<u8>`.
@@ -460,13 +483,13 @@ impl Put for MaybeUninit<u8> {
     }
 }
 
-/// Decode block `b` into `out`. Over 100 lines: the header checks and the four interleaved
-/// streams' hot loop share their cursors, which a split would pass around on every symbol.
+/// Decode block `b` into `out`.
 fn decode_block<T: Put>(
     b: usize,
     enc: &[u8],
     blk: &Block,
     out: &mut [T],
+    pace: Pace,
 ) -> Result<(), CodecError> {
     let n = blk.n;
     let payload = &enc[HEADER..HEADER + blk.payload];
@@ -540,39 +563,23 @@ fn decode_block<T: Put>(
     }
     let q = n.div_ceil(STREAMS);
     let mut readers: [Reader; STREAMS] = std::array::from_fn(|k| Reader::new(streams[k]));
-    // Stream k fills values [k·q, (k+1)·q): its high bytes are decoded CHUNK at a time into
-    // `hi`, all streams in lockstep (independent lookups in flight), then merged with the low
-    // bytes.
-    const CHUNK: usize = 256;
-    let mut hi = [[0u8; CHUNK]; STREAMS];
+    // Stream k fills values [k·q, k·q + count(k)); `done[k]` of them are decoded.
     let count = |k: usize| q.min(n.saturating_sub(k * q));
-    let common = (0..STREAMS).map(count).min().unwrap_or(0);
-    let mut done = 0usize;
-    while done + CHUNK <= common {
-        for j in (0..CHUNK).step_by(4) {
-            for (r, h) in readers.iter_mut().zip(hi.iter_mut()) {
-                r.refill();
-                let h = &mut h[j..j + 4];
-                h[0] = r.symbol(&table);
-                h[1] = r.symbol(&table);
-                h[2] = r.symbol(&table);
-                h[3] = r.symbol(&table);
-            }
+    let mut done = [0usize; STREAMS];
+    if pace == Pace::Fast {
+        let mut multi = [0u32; TABLE];
+        if multi_table(&table, &mut multi) {
+            fast_rounds(&mut readers, &multi, low, out, q, n, &mut done);
         }
-        for (k, h) in hi.iter().enumerate() {
-            let at = k * q + done;
-            merge(&mut out[2 * at..2 * (at + CHUNK)], &low[at..at + CHUNK], h);
-        }
-        done += CHUNK;
     }
-    // The rest of each stream, one value at a time.
+    // The rest of each stream (all of it for the reference), one code per lookup.
+    let mut hi = [0u8; 256];
     for (k, r) in readers.iter_mut().enumerate() {
         let c = count(k);
-        let h = &mut hi[k];
-        let mut at = done;
+        let mut at = done[k];
         while at < c {
-            let take = (c - at).min(CHUNK);
-            for x in &mut h[..take] {
+            let take = (c - at).min(hi.len());
+            for x in &mut hi[..take] {
                 r.refill();
                 *x = r.symbol(&table);
             }
@@ -580,7 +587,7 @@ fn decode_block<T: Put>(
             merge(
                 &mut out[2 * v..2 * (v + take)],
                 &low[v..v + take],
-                &h[..take],
+                &hi[..take],
             );
             at += take;
         }
@@ -589,6 +596,109 @@ fn decode_block<T: Put>(
         r.check_end().map_err(|e| bad(format!("stream {k}: {e}")))?;
     }
     Ok(())
+}
+
+/// Lookups per stream in one round of [`fast_rounds`].
+const ROUND: usize = 64;
+/// Codes one multi-code table entry holds at most.
+const MULTI: usize = 3;
+
+/// The multi-code table built from the one-code `table`, or false when some pattern is no
+/// code (an incomplete code, which only a one-symbol block has as written: those decode one
+/// code per lookup). Entry `bits & (TABLE − 1)` holds the symbols of the 1 to [`MULTI`]
+/// codes that `MAX_LEN` bits begin with in bytes 0..3 (the first code in byte 0), their
+/// total length in bits 24..30 and their number in bits 30..32.
+fn multi_table(table: &[u16; TABLE], multi: &mut [u32; TABLE]) -> bool {
+    for (i, m) in multi.iter_mut().enumerate() {
+        let e = table[i];
+        if e & NO_CODE_FLAG != 0 {
+            return false;
+        }
+        let mut used = u32::from(e & 15);
+        let mut syms = u32::from(e >> 4);
+        let mut k = 1u32;
+        while (k as usize) < MULTI {
+            // The bits after the first `used` ones, zeros where the window ends: a code no
+            // longer than the bits known is the right one (no code is a prefix of another).
+            let next = table[i >> used];
+            let len = u32::from(next & 15);
+            if used + len > MAX_LEN {
+                break;
+            }
+            syms |= u32::from(next >> 4) << (8 * k);
+            used += len;
+            k += 1;
+        }
+        *m = syms | (used << 24) | (k << 30);
+    }
+    true
+}
+
+/// Decode the four streams in lockstep with the multi-code table while every stream has at
+/// least a round's worth of values and input bytes left, advancing `done` (values decoded per
+/// stream) and the readers exactly as one-code decoding would. The readers must be fresh.
+fn fast_rounds<T: Put>(
+    readers: &mut [Reader; STREAMS],
+    multi: &[u32; TABLE],
+    low: &[u8],
+    out: &mut [T],
+    q: usize,
+    n: usize,
+    done: &mut [usize; STREAMS],
+) {
+    // A refill loads 8 bytes at the first unread bit: at least 57 bits, room for four codes
+    // of at most MAX_LEN bits. The staging index fits a byte: ROUND · MULTI ≤ 255.
+    const REFILLS: usize = ROUND / 4;
+    const _: () = assert!(ROUND * MULTI <= 255 && 4 * MAX_LEN as usize <= 57);
+    let mut stage = [[0u8; 256 + 4]; STREAMS];
+    let count = |k: usize| q.min(n.saturating_sub(k * q));
+    // The streams' state in locals, so that it stays in registers: the bit position in the
+    // stream and the bits buffered from there.
+    let src: [&[u8]; STREAMS] = std::array::from_fn(|k| readers[k].src);
+    let mut bitpos = [0usize; STREAMS];
+    loop {
+        let room = (0..STREAMS).all(|k| {
+            count(k) - done[k] >= ROUND * MULTI
+                && src[k].len() >= (bitpos[k] + ROUND * MAX_LEN as usize) / 8 + 8
+        });
+        if !room {
+            break;
+        }
+        let mut staged = [0u8; STREAMS];
+        for _ in 0..REFILLS {
+            let mut buf = [0u64; STREAMS];
+            for k in 0..STREAMS {
+                let p = bitpos[k] >> 3;
+                let mut a = [0u8; 8];
+                a.copy_from_slice(&src[k][p..p + 8]);
+                buf[k] = u64::from_le_bytes(a) >> (bitpos[k] & 7);
+            }
+            for _ in 0..4 {
+                for k in 0..STREAMS {
+                    let e = multi[(buf[k] as usize) & (TABLE - 1)];
+                    let at = usize::from(staged[k]);
+                    stage[k][at..at + 4].copy_from_slice(&e.to_le_bytes());
+                    staged[k] += (e >> 30) as u8;
+                    let len = (e >> 24) & 63;
+                    buf[k] >>= len;
+                    bitpos[k] += len as usize;
+                }
+            }
+        }
+        for k in 0..STREAMS {
+            let v = k * q + done[k];
+            let take = usize::from(staged[k]);
+            merge(
+                &mut out[2 * v..2 * (v + take)],
+                &low[v..v + take],
+                &stage[k][..take],
+            );
+            done[k] += take;
+        }
+    }
+    for (r, &b) in readers.iter_mut().zip(&bitpos) {
+        r.skip(b);
+    }
 }
 
 /// Interleave low and high bytes into BF16 values.
@@ -619,6 +729,17 @@ impl<'a> Reader<'a> {
             buf: 0,
             bits: 0,
             flags: 0,
+        }
+    }
+
+    /// Move a fresh reader past the first `bits` bits of its stream, which must hold them.
+    fn skip(&mut self, bits: usize) {
+        self.pos = bits / 8;
+        let rem = (bits % 8) as u32;
+        if rem > 0 {
+            self.buf = u64::from(self.src[self.pos] >> rem);
+            self.bits = 8 - rem;
+            self.pos += 1;
         }
     }
 
@@ -721,6 +842,7 @@ mod tests {
         assert!(encode(src, &mut enc));
         assert_eq!(enc.len() % BLOCK_ALIGN, 0);
         assert_eq!(decode_to_vec(&enc, src.len()).as_deref(), Ok(src));
+        assert_eq!(decode_reference(&enc, src.len()).as_deref(), Ok(src));
         let mut par = vec![0xAAu8; src.len()];
         decode(&enc, &mut par).expect("parallel decode");
         assert_eq!(par, src);
@@ -800,6 +922,10 @@ mod tests {
         for at in (0..enc.len()).step_by(step).chain([0, 4, 8, 12, 16, 200]) {
             let mut bad = enc.clone();
             bad[at] ^= 0x41;
+            assert_eq!(
+                decode_to_vec(&bad, src.len()),
+                decode_reference(&bad, src.len())
+            );
             match decode_to_vec(&bad, src.len()) {
                 Err(_) => {}
                 Ok(v) => assert_eq!(v, src, "byte {at} changed the output silently"),
@@ -882,5 +1008,53 @@ mod tests {
         let mut e = enc.clone();
         e[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(decode_to_vec(&e, src.len()).is_err());
+    }
+
+    /// The multi-code decoder against the one-code reference: the same bytes on every kind of
+    /// block (narrow and wide distributions, outliers, codes limited to MAX_LEN bits, tails
+    /// of every length), and the same verdict on streams whose bits were changed under a good
+    /// checksum, wherever in the stream the change falls.
+    #[test]
+    fn fast_decoder_agrees_with_the_reference() {
+        for (i, s) in [1e-4, 0.002, 0.02, 0.5, 30.0].into_iter().enumerate() {
+            for n in [BLOCK_ELEMS, 4 * 64 * MULTI + 3, 2 * BLOCK_ELEMS - 4321] {
+                let src = trained_like(n, s, 100 + i as u64);
+                let mut enc = Vec::new();
+                assert!(encode(&src, &mut enc));
+                assert_eq!(decode_reference(&enc, src.len()).as_deref(), Ok(&src[..]));
+                assert_eq!(decode_to_vec(&enc, src.len()).as_deref(), Ok(&src[..]));
+            }
+        }
+        let src = trained_like(BLOCK_ELEMS, 0.02, 9);
+        let mut enc = Vec::new();
+        assert!(encode(&src, &mut enc));
+        assert_eq!(enc[0], KIND_HUFF);
+        let reseal = |e: &mut Vec<u8>| {
+            let payload = le32(e, 8) as usize;
+            let mut h = crc32fast::Hasher::new();
+            h.update(&e[..12]);
+            h.update(&e[HEADER..HEADER + payload]);
+            let crc = h.finalize();
+            e[12..16].copy_from_slice(&crc.to_le_bytes());
+        };
+        let streams = HEADER + LENGTHS + 4 * STREAMS + BLOCK_ELEMS;
+        let mut r = Lcg(17);
+        let mut refused = 0;
+        for _ in 0..60 {
+            let mut e = enc.clone();
+            let at = streams + (r.next() as usize) % (enc.len() - streams - 8);
+            e[at] ^= 1 << (r.next() % 8);
+            reseal(&mut e);
+            let want = decode_reference(&e, src.len());
+            refused += usize::from(want.is_err());
+            assert_eq!(
+                decode_to_vec(&e, src.len()),
+                want,
+                "bit changed in byte {at}"
+            );
+            let mut par = vec![0u8; src.len()];
+            assert_eq!(decode(&e, &mut par).is_ok(), want.is_ok());
+        }
+        eprintln!("{refused} of 60 refused");
     }
 }

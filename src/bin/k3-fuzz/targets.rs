@@ -87,14 +87,20 @@ fn fix_trunk_blocks(b: &mut [u8]) {
 }
 
 /// An encoded BF16 tensor of the packed trunk: a little-endian u32 giving the decoded length
-/// (capped at 4 MiB), then the blocks. Both decoders agree, and a decode fills exactly the
-/// length asked for.
+/// (capped at 4 MiB), then the blocks. The fast decoder, on one thread and on the pool, agrees
+/// with the one-code reference decoder (the same bytes or the same error), and a decode fills
+/// exactly the length asked for.
 fn trunk_blocks(data: &[u8]) -> String {
     let Some((len, enc)) = data.split_first_chunk::<4>() else {
         return "short".into();
     };
     let want = (u32::from_le_bytes(*len) as usize) % (4 << 20);
-    match k3::stream::codec::decode_to_vec(enc, want) {
+    let got = k3::stream::codec::decode_to_vec(enc, want);
+    assert!(
+        got == k3::stream::codec::decode_reference(enc, want),
+        "the fast decoder disagrees with the reference"
+    );
+    match got {
         Ok(v) => {
             assert_eq!(v.len(), want);
             let mut par = vec![0u8; want];

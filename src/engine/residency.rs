@@ -10,11 +10,13 @@
 
 mod cache;
 mod expert_io;
+mod expert_reads;
 mod layers;
 mod prefetch;
 
 use self::cache::{lock, Arrival, Counters, ExpertCache, Resident, Source};
-use self::expert_io::{read_expert, ExpertTable};
+use self::expert_io::ExpertTable;
+use self::expert_reads::{ExpertRead, ExpertReaders, ReadSource};
 use self::layers::{load_layer, LayerResult, LayerRing, LayerTable};
 use self::prefetch::{eager_ranks, score_by_rank, PrefetchState, Prefetcher};
 use super::bind::names;
@@ -34,7 +36,7 @@ use crate::stream::trunk::Trunk;
 use crate::stream::{Checkpoint, Dtype, StreamError};
 use crate::tuning::Tuning;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender as Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -82,7 +84,7 @@ struct FetchBufs {
     ids: Vec<usize>,
     ready: Vec<(usize, Arc<Expert>)>,
     sources: Vec<Source>,
-    reads: Vec<(usize, usize, Option<usize>)>,
+    reads: Vec<ExpertRead>,
     pinned: Vec<usize>,
     tx: Sender<Arrival>,
     rx: Receiver<Arrival>,
@@ -97,8 +99,10 @@ impl std::fmt::Debug for FetchBufs {
 }
 
 impl FetchBufs {
-    fn new() -> Self {
-        let (tx, rx) = channel();
+    /// Buffers for fetches of up to `experts` experts: the channel holds an arrival for each
+    /// (made once: sending never allocates, and never blocks).
+    fn new(experts: usize) -> Self {
+        let (tx, rx) = sync_channel(experts + 1);
         FetchBufs {
             ids: Vec::new(),
             ready: Vec::new(),
@@ -159,7 +163,14 @@ impl Arrivals<'_> {
                 }
                 // The prefetch it waited for failed: read it here (uncached), still owed.
                 Ok(Arrival::Shared { k, expert: None }) => {
-                    self.st.spawn_read(self.il, k, bufs.ids[k], None, &bufs.tx);
+                    self.st.spawn_read(ExpertRead {
+                        il: self.il,
+                        k,
+                        e: bufs.ids[k],
+                        slot: None,
+                        spare: None,
+                        tx: bufs.tx.clone(),
+                    });
                 }
                 Err(_) => {
                     self.outstanding -= 1;
@@ -182,11 +193,10 @@ impl Arrivals<'_> {
         &mut self,
         k: usize,
         slot: Option<usize>,
-        r: Result<Box<Expert>, StreamError>,
+        r: Result<Arc<Expert>, StreamError>,
     ) -> Result<(usize, Arc<Expert>), StreamError> {
         match r {
             Ok(ex) => {
-                let ex = Arc::new(*ex);
                 self.st
                     .counters
                     .expert_bytes
@@ -241,7 +251,6 @@ impl Drop for Arrivals<'_> {
 #[derive(Debug)]
 pub struct Streamer {
     cfg: ModelConfig,
-    cfg_arc: Arc<ModelConfig>,
     ck: Arc<Checkpoint>,
     trunk: Option<Arc<Trunk>>,
     sizes: ModelSizes,
@@ -273,8 +282,10 @@ pub struct Streamer {
     head_info: TensorInfo,
     /// The buffers embedding rows and streamed head chunks are read into.
     io: Mutex<IoScratch>,
-    /// Where each routed expert lies, found once.
-    table: Arc<ExpertTable>,
+    /// The threads expert misses are read on (None without I/O threads: read in place),
+    /// and what they read from.
+    readers: Option<Arc<ExpertReaders>>,
+    readers_src: Arc<ReadSource>,
     /// Buffers of expert fetches, reused (one per fetch under way).
     fetch_pool: Mutex<Vec<FetchBufs>>,
     /// What a prediction routes and chooses in.
@@ -401,8 +412,29 @@ impl Streamer {
             state: Mutex::new(PrefetchState::default()),
             idle: std::sync::Condvar::new(),
         });
+        let readers_src = Arc::new(ReadSource {
+            ck: Arc::clone(&ck),
+            cfg: Arc::clone(&cfg_arc),
+            table: Arc::clone(&table),
+            prefetcher: Arc::clone(&prefetcher),
+        });
+        let readers = match io_pool() {
+            Some(pool) => Some(
+                ExpertReaders::start(
+                    pool.current_num_threads(),
+                    4 * cfg.num_experts,
+                    Arc::clone(&readers_src),
+                )
+                .map_err(|e| StreamError::Open {
+                    path: ck.dir().to_path_buf(),
+                    source: e,
+                })?,
+            ),
+            None => None,
+        };
         let st = Streamer {
-            cfg_arc,
+            readers,
+            readers_src,
             cfg,
             ck,
             trunk,
@@ -420,7 +452,6 @@ impl Streamer {
             embed_info,
             head_info,
             io: Mutex::new(IoScratch::default()),
-            table,
             fetch_pool: Mutex::new(Vec::new()),
             predict_scratch: Mutex::new(PredictScratch::default()),
         };
@@ -778,7 +809,9 @@ impl Streamer {
     /// once, misses are read in parallel on the I/O threads and handed back as each read
     /// completes, so the caller computes with one expert while the others are still read.
     pub fn experts(&self, il: usize, ids: &[usize]) -> Arrivals<'_> {
-        let mut bufs = lock(&self.fetch_pool).pop().unwrap_or_else(FetchBufs::new);
+        let mut bufs = lock(&self.fetch_pool)
+            .pop()
+            .unwrap_or_else(|| FetchBufs::new(self.cfg.num_experts));
         let used = {
             let mut r = lock(&self.resident);
             let Resident {
@@ -829,9 +862,16 @@ impl Streamer {
                     outstanding += 1;
                     waited += 1;
                 }
-                Source::Read(slot) => {
+                Source::Read(slot, spare) => {
                     outstanding += 1;
-                    reads.push((k, ids[k], slot));
+                    reads.push(ExpertRead {
+                        il,
+                        k,
+                        e: ids[k],
+                        slot,
+                        spare,
+                        tx: tx.clone(),
+                    });
                 }
             }
         }
@@ -842,8 +882,8 @@ impl Streamer {
             .misses
             .fetch_add(reads.len() as u64, Ordering::Relaxed);
         ready.reverse();
-        for &(k, e, slot) in reads.iter() {
-            self.spawn_read(il, k, e, slot, tx);
+        for read in reads.drain(..) {
+            self.spawn_read(read);
         }
         Arrivals {
             st: self,
@@ -864,22 +904,13 @@ impl Streamer {
         c.predicted_right.fetch_add(right, Ordering::Relaxed);
     }
 
-    /// Read expert `e` of layer `il` on an I/O thread; the result goes to `tx` as the
-    /// request's `k`-th expert, for `slot`.
-    fn spawn_read(&self, il: usize, k: usize, e: usize, slot: Option<usize>, tx: &Sender<Arrival>) {
-        let (ck, cfg, tx) = (Arc::clone(&self.ck), Arc::clone(&self.cfg_arc), tx.clone());
-        let table = Arc::clone(&self.table);
-        let pf = Arc::clone(&self.prefetcher);
-        pf.demand_started();
-        let job = move || {
-            let result = read_expert(&ck, &cfg, &table, il, e).map(Box::new);
-            pf.demand_done();
-            let _ = tx.send(Arrival::Read { k, slot, result });
-        };
-        match io_pool() {
-            Some(pool) => pool.spawn(job),
-            // Without I/O threads, read here (the caller then gets each at once).
-            None => job(),
+    /// Read an expert on one of the expert readers (here, without them); the result goes to
+    /// the request's channel.
+    fn spawn_read(&self, read: ExpertRead) {
+        self.prefetcher.demand_started();
+        match &self.readers {
+            Some(r) => r.push(read),
+            None => self.readers_src.run(read),
         }
     }
 
@@ -1218,8 +1249,14 @@ impl Streamer {
 
 impl Drop for Streamer {
     fn drop(&mut self) {
-        // The reader thread holds the ring; it ends once told.
+        // Predicted reads queued are dropped and those under way finish; the reader threads
+        // (which hold the ring and the expert queue) end once told. Nothing of this store
+        // runs after it is gone.
+        self.prefetcher.quiesce();
         self.ring.stop();
+        if let Some(r) = &self.readers {
+            r.stop();
+        }
     }
 }
 

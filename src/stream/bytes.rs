@@ -274,10 +274,13 @@ impl Filling {
             for b in &mut slot.area()[filled.min(len)..len] {
                 b.write(0);
             }
+            // The allocation is the whole slot (its bytes past `len` are initialised too: the
+            // arena's memory is), so the slot can later be read again in place with a window
+            // of another length ([`Bytes::refill_parts`]).
             let slab = Slab {
                 raw: Vec::new(),
                 base: 0,
-                len,
+                len: slot.len(),
                 pool: None,
                 map: None,
                 slot: Some(slot),
@@ -340,6 +343,42 @@ impl Bytes {
         (self.slab.base == 0 && self.start == 0 && self.len == slot.len()).then_some(())?;
         // SAFETY: the caller's guarantee, which is `area_shared`'s.
         Some(unsafe { slot.area_shared() })
+    }
+
+    /// The whole arena slot that `parts` are ranges of, writable, when these handles are the
+    /// only ones to it: a slot read again in place (a cached expert's slot given to the next
+    /// expert read into it). None when the parts lie in different allocations, in one that is
+    /// not an arena slot, or when any other handle to it exists. While the area lives, the
+    /// parts cannot be read (they are borrowed here); afterwards [`Bytes::reslice`] points
+    /// them at the new contents.
+    pub fn refill_parts<'a>(parts: &'a mut [&mut Bytes]) -> Option<&'a mut [MaybeUninit<u8>]> {
+        let first = parts.first()?;
+        let slab = &first.slab;
+        if !parts.iter().all(|p| Arc::ptr_eq(&p.slab, slab))
+            || Arc::strong_count(slab) != parts.len()
+            || Arc::weak_count(slab) != 0
+        {
+            return None;
+        }
+        let slot = slab.slot.as_ref()?;
+        if slab.base != 0 || slab.len != slot.len() {
+            return None;
+        }
+        // SAFETY: every handle to this allocation is one of `parts` (the count says so, and
+        // no weak handle exists to make another), and `parts` is mutably borrowed for as long
+        // as the area lives, so nothing reads or writes the slot's bytes meanwhile.
+        Some(unsafe { slot.area_shared() })
+    }
+
+    /// Point this handle at bytes `start..start + len` of its allocation; false (unchanged)
+    /// when the range runs past it.
+    pub fn reslice(&mut self, start: usize, len: usize) -> bool {
+        if start.checked_add(len).is_none_or(|e| e > self.slab.len) {
+            return false;
+        }
+        self.start = start;
+        self.len = len;
+        true
     }
 
     /// An aligned copy of `src` (for weights that were not read from a file).

@@ -798,6 +798,70 @@ impl Checkpoint {
         self.read_shared_in(shard, at, len, name, self.group_arena.get())
     }
 
+    /// Read `len` bytes at absolute offset `at` of `shard` into `area` (an arena slot read
+    /// again in place), as [`Checkpoint::read_range_shared`] reads them into a fresh one:
+    /// direct where the shard allows, in its aligned window. Returns where in `area` the
+    /// bytes start.
+    pub fn read_range_into(
+        &self,
+        shard: usize,
+        at: u64,
+        len: u64,
+        name: &str,
+        area: &mut [MaybeUninit<u8>],
+    ) -> Result<usize, StreamError> {
+        let err = |offset: u64, source: std::io::Error| StreamError::Read {
+            path: self.paths[shard].clone(),
+            offset,
+            len,
+            name: name.to_string(),
+            source,
+        };
+        let too_small = || {
+            err(
+                at,
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, "larger than its slot"),
+            )
+        };
+        let ulen = usize::try_from(len).map_err(|_| too_small())?;
+        let buffered = |area: &mut [MaybeUninit<u8>]| -> Result<usize, StreamError> {
+            let to = area.get_mut(..ulen).ok_or_else(too_small)?;
+            let got = read_pieces(&self.reads, &self.fault, &self.files[shard], to, at, ulen)
+                .map_err(|e| err(at, e))?;
+            if got < ulen {
+                return Err(err(at, std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            Ok(0)
+        };
+        let direct = self.direct.get(shard).and_then(Option::as_ref);
+        let lead = match direct.filter(|_| self.reads_direct(shard, len)) {
+            Some(file) => {
+                let a = DIRECT_ALIGN as u64;
+                let start = at / a * a;
+                let end = (at + len).div_ceil(a) * a;
+                let lead = (at - start) as usize;
+                let window = area
+                    .get_mut(..(end - start) as usize)
+                    .ok_or_else(too_small)?;
+                match read_pieces(&self.reads, &self.fault, file, window, start, lead + ulen) {
+                    Ok(got) if got >= lead + ulen => lead,
+                    Ok(_) => return Err(err(at, std::io::ErrorKind::UnexpectedEof.into())),
+                    Err(e)
+                        if rustix::io::Errno::from_io_error(&e)
+                            == Some(rustix::io::Errno::INVAL) =>
+                    {
+                        self.direct_off[shard].store(true, Ordering::Relaxed);
+                        buffered(area)?
+                    }
+                    Err(e) => return Err(err(at, e)),
+                }
+            }
+            None => buffered(area)?,
+        };
+        self.after_read(shard, at, len);
+        Ok(lead)
+    }
+
     /// Read `len` bytes of the shard holding `name`, starting at its first byte and possibly
     /// running past it into the tensors that follow (a layer's contiguous run).
     pub fn read_run(&self, name: &str, len: u64, buf: &mut Vec<u8>) -> Result<(), StreamError> {

@@ -16,7 +16,7 @@ use crate::stream::StreamError;
 use crate::tuning::{CachePolicy, Tuning};
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
-use std::sync::mpsc::Sender;
+use std::sync::mpsc::SyncSender as Sender;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::expert_io::rehome_expert;
@@ -91,7 +91,7 @@ pub(super) enum Arrival {
     Read {
         k: usize,
         slot: Option<usize>,
-        result: Result<Box<Expert>, StreamError>,
+        result: Result<Arc<Expert>, StreamError>,
     },
     /// A prefetch the request waited for (already in the cache); None if that read failed.
     Shared {
@@ -118,8 +118,9 @@ pub(super) fn key(il: usize, e: usize) -> ExpertKey {
 pub(super) enum Source {
     /// Resident: here it is.
     Hit(Arc<Expert>),
-    /// To be read into this reserved slot (None: read without caching it).
-    Read(Option<usize>),
+    /// To be read into this reserved slot (None: read without caching it); with the expert
+    /// that slot let go, whose memory the read may take over.
+    Read(Option<usize>, Option<Arc<Expert>>),
     /// Being read by a prefetch; it arrives with that read.
     Waiting,
 }
@@ -191,21 +192,22 @@ impl ExpertCache {
                                 Source::Waiting
                             }
                             // In flight for another request: read it again, uncached.
-                            None => Source::Read(None),
+                            None => Source::Read(None, None),
                         },
                     }
                 }
                 Ok(Lookup::Miss { slot, evicted }) => {
+                    let mut spare = None;
                     if let Some(old) = evicted {
-                        self.held[slot] = None;
+                        spare = self.held[slot].take();
                         if let Some(n) = self.per_layer.get_mut(usize::from(old.layer)) {
                             *n = n.saturating_sub(1);
                         }
                     }
-                    Source::Read(Some(slot))
+                    Source::Read(Some(slot), spare)
                 }
                 // No slot can be had (every one pinned or in flight): read without caching.
-                Err(_) => Source::Read(None),
+                Err(_) => Source::Read(None, None),
             };
             out.push(src);
         }

@@ -106,22 +106,7 @@ pub(super) fn read_expert(
     };
     let all = ck
         .read_range_shared(span.shard, span.offset, span.len, "a routed expert")
-        .map_err(|err| match err {
-            StreamError::Read {
-                path,
-                offset,
-                len,
-                source,
-                ..
-            } => StreamError::Read {
-                path,
-                offset,
-                len,
-                name: names::layer(il, &format!("block_sparse_moe.experts.{e}")),
-                source,
-            },
-            other => other,
-        })?;
+        .map_err(|err| expert_error(err, il, e))?;
     let part = |k: usize| {
         let (at, len) = span.parts[k];
         all.slice(at, len)
@@ -145,6 +130,69 @@ pub(super) fn read_expert(
         w2: m(1, lat, inter)?,
         w3: m(2, inter, lat)?,
     })
+}
+
+/// Read routed expert `e` of layer `il` in place into the arena slot `ex` (an expert the cache
+/// let go) was read into: its six tensors then point at the new bytes, and nothing is
+/// allocated. None, with nothing read, when that cannot be done: `e` has no span, `ex` is not
+/// six MXFP4 ranges of one arena slot, or another handle to that slot exists.
+pub(super) fn refill_expert(
+    ck: &Checkpoint,
+    table: &ExpertTable,
+    il: usize,
+    e: usize,
+    ex: &mut Expert,
+) -> Option<Result<(), StreamError>> {
+    let span = table.spans.get(il * table.experts + e).copied().flatten()?;
+    let Expert { w1, w2, w3 } = ex;
+    let (Matrix::Mxfp4(a), Matrix::Mxfp4(b), Matrix::Mxfp4(c)) = (w1, w2, w3) else {
+        return None;
+    };
+    let mut parts = [
+        &mut a.packed,
+        &mut a.scales,
+        &mut b.packed,
+        &mut b.scales,
+        &mut c.packed,
+        &mut c.scales,
+    ];
+    let lead = {
+        let area = Bytes::refill_parts(&mut parts)?;
+        match ck.read_range_into(span.shard, span.offset, span.len, "a routed expert", area) {
+            Ok(lead) => lead,
+            Err(err) => return Some(Err(expert_error(err, il, e))),
+        }
+    };
+    for (p, &(at, len)) in parts.iter_mut().zip(&span.parts) {
+        if !p.reslice(lead + at, len) {
+            return Some(Err(StreamError::Unrepresentable {
+                path: ck.dir().to_path_buf(),
+                name: format!("layer {il} expert {e}"),
+                reason: "a tensor outside its expert's read".into(),
+            }));
+        }
+    }
+    Some(Ok(()))
+}
+
+/// A read error of expert `e` of layer `il`, named as the expert.
+fn expert_error(err: StreamError, il: usize, e: usize) -> StreamError {
+    match err {
+        StreamError::Read {
+            path,
+            offset,
+            len,
+            source,
+            ..
+        } => StreamError::Read {
+            path,
+            offset,
+            len,
+            name: names::layer(il, &format!("block_sparse_moe.experts.{e}")),
+            source,
+        },
+        other => other,
+    }
 }
 
 pub(super) fn load_expert(

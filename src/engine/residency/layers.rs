@@ -252,6 +252,8 @@ struct RingState {
     /// Slots for the reader to fill, in order.
     queue: VecDeque<usize>,
     stop: bool,
+    /// Whether the reader is still running.
+    alive: usize,
 }
 
 impl RingState {
@@ -290,6 +292,10 @@ pub(super) struct LayerRing {
     arena: Arc<Arena>,
     /// Layers of the model (a slot keeps one bound layer per layer it has held).
     layers: usize,
+    /// The reader's pool, and every thread the reader runs on, joined when it stops: nothing
+    /// of the ring runs (or allocates) after the store is gone.
+    pool: Mutex<Option<rayon::ThreadPool>>,
+    threads: Arc<Mutex<Vec<std::thread::JoinHandle<()>>>>,
 }
 
 impl LayerRing {
@@ -303,10 +309,13 @@ impl LayerRing {
                 pending: VecDeque::new(),
                 queue: VecDeque::new(),
                 stop: false,
+                alive: 0,
             }),
             changed: Condvar::new(),
             arena: Arena::new(src.table.slot_len().max(1)),
             layers: src.cfg.num_hidden_layers,
+            pool: Mutex::new(None),
+            threads: Arc::new(Mutex::new(Vec::new())),
         });
         let reader = Arc::clone(&ring);
         // The reader runs on a thread of a pool of its own, whose other threads take the
@@ -315,18 +324,34 @@ impl LayerRing {
         // the I/O pool; with none, the reader reads alone.
         match crate::stream::checkpoint::io_pool().map(rayon::ThreadPool::current_num_threads) {
             Some(n) => {
+                lock(&ring.state).alive = 1;
+                let threads = Arc::clone(&ring.threads);
                 let pool = rayon::ThreadPoolBuilder::new()
                     .num_threads(n.max(2))
-                    .thread_name(|i| format!("k3-reader-{i}"))
+                    .spawn_handler(move |t| {
+                        let h = std::thread::Builder::new()
+                            .name(format!("k3-reader-{}", t.index()))
+                            .spawn(move || t.run())?;
+                        lock(&threads).push(h);
+                        Ok(())
+                    })
                     .build()
                     .map_err(std::io::Error::other)?;
-                // The pool's threads end once the reader returns and the pool is dropped.
-                pool.spawn(move || reader.read(&src));
+                pool.spawn(move || {
+                    reader.read(&src);
+                    reader.exited();
+                });
+                *lock(&ring.pool) = Some(pool);
             }
             None => {
-                std::thread::Builder::new()
+                lock(&ring.state).alive = 1;
+                let h = std::thread::Builder::new()
                     .name("k3-reader".into())
-                    .spawn(move || reader.read(&src))?;
+                    .spawn(move || {
+                        reader.read(&src);
+                        reader.exited();
+                    })?;
+                lock(&ring.threads).push(h);
             }
         }
         Ok(ring)
@@ -469,9 +494,30 @@ impl LayerRing {
         Ok(())
     }
 
-    /// Stop the reader thread.
-    pub(super) fn stop(&self) {
-        lock(&self.state).stop = true;
+    /// The reader has returned.
+    fn exited(&self) {
+        let mut g = lock(&self.state);
+        g.alive = g.alive.saturating_sub(1);
         self.changed.notify_all();
+    }
+
+    /// Stop the reader, and wait until its threads have ended.
+    pub(super) fn stop(&self) {
+        let mut g = lock(&self.state);
+        g.stop = true;
+        self.changed.notify_all();
+        while g.alive > 0 {
+            g = self
+                .changed
+                .wait(g)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        drop(g);
+        // With no job left, a dropped pool's threads end.
+        drop(lock(&self.pool).take());
+        let threads = std::mem::take(&mut *lock(&self.threads));
+        for t in threads {
+            let _ = t.join();
+        }
     }
 }

@@ -14,7 +14,7 @@ mod expert_reads;
 mod layers;
 mod prefetch;
 
-use self::cache::{lock, Arrival, Counters, ExpertCache, Resident, Source};
+use self::cache::{lock, Arrival, Counters, ExpertCache, Mailbox, Resident, Source};
 use self::expert_io::ExpertTable;
 use self::expert_reads::{ExpertRead, ExpertReaders, ReadSource};
 use self::layers::{load_layer, LayerResult, LayerRing, LayerTable};
@@ -36,7 +36,6 @@ use crate::stream::trunk::Trunk;
 use crate::stream::{Checkpoint, Dtype, StreamError};
 use crate::tuning::Tuning;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender as Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -86,8 +85,7 @@ struct FetchBufs {
     sources: Vec<Source>,
     reads: Vec<ExpertRead>,
     pinned: Vec<usize>,
-    tx: Sender<Arrival>,
-    rx: Receiver<Arrival>,
+    tx: Arc<Mailbox>,
 }
 
 impl std::fmt::Debug for FetchBufs {
@@ -102,7 +100,7 @@ impl FetchBufs {
     /// Buffers for fetches of up to `experts` experts: the channel holds an arrival for each
     /// (made once: sending never allocates, and never blocks).
     fn new(experts: usize) -> Self {
-        let (tx, rx) = sync_channel(experts + 1);
+        let tx = Mailbox::new(experts + 1);
         FetchBufs {
             ids: Vec::new(),
             ready: Vec::new(),
@@ -110,7 +108,6 @@ impl FetchBufs {
             reads: Vec::new(),
             pinned: Vec::new(),
             tx,
-            rx,
         }
     }
 }
@@ -144,37 +141,33 @@ impl Arrivals<'_> {
         };
         loop {
             let t0 = Instant::now();
-            let got = bufs.rx.recv();
+            let got = bufs.tx.recv();
             self.st
                 .counters
                 .io_wait_ns
                 .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
             match got {
-                Ok(Arrival::Read { k, slot, result }) => {
+                Arrival::Read { k, slot, result } => {
                     self.outstanding -= 1;
                     return self.file(k, slot, result);
                 }
-                Ok(Arrival::Shared {
+                Arrival::Shared {
                     k,
                     expert: Some(ex),
-                }) => {
+                } => {
                     self.outstanding -= 1;
                     return Ok((k, ex));
                 }
                 // The prefetch it waited for failed: read it here (uncached), still owed.
-                Ok(Arrival::Shared { k, expert: None }) => {
+                Arrival::Shared { k, expert: None } => {
                     self.st.spawn_read(ExpertRead {
                         il: self.il,
                         k,
                         e: bufs.ids[k],
                         slot: None,
                         spare: None,
-                        tx: bufs.tx.clone(),
+                        tx: Arc::clone(&bufs.tx),
                     });
-                }
-                Err(_) => {
-                    self.outstanding -= 1;
-                    return Err(self.lost());
                 }
             }
         }
@@ -232,7 +225,7 @@ impl Drop for Arrivals<'_> {
         while self.outstanding > 0 {
             let _ = self.receive();
         }
-        // Nothing is owed any more, so the channel is empty: the buffers serve the next fetch.
+        // Nothing is owed any more, so the mailbox is empty: the buffers serve the next fetch.
         if let Some(mut bufs) = self.bufs.take() {
             bufs.ready.clear();
             lock(&self.st.fetch_pool).push(bufs);
@@ -870,7 +863,7 @@ impl Streamer {
                         e: ids[k],
                         slot,
                         spare,
-                        tx: tx.clone(),
+                        tx: Arc::clone(tx),
                     });
                 }
             }

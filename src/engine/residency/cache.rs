@@ -15,9 +15,9 @@ use crate::stream::cache_policy::{
 use crate::stream::StreamError;
 use crate::tuning::{CachePolicy, Tuning};
 use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
-use std::sync::mpsc::SyncSender as Sender;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use super::expert_io::rehome_expert;
 
@@ -55,7 +55,7 @@ pub(super) struct ExpertCache {
     pub(super) per_layer: Vec<u32>,
     pub(super) now: u64,
     /// Slots being filled by a prefetch, with the requests waiting for them.
-    pub(super) waiting: HashMap<usize, Vec<(Sender<Arrival>, usize)>>,
+    pub(super) waiting: HashMap<usize, Vec<(Arc<Mailbox>, usize)>>,
     /// Slots filled (or being filled) by a prefetch that no request has asked for yet.
     pub(super) prefetched: Vec<bool>,
     /// The last prediction, checked against its layer's routing.
@@ -98,6 +98,52 @@ pub(super) enum Arrival {
         k: usize,
         expert: Option<Arc<Expert>>,
     },
+}
+
+/// Where a request's arrivals are left: a queue made once, with room for every expert of a
+/// request, and a condition variable the request waits on. Neither sending nor waiting
+/// allocates (a channel's receiver registers itself in a list the first time it blocks).
+pub(super) struct Mailbox {
+    queue: Mutex<VecDeque<Arrival>>,
+    landed: Condvar,
+}
+
+impl std::fmt::Debug for Mailbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mailbox")
+            .field("queued", &lock(&self.queue).len())
+            .finish()
+    }
+}
+
+impl Mailbox {
+    /// A mailbox with room for `room` arrivals before its queue grows.
+    pub(super) fn new(room: usize) -> Arc<Mailbox> {
+        Arc::new(Mailbox {
+            queue: Mutex::new(VecDeque::with_capacity(room)),
+            landed: Condvar::new(),
+        })
+    }
+
+    /// Leave an arrival.
+    pub(super) fn send(&self, a: Arrival) {
+        lock(&self.queue).push_back(a);
+        self.landed.notify_one();
+    }
+
+    /// The next arrival, waited for.
+    pub(super) fn recv(&self) -> Arrival {
+        let mut q = lock(&self.queue);
+        loop {
+            if let Some(a) = q.pop_front() {
+                return a;
+            }
+            q = self
+                .landed
+                .wait(q)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
 }
 
 impl std::fmt::Debug for ExpertCache {
@@ -162,7 +208,7 @@ impl ExpertCache {
         &mut self,
         il: usize,
         ids: &[usize],
-        tx: &Sender<Arrival>,
+        tx: &Arc<Mailbox>,
         out: &mut Vec<Source>,
         pinned: &mut Vec<usize>,
     ) -> u64 {
@@ -188,7 +234,7 @@ impl ExpertCache {
                         None => match self.waiting.get_mut(&slot) {
                             // A prefetch is reading it: wait for that read.
                             Some(w) => {
-                                w.push((tx.clone(), k));
+                                w.push((Arc::clone(tx), k));
                                 Source::Waiting
                             }
                             // In flight for another request: read it again, uncached.
@@ -273,7 +319,7 @@ impl ExpertCache {
             }
         };
         for (tx, k) in self.waiting.remove(&slot).unwrap_or_default() {
-            let _ = tx.send(Arrival::Shared {
+            tx.send(Arrival::Shared {
                 k,
                 expert: expert.clone(),
             });

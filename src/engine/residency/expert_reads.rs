@@ -4,14 +4,13 @@
 //! when nothing else holds it (`expert_io::refill_expert`), so the expert itself is no new
 //! allocation either.
 
-use super::cache::{lock, Arrival};
+use super::cache::{lock, Arrival, Mailbox};
 use super::expert_io::{read_expert, refill_expert, ExpertTable};
 use super::prefetch::Prefetcher;
 use crate::engine::config::ModelConfig;
 use crate::engine::moe::Expert;
 use crate::stream::{Checkpoint, StreamError};
 use std::collections::VecDeque;
-use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Condvar, Mutex};
 
 /// Expert `e` of layer `il`, the `k`-th of a request, to be read into cache slot `slot`
@@ -24,7 +23,7 @@ pub(super) struct ExpertRead {
     pub(super) e: usize,
     pub(super) slot: Option<usize>,
     pub(super) spare: Option<Arc<Expert>>,
-    pub(super) tx: SyncSender<Arrival>,
+    pub(super) tx: Arc<Mailbox>,
 }
 
 /// What a read needs.
@@ -49,7 +48,7 @@ impl ReadSource {
         } = r;
         let result = self.read(il, e, spare);
         self.prefetcher.demand_done();
-        let _ = tx.send(Arrival::Read { k, slot, result });
+        tx.send(Arrival::Read { k, slot, result });
     }
 
     /// In place into the spare's memory when nothing else holds it, else into a new slot.

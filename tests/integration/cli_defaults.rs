@@ -62,3 +62,33 @@ fn a_one_token_prompt_reads_in_the_singular() {
         "{err}"
     );
 }
+
+/// On a terminal, `k3 run`'s summary (on stderr) starts a line of its own after the text it
+/// generated (on stdout), which need not end with a newline: run under `script`, whose
+/// pseudo-terminal carries both streams as a user sees them.
+#[test]
+fn the_run_summary_starts_its_own_line_on_a_terminal() {
+    let cache = tempfile::tempdir().unwrap();
+    let demo = demo_model().to_str().unwrap().to_string();
+    let cmd = format!(
+        "{} run {demo} --ids 5,6 --gen 6 --context 16",
+        env!("CARGO_BIN_EXE_k3")
+    );
+    let out = std::process::Command::new("script")
+        .args(["-qec", &cmd, "/dev/null"])
+        .env("K3_CACHE_DIR", cache.path())
+        .output()
+        .expect("util-linux `script` runs the command on a pseudo-terminal");
+    assert!(out.status.success(), "{:?}", out);
+    let seen = String::from_utf8_lossy(&out.stdout);
+    let at = seen.find("k3: loaded in").expect("the summary is shown");
+    assert!(at > 0, "{seen:?}");
+    // Everything the run says on stderr starts a line.
+    for (i, _) in seen.match_indices("k3: ") {
+        let before = seen[..i].chars().last();
+        assert!(
+            matches!(before, None | Some('\n' | '\r')),
+            "a message glued to the text before it: {seen:?}"
+        );
+    }
+}

@@ -578,11 +578,12 @@ impl Streamer {
             .collect();
         let want_head = r.plan.head_resident && r.head.is_none();
         let r_ring_slots = r.plan.ring_slots;
+        let streamed_of = r.plan.pinned.clone();
         drop(r);
         // Drop the read-ahead and make the new plan's ring.
         let ring_slots = usize::try_from(r_ring_slots).unwrap_or(usize::MAX);
         self.ring
-            .resize(ring_slots)
+            .resize(ring_slots, &streamed_of)
             .map_err(|e| StreamError::Open {
                 path: self.ck.dir().to_path_buf(),
                 source: std::io::Error::new(

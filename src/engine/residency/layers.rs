@@ -89,8 +89,6 @@ const SPAN_ALIGN: usize = 64;
 #[derive(Debug)]
 pub(super) struct LayerTable {
     layouts: Vec<Layout>,
-    /// Bytes a slot needs for the largest layer.
-    slot_len: usize,
 }
 
 impl LayerTable {
@@ -122,13 +120,7 @@ impl LayerTable {
                 }
             })
             .collect();
-        let slot_len = layouts.iter().map(Layout::len).max().unwrap_or(0);
-        LayerTable { layouts, slot_len }
-    }
-
-    /// Bytes of a slot.
-    pub(super) fn slot_len(&self) -> usize {
-        self.slot_len
+        LayerTable { layouts }
     }
 }
 
@@ -288,8 +280,11 @@ impl RingState {
 pub(super) struct LayerRing {
     state: Mutex<RingState>,
     changed: Condvar,
-    /// The memory of the slots.
-    arena: Arc<Arena>,
+    /// The memory of the slots, made anew for each plan: slots of the largest streamed
+    /// layer's size (the plan counts no more).
+    arena: Mutex<Arc<Arena>>,
+    /// Bytes each layer takes in a slot.
+    lens: Vec<usize>,
     /// Layers of the model (a slot keeps one bound layer per layer it has held).
     layers: usize,
     /// The reader's pool, and every thread the reader runs on, joined when it stops: nothing
@@ -312,7 +307,8 @@ impl LayerRing {
                 alive: 0,
             }),
             changed: Condvar::new(),
-            arena: Arena::new(src.table.slot_len().max(1)),
+            arena: Mutex::new(Arena::new(1)),
+            lens: src.table.layouts.iter().map(Layout::len).collect(),
             layers: src.cfg.num_hidden_layers,
             pool: Mutex::new(None),
             threads: Arc::new(Mutex::new(Vec::new())),
@@ -462,8 +458,9 @@ impl LayerRing {
     }
 
     /// Drop every request, wait for the reader to finish the read under way, and make
-    /// `slots` slots (the layers bound to the old ones go with them).
-    pub(super) fn resize(&self, slots: usize) -> std::io::Result<()> {
+    /// `slots` slots of the size of the largest layer `pinned` leaves streamed (the layers
+    /// bound to the old slots go with them).
+    pub(super) fn resize(&self, slots: usize, pinned: &[bool]) -> std::io::Result<()> {
         let mut g = lock(&self.state);
         while let Some(s) = g.pending.pop_front() {
             g.discard(s);
@@ -481,9 +478,16 @@ impl LayerRing {
         g.slots.clear();
         g.status.clear();
         g.queue.clear();
-        self.arena.set_slots(slots)?;
+        let len = (self.lens.iter().enumerate())
+            .filter(|&(il, _)| !pinned.get(il).copied().unwrap_or(false))
+            .map(|(_, &n)| n)
+            .max()
+            .unwrap_or(0);
+        let arena = Arena::new(len.max(1));
+        arena.set_slots(slots)?;
+        *lock(&self.arena) = Arc::clone(&arena);
         for _ in 0..slots {
-            let slot = RingSlot::new(&self.arena, self.layers).ok_or_else(|| {
+            let slot = RingSlot::new(&arena, self.layers).ok_or_else(|| {
                 std::io::Error::other("the read-ahead ring's memory has no free slot")
             })?;
             g.slots.push(Some(slot));

@@ -334,7 +334,8 @@ fn number(
     let x = v
         .as_f64()
         .ok_or_else(|| invalid(path, key, format!("expected a number, found {}", kind(v))))?;
-    if !(x.is_finite() && ok(x)) {
+    // A finite f64 beyond f32's range (1e40) would become infinite as f32.
+    if !(x.is_finite() && (x as f32).is_finite() && ok(x)) {
         return Err(invalid(path, key, format!("{x} is not {range}")));
     }
     Ok(x as f32)
@@ -550,6 +551,9 @@ mod tests {
             "{:?}",
             g.notes
         );
+        // A number beyond f32's range is refused, not taken as infinite.
+        assert!(parse(r#"{"temperature": 1e40}"#).is_err());
+        assert!(parse(r#"{"do_sample": false, "temperature": 1e40}"#).is_err());
         // do_sample false is greedy whatever the temperature says.
         let g = parse(r#"{"do_sample": false, "temperature": 0.7}"#).unwrap();
         assert_eq!(g.layer.temperature, Some(0.0));

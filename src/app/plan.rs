@@ -76,11 +76,14 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     };
     let cfg = ModelConfig::load(&model_dir.join("config.json"))?;
     let ck = Checkpoint::open(&model_dir)?;
-    let sizes = model_sizes(&cfg, &ck);
+    let mut sizes = model_sizes(&cfg, &ck);
     let trunk = match &args.budget.trunk {
         Some(dir) => Some(Trunk::open(dir, &ck, cfg.num_hidden_layers)?),
         None => None,
     };
+    if let Some(t) = &trunk {
+        sizes.layer_staged = t.staged_lens();
+    }
     let req = args.budget.request(auto_request())?;
     let index_bytes = ck.index().memory_bytes();
     let n_tensors = ck.index().len();

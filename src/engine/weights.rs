@@ -156,7 +156,10 @@ impl Model {
             None => None,
         };
         let digest = ck.index_digest();
-        let sizes = model_sizes(&cfg, &ck);
+        let mut sizes = model_sizes(&cfg, &ck);
+        if let Some(t) = &trunk {
+            sizes.layer_staged = t.staged_lens();
+        }
         let plan = crate::stream::budget::plan_states(
             &sizes,
             req,

@@ -11,6 +11,10 @@ use serde::Serialize;
 pub struct ModelSizes {
     /// Non-expert bytes of each layer.
     pub layer_trunk: Vec<u64>,
+    /// Bytes a streamed read of each layer stages before decoding it into its ring slot: its
+    /// stored run when a packed trunk holds it encoded, else 0 (empty: none staged). The ring
+    /// keeps one staging buffer, of the largest run the plan streams.
+    pub layer_staged: Vec<u64>,
     /// Bytes of one routed expert (its six MXFP4 tensors).
     pub expert_bytes: u64,
     /// Routed experts per MoE layer.
@@ -109,7 +113,7 @@ pub struct Plan {
     pub pinned: Vec<bool>,
     /// Layers the ring holds at once (0 when every layer is pinned).
     pub ring_slots: u64,
-    /// Bytes of the ring.
+    /// Bytes of the ring: its slots, and the staging buffer of encoded layers.
     pub ring_bytes: u64,
     /// Routed experts the cache holds.
     pub expert_slots: u64,
@@ -251,6 +255,19 @@ pub fn spec_reserve(s: &ModelSizes) -> u64 {
     s.kda_layer_state + tokens * (s.kda_record_per_position + 2 * s.vocab * 4)
 }
 
+/// Bytes of the read-ahead ring when the layers not `pinned` stream: its two largest layers,
+/// and the staging buffer of the largest encoded run among them.
+fn ring_need(s: &ModelSizes, pinned: &[bool]) -> u64 {
+    let streamed = || (0..s.layer_trunk.len()).filter(|&i| !pinned[i]);
+    let mut rest: Vec<u64> = streamed().map(|i| s.layer_trunk[i]).collect();
+    rest.sort_unstable_by(|a, b| b.cmp(a));
+    let staged = streamed()
+        .map(|i| s.layer_staged.get(i).copied().unwrap_or(0))
+        .max()
+        .unwrap_or(0);
+    rest.iter().take(2).sum::<u64>() + staged
+}
+
 /// Make a plan for `req`, with room for one sequence state of `context` positions. A memory
 /// limit from the environment (a cgroup) caps a total budget.
 pub fn plan(
@@ -278,9 +295,7 @@ pub fn plan_states(
     let state_reserve = states * (s.state_bytes + s.kv_per_position * context);
     let fixed = fixed_overhead(s);
     let head_chunk_rows = (HEAD_CHUNK_BYTES / s.row_bytes.max(1)).clamp(1, s.vocab.max(1));
-    let mut sorted = s.layer_trunk.clone();
-    sorted.sort_unstable_by(|a, b| b.cmp(a));
-    let ring_min = sorted.iter().take(2).sum::<u64>();
+    let ring_min = ring_need(s, &vec![false; n]);
     let slot = expert_slot_bytes(s);
     let floor = fixed
         + state_reserve
@@ -381,14 +396,7 @@ pub fn plan_states(
     let mut pinned = vec![false; n];
     let mut left = trunk_budget;
     let mut head_resident = false;
-    let ring_of = |pinned: &[bool]| -> u64 {
-        let mut rest: Vec<u64> = (0..n)
-            .filter(|&i| !pinned[i])
-            .map(|i| s.layer_trunk[i])
-            .collect();
-        rest.sort_unstable_by(|a, b| b.cmp(a));
-        rest.iter().take(2).sum()
-    };
+    let ring_of = |pinned: &[bool]| ring_need(s, pinned);
     if left >= s.head + ring_min {
         head_resident = true;
         left -= s.head;
@@ -463,6 +471,7 @@ mod tests {
         }
         ModelSizes {
             layer_trunk,
+            layer_staged: Vec::new(),
             expert_bytes: 17_547_264,
             experts_per_layer: 896,
             moe_layers: 92,
@@ -521,6 +530,46 @@ mod tests {
         let p = plan(&s, BudgetRequest::Total(2_000_000_000_000), 4096, None).unwrap();
         assert_eq!(p.n_pinned(), 93);
         assert!(p.head_resident && p.embed_resident);
+    }
+
+    /// Layers stored encoded stage their stored run before decoding into a slot: the ring
+    /// counts one staging buffer, of the largest encoded run the plan streams, in the floor
+    /// and in every plan, and a budget still covers what it plans.
+    #[test]
+    fn the_staging_of_encoded_layers_is_counted() {
+        let raw = k3_sizes();
+        let mut enc = raw.clone();
+        enc.layer_staged = raw.layer_trunk.iter().map(|&b| b * 7 / 10).collect();
+        let biggest = enc.layer_staged.iter().copied().max().unwrap();
+        let p0 = plan(&raw, BudgetRequest::Total(8_000_000_000), 4096, None).unwrap();
+        let p1 = plan(&enc, BudgetRequest::Total(8_000_000_000), 4096, None).unwrap();
+        assert_eq!(p1.floor_bytes, p0.floor_bytes + biggest);
+        for gb in [8u64, 32, 100] {
+            let p = plan(&enc, BudgetRequest::Total(gb * 1_000_000_000), 4096, None).unwrap();
+            let streamed_staging = (0..enc.layer_trunk.len())
+                .filter(|&i| !p.pinned[i])
+                .map(|i| enc.layer_staged[i])
+                .max()
+                .unwrap_or(0);
+            assert!(streamed_staging > 0, "{gb} GB streams layers");
+            let mut sorted: Vec<u64> = (0..enc.layer_trunk.len())
+                .filter(|&i| !p.pinned[i])
+                .map(|i| enc.layer_trunk[i])
+                .collect();
+            sorted.sort_unstable_by(|a, b| b.cmp(a));
+            let slots: u64 = sorted.iter().take(2).sum();
+            assert_eq!(p.ring_bytes, slots + streamed_staging, "{gb} GB");
+            assert!(p.planned_bytes(&enc) <= gb * 1_000_000_000, "{gb} GB");
+        }
+        // Raw layers (or no trunk) stage nothing.
+        assert_eq!(p0.ring_bytes, {
+            let mut sorted: Vec<u64> = (0..raw.layer_trunk.len())
+                .filter(|&i| !p0.pinned[i])
+                .map(|i| raw.layer_trunk[i])
+                .collect();
+            sorted.sort_unstable_by(|a, b| b.cmp(a));
+            sorted.iter().take(2).sum::<u64>()
+        });
     }
 
     #[test]

@@ -316,9 +316,11 @@ fn encode_block(src: &[u8], out: &mut Vec<u8>) {
     }
 }
 
-/// One block located in an encoded tensor.
+/// One block located in an encoded tensor by [`locate`].
 #[derive(Clone, Copy, Debug)]
-struct Block {
+pub struct Block {
+    /// Index of the block in its tensor.
+    index: usize,
     /// Offset of the header in the encoded bytes.
     at: usize,
     /// Values.
@@ -327,9 +329,49 @@ struct Block {
     payload: usize,
 }
 
-/// Walk the block headers of `enc`, which must decode to `want` bytes: every block but the
-/// last holds [`BLOCK_ELEMS`] values, the blocks cover `enc` exactly (padding included).
+impl Block {
+    /// Where the block's values start in the decoded tensor, in bytes.
+    #[must_use]
+    pub fn decoded_at(&self) -> usize {
+        self.index * BLOCK_ELEMS * 2
+    }
+
+    /// Bytes the block decodes to.
+    #[must_use]
+    pub fn decoded_len(&self) -> usize {
+        2 * self.n
+    }
+
+    /// Decode the block from `enc` (the encoded tensor [`locate`] found it in) into `out`,
+    /// which receives exactly [`Block::decoded_len`] bytes. Allocates nothing but an error.
+    pub fn decode<T: Put>(&self, enc: &[u8], out: &mut [T]) -> Result<(), CodecError> {
+        match enc.get(self.at..) {
+            Some(e) if e.len() >= HEADER + self.payload => {
+                decode_block(self.index, e, self, out, Pace::Fast)
+            }
+            _ => Err(CodecError::Truncated {
+                block: self.index,
+                reason: "the block lies outside the input".into(),
+            }),
+        }
+    }
+}
+
+/// Walk the block headers of `enc`, which must decode to `want` bytes, calling `found` with
+/// each block in order: every block but the last holds [`BLOCK_ELEMS`] values, the blocks
+/// cover `enc` exactly (padding included). Allocates nothing but an error.
+pub fn locate(enc: &[u8], want: usize, found: impl FnMut(Block)) -> Result<(), CodecError> {
+    walk(enc, want, found)
+}
+
+/// The blocks of `enc` ([`locate`]) in a vector.
 fn blocks(enc: &[u8], want: usize) -> Result<Vec<Block>, CodecError> {
+    let mut out = Vec::with_capacity((want / 2).div_ceil(BLOCK_ELEMS));
+    walk(enc, want, |b| out.push(b))?;
+    Ok(out)
+}
+
+fn walk(enc: &[u8], want: usize, mut found: impl FnMut(Block)) -> Result<(), CodecError> {
     if !want.is_multiple_of(2) {
         return Err(CodecError::Length {
             got: 0,
@@ -338,7 +380,6 @@ fn blocks(enc: &[u8], want: usize) -> Result<Vec<Block>, CodecError> {
     }
     let total = want / 2;
     let count = total.div_ceil(BLOCK_ELEMS);
-    let mut out = Vec::with_capacity(count);
     let mut at = 0usize;
     for b in 0..count {
         if enc.len() - at < HEADER {
@@ -394,7 +435,12 @@ fn blocks(enc: &[u8], want: usize) -> Result<Vec<Block>, CodecError> {
                 reason: "non-zero padding after the payload".into(),
             });
         }
-        out.push(Block { at, n, payload });
+        found(Block {
+            index: b,
+            at,
+            n,
+            payload,
+        });
         at += span;
     }
     if at != enc.len() {
@@ -403,7 +449,7 @@ fn blocks(enc: &[u8], want: usize) -> Result<Vec<Block>, CodecError> {
             want: at as u64,
         });
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Decode `enc` into `dst`, which receives exactly `dst.len()` bytes of BF16 values; every

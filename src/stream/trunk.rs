@@ -743,6 +743,8 @@ struct Decoded {
     len: usize,
     /// Tensors by offset in the allocation: name, offset.
     tensors: Vec<(String, usize)>,
+    /// Pieces the layer decodes in: a block of an encoded tensor, or a raw tensor.
+    pieces: usize,
 }
 
 /// The decoded layout of `l`, None when every tensor is raw.
@@ -753,13 +755,52 @@ fn decoded_layout(l: &TrunkLayer) -> Option<Decoded> {
     let mut order: Vec<(&String, &TrunkTensor)> = l.tensors.iter().collect();
     order.sort_by_key(|(_, t)| t.off);
     let mut at = 0usize;
+    let mut pieces = 0usize;
     let mut tensors = Vec::with_capacity(order.len());
     for (name, t) in order {
         let off = at.next_multiple_of(GATHER_ALIGN as usize);
         tensors.push((name.clone(), off));
         at = off + t.nbytes as usize;
+        pieces += if t.is_encoded() {
+            (t.nbytes as usize / 2)
+                .div_ceil(super::codec::BLOCK_ELEMS)
+                .max(1)
+        } else {
+            1
+        };
     }
-    Some(Decoded { len: at, tensors })
+    Some(Decoded {
+        len: at,
+        tensors,
+        pieces,
+    })
+}
+
+/// One piece of a layer's decoding: a block of an encoded tensor, or a raw tensor copied.
+#[derive(Clone, Copy, Debug)]
+struct Piece {
+    /// The tensor's index in [`Decoded::tensors`].
+    tensor: usize,
+    /// Where its bytes start in the decoded layer, after `gap` zero bytes (the alignment
+    /// padding before a tensor's first piece).
+    dst: usize,
+    gap: usize,
+    /// The block, None for a raw tensor.
+    block: Option<super::codec::Block>,
+}
+
+impl Piece {
+    /// Where the piece's share of the decoded layer starts (its padding included).
+    fn start(&self) -> usize {
+        self.dst - self.gap
+    }
+}
+
+/// The list of pieces one layer decodes in, made once and refilled for every layer
+/// ([`Trunk::decode_scratch`]), so decoding a layer allocates nothing.
+#[derive(Debug, Default)]
+pub struct DecodeScratch {
+    pieces: Vec<Piece>,
 }
 
 /// What [`Trunk::open`] read back from the shards to check the trunk still matches them.
@@ -1077,7 +1118,7 @@ impl Trunk {
 
     /// The bytes layer `il`'s run takes when it holds no encoded tensor (what
     /// [`Trunk::read_run_into`] writes and [`Trunk::raw_layer_run`] binds); None when it
-    /// holds encoded ones, which are decoded into a buffer of their own.
+    /// holds encoded ones (see [`Trunk::decoded_len`]).
     #[must_use]
     pub fn raw_run_len(&self, il: usize) -> Option<usize> {
         let l = self.manifest.layers.get(il)?;
@@ -1085,6 +1126,36 @@ impl Trunk {
             return None;
         }
         usize::try_from(l.nbytes).ok()
+    }
+
+    /// For a layer holding encoded tensors: the bytes its run takes as stored (what
+    /// [`Trunk::read_run_into`] reads, to be decoded from), and the bytes it decodes to (what
+    /// [`Trunk::decode_run_into`] writes and [`Trunk::decoded_layer_run`] binds). None for a
+    /// layer stored raw.
+    #[must_use]
+    pub fn decoded_len(&self, il: usize) -> Option<(usize, usize)> {
+        let l = self.manifest.layers.get(il)?;
+        let d = self.decoded.get(il)?.as_ref()?;
+        Some((usize::try_from(l.nbytes).ok()?, d.len))
+    }
+
+    /// Per layer, the bytes a streamed read of it stages before decoding: its stored run
+    /// when it holds encoded tensors, 0 when it is read as it lies (the planner's
+    /// `ModelSizes::layer_staged`).
+    #[must_use]
+    pub fn staged_lens(&self) -> Vec<u64> {
+        (0..self.manifest.layers.len())
+            .map(|il| self.decoded_len(il).map_or(0, |(stored, _)| stored as u64))
+            .collect()
+    }
+
+    /// A list of decoding pieces long enough for any layer of the trunk.
+    #[must_use]
+    pub fn decode_scratch(&self) -> DecodeScratch {
+        let most = self.decoded.iter().flatten().map(|d| d.pieces).max();
+        DecodeScratch {
+            pieces: Vec::with_capacity(most.unwrap_or(0)),
+        }
     }
 
     fn read_error(&self, il: usize, at: u64, len: u64, source: std::io::Error) -> StreamError {
@@ -1159,11 +1230,16 @@ impl Trunk {
     /// Verify layer `il`'s run (as stored, at the start of `run`) against the manifest's
     /// checksum, the first time the layer is read.
     pub fn check_run(&self, il: usize, run: &Bytes) -> Result<(), StreamError> {
+        self.check_stored(il, run.as_slice())
+    }
+
+    /// [`Trunk::check_run`] on the stored bytes at the start of `run`.
+    fn check_stored(&self, il: usize, run: &[u8]) -> Result<(), StreamError> {
         if self.verified[il].load(Ordering::Relaxed) {
             return Ok(());
         }
         let l = &self.manifest.layers[il];
-        let stored = run.as_slice().get(..l.nbytes as usize).unwrap_or_default();
+        let stored = run.get(..l.nbytes as usize).unwrap_or_default();
         let got = crc32fast::hash(stored);
         if got != l.crc32 {
             return Err(self.read_error(
@@ -1222,57 +1298,172 @@ impl Trunk {
         Ok(LayerRun { layer: il, tensors })
     }
 
+    /// Layer `il`'s tensors as ranges of `mem`, where [`Trunk::decode_run_into`] decoded
+    /// them, for a layer holding encoded tensors.
+    pub fn decoded_layer_run(&self, il: usize, mem: &Bytes) -> Result<LayerRun, StreamError> {
+        self.layer_run(il, mem)
+    }
+
     /// Decode layer `il`'s tensors from `run` (its bytes in `trunk.bin`) into one pooled
-    /// allocation laid out by `d`: encoded tensors decoded (docs/trunk-codec.md), raw ones
-    /// copied. A block that does not decode is refused naming the layer and the tensor.
+    /// allocation laid out by `d`, on the I/O pool.
     fn decode_layer(&self, il: usize, run: &Bytes, d: &Decoded) -> Result<Bytes, StreamError> {
-        let l = &self.manifest.layers[il];
         let mut fill = Filling::new_in(d.len, &self.decoded_pool);
-        let src = run.as_slice();
-        let mut area = fill.area();
-        let mut at = 0usize;
-        for (name, off) in &d.tensors {
-            let corrupt = |reason: String| StreamError::Corrupt {
-                path: self.dir.join("trunk.bin"),
-                what: format!("trunk layer {il}, tensor {name:?}"),
-                reason,
-            };
+        let mut scratch = self.decode_scratch();
+        // On the I/O pool: this may run on a compute pool's worker while the others are
+        // blocked waiting for this very layer, so blocks queued on the compute pool would
+        // never be decoded.
+        let mut decode = || self.decode_run_into(il, run.as_slice(), fill.area(), &mut scratch);
+        match io_pool() {
+            Some(pool) => pool.install(decode),
+            None => decode(),
+        }?;
+        Ok(fill.finish(d.len))
+    }
+
+    /// Decode layer `il` from `run` (its stored run as [`Trunk::read_run_into`] read it,
+    /// checked against the manifest the first time) into the first bytes of `area`, laid out
+    /// as [`Trunk::decoded_layer_run`] binds it: encoded tensors decoded
+    /// (docs/trunk-codec.md), raw ones copied, the alignment padding between them zeroed. The
+    /// blocks are decoded on the current rayon pool, several at once; nothing is allocated
+    /// when `scratch` came from [`Trunk::decode_scratch`]. A block that does not decode is
+    /// refused naming the layer and the tensor (the lowest such block when several fail).
+    pub fn decode_run_into(
+        &self,
+        il: usize,
+        run: &[u8],
+        area: &mut [std::mem::MaybeUninit<u8>],
+        scratch: &mut DecodeScratch,
+    ) -> Result<(), StreamError> {
+        let corrupt = |name: &str, reason: String| StreamError::Corrupt {
+            path: self.dir.join("trunk.bin"),
+            what: format!("trunk layer {il}, tensor {name:?}"),
+            reason,
+        };
+        let Some(d) = &self.decoded[il] else {
+            return Err(corrupt("", "the layer holds no encoded tensor".into()));
+        };
+        let Some(area) = area.get_mut(..d.len) else {
+            let e = std::io::Error::new(std::io::ErrorKind::InvalidInput, "run too large");
+            return Err(self.read_error(il, 0, d.len as u64, e));
+        };
+        self.check_stored(il, run)?;
+        let l = &self.manifest.layers[il];
+        let pieces = &mut scratch.pieces;
+        pieces.clear();
+        let mut end = 0usize;
+        for (k, (name, off)) in d.tensors.iter().enumerate() {
             let t = l
                 .tensors
                 .get(name)
-                .ok_or_else(|| corrupt("not in the manifest".into()))?;
-            let (gap, rest) = area.split_at_mut(off - at);
-            for b in gap {
-                b.write(0);
+                .ok_or_else(|| corrupt(name, "not in the manifest".into()))?;
+            let gap = off - end;
+            end = off + t.nbytes as usize;
+            if !t.is_encoded() {
+                pieces.push(Piece {
+                    tensor: k,
+                    dst: *off,
+                    gap,
+                    block: None,
+                });
+                continue;
             }
-            let (dst, rest) = rest.split_at_mut(t.nbytes as usize);
-            area = rest;
-            at = off + t.nbytes as usize;
             // `Trunk::open` checked the stored bytes lie inside the run.
-            let stored = src
+            let stored = run
                 .get(t.off as usize..(t.off + t.stored) as usize)
-                .ok_or_else(|| corrupt("outside its run".into()))?;
-            if t.is_encoded() {
-                // On the I/O pool: this runs on the read-ahead thread while the compute pool's
-                // workers may all be blocked waiting for this very layer, so blocks queued on
-                // the compute pool would never be decoded.
-                let mut decode = || super::codec::decode(stored, dst);
-                match io_pool() {
-                    Some(pool) => pool.install(decode),
-                    None => decode(),
+                .ok_or_else(|| corrupt(name, "outside its run".into()))?;
+            let mut first = true;
+            super::codec::locate(stored, t.nbytes as usize, |b| {
+                pieces.push(Piece {
+                    tensor: k,
+                    dst: off + b.decoded_at(),
+                    gap: if first { gap } else { 0 },
+                    block: Some(b),
+                });
+                first = false;
+            })
+            .map_err(|e| corrupt(name, Self::repack(&e)))?;
+        }
+        self.decode_pieces(il, d, run, pieces, area, 0)
+    }
+
+    fn repack(e: &super::codec::CodecError) -> String {
+        format!("{e}; trunk.bin is corrupt: run `k3 pack --force` to re-pack it")
+    }
+
+    /// Decode `pieces` (in order, the first starting at `base` of the decoded layer) into
+    /// `area`, which runs to the end of the last: halves at once, down to single pieces.
+    fn decode_pieces(
+        &self,
+        il: usize,
+        d: &Decoded,
+        run: &[u8],
+        pieces: &[Piece],
+        area: &mut [std::mem::MaybeUninit<u8>],
+        base: usize,
+    ) -> Result<(), StreamError> {
+        match pieces {
+            [] => Ok(()),
+            [p] => self.decode_piece(il, d, run, p, area),
+            _ => {
+                let (left, right) = pieces.split_at(pieces.len() / 2);
+                let cut = right[0].start() - base;
+                if cut > area.len() {
+                    let e = std::io::Error::new(std::io::ErrorKind::InvalidData, "bad layout");
+                    return Err(self.read_error(il, 0, d.len as u64, e));
                 }
-                .map_err(|e| {
-                    corrupt(format!(
-                        "{e}; trunk.bin is corrupt: run `k3 pack --force` to re-pack it"
-                    ))
-                })?;
-            } else {
+                let (a, b) = area.split_at_mut(cut);
+                let (x, y) = rayon::join(
+                    || self.decode_pieces(il, d, run, left, a, base),
+                    || self.decode_pieces(il, d, run, right, b, base + cut),
+                );
+                x.and(y)
+            }
+        }
+    }
+
+    /// Decode one piece into `area`: its padding, then its bytes.
+    fn decode_piece(
+        &self,
+        il: usize,
+        d: &Decoded,
+        run: &[u8],
+        p: &Piece,
+        area: &mut [std::mem::MaybeUninit<u8>],
+    ) -> Result<(), StreamError> {
+        let name = &d.tensors[p.tensor].0;
+        let corrupt = |reason: String| StreamError::Corrupt {
+            path: self.dir.join("trunk.bin"),
+            what: format!("trunk layer {il}, tensor {name:?}"),
+            reason,
+        };
+        let t = self.manifest.layers[il]
+            .tensors
+            .get(name)
+            .ok_or_else(|| corrupt("not in the manifest".into()))?;
+        let (gap, dst) = area.split_at_mut(p.gap.min(area.len()));
+        for b in gap {
+            b.write(0);
+        }
+        let stored = run
+            .get(t.off as usize..(t.off + t.stored) as usize)
+            .ok_or_else(|| corrupt("outside its run".into()))?;
+        match &p.block {
+            Some(b) => {
+                let dst = dst
+                    .get_mut(..b.decoded_len())
+                    .ok_or_else(|| corrupt("a block runs past the layer".into()))?;
+                b.decode(stored, dst).map_err(|e| corrupt(Self::repack(&e)))
+            }
+            None => {
+                let dst = dst
+                    .get_mut(..stored.len())
+                    .ok_or_else(|| corrupt("runs past the layer".into()))?;
                 for (d, &s) in dst.iter_mut().zip(stored) {
                     d.write(s);
                 }
+                Ok(())
             }
         }
-        Ok(fill.finish(at))
     }
 }
 

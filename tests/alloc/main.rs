@@ -173,8 +173,9 @@ fn a_decoding_step_under_a_budget_allocates_nothing() {
 }
 
 /// Decoding at the floor budget: no layer pinned, so every layer is read for each step (from
-/// the shards, then from a packed trunk) into the read-ahead ring's slots and bound through the
-/// layer table made at open, and the floor's few expert slots miss again and again (each miss
+/// the shards, then from a packed trunk stored raw, then from one stored encoded, staged and
+/// decoded into the slot) into the read-ahead ring's slots and bound through the layer table
+/// made at open, and the floor's few expert slots miss again and again (each miss
 /// read in place into the memory of the expert its slot let go). Nothing of this allocates;
 /// nor does the same with an expert cache that holds every expert, where every expert hits.
 fn a_decoding_step_at_the_floor_allocates_nothing() {
@@ -186,11 +187,14 @@ fn a_decoding_step_at_the_floor_allocates_nothing() {
             Model::open(&fixture(set), BudgetRequest::Resident, POSITIONS as u64).unwrap();
         let floor = info.plan.floor_bytes;
         let dir = std::env::temp_dir().join(format!("k3-alloc-trunk-{set}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        {
+        let enc = dir.with_extension("encoded");
+        for (d, encode) in [(&dir, false), (&enc, true)] {
+            let _ = std::fs::remove_dir_all(d);
             let ck = k3::stream::checkpoint::Checkpoint::open(&fixture(set)).unwrap();
             let layers = resident.cfg.num_hidden_layers;
-            k3::stream::trunk::pack(&ck, layers, &dir, false, false, &|_, _| {}).unwrap();
+            let r = k3::stream::trunk::pack(&ck, layers, d, false, encode, &|_, _| {}).unwrap();
+            let encoded = r.manifest.layers.iter().flat_map(|l| l.tensors.values());
+            assert_eq!(encoded.filter(|t| t.is_encoded()).count() > 0, encode);
         }
         // The floor's plan, and the same with an expert cache that holds every expert: there
         // every layer is still read for each step, and the counted decode (the second) finds
@@ -201,13 +205,21 @@ fn a_decoding_step_at_the_floor_allocates_nothing() {
             (None, true),
             (Some(&dir), false),
             (Some(&dir), true),
+            (Some(&enc), false),
+            (Some(&enc), true),
         ] {
-            let opts = k3::engine::weights::OpenOptions {
-                budget: BudgetRequest::Total(floor),
+            let mut opts = k3::engine::weights::OpenOptions {
+                budget: BudgetRequest::Resident,
                 context: POSITIONS as u64,
                 trunk: trunk.cloned(),
                 ..Default::default()
             };
+            // An encoded trunk's floor counts the staging of its largest run.
+            let (_, info) = Model::open_with(&fixture(set), &opts).unwrap();
+            let staged = info.sizes.layer_staged.iter().max().copied().unwrap_or(0);
+            assert_eq!(info.plan.floor_bytes, floor + staged, "{set}");
+            assert_eq!(staged > 0, trunk == Some(&enc), "{set}");
+            opts.budget = BudgetRequest::Total(info.plan.floor_bytes);
             let (m, _) = Model::open_with(&fixture(set), &opts).unwrap();
             let mut plan = m.store().planned().unwrap().1;
             assert_eq!(plan.n_pinned(), 0, "{set}: nothing pinned at the floor");
@@ -237,6 +249,7 @@ fn a_decoding_step_at_the_floor_allocates_nothing() {
             assert_eq!(bits(&seen), want, "{set}: the floor changed a bit");
         }
         let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&enc);
     }
 }
 

@@ -60,6 +60,18 @@ fn open(model: &Path, budget: BudgetRequest, trunk: Option<&Path>, direct: bool)
     .0
 }
 
+/// What opening `model` with `trunk` plans and reads when resident: the floor and the sizes
+/// it plans with (an encoded trunk's floor counts the staging of its largest run).
+fn info_with(model: &Path, trunk: Option<&Path>) -> k3::engine::weights::LoadInfo {
+    let opts = OpenOptions {
+        budget: BudgetRequest::Resident,
+        context: 512,
+        trunk: trunk.map(Path::to_path_buf),
+        ..OpenOptions::default()
+    };
+    Model::open_with(model, &opts).unwrap().1
+}
+
 fn k3(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_k3"))
         .args(args)
@@ -106,8 +118,12 @@ fn with_or_without_the_trunk_every_budget_gives_the_same_logits() {
         let prompt = u32s(&json(&format!("{set}/oracle.json"))["prompt_ids"]);
         let resident = open(&dir, BudgetRequest::Resident, None, true);
         let want = generate(&resident, &prompt, 10, |_| {}).unwrap();
-        let (_, info) = Model::open(&dir, BudgetRequest::Resident, 512).unwrap();
+        let info = info_with(&dir, Some(&t));
         let (floor, model) = (info.plan.floor_bytes, info.sizes.model_bytes());
+        let plain = info_with(&dir, None);
+        let staged = info.sizes.layer_staged.iter().max().copied().unwrap_or(0);
+        assert_eq!(staged > 0, encode, "{set}: encoded layers are staged");
+        assert_eq!(floor, plain.plan.floor_bytes + staged, "{set}");
         for direct in [true, false] {
             for req in [
                 BudgetRequest::Resident,
@@ -336,8 +352,7 @@ fn trunk_read_faults_are_retried_or_fail_the_step() {
         |_| {},
     )
     .unwrap();
-    let (_, info) = Model::open(&dir, BudgetRequest::Resident, 512).unwrap();
-    let floor = BudgetRequest::Total(info.plan.floor_bytes);
+    let floor = BudgetRequest::Total(info_with(&dir, Some(&t)).plan.floor_bytes);
     let mut failed = 0;
     for n in [0u64, 1, 5, 13, 30] {
         for fault in [

@@ -14,9 +14,10 @@ use crate::engine::bind::{bind_layer, Binder};
 use crate::engine::config::ModelConfig;
 use crate::engine::layer::Layer;
 use crate::stream::arena::Arena;
+use crate::stream::arena::Slot;
 use crate::stream::index::TensorInfo;
 use crate::stream::ring::RingSlot;
-use crate::stream::trunk::{LayerRun, Trunk};
+use crate::stream::trunk::{DecodeScratch, LayerRun, Trunk};
 use crate::stream::{Checkpoint, StreamError};
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
@@ -24,8 +25,7 @@ use std::sync::{Arc, Condvar, Mutex};
 /// A layer, or why it could not be read.
 pub(super) type LayerResult = Result<Arc<Layer>, StreamError>;
 
-/// Read one layer's non-expert weights into allocations of their own (pinned layers, and
-/// streamed layers whose trunk holds encoded tensors).
+/// Read one layer's non-expert weights into allocations of their own (pinned layers).
 pub(super) fn load_layer(
     ck: &Checkpoint,
     trunk: Option<&Trunk>,
@@ -77,9 +77,9 @@ enum Layout {
     Trunk { len: usize },
     /// Its tensors from the shards, each to its place.
     Shards { spans: Vec<Span> },
-    /// Into an allocation of its own: a trunk layer holding encoded tensors, decoded into a
-    /// buffer of the trunk's.
-    Apart,
+    /// Its run of the packed trunk, `stored` bytes holding encoded tensors, read into the
+    /// ring's staging buffer and decoded from there into `len` bytes of the slot.
+    Encoded { stored: usize, len: usize },
 }
 
 /// Tensors start at this alignment in a slot (the widest kernel load).
@@ -98,9 +98,12 @@ impl LayerTable {
     pub(super) fn new(ck: &Checkpoint, trunk: Option<&Trunk>, cfg: &ModelConfig) -> LayerTable {
         let layouts: Vec<Layout> = (0..cfg.num_hidden_layers)
             .map(|il| match trunk {
-                Some(t) => t
-                    .raw_run_len(il)
-                    .map_or(Layout::Apart, |len| Layout::Trunk { len }),
+                Some(t) => match (t.raw_run_len(il), t.decoded_len(il)) {
+                    (Some(len), _) => Layout::Trunk { len },
+                    (None, Some((stored, len))) => Layout::Encoded { stored, len },
+                    // Not a layer of the trunk: its first read reports it.
+                    (None, None) => Layout::Trunk { len: 0 },
+                },
                 None => {
                     // The names a layer's binding fetches, in order, without reading them.
                     let mut b = Binder::new(ck, false, false);
@@ -131,8 +134,33 @@ impl Layout {
             Layout::Shards { spans } => spans.last().map_or(0, |s| {
                 s.at + (s.info.n_bytes() as usize).next_multiple_of(SPAN_ALIGN)
             }),
-            Layout::Apart => 0,
+            Layout::Encoded { len, .. } => *len,
         }
+    }
+
+    /// Bytes the layer stages before it is decoded into a slot.
+    fn staged(&self) -> usize {
+        match self {
+            Layout::Encoded { stored, .. } => *stored,
+            _ => 0,
+        }
+    }
+}
+
+/// Where the reader stages a layer's encoded run before decoding it into a slot: memory of
+/// the largest encoded run the plan streams and the list of pieces a layer decodes in, both
+/// made once per plan.
+#[derive(Default)]
+pub(super) struct Stage {
+    mem: Option<Slot>,
+    scratch: DecodeScratch,
+}
+
+impl std::fmt::Debug for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stage")
+            .field("bytes", &self.mem.as_ref().map_or(0, Slot::len))
+            .finish_non_exhaustive()
     }
 }
 
@@ -146,11 +174,39 @@ pub(super) struct Source {
 }
 
 impl Source {
-    /// Read layer `il` into `slot`: the layer bound to it, None (nothing read) while a layer
-    /// bound to the slot is still lent out.
-    fn fill(&self, slot: &mut RingSlot<Layer>, il: usize) -> Option<LayerResult> {
+    /// Read layer `il` into `slot` (an encoded one through `stage`): the layer bound to it,
+    /// None (nothing read) while a layer bound to the slot is still lent out.
+    fn fill(
+        &self,
+        slot: &mut RingSlot<Layer>,
+        stage: &mut Stage,
+        il: usize,
+    ) -> Option<LayerResult> {
         let ck = &*self.ck;
         match (&self.table.layouts[il], self.trunk.as_deref()) {
+            (Layout::Encoded { stored, len }, Some(trunk)) => slot.fill(
+                il,
+                |area| {
+                    let (Some(area), Some(mem)) = (area.get_mut(..*len), stage.mem.as_mut()) else {
+                        return Err(too_large(ck, il));
+                    };
+                    let Some(staged) = mem.area().get_mut(..*stored) else {
+                        return Err(too_large(ck, il));
+                    };
+                    trunk.read_run_into(il, staged)?;
+                    let run = &mem.as_slice()[..*stored];
+                    trunk.decode_run_into(il, run, area, &mut stage.scratch)
+                },
+                |mem| {
+                    let run = trunk.decoded_layer_run(il, mem)?;
+                    bind(
+                        ck,
+                        &self.cfg,
+                        il,
+                        Binder::new(ck, true, false).with_run(run),
+                    )
+                },
+            ),
             (Layout::Trunk { len }, Some(trunk)) => slot.fill(
                 il,
                 |area| match area.get_mut(..*len) {
@@ -243,6 +299,8 @@ struct RingState {
     pending: VecDeque<usize>,
     /// Slots for the reader to fill, in order.
     queue: VecDeque<usize>,
+    /// Where encoded layers are staged; None while the reader has it out.
+    stage: Option<Stage>,
     stop: bool,
     /// Whether the reader is still running.
     alive: usize,
@@ -285,6 +343,10 @@ pub(super) struct LayerRing {
     arena: Mutex<Arc<Arena>>,
     /// Bytes each layer takes in a slot.
     lens: Vec<usize>,
+    /// Bytes each layer stages before it is decoded (0: read as it lies).
+    staged: Vec<usize>,
+    /// The trunk, to size the staging's list of pieces.
+    trunk: Option<Arc<Trunk>>,
     /// Layers of the model (a slot keeps one bound layer per layer it has held).
     layers: usize,
     /// The reader's pool, and every thread the reader runs on, joined when it stops: nothing
@@ -303,12 +365,15 @@ impl LayerRing {
                 status: Vec::new(),
                 pending: VecDeque::new(),
                 queue: VecDeque::new(),
+                stage: Some(Stage::default()),
                 stop: false,
                 alive: 0,
             }),
             changed: Condvar::new(),
             arena: Mutex::new(Arena::new(1)),
             lens: src.table.layouts.iter().map(Layout::len).collect(),
+            staged: src.table.layouts.iter().map(Layout::staged).collect(),
+            trunk: src.trunk.clone(),
             layers: src.cfg.num_hidden_layers,
             pool: Mutex::new(None),
             threads: Arc::new(Mutex::new(Vec::new())),
@@ -373,12 +438,13 @@ impl LayerRing {
             let Some(mut slot) = g.slots[s].take() else {
                 continue;
             };
+            let mut stage = g.stage.take().unwrap_or_default();
             g.status[s] = Status::Reading(il);
             drop(g);
             // A slot whose last layer is still lent out is waited for: the forward pass
             // gives a layer back before it asks for the next.
             let result = loop {
-                if let Some(r) = src.fill(&mut slot, il) {
+                if let Some(r) = src.fill(&mut slot, &mut stage, il) {
                     break Some(r);
                 }
                 if matches!(lock(&self.state).status[s], Status::Discard) {
@@ -388,6 +454,7 @@ impl LayerRing {
             };
             g = lock(&self.state);
             g.slots[s] = Some(slot);
+            g.stage = Some(stage);
             g.status[s] = match (&g.status[s], result) {
                 (Status::Reading(_), Some(r)) => Status::Ready(il, r),
                 _ => Status::Free,
@@ -486,6 +553,25 @@ impl LayerRing {
         let arena = Arena::new(len.max(1));
         arena.set_slots(slots)?;
         *lock(&self.arena) = Arc::clone(&arena);
+        // The staging of the largest encoded run the plan streams (none when it streams none).
+        let staged = (self.staged.iter().enumerate())
+            .filter(|&(il, _)| !pinned.get(il).copied().unwrap_or(false))
+            .map(|(_, &n)| n)
+            .max()
+            .unwrap_or(0);
+        g.stage = Some(Stage::default());
+        if staged > 0 && slots > 0 {
+            let stage_arena = Arena::new(staged);
+            stage_arena.set_slots(1)?;
+            g.stage = Some(Stage {
+                mem: stage_arena.take(),
+                scratch: self
+                    .trunk
+                    .as_deref()
+                    .map(Trunk::decode_scratch)
+                    .unwrap_or_default(),
+            });
+        }
         for _ in 0..slots {
             let slot = RingSlot::new(&arena, self.layers).ok_or_else(|| {
                 std::io::Error::other("the read-ahead ring's memory has no free slot")

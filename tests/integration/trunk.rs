@@ -636,3 +636,64 @@ fn corrupt_encoded_blocks_are_refused_naming_the_layer_and_tensor() {
     let (code, out, err) = run(ts);
     assert_eq!((code, out), (0, good), "{err}");
 }
+
+/// A streamed encoded layer whose tensors span several codec blocks, decoded while every
+/// compute thread waits for it (`--threads 1` and `2`, one I/O thread, everything streamed):
+/// the read-ahead ring's reader decodes on threads of its own, so the run finishes, with the
+/// raw trunk's tokens. (A reader that queued the blocks on the compute pool would wait
+/// forever: that pool's threads are all waiting for this very layer.)
+#[test]
+fn encoded_layers_of_several_blocks_stream_while_every_compute_thread_waits() {
+    let small = crate::streaming::small().join("small");
+    let tmp = tempfile::tempdir().unwrap();
+    let (enc, raw) = (tmp.path().join("enc"), tmp.path().join("raw"));
+    let r = pack_into(&small, &enc, true);
+    pack_into(&small, &raw, false);
+    let block = 2 * k3::stream::codec::BLOCK_ELEMS as u64;
+    let multi: Vec<usize> = (r.manifest.layers.iter())
+        .filter(|l| {
+            l.tensors
+                .values()
+                .any(|t| t.is_encoded() && t.nbytes > 2 * block)
+        })
+        .map(|l| l.layer)
+        .collect();
+    assert!(!multi.is_empty(), "a layer holds a tensor of 3+ blocks");
+    let small_s = small.to_str().unwrap();
+    let mut outs = Vec::new();
+    for t in [&raw, &enc] {
+        let ts = t.to_str().unwrap();
+        let (code, plan, err) = k3(&["plan", small_s, "--trunk", ts, "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let plan: serde_json::Value = serde_json::from_str(&plan).unwrap();
+        // The floor, rounded up to a kB: nothing pinned, every layer streamed.
+        let floor = plan["floor_bytes"].as_u64().unwrap().div_ceil(1000);
+        let mem = format!("{}", floor as f64 / 1e6);
+        let (code, at_floor, err) = k3(&["plan", small_s, "--trunk", ts, "--mem", &mem, "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let at_floor: serde_json::Value = serde_json::from_str(&at_floor).unwrap();
+        let pinned = at_floor["pinned"].as_array().unwrap();
+        assert!(pinned.iter().all(|p| p == false), "{at_floor}");
+        for threads in ["1", "2"] {
+            let (code, out, err) = k3(&[
+                "run",
+                small_s,
+                "--ids",
+                "1,2,3",
+                "--gen",
+                "4",
+                "--mem",
+                &mem,
+                "--trunk",
+                ts,
+                "--threads",
+                threads,
+                "--tune",
+                "io_threads=1",
+            ]);
+            assert_eq!(code, 0, "{} with {threads} thread(s): {err}", t.display());
+            outs.push(out);
+        }
+    }
+    assert!(outs.iter().all(|o| *o == outs[0]), "{outs:?}");
+}

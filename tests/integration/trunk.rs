@@ -697,3 +697,80 @@ fn encoded_layers_of_several_blocks_stream_while_every_compute_thread_waits() {
     }
     assert!(outs.iter().all(|o| *o == outs[0]), "{outs:?}");
 }
+
+/// `k3 pack` writes the encoded trunk unless given `--raw` (`--encode` names the default, and
+/// the two together are refused); a trunk packed raw still runs, in this format and as
+/// `k3-trunk/3` (written before tensors had an encoding), with the tokens of the encoded one
+/// and of no trunk at all.
+#[test]
+fn pack_encodes_by_default_and_raw_trunks_of_either_format_still_run() {
+    let tiny = fixture("tiny");
+    let tiny_s = tiny.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| tmp.path().join(n);
+    let manifest = |t: &Path| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(t.join("trunk.json")).unwrap()).unwrap()
+    };
+    let encoded = |m: &serde_json::Value| -> usize {
+        m["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|l| l["tensors"].as_object().unwrap().values())
+            .filter(|t| t["encoding"] == "k3h1")
+            .count()
+    };
+    for (name, flags) in [
+        ("default", &[][..]),
+        ("encode", &["--encode"][..]),
+        ("raw", &["--raw"][..]),
+    ] {
+        let t = dir(name);
+        let mut a = vec!["pack", tiny_s, t.to_str().unwrap()];
+        a.extend_from_slice(flags);
+        let (code, _, err) = k3(&a);
+        assert_eq!(code, 0, "{name}: {err}");
+        assert_eq!(
+            err.contains("BF16 tensors encoded"),
+            name != "raw",
+            "{name}: {err}"
+        );
+        assert_eq!(encoded(&manifest(&t)) > 0, name != "raw", "{name}");
+    }
+    assert_eq!(
+        std::fs::read(dir("default").join("trunk.bin")).unwrap(),
+        std::fs::read(dir("encode").join("trunk.bin")).unwrap()
+    );
+    let both = dir("both");
+    let (code, _, err) = k3(&["pack", tiny_s, both.to_str().unwrap(), "--raw", "--encode"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(!both.join("trunk.json").exists());
+    // The raw trunk as an earlier k3 wrote it: format 3, no encoding or stored length.
+    let old = dir("old");
+    std::fs::create_dir(&old).unwrap();
+    std::fs::copy(dir("raw").join("trunk.bin"), old.join("trunk.bin")).unwrap();
+    let mut m = manifest(&dir("raw"));
+    m["format"] = "k3-trunk/3".into();
+    for l in m["layers"].as_array_mut().unwrap() {
+        for t in l["tensors"].as_object_mut().unwrap().values_mut() {
+            let t = t.as_object_mut().unwrap();
+            assert!(t.remove("encoding").is_some() && t.remove("stored").is_some());
+        }
+    }
+    std::fs::write(old.join("trunk.json"), serde_json::to_vec(&m).unwrap()).unwrap();
+    let run = |trunk: Option<&Path>| {
+        let mut a = vec![
+            "run", tiny_s, "--ids", "1,2,3", "--gen", "4", "--mem", "0.05",
+        ];
+        if let Some(t) = trunk {
+            a.extend(["--trunk", t.to_str().unwrap()]);
+        }
+        let (code, out, err) = k3(&a);
+        assert_eq!(code, 0, "{trunk:?}: {err}");
+        out
+    };
+    let want = run(None);
+    for t in ["default", "raw", "old"] {
+        assert_eq!(run(Some(&dir(t))), want, "{t}");
+    }
+}

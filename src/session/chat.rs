@@ -242,6 +242,114 @@ pub struct Completion {
     pub decode_seconds: f64,
 }
 
+/// One API request decoded step by step beside others ([`Session::begin`]): its own state,
+/// sampler and stops, so that several requests advance together in one pass over the weights
+/// ([`Session::step`]). Each step samples the same ids [`Session::complete_prompt`] samples
+/// for the request alone: the logits are bitwise those of a lone decode (docs/batching.md).
+pub struct Generation<'a> {
+    tok: &'a Tokenizer,
+    /// Ids the state covers.
+    tokens: Vec<u32>,
+    state: SeqState,
+    sampler: Sampler,
+    /// The prompt and the ids generated so far.
+    history: Vec<u32>,
+    generated: Vec<u32>,
+    utf8: Utf8Stream,
+    stops: Vec<u32>,
+    max_tokens: usize,
+    limit: usize,
+    /// A sampled id the next step feeds.
+    next: Option<u32>,
+    /// Its last step went through the session's speculator, which may hold an open pass.
+    speculating: bool,
+    stop: Option<Stop>,
+    reused: usize,
+    prefill_seconds: f64,
+    decode_start: Instant,
+}
+
+impl Generation<'_> {
+    /// Why it ended, once it has.
+    #[must_use]
+    pub fn stop(&self) -> Option<Stop> {
+        self.stop
+    }
+
+    /// Prompt tokens.
+    #[must_use]
+    pub fn prompt_len(&self) -> usize {
+        self.history.len() - self.generated.len()
+    }
+
+    /// Sample the next id from `logits` (those after the last id fed) as the lone decoding
+    /// loop does: nothing when `cancel` is set, else the id, its text to `emit`, and the end
+    /// at a stop id, at `max_tokens` or at the context limit. Returns whether it has ended
+    /// (then [`Session::end`] takes it back); otherwise the next [`Session::step`] feeds the
+    /// id. `served` adds the request's penalties, biases and log-probabilities.
+    ///
+    /// # Errors
+    /// Sampling failed (non-finite logits), or an id could not be decoded; the generation is
+    /// then over ([`Session::fail`]).
+    pub fn sample(
+        &mut self,
+        logits: &[f32],
+        cancel: &AtomicBool,
+        emit: &mut dyn FnMut(u32, &str),
+        served: Option<&mut Served<'_>>,
+    ) -> Result<bool, TurnError> {
+        if self.stop.is_some() {
+            return Ok(true);
+        }
+        if cancel.load(Ordering::Relaxed) {
+            return Ok(self.end_with(Stop::Cancelled, emit));
+        }
+        let next = match served {
+            None => self.sampler.sample(logits, &self.history)?,
+            Some(served) => {
+                served.sample(&mut self.sampler, logits, &self.history, &self.generated)?
+            }
+        };
+        self.generated.push(next);
+        self.history.push(next);
+        let text = self.utf8.push(&self.tok.decode_bytes(&[next])?);
+        emit(next, &text);
+        let stop = if self.stops.contains(&next) {
+            Some(Stop::End(next))
+        } else if self.generated.len() >= self.max_tokens {
+            Some(Stop::MaxTokens)
+        } else if self.tokens.len() + 1 >= self.limit {
+            Some(Stop::ContextFull)
+        } else {
+            None
+        };
+        Ok(match stop {
+            Some(s) => self.end_with(s, emit),
+            None => {
+                self.next = Some(next);
+                false
+            }
+        })
+    }
+
+    /// End it now as cancelled (its client went away): nothing more is sampled or fed.
+    pub fn cancel(&mut self, emit: &mut dyn FnMut(u32, &str)) {
+        if self.stop.is_none() {
+            self.end_with(Stop::Cancelled, emit);
+        }
+    }
+
+    fn end_with(&mut self, stop: Stop, emit: &mut dyn FnMut(u32, &str)) -> bool {
+        self.stop = Some(stop);
+        self.next = None;
+        let tail = self.utf8.finish();
+        if !tail.is_empty() {
+            emit(u32::MAX, &tail);
+        }
+        true
+    }
+}
+
 /// What an API request adds to sampling in [`Session::complete_prompt`]: logit adjustments
 /// (penalties and biases) and the log-probabilities of each sampled token, computed from the
 /// model's logits before any adjustment and handed to `observe` before the token's text is
@@ -777,17 +885,18 @@ impl<'a> Session<'a> {
 
     /// Keep a snapshot of the current state (with the logits that follow it), bounded.
     fn snapshot(&mut self, logits: &[f32]) {
-        if self.snapshots.iter().any(|s| s.tokens == self.tokens) {
+        if self.max_snapshots == 0 || self.snapshots.iter().any(|s| s.tokens == self.tokens) {
             return;
+        }
+        // The oldest goes before the copy is made (never one state more than planned).
+        while self.snapshots.len() >= self.max_snapshots {
+            self.snapshots.remove(0);
         }
         self.snapshots.push(Snapshot {
             tokens: self.tokens.clone(),
             state: self.state.clone(),
             logits: logits.to_vec(),
         });
-        if self.snapshots.len() > self.max_snapshots {
-            self.snapshots.remove(0);
-        }
     }
 
     /// Bring the engine to the end of `prompt` and return the logits that follow it, reusing
@@ -801,13 +910,21 @@ impl<'a> Session<'a> {
     ) -> Result<(Vec<f32>, usize), StreamError> {
         // Candidates: the live state (if its tokens are a prefix of the prompt and leave at
         // least one token to feed) and every snapshot that is a prefix of the prompt.
+        // The live state is absent while its sequence decodes apart ([`Session::begin`]); a
+        // kept state without logits (a finished sequence's) needs one token fed at least.
         let live = lcp(&self.tokens, prompt);
-        let live_ok = live == self.tokens.len() && live < prompt.len();
+        let live_ok = live == self.tokens.len()
+            && live < prompt.len()
+            && self.state.layers.len() == self.model.cfg.is_mla.len();
         let best_snap = self
             .snapshots
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.tokens.len() <= prompt.len() && prompt.starts_with(&s.tokens))
+            .filter(|(_, s)| {
+                prompt.starts_with(&s.tokens)
+                    && (s.tokens.len() < prompt.len()
+                        || (s.tokens.len() == prompt.len() && !s.logits.is_empty()))
+            })
             .max_by_key(|(i, s)| (s.tokens.len(), *i))
             .map(|(i, s)| (i, s.tokens.len()));
         let use_snap = match best_snap {
@@ -1005,6 +1122,173 @@ impl<'a> Session<'a> {
             prefill_seconds,
             decode_seconds,
         })
+    }
+
+    /// Keep up to `n` states for prefix reuse: the snapshots and the states finished
+    /// [`Generation`]s leave (the plan must count them).
+    pub fn set_max_snapshots(&mut self, n: usize) {
+        self.max_snapshots = n;
+        let extra = self.snapshots.len().saturating_sub(n);
+        self.snapshots.drain(..extra);
+    }
+
+    /// Start one API request that will decode beside others: as [`Session::complete_prompt`]
+    /// it reuses the longest state (kept or live) whose ids are a prefix of `prompt`, prefills
+    /// the rest and snapshots `history_end` and the prompt's end, and the sampler starts from
+    /// `settings`' seed; then the state moves into the returned [`Generation`] (the session
+    /// holds no live state until it is back), with the logits that follow the prompt, from
+    /// which [`Generation::sample`] draws the first id. The transcript is not touched.
+    ///
+    /// # Errors
+    /// The prompt does not fit the context, the settings are invalid, or a weight read failed.
+    pub fn begin(
+        &mut self,
+        prompt: &[u32],
+        history_end: Option<usize>,
+        stops: &[u32],
+        settings: &Settings,
+    ) -> Result<(Generation<'a>, Vec<f32>), TurnError> {
+        let sampler =
+            Sampler::new(settings.sampler()).map_err(|e| TurnError::Refused(e.to_string()))?;
+        let limit = settings.context_limit;
+        if prompt.len() >= limit {
+            return Err(TurnError::ContextFull {
+                needed: prompt.len() + 1,
+                limit,
+            });
+        }
+        let t0 = Instant::now();
+        let prefilled = self.prefill(prompt, history_end);
+        let tokens = std::mem::take(&mut self.tokens);
+        let mut state = std::mem::replace(
+            &mut self.state,
+            SeqState {
+                n_pos: 0,
+                layers: Vec::new(),
+            },
+        );
+        self.pending = None;
+        let (logits, reused) = prefilled?;
+        // Room for the whole reply, so that decoding never grows a cache.
+        state.reserve(
+            (prompt.len() + settings.max_tokens).min(limit),
+            &self.model.cfg,
+        );
+        let generation = Generation {
+            tok: self.tok,
+            tokens,
+            state,
+            sampler,
+            history: prompt.to_vec(),
+            generated: Vec::new(),
+            utf8: Utf8Stream::default(),
+            stops: stops.to_vec(),
+            max_tokens: settings.max_tokens,
+            limit,
+            next: None,
+            speculating: false,
+            stop: None,
+            reused,
+            prefill_seconds: t0.elapsed().as_secs_f64(),
+            decode_start: Instant::now(),
+        };
+        Ok((generation, logits))
+    }
+
+    /// Feed each generation the id it sampled last, in one pass over the weights, and put the
+    /// logits that follow into `logits` (`[gens.len(), vocab]`, row `t` for `gens[t]`). A lone
+    /// generation goes through the session's speculator (docs/runtime.md#speculative-decoding);
+    /// several go through [`Model::forward_batch`] without speculation (an open speculative
+    /// pass is settled first). Either way the logits are bitwise those of decoding each
+    /// alone, so the ids are the same.
+    ///
+    /// # Errors
+    /// A weight read failed; the generations' states may be partly advanced, so each of them
+    /// is over ([`Session::fail`]).
+    pub fn step(
+        &mut self,
+        gens: &mut [&mut Generation<'a>],
+        run: &mut crate::engine::RunState,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), TurnError> {
+        logits.clear();
+        let mut ids = Vec::with_capacity(gens.len());
+        for g in gens.iter() {
+            match g.next {
+                Some(id) if g.stop.is_none() => ids.push(id),
+                _ => {
+                    return Err(TurnError::Refused(
+                        "a generation was stepped without a sampled id".into(),
+                    ))
+                }
+            }
+        }
+        if let [g] = gens {
+            if !g.speculating {
+                // Any open pass is another sequence's, and that one has ended.
+                self.spec.abandon();
+            }
+            let room = g.limit.saturating_sub(g.tokens.len() + 2);
+            g.speculating = true;
+            match self
+                .spec
+                .advance(self.model, &mut g.state, &g.history, ids[0], room)
+            {
+                Ok(l) => logits.extend_from_slice(l),
+                Err(e) => {
+                    self.spec.abandon();
+                    g.speculating = false;
+                    return Err(e.into());
+                }
+            }
+        } else {
+            for g in gens.iter_mut().filter(|g| g.speculating) {
+                self.spec.settle(self.model, &mut g.state);
+                g.speculating = false;
+            }
+            let mut seqs: Vec<&mut SeqState> = gens.iter_mut().map(|g| &mut g.state).collect();
+            let out = self.model.forward_batch(&mut seqs, run, &ids)?;
+            logits.extend_from_slice(out);
+        }
+        for (g, id) in gens.iter_mut().zip(ids) {
+            g.tokens.push(id);
+            g.next = None;
+        }
+        Ok(())
+    }
+
+    /// Take back an ended [`Generation`]: its state is kept for prefix reuse (as a state whose
+    /// logits are not known, so a later prompt must go past it), and what it did is returned.
+    pub fn end(&mut self, mut g: Generation<'a>) -> Completion {
+        if g.speculating {
+            self.spec.settle(self.model, &mut g.state);
+        }
+        let done = Completion {
+            generated: std::mem::take(&mut g.generated),
+            reused: g.reused,
+            stop: g.stop.unwrap_or(Stop::Cancelled),
+            prefill_seconds: g.prefill_seconds,
+            decode_seconds: g.decode_start.elapsed().as_secs_f64(),
+        };
+        let known = self.snapshots.iter().any(|s| s.tokens == g.tokens);
+        if self.max_snapshots > 0 && !g.tokens.is_empty() && !known {
+            while self.snapshots.len() >= self.max_snapshots {
+                self.snapshots.remove(0);
+            }
+            self.snapshots.push(Snapshot {
+                tokens: g.tokens,
+                state: g.state,
+                logits: Vec::new(),
+            });
+        }
+        done
+    }
+
+    /// Let go of a [`Generation`] whose state cannot be trusted (a failed step or sample).
+    pub fn fail(&mut self, g: Generation<'a>) {
+        if g.speculating {
+            self.spec.abandon();
+        }
     }
 
     /// The end-of-turn ids of this tokenizer's chat template.

@@ -2,11 +2,12 @@
 //!
 //! Threads: tokio's runtime runs the HTTP side (`http.rs`: axum handlers, SSE); one engine
 //! thread (`engine.rs`) owns the model, the tokenizer and one [`crate::session::chat::Session`]
-//! and serves [`engine::Job`]s one at a time in arrival order from a channel. A handler sends
-//! its job with a cancel flag and reads [`engine::Out`] events back; dropping the handler (the
-//! client went away) sets the flag, and the engine stops at the next token. The state the
-//! session carries (live state and snapshots, counted in the plan) is reused across requests by
-//! the longest common prefix. `wire.rs` holds the request and response JSON.
+//! and serves [`engine::Job`]s in arrival order from a channel: one at a time, or up to
+//! `parallel` at once, decoded together one token each per pass over the weights. A handler
+//! sends its job with a cancel flag and reads [`engine::Out`] events back; dropping the handler
+//! (the client went away) sets the flag, and the engine stops that job at the next token. The
+//! states the session keeps (counted in the plan) are reused across requests by the longest
+//! common prefix. `wire.rs` holds the request and response JSON.
 //!
 //! Never imports `app` or `ui`: the command line resolves everything into [`ServeConfig`].
 
@@ -36,8 +37,10 @@ pub struct ServeConfig {
     pub port: u16,
     /// The key clients must send as `Authorization: Bearer KEY`, if any.
     pub api_key: Option<String>,
-    /// Requests that may wait behind the one being served; more get 429.
+    /// Requests that may wait behind those being served; more get 429.
     pub queue: usize,
+    /// Requests decoded together, one token each per pass over the weights (1: one at a time).
+    pub parallel: usize,
     /// Most tokens one reply may have (also the default `max_tokens`).
     pub max_tokens: usize,
     /// Most positions one request may need (the plan reserves state for them).
@@ -58,6 +61,21 @@ pub struct ServeConfig {
     /// After SIGTERM or SIGINT, most time given to the requests in progress before the
     /// connections still open are closed and the process exits.
     pub drain_timeout: std::time::Duration,
+}
+
+/// States kept for prefix reuse by a server decoding `parallel` requests together: a
+/// conversation's snapshots, and one more for each other request in flight (1: the session's
+/// [`crate::session::chat::SNAPSHOTS`]).
+#[must_use]
+pub fn kept_states(parallel: usize) -> usize {
+    crate::session::chat::SNAPSHOTS + parallel.max(1) - 1
+}
+
+/// Sequence states the memory plan holds for a server decoding `parallel` requests together:
+/// one per request in flight and the states kept for prefix reuse ([`kept_states`]).
+#[must_use]
+pub fn planned_states(parallel: usize) -> u64 {
+    (parallel.max(1) + kept_states(parallel)) as u64
 }
 
 /// Run the server until SIGTERM or SIGINT; returns the exit status (0 after a clean drain).

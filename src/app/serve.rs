@@ -24,9 +24,13 @@ pub struct ServeArgs {
     /// Model name listed by /v1/models and written in responses.
     #[arg(long, default_value = "kimi-k3-local")]
     pub model_name: String,
-    /// Requests that may wait behind the one being served; more are answered 429.
+    /// Requests that may wait behind those being served; more are answered 429.
     #[arg(long, default_value_t = 8)]
     pub queue: usize,
+    /// Requests decoded together, one token each per pass over the weights (1: one at a time)
+    /// [default: as many as the budget holds, up to 4].
+    #[arg(long, value_name = "N")]
+    pub parallel: Option<usize>,
     /// Most tokens one reply may have (and the default max_tokens of a chat request).
     #[arg(long, default_value_t = 4096)]
     pub max_tokens: usize,
@@ -104,6 +108,17 @@ pub fn run(args: &ServeArgs) -> Result<i32> {
         Some(d) => d,
         None => super::demo::materialise()?,
     };
+    let budget = args.budget.request(super::budget_args::auto_request())?;
+    let parallel = match args.parallel {
+        Some(n) if !(1..=super::prompts::MAX_PARALLEL).contains(&n) => {
+            return Err(Error::Usage(format!(
+                "--parallel {n}: expected 1 to {} requests",
+                super::prompts::MAX_PARALLEL
+            )))
+        }
+        Some(n) => n,
+        None => default_parallel(&model_dir, budget, context)?,
+    };
     super::run::set_threads(args.threads)?;
     // Requests that leave a setting out get the config file's, else the model's
     // generation_config.json's, else the built-in one; a reply length at most --max-tokens.
@@ -135,14 +150,38 @@ pub fn run(args: &ServeArgs) -> Result<i32> {
         port: args.port,
         api_key,
         queue: args.queue,
+        parallel,
         max_tokens: args.max_tokens,
         context,
         sampler: settings.sampler,
         default_max_tokens: settings.max_tokens.min(args.max_tokens),
-        budget: args.budget.request(super::budget_args::auto_request())?,
+        budget,
         trunk: args.budget.trunk.clone(),
         client_timeout: std::time::Duration::from_secs(args.client_timeout),
         max_connections: args.max_connections,
         drain_timeout: std::time::Duration::from_secs(args.drain_timeout),
     })
+}
+
+/// Most requests `k3 serve` decodes together unless told: the gain per added sequence falls
+/// as compute takes over, and each one holds a state.
+pub const DEFAULT_PARALLEL: usize = 4;
+
+/// `--parallel` when not given: the most requests, up to [`DEFAULT_PARALLEL`], whose states
+/// (and the states kept for prefix reuse, [`crate::serve::planned_states`]) the memory plan
+/// holds at `context` positions each; 1 when even one does not fit (the load then says why).
+fn default_parallel(
+    model_dir: &std::path::Path,
+    budget: crate::stream::budget::BudgetRequest,
+    context: usize,
+) -> Result<usize> {
+    let cfg = crate::engine::ModelConfig::load(&model_dir.join("config.json"))?;
+    let ck = crate::stream::Checkpoint::open(model_dir)?;
+    let sizes = crate::engine::weights::model_sizes(&cfg, &ck);
+    let limit = crate::stream::budget::cgroup_limit();
+    let fits = |n: usize| {
+        let states = crate::serve::planned_states(n);
+        crate::stream::budget::plan_states(&sizes, budget, context as u64, states, limit).is_ok()
+    };
+    Ok((1..=DEFAULT_PARALLEL).rev().find(|&n| fits(n)).unwrap_or(1))
 }

@@ -1,15 +1,19 @@
-//! The engine thread of `k3 serve`: loads the model, owns one session, and answers jobs one at
-//! a time in arrival order. Never blocks on the HTTP side: events go out over unbounded tokio
-//! channels, and a job whose receiver is gone is cancelled at the next token.
+//! The engine thread of `k3 serve`: loads the model, owns one session, and answers jobs in
+//! arrival order, one at a time or up to `--parallel` decoded together (docs/serve.md). Never
+//! blocks on the HTTP side: events go out over unbounded tokio channels, and a job whose
+//! receiver is gone is cancelled at the next token.
 
 use super::stop::StopMatcher;
 use super::ServeConfig;
 use crate::engine::logit_adjust::{LogitAdjust, TokenLogprob};
 use crate::engine::Model;
-use crate::session::chat::{Served, Session, Settings, Stop};
+use crate::engine::RunState;
+use crate::session::chat::{Completion, Generation, Served, Session, Settings, Stop, TurnError};
 use crate::session::template::tools::{self, ApiMessage, ApiOptions, ToolCall};
 use crate::session::template::{self, Phase, TolerantParser};
 use crate::session::tokenizer::Tokenizer;
+use std::cell::RefCell;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -152,12 +156,21 @@ pub struct Metrics {
     pub expert_hit_rate: f64,
     /// Mean seconds per request, for `Retry-After`.
     pub mean_request_seconds: f64,
+    /// Sequences decoded together at most (`--parallel`).
+    pub parallel: usize,
+    /// Sequences decoding now.
+    pub in_flight: usize,
+    /// Decoding steps: each feeds one token of every sequence in flight in one pass over the
+    /// weights (or hands out a row of a verified speculative pass).
+    pub decode_steps: u64,
+    /// Tokens those steps fed (their sum of sequences).
+    pub decode_step_tokens: u64,
 }
 
 /// Handle on the engine thread.
 pub struct Engine {
     tx: Mutex<Sender<Job>>,
-    /// Jobs accepted and not finished (the one served included).
+    /// Jobs accepted and not finished (those being served included).
     pub in_system: Arc<AtomicUsize>,
     /// Set on SIGTERM: jobs not started yet are refused with 503.
     pub draining: Arc<AtomicBool>,
@@ -228,13 +241,21 @@ fn run(
     let opts = crate::engine::weights::OpenOptions {
         budget: cfg.budget,
         context: cfg.context as u64,
-        // The live state and the snapshots the session keeps for prefix reuse.
-        states: 1 + crate::session::chat::SNAPSHOTS as u64,
+        // Every sequence in flight and the states kept for prefix reuse.
+        states: super::planned_states(cfg.parallel),
         trunk: cfg.trunk.clone(),
         ..Default::default()
     };
     let (model, info) = match Model::open_with(&cfg.model_dir, &opts) {
         Ok(m) => m,
+        Err(crate::engine::weights::LoadError::Budget(m)) if cfg.parallel > 1 => {
+            let _ = ready.send(Err(crate::Error::Usage(format!(
+                "{m} (the plan holds state for {} sequences decoded together and the states \
+                 kept for prefix reuse, of {} positions each; lower --parallel or --context)",
+                cfg.parallel, cfg.context
+            ))));
+            return;
+        }
         Err(e) => {
             let _ = ready.send(Err(e.into()));
             return;
@@ -262,6 +283,7 @@ fn run(
     {
         let mut m = lock(&shared.metrics);
         m.bytes_read = info.bytes_read;
+        m.parallel = cfg.parallel;
     }
     let line = format!(
         "{} ({} layers, vocabulary {})",
@@ -272,8 +294,17 @@ fn run(
     if ready.send(Ok((line, model.cfg.vocab_size))).is_err() {
         return;
     }
-    let load_bytes = info.bytes_read;
+    let mut figures = Figures {
+        shared,
+        model: &model,
+        load_bytes: info.bytes_read,
+    };
     let mut replies = Replies::default();
+    if cfg.parallel > 1 {
+        session.set_max_snapshots(super::kept_states(cfg.parallel));
+        serve_batched(cfg.parallel, rx, &mut session, &mut replies, &mut figures);
+        return;
+    }
     while let Ok(job) = rx.recv() {
         let t0 = Instant::now();
         if shared.draining.load(Ordering::Relaxed) {
@@ -282,36 +313,61 @@ fn run(
                 message: "the server is shutting down".into(),
             });
         } else if !job.cancel.load(Ordering::Relaxed) {
-            let r = serve_job(&mut session, &job, t0, &mut replies);
-            let mut m = lock(&shared.metrics);
-            m.requests += 1;
-            if let Some(f) = &r {
-                m.cancelled += u64::from(f.finish_reason == CANCELLED);
-                m.prompt_tokens += f.prompt_tokens as u64;
-                m.reused_tokens += f.cached_tokens as u64;
-                m.generated_tokens += f.generated.len() as u64;
-                m.prefill_seconds += f.prefill_seconds;
-                m.decode_seconds += f.decode_seconds;
-                let pre = (f.prompt_tokens - f.cached_tokens) as f64;
-                m.last_prefill_tps = if f.prefill_seconds > 0.0 {
-                    pre / f.prefill_seconds
-                } else {
-                    0.0
-                };
-                m.last_decode_tps = if f.decode_seconds > 0.0 {
-                    f.generated.len() as f64 / f.decode_seconds
-                } else {
-                    0.0
-                };
-            }
-            let s = model.stats();
-            m.bytes_read = s.disk_bytes_read.max(load_bytes);
-            m.expert_hit_rate = s.expert_hit_rate();
-            let dt = t0.elapsed().as_secs_f64();
-            let n = m.requests as f64;
-            m.mean_request_seconds += (dt - m.mean_request_seconds) / n;
+            lock(&shared.metrics).in_flight = 1;
+            let r = serve_job(&mut session, job, t0, &mut replies);
+            figures.record(r.as_ref(), t0);
         }
         shared.in_system.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Where the engine records what each request did.
+struct Figures<'s, 'm> {
+    shared: &'s Shared,
+    model: &'m Model,
+    load_bytes: u64,
+}
+
+impl Figures<'_, '_> {
+    /// One request answered (completed, failed or cancelled), started at `t0`; `in_flight`
+    /// is how many sequences still decode.
+    fn record(&mut self, r: Option<&Finished>, t0: Instant) {
+        let mut m = lock(&self.shared.metrics);
+        m.requests += 1;
+        if let Some(f) = r {
+            m.cancelled += u64::from(f.finish_reason == CANCELLED);
+            m.prompt_tokens += f.prompt_tokens as u64;
+            m.reused_tokens += f.cached_tokens as u64;
+            m.generated_tokens += f.generated.len() as u64;
+            m.prefill_seconds += f.prefill_seconds;
+            m.decode_seconds += f.decode_seconds;
+            let pre = (f.prompt_tokens - f.cached_tokens) as f64;
+            m.last_prefill_tps = if f.prefill_seconds > 0.0 {
+                pre / f.prefill_seconds
+            } else {
+                0.0
+            };
+            m.last_decode_tps = if f.decode_seconds > 0.0 {
+                f.generated.len() as f64 / f.decode_seconds
+            } else {
+                0.0
+            };
+            if m.parallel <= 1 {
+                // The lone loop feeds every generated id but the last.
+                let fed = f.generated.len().saturating_sub(1) as u64;
+                m.decode_steps += fed;
+                m.decode_step_tokens += fed;
+            }
+        }
+        if m.parallel <= 1 {
+            m.in_flight = 0;
+        }
+        let s = self.model.stats();
+        m.bytes_read = s.disk_bytes_read.max(self.load_bytes);
+        m.expert_hit_rate = s.expert_hit_rate();
+        let dt = t0.elapsed().as_secs_f64();
+        let n = m.requests as f64;
+        m.mean_request_seconds += (dt - m.mean_request_seconds) / n;
     }
 }
 
@@ -373,15 +429,38 @@ impl Replies {
     }
 }
 
-/// Serve one job; the figures of a completed reply.
-/// Over 100 lines: render, check, generate and answer one job; the emit callback shares the
-/// stop matcher, the thinking parser and the stream's state.
-fn serve_job(
-    session: &mut Session<'_>,
-    job: &Job,
+/// A job rendered and checked, with the state of its reply as it is sent.
+struct Request {
+    job: Job,
+    prompt: Vec<u32>,
+    history_end: Option<usize>,
+    /// Ids that end the reply.
+    stops: Vec<u32>,
+    /// Chat: whether the reply starts in the thinking channel; raw: None.
+    thinking: Option<bool>,
+    /// The job's settings, the reply bounded by the context.
+    settings: Settings,
     t0: Instant,
-    replies: &mut Replies,
-) -> Option<Finished> {
+    reply: RefCell<Reply>,
+}
+
+/// What has been sent of a reply.
+struct Reply {
+    first_token: Option<f64>,
+    /// Log-probabilities: every token's (the final end id dropped), and those not sent yet.
+    all_lp: Vec<Logprob>,
+    pending_lp: Vec<Logprob>,
+    /// Stop strings apply to the answer (the whole text of a raw completion), not to the
+    /// reasoning.
+    stopper: StopMatcher,
+    channel: Option<TolerantParser>,
+    /// Every piece of text sent.
+    sent: String,
+}
+
+/// Render and check a job and tell its handler it starts; None when it was answered already
+/// (an error) or its client is gone.
+fn prepare(session: &Session<'_>, job: Job, t0: Instant, replies: &Replies) -> Option<Request> {
     let fail = |status: u16, message: String| {
         let _ = job.out.send(Out::Error { status, message });
         None
@@ -436,34 +515,50 @@ fn serve_job(
     {
         return None;
     }
-    let mut first_token: Option<f64> = None;
-    let cancel = &job.cancel;
-    // Log-probabilities: every token's (the final end id dropped), and those not sent yet.
-    let all_lp = std::cell::RefCell::new(Vec::<Logprob>::new());
-    let pending_lp = std::cell::RefCell::new(Vec::<Logprob>::new());
-    let mut observe = |t: TokenLogprob| {
-        let lp = shown_logprob(tok, &t, job.token_ids);
-        all_lp.borrow_mut().push(lp.clone());
-        pending_lp.borrow_mut().push(lp);
+    let reply = Reply {
+        first_token: None,
+        all_lp: Vec::new(),
+        pending_lp: Vec::new(),
+        stopper: StopMatcher::new(job.stop.clone()),
+        channel: thinking.map(TolerantParser::new),
+        sent: String::new(),
     };
-    let mut served = Served {
-        adjust: &job.adjust,
-        logprobs: job.logprobs,
-        observe: &mut observe,
-    };
-    // Stop strings apply to the answer (the whole text of a raw completion), not to the
-    // reasoning; `sent` is every piece of text sent.
-    let mut stopper = StopMatcher::new(job.stop.clone());
-    let mut channel = thinking.map(TolerantParser::new);
-    let mut sent = String::new();
-    let mut emit = |id: u32, text: &str| {
-        first_token.get_or_insert_with(|| t0.elapsed().as_secs_f64());
-        if stops.contains(&id) && job.logprobs.is_some() {
+    Some(Request {
+        job,
+        prompt,
+        history_end,
+        stops,
+        thinking,
+        settings,
+        t0,
+        reply: RefCell::new(reply),
+    })
+}
+
+impl Request {
+    /// A sampled token's log-probabilities (before its text is emitted).
+    fn observe(&self, tok: &Tokenizer, t: &TokenLogprob) {
+        let lp = shown_logprob(tok, t, self.job.token_ids);
+        let mut r = self.reply.borrow_mut();
+        r.all_lp.push(lp.clone());
+        r.pending_lp.push(lp);
+    }
+
+    /// A generated id and its text: sent unless a stop string holds it back; a stop string
+    /// found, or a client gone, ends the generation at the next token (the reply is answered
+    /// in [`answer`]).
+    fn emit(&self, id: u32, text: &str) {
+        let mut r = self.reply.borrow_mut();
+        let r = &mut *r;
+        let cancel = &self.job.cancel;
+        r.first_token
+            .get_or_insert_with(|| self.t0.elapsed().as_secs_f64());
+        if self.stops.contains(&id) && self.job.logprobs.is_some() {
             // The end of the reply is not part of it.
-            pending_lp.borrow_mut().pop();
-            all_lp.borrow_mut().pop();
+            r.pending_lp.pop();
+            r.all_lp.pop();
         }
-        let in_answer = match &mut channel {
+        let in_answer = match &mut r.channel {
             None => true,
             Some(p) => {
                 p.push(text);
@@ -471,53 +566,91 @@ fn serve_job(
             }
         };
         let text = if in_answer {
-            stopper.push(text)
-        } else if stopper.hit() {
+            r.stopper.push(text)
+        } else if r.stopper.hit() {
             String::new()
         } else {
-            let mut held = stopper.finish();
+            let mut held = r.stopper.finish();
             held.push_str(text);
             held
         };
-        if stopper.hit() {
-            // Ends the generation at the next token; the reply is answered (see below).
+        if r.stopper.hit() {
             cancel.store(true, Ordering::Relaxed);
         }
-        sent.push_str(&text);
+        r.sent.push_str(&text);
         if !text.is_empty() {
-            let logprobs = std::mem::take(&mut *pending_lp.borrow_mut());
-            if job.out.send(Out::Token { text, logprobs }).is_err() {
+            let logprobs = std::mem::take(&mut r.pending_lp);
+            if self.job.out.send(Out::Token { text, logprobs }).is_err() {
                 cancel.store(true, Ordering::Relaxed);
             }
         }
+    }
+
+    /// Answer a failed generation.
+    fn fail(&self, e: &TurnError) {
+        let status = match e {
+            TurnError::Refused(_) | TurnError::ContextFull { .. } | TurnError::Template(_) => 400,
+            _ => 500,
+        };
+        let _ = self.job.out.send(Out::Error {
+            status,
+            message: e.to_string(),
+        });
+    }
+}
+
+/// Serve one job alone; the figures of a completed reply.
+fn serve_job(
+    session: &mut Session<'_>,
+    job: Job,
+    t0: Instant,
+    replies: &mut Replies,
+) -> Option<Finished> {
+    let req = prepare(session, job, t0, replies)?;
+    let tok = session.tokenizer();
+    let mut observe = |t: TokenLogprob| req.observe(tok, &t);
+    let mut served = Served {
+        adjust: &req.job.adjust,
+        logprobs: req.job.logprobs,
+        observe: &mut observe,
     };
-    let done = match session.complete_prompt(
-        &prompt,
-        history_end,
-        &stops,
-        &settings,
-        cancel,
+    let mut emit = |id: u32, text: &str| req.emit(id, text);
+    let done = session.complete_prompt(
+        &req.prompt,
+        req.history_end,
+        &req.stops,
+        &req.settings,
+        &req.job.cancel,
         &mut emit,
         Some(&mut served),
-    ) {
-        Ok(d) => d,
+    );
+    match done {
+        Ok(d) => Some(answer(session, &req, d, replies)),
         Err(e) => {
-            let status = match e {
-                crate::session::chat::TurnError::Refused(_)
-                | crate::session::chat::TurnError::ContextFull { .. }
-                | crate::session::chat::TurnError::Template(_) => 400,
-                _ => 500,
-            };
-            return fail(status, e.to_string());
+            req.fail(&e);
+            None
         }
-    };
-    let stopped_by_string = stopper.hit();
+    }
+}
+
+/// Answer a finished generation: the rest of its text, then the reply (its parts parsed);
+/// a cancelled one is counted, not answered.
+fn answer(
+    session: &Session<'_>,
+    req: &Request,
+    done: Completion,
+    replies: &mut Replies,
+) -> Finished {
+    let job = &req.job;
+    let mut r = req.reply.borrow_mut();
+    let r = &mut *r;
+    let stopped_by_string = r.stopper.hit();
     let mut rest = String::new();
     if !stopped_by_string && done.stop != Stop::Cancelled {
-        rest = stopper.finish();
-        sent.push_str(&rest);
+        rest = r.stopper.finish();
+        r.sent.push_str(&rest);
     }
-    let logprobs = pending_lp.take();
+    let logprobs = std::mem::take(&mut r.pending_lp);
     if !rest.is_empty() || !logprobs.is_empty() {
         let _ = job.out.send(Out::Token {
             text: rest,
@@ -525,13 +658,16 @@ fn serve_job(
         });
     }
     let tok = session.tokenizer();
+    let markers = session.markers();
     let mut fin = Finished {
-        prompt_tokens: prompt.len(),
+        prompt_tokens: req.prompt.len(),
         cached_tokens: done.reused,
-        first_token_seconds: first_token.unwrap_or_else(|| t0.elapsed().as_secs_f64()),
+        first_token_seconds: r
+            .first_token
+            .unwrap_or_else(|| req.t0.elapsed().as_secs_f64()),
         prefill_seconds: done.prefill_seconds,
         decode_seconds: done.decode_seconds,
-        logprobs: job.logprobs.map(|_| all_lp.take()),
+        logprobs: job.logprobs.map(|_| std::mem::take(&mut r.all_lp)),
         finish_reason: match done.stop {
             _ if stopped_by_string => "stop",
             Stop::End(_) => "stop",
@@ -542,26 +678,26 @@ fn serve_job(
     };
     if stopped_by_string {
         // The reply as it was sent: up to the stop string.
-        match thinking {
+        match req.thinking {
             Some(thinking) => {
                 let mut p = TolerantParser::new(thinking);
-                p.push(&sent);
+                p.push(&r.sent);
                 p.finish();
                 fin.content = p.content().to_owned();
                 fin.reasoning = thinking.then(|| p.reasoning().to_owned());
             }
-            None => fin.content = sent,
+            None => fin.content = std::mem::take(&mut r.sent),
         }
         fin.generated = done.generated;
         let _ = job.out.send(Out::Done(Box::new(fin.clone())));
-        return Some(fin);
+        return fin;
     }
     if done.stop == Stop::Cancelled {
         // Nobody is listening: counted, not answered.
         fin.generated = done.generated;
-        return Some(fin);
+        return fin;
     }
-    match thinking {
+    match req.thinking {
         Some(thinking) => {
             match tools::parse_api_completion(tok, &markers, &done.generated, thinking) {
                 Ok(t) => {
@@ -589,7 +725,178 @@ fn serve_job(
     }
     fin.generated = done.generated;
     let _ = job.out.send(Out::Done(Box::new(fin.clone())));
-    Some(fin)
+    fin
+}
+
+/// A request decoding beside others.
+struct Active<'a> {
+    req: Request,
+    gen: Generation<'a>,
+}
+
+impl Active<'_> {
+    /// Sample its next id from `logits`; whether it has ended. A failure is answered here.
+    fn sample(&mut self, tok: &Tokenizer, logits: &[f32]) -> Result<bool, TurnError> {
+        let Active { req, gen } = self;
+        let mut observe = |t: TokenLogprob| req.observe(tok, &t);
+        let mut served = Served {
+            adjust: &req.job.adjust,
+            logprobs: req.job.logprobs,
+            observe: &mut observe,
+        };
+        let mut emit = |id: u32, text: &str| req.emit(id, text);
+        gen.sample(logits, &req.job.cancel, &mut emit, Some(&mut served))
+            .inspect_err(|e| req.fail(e))
+    }
+}
+
+/// Serve up to `parallel` requests at once (docs/serve.md#several-requests-at-once): a job
+/// is prefilled alone when a place is free and joins the others at the next step; each step
+/// feeds every sequence in flight its last sampled id in one pass over the weights
+/// ([`Session::step`]); a sequence leaves when it ends or its client goes away, its state
+/// kept for prefix reuse.
+fn serve_batched<'a>(
+    parallel: usize,
+    rx: &Receiver<Job>,
+    session: &mut Session<'a>,
+    replies: &mut Replies,
+    figures: &mut Figures<'_, '_>,
+) {
+    let shared = figures.shared;
+    let tok = session.tokenizer();
+    let mut waiting: VecDeque<Job> = VecDeque::new();
+    let mut active: Vec<Active<'a>> = Vec::with_capacity(parallel);
+    let mut run = RunState::new();
+    let mut logits = Vec::new();
+    let set_in_flight = |n: usize| lock(&shared.metrics).in_flight = n;
+    loop {
+        if active.is_empty() && waiting.is_empty() {
+            match rx.recv() {
+                Ok(job) => waiting.push_back(job),
+                Err(_) => return,
+            }
+        }
+        while let Ok(job) = rx.try_recv() {
+            waiting.push_back(job);
+        }
+        if shared.draining.load(Ordering::Relaxed) {
+            // Stopping: those in flight finish, those waiting are refused now.
+            for job in waiting.drain(..) {
+                let _ = job.out.send(Out::Error {
+                    status: 503,
+                    message: "the server is shutting down".into(),
+                });
+                shared.in_system.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        // One waiting job (prefilled alone) takes a free place, so the others wait one
+        // prefill at most between steps.
+        while active.len() < parallel {
+            let Some(job) = waiting.pop_front() else {
+                break;
+            };
+            let t0 = Instant::now();
+            if job.cancel.load(Ordering::Relaxed) {
+                shared.in_system.fetch_sub(1, Ordering::Relaxed);
+                continue;
+            }
+            let Some(req) = prepare(session, job, t0, replies) else {
+                figures.record(None, t0);
+                shared.in_system.fetch_sub(1, Ordering::Relaxed);
+                continue;
+            };
+            let begun = session.begin(&req.prompt, req.history_end, &req.stops, &req.settings);
+            let (gen, first) = match begun {
+                Ok(b) => b,
+                Err(e) => {
+                    req.fail(&e);
+                    figures.record(None, t0);
+                    shared.in_system.fetch_sub(1, Ordering::Relaxed);
+                    continue;
+                }
+            };
+            let mut a = Active { req, gen };
+            match a.sample(tok, &first) {
+                Ok(false) => active.push(a),
+                Ok(true) => {
+                    let done = session.end(a.gen);
+                    let fin = answer(session, &a.req, done, replies);
+                    figures.record(Some(&fin), a.req.t0);
+                    shared.in_system.fetch_sub(1, Ordering::Relaxed);
+                }
+                Err(_) => {
+                    session.fail(a.gen);
+                    figures.record(None, a.req.t0);
+                    shared.in_system.fetch_sub(1, Ordering::Relaxed);
+                }
+            }
+            set_in_flight(active.len());
+            if !active.is_empty() {
+                break;
+            }
+        }
+        // A client gone (or a stop string found) leaves before the step.
+        let mut k = 0;
+        while k < active.len() {
+            if active[k].req.job.cancel.load(Ordering::Relaxed) {
+                let mut a = active.remove(k);
+                let req = &a.req;
+                a.gen.cancel(&mut |id, text| req.emit(id, text));
+                let done = session.end(a.gen);
+                let fin = answer(session, &a.req, done, replies);
+                figures.record(Some(&fin), a.req.t0);
+                shared.in_system.fetch_sub(1, Ordering::Relaxed);
+            } else {
+                k += 1;
+            }
+        }
+        set_in_flight(active.len());
+        if active.is_empty() {
+            continue;
+        }
+        let mut gens: Vec<&mut Generation<'a>> = active.iter_mut().map(|a| &mut a.gen).collect();
+        let stepped = session.step(&mut gens, &mut run, &mut logits);
+        drop(gens);
+        if let Err(e) = stepped {
+            // Every state in the step may be partly advanced: each request fails.
+            for a in active.drain(..) {
+                a.req.fail(&e);
+                session.fail(a.gen);
+                figures.record(None, a.req.t0);
+                shared.in_system.fetch_sub(1, Ordering::Relaxed);
+            }
+            set_in_flight(0);
+            continue;
+        }
+        {
+            let mut m = lock(&shared.metrics);
+            m.decode_steps += 1;
+            m.decode_step_tokens += active.len() as u64;
+        }
+        let vocab = logits.len() / active.len();
+        let mut k = 0;
+        for row in logits.chunks(vocab.max(1)) {
+            let ended = active[k].sample(tok, row);
+            if matches!(ended, Ok(false)) {
+                k += 1;
+                continue;
+            }
+            let a = active.remove(k);
+            match ended {
+                Ok(_) => {
+                    let done = session.end(a.gen);
+                    let fin = answer(session, &a.req, done, replies);
+                    figures.record(Some(&fin), a.req.t0);
+                }
+                Err(_) => {
+                    session.fail(a.gen);
+                    figures.record(None, a.req.t0);
+                }
+            }
+            shared.in_system.fetch_sub(1, Ordering::Relaxed);
+        }
+        set_in_flight(active.len());
+    }
 }
 
 /// A token's log-probabilities with the tokens named as the API shows them.

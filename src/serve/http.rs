@@ -35,7 +35,7 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Serve until SIGTERM or SIGINT, then let the request being served finish (requests still
+/// Serve until SIGTERM or SIGINT, then let the requests being served finish (requests still
 /// queued are answered 503) and return 0. The drain is bounded: after `drain_timeout` the
 /// connections still open are closed; a second signal returns at once with 128 + its number.
 ///
@@ -114,7 +114,7 @@ pub async fn serve(cfg: ServeConfig, engine: Engine) -> crate::Result<i32> {
     drop(listener);
     state.engine.draining.store(true, Ordering::Relaxed);
     eprintln!(
-        "k3 serve: {first}: stopping: finishing the request in progress (at most {} s; a second \
+        "k3 serve: {first}: stopping: finishing the requests in progress (at most {} s; a second \
          signal stops at once)",
         drain_timeout.as_secs()
     );
@@ -396,6 +396,39 @@ async fn metrics(State(s): State<Shared>, headers: HeaderMap) -> Response {
         format!("{:.4}", m.expert_hit_rate),
     );
     metric(
+        "k3_parallel",
+        "gauge",
+        "Requests decoded together at most (--parallel).",
+        m.parallel.to_string(),
+    );
+    metric(
+        "k3_sequences_in_flight",
+        "gauge",
+        "Requests decoding now.",
+        m.in_flight.to_string(),
+    );
+    metric(
+        "k3_decode_steps_total",
+        "counter",
+        "Decoding steps, each one token of every request in flight in one pass.",
+        m.decode_steps.to_string(),
+    );
+    metric(
+        "k3_decode_step_tokens_total",
+        "counter",
+        "Tokens fed by those steps.",
+        m.decode_step_tokens.to_string(),
+    );
+    metric(
+        "k3_tokens_per_pass",
+        "gauge",
+        "Mean tokens fed per decoding step.",
+        format!(
+            "{:.3}",
+            m.decode_step_tokens as f64 / m.decode_steps.max(1) as f64
+        ),
+    );
+    metric(
         "k3_queue_depth",
         "gauge",
         "Requests being served or waiting.",
@@ -428,7 +461,7 @@ async fn submit(s: &AppState, parsed: &Parsed) -> Result<Admitted, Response> {
             parsed.ignored.join(", ")
         );
     }
-    let cap = 1 + s.cfg.queue;
+    let cap = s.cfg.parallel.max(1) + s.cfg.queue;
     let counter = &s.engine.in_system;
     let mut n = counter.load(Ordering::Relaxed);
     loop {
@@ -442,7 +475,7 @@ async fn submit(s: &AppState, parsed: &Parsed) -> Result<Admitted, Response> {
                 m.rejected += 1;
                 m.mean_request_seconds
             };
-            let wait = ((mean * n as f64).ceil() as u64).max(1);
+            let wait = ((mean * n as f64 / s.cfg.parallel.max(1) as f64).ceil() as u64).max(1);
             return Err(error_response(
                 &ApiError {
                     status: 429,

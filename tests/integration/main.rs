@@ -28,6 +28,7 @@ mod remote;
 mod serve;
 mod serve_clients;
 mod serve_limits;
+mod serve_parallel;
 mod serve_sampling;
 mod session;
 mod spec;

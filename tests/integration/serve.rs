@@ -436,7 +436,7 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 
 #[test]
 fn a_gone_client_stops_its_generation_and_a_full_queue_gets_429() {
-    let s = start(&["--queue", "0"], &[]);
+    let s = start(&["--queue", "0", "--parallel", "1"], &[]);
     let max = 4000;
     let (mut client, _out) = long_stream(&s, max);
     let (code, text) = curl(

@@ -12,13 +12,15 @@ mod cache;
 mod expert_io;
 mod expert_reads;
 mod layers;
+mod leaf;
 mod prefetch;
 
-use self::cache::{lock, Arrival, Counters, ExpertCache, Mailbox, Resident, Source};
+use self::cache::{Arrival, Counters, ExpertCache, Mailbox, Resident, Source};
 use self::expert_io::ExpertTable;
 use self::expert_reads::{ExpertRead, ExpertReaders, ReadSource};
 use self::layers::{load_layer, LayerResult, LayerRing, LayerTable};
-use self::prefetch::{eager_ranks, score_by_rank, PrefetchState, Prefetcher};
+use self::leaf::Leaf;
+use self::prefetch::{eager_ranks, score_by_rank, Prefetcher};
 use super::bind::names;
 use super::config::ModelConfig;
 use super::layer::{FeedForward, Layer};
@@ -36,7 +38,7 @@ use crate::stream::trunk::Trunk;
 use crate::stream::{Checkpoint, Dtype, StreamError};
 use crate::tuning::Tuning;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 pub use crate::tuning::{DEFAULT_PREFETCH, DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFETCH_LATE_DEPTH};
@@ -56,7 +58,7 @@ impl moe::ExpertSource for LayerExperts<'_> {
     type Error = StreamError;
 
     fn group(&self) -> usize {
-        lock(&self.st.resident).cache.slots()
+        self.st.resident.lock().cache.slots()
     }
 
     type Arrivals<'s>
@@ -195,13 +197,13 @@ impl Arrivals<'_> {
                     .expert_bytes
                     .fetch_add(self.st.sizes.expert_bytes, Ordering::Relaxed);
                 if let Some(slot) = slot {
-                    lock(&self.st.resident).cache.publish(slot, &ex);
+                    self.st.resident.lock().cache.publish(slot, &ex);
                 }
                 Ok((k, ex))
             }
             Err(e) => {
                 if let Some(slot) = slot {
-                    lock(&self.st.resident).cache.fail(slot);
+                    self.st.resident.lock().cache.fail(slot);
                 }
                 Err(e)
             }
@@ -228,7 +230,7 @@ impl Drop for Arrivals<'_> {
         // Nothing is owed any more, so the mailbox is empty: the buffers serve the next fetch.
         if let Some(mut bufs) = self.bufs.take() {
             bufs.ready.clear();
-            lock(&self.st.fetch_pool).push(bufs);
+            self.st.fetch_pool.lock().push(bufs);
         }
     }
 }
@@ -247,7 +249,7 @@ pub struct Streamer {
     ck: Arc<Checkpoint>,
     trunk: Option<Arc<Trunk>>,
     sizes: ModelSizes,
-    resident: Arc<Mutex<Resident>>,
+    resident: Arc<Leaf<Resident>>,
     /// The read-ahead ring streamed layers are read into.
     ring: Arc<LayerRing>,
     counters: Arc<Counters>,
@@ -259,7 +261,7 @@ pub struct Streamer {
     /// Whether the next layer's experts are also predicted before a layer's experts are
     /// computed (the early prediction): fixed, or chosen per decoding step by timing steps
     /// with it off and on (`stream::trial`).
-    early: Mutex<PairedTrial>,
+    early: Leaf<PairedTrial>,
     /// The setting of the decoding step under way.
     early_now: std::sync::atomic::AtomicBool,
     /// The first layer with routed experts: a pass reaching it begins a step.
@@ -274,15 +276,15 @@ pub struct Streamer {
     embed_info: TensorInfo,
     head_info: TensorInfo,
     /// The buffers embedding rows and streamed head chunks are read into.
-    io: Mutex<IoScratch>,
+    io: Leaf<IoScratch>,
     /// The threads expert misses are read on (None without I/O threads: read in place),
     /// and what they read from.
     readers: Option<Arc<ExpertReaders>>,
     readers_src: Arc<ReadSource>,
     /// Buffers of expert fetches, reused (one per fetch under way).
-    fetch_pool: Mutex<Vec<FetchBufs>>,
+    fetch_pool: Leaf<Vec<FetchBufs>>,
     /// What a prediction routes and chooses in.
-    predict_scratch: Mutex<PredictScratch>,
+    predict_scratch: Leaf<PredictScratch>,
 }
 
 /// The buffers a prediction of a layer's experts works in, reused.
@@ -381,7 +383,7 @@ impl Streamer {
         ck.read_groups_into(Arc::clone(&arena));
         let cfg_arc = Arc::new(cfg.clone());
         let first_moe = (0..n).find(|&il| !cfg.is_dense(il));
-        let resident = Arc::new(Mutex::new(Resident {
+        let resident = Arc::new(Leaf::new(Resident {
             pinned_map: plan.pinned.clone().into(),
             plan: plan.clone(),
             pinned: vec![None; n],
@@ -389,6 +391,7 @@ impl Streamer {
             cache: ExpertCache::new(plan.expert_slots as usize, n, n_exp),
             right_by_rank: Vec::new(),
             early_right_by_rank: Vec::new(),
+            prefetch: prefetch::PrefetchState::default(),
         }));
         let counters = Arc::new(Counters::default());
         let tuning = Tuning::get();
@@ -402,7 +405,6 @@ impl Streamer {
             expert_bytes: sizes.expert_bytes,
             depth: std::sync::atomic::AtomicUsize::new(tuning.prefetch_depth),
             late_depth: std::sync::atomic::AtomicUsize::new(tuning.prefetch_late_depth),
-            state: Mutex::new(PrefetchState::default()),
             idle: std::sync::Condvar::new(),
         });
         let readers_src = Arc::new(ReadSource {
@@ -437,16 +439,16 @@ impl Streamer {
             counters,
             prefetch: std::sync::atomic::AtomicUsize::new(tuning.prefetch),
             prefetcher,
-            early: Mutex::new(PairedTrial::new(tuning.prefetch_early)),
+            early: Leaf::new(PairedTrial::new(tuning.prefetch_early)),
             early_now: std::sync::atomic::AtomicBool::new(false),
             first_moe,
             mapped,
             arena,
             embed_info,
             head_info,
-            io: Mutex::new(IoScratch::default()),
-            fetch_pool: Mutex::new(Vec::new()),
-            predict_scratch: Mutex::new(PredictScratch::default()),
+            io: Leaf::new(IoScratch::default()),
+            fetch_pool: Leaf::new(Vec::new()),
+            predict_scratch: Leaf::new(PredictScratch::default()),
         };
         st.set_plan(plan)?;
         Ok(st)
@@ -480,7 +482,7 @@ impl Streamer {
     /// the CPU the early reads fill its idle time; where the disk is the bottleneck its wrong
     /// reads cost more than its right ones save. Tokens do not depend on it.
     pub fn set_prefetch_early(&self, on: Option<bool>) {
-        lock(&self.early).set_fixed(on);
+        self.early.lock().set_fixed(on);
         self.early_now.store(on.unwrap_or(false), Ordering::Relaxed);
     }
 
@@ -507,13 +509,15 @@ impl Streamer {
         }
         let can_predict = self.prefetch.load(Ordering::Relaxed) > 0
             && io_pool().is_some()
-            && lock(&self.resident)
+            && self
+                .resident
+                .lock()
                 .pinned
                 .iter()
                 .enumerate()
                 .any(|(j, p)| j > il && p.is_some() && !self.cfg.is_dense(j));
         // A leaf lock: taken after `resident` is released.
-        let mut trial = lock(&self.early);
+        let mut trial = self.early.lock();
         if n_tok != 1 {
             trial.interrupt();
             return;
@@ -530,7 +534,7 @@ impl Streamer {
     /// The plan in force.
     #[must_use]
     pub fn plan(&self) -> Plan {
-        lock(&self.resident).plan.clone()
+        self.resident.lock().plan.clone()
     }
 
     /// The checkpoint being streamed.
@@ -558,7 +562,7 @@ impl Streamer {
         // Queued predictions are dropped and those being read finish first, so every slot can
         // be resized.
         self.prefetcher.quiesce();
-        let mut r = lock(&self.resident);
+        let mut r = self.resident.lock();
         let mut shrinks = plan.expert_slots < r.plan.expert_slots;
         for (il, slot) in r.pinned.iter_mut().enumerate() {
             if !plan.pinned.get(il).copied().unwrap_or(false) {
@@ -605,7 +609,7 @@ impl Streamer {
             // Fewer slots release the free ones now; experts kept in retired slots move down,
             // and the slots they leave are released as they go.
             self.arena.set_slots(arena_slots).map_err(arena_error)?;
-            lock(&self.resident).cache.rehome(&self.arena);
+            self.resident.lock().cache.rehome(&self.arena);
             self.load_planned(to_pin, want_head)
         } else {
             // More slots are faulted in while the pinned weights are read (the resident lock
@@ -716,7 +720,7 @@ impl Streamer {
         self.counters
             .trunk_bytes
             .fetch_add(self.sizes.layer_trunk[il], Ordering::Relaxed);
-        lock(&self.resident).pinned[il] = Some(layer);
+        self.resident.lock().pinned[il] = Some(layer);
         Ok(())
     }
 
@@ -746,7 +750,7 @@ impl Streamer {
                 })
             }
         };
-        lock(&self.resident).head = Some(Arc::new(dense));
+        self.resident.lock().head = Some(Arc::new(dense));
         Ok(())
     }
 
@@ -766,7 +770,7 @@ impl Streamer {
     /// Layer `il`'s non-expert weights.
     pub fn layer(&self, il: usize) -> LayerResult {
         let (is_pinned, pinned_map, ring_slots) = {
-            let r = lock(&self.resident);
+            let r = self.resident.lock();
             if let Some(l) = &r.pinned[il] {
                 return Ok(Arc::clone(l));
             }
@@ -779,7 +783,7 @@ impl Streamer {
         let t0 = Instant::now();
         let layer = if is_pinned {
             let l = load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il, self.mapped)?;
-            lock(&self.resident).pinned[il] = Some(Arc::clone(&l));
+            self.resident.lock().pinned[il] = Some(Arc::clone(&l));
             l
         } else {
             self.ring.take(il)?
@@ -803,19 +807,21 @@ impl Streamer {
     /// once, misses are read in parallel on the I/O threads and handed back as each read
     /// completes, so the caller computes with one expert while the others are still read.
     pub fn experts(&self, il: usize, ids: &[usize]) -> Arrivals<'_> {
-        let mut bufs = lock(&self.fetch_pool)
+        let mut bufs = self
+            .fetch_pool
+            .lock()
             .pop()
             .unwrap_or_else(|| FetchBufs::new(self.cfg.num_experts));
         let used = {
-            let mut r = lock(&self.resident);
+            let mut r = self.resident.lock();
+            // The routing is known: predictions not started yet give way to its reads.
+            self.prefetcher.cancel_queued(&mut r);
             let Resident {
                 cache: c,
                 right_by_rank,
                 early_right_by_rank,
                 ..
             } = &mut *r;
-            // The routing is known: predictions not started yet give way to its reads.
-            self.prefetcher.cancel_queued(c);
             if let Some(predicted) = c.prediction.take_for(il) {
                 self.note_prediction(right_by_rank, predicted, ids);
             }
@@ -937,7 +943,7 @@ impl Streamer {
         {
             return None;
         }
-        lock(&self.resident).pinned[j].clone()
+        self.resident.lock().pinned[j].clone()
     }
 
     /// Predict the routed experts of MoE layer `j` (`next`, from [`Streamer::next_pinned`])
@@ -957,7 +963,7 @@ impl Streamer {
     /// Most reads a prediction for a multi-token pass queues: half the cache, so that a wrong
     /// one cannot evict more than half of what is cached.
     fn chunk_prediction_reads(&self) -> usize {
-        lock(&self.resident).cache.slots() / 2
+        self.resident.lock().cache.slots() / 2
     }
 
     /// How many of a pass's `n_tok` tokens a prediction is made for (the leading ones): the
@@ -996,8 +1002,9 @@ impl Streamer {
         let p = super::layer::moe_params(&self.cfg);
         let (n_exp, top_k) = (self.cfg.num_experts, p.top_k);
         let n_rows = x.len() / self.cfg.hidden_size;
-        // Taken before `resident` (below), and never while holding it.
-        let mut ps = lock(&self.predict_scratch);
+        // Taken out of its cell (its buffers move, nothing is allocated) and put back at the
+        // end, so no lock is held while `resident` is taken below.
+        let mut ps = std::mem::take(&mut *self.predict_scratch.lock());
         let PredictScratch {
             logits,
             route,
@@ -1007,7 +1014,7 @@ impl Streamer {
             chosen,
             ids,
             reads,
-        } = &mut *ps;
+        } = &mut ps;
         let logits = fit(logits, n_rows * n_exp);
         m.gate.apply_into(x, logits);
         let idx = fit(idx, n_rows * top_k);
@@ -1028,7 +1035,7 @@ impl Streamer {
         let c = &self.counters;
         let eager = if late {
             eager_ranks(
-                &lock(&self.resident).right_by_rank,
+                &self.resident.lock().right_by_rank,
                 c.predictions.load(Ordering::Relaxed),
             )
         } else {
@@ -1042,7 +1049,7 @@ impl Streamer {
                 n
             } else {
                 n.min(eager_ranks(
-                    &lock(&self.resident).early_right_by_rank,
+                    &self.resident.lock().early_right_by_rank,
                     c.early_predictions.load(Ordering::Relaxed),
                 ))
             };
@@ -1063,9 +1070,9 @@ impl Streamer {
             ids.len()
         };
         {
-            let mut r = lock(&self.resident);
+            let mut r = self.resident.lock();
             if late {
-                self.prefetcher.cancel_queued(&mut r.cache);
+                self.prefetcher.cancel_queued(&mut r);
             }
             r.cache.reserve_prefetch(j, ids, reads);
             // Reads keep the order of `ids`; those of the eager ranks lead.
@@ -1089,9 +1096,9 @@ impl Streamer {
             } else {
                 scored.layer = None;
             }
-            self.prefetcher.enqueue(reads, n_eager);
+            Prefetcher::enqueue(&mut r, reads, n_eager);
         }
-        drop(ps);
+        *self.predict_scratch.lock() = ps;
         self.prefetcher.pump();
     }
 
@@ -1125,7 +1132,7 @@ impl Streamer {
         let rb = self.sizes.row_bytes;
         let info = &self.embed_info;
         let t0 = Instant::now();
-        let mut io = lock(&self.io);
+        let mut io = self.io.lock();
         for (row, &id) in out.chunks_mut(d).zip(tokens) {
             let raw = io.bytes(rb as usize);
             self.ck
@@ -1147,7 +1154,7 @@ impl Streamer {
         let (v, d) = (self.cfg.vocab_size, self.cfg.hidden_size);
         let n = rows.len() / d;
         let (head, chunk_rows) = {
-            let r = lock(&self.resident);
+            let r = self.resident.lock();
             (r.head.clone(), r.plan.head_chunk_rows.max(1) as usize)
         };
         if let Some(h) = head {
@@ -1156,7 +1163,7 @@ impl Streamer {
         }
         let rb = self.sizes.row_bytes;
         let info = &self.head_info;
-        let mut io = lock(&self.io);
+        let mut io = self.io.lock();
         for r0 in (0..v).step_by(chunk_rows) {
             let cr = chunk_rows.min(v - r0);
             let t0 = Instant::now();
@@ -1191,7 +1198,7 @@ impl Streamer {
     pub fn stats(&self) -> StatsSnapshot {
         // Each lock is taken alone: the resident set's for the plan and the cache, released
         // before the counters' and the trial's.
-        let r = lock(&self.resident);
+        let r = self.resident.lock();
         let (budget_bytes, floor_bytes, model_bytes) =
             (r.plan.budget_bytes, r.plan.floor_bytes, r.plan.model_bytes);
         let right_by_rank = r.right_by_rank.clone();
@@ -1212,6 +1219,9 @@ impl Streamer {
             })
             .collect();
         drop(r);
+        // Each in a statement of its own: a guard lives to the end of its statement.
+        let early = self.early.lock().stats();
+        let ring_bytes = self.ring.bytes();
         let c = &self.counters;
         let read = c.trunk_bytes.load(Ordering::Relaxed)
             + c.expert_bytes.load(Ordering::Relaxed)
@@ -1234,8 +1244,9 @@ impl Streamer {
             early_predictions: c.early_predictions.load(Ordering::Relaxed),
             early_predicted_right_by_rank: early_right_by_rank,
             prefetch_cancelled: c.prefetch_cancelled.load(Ordering::Relaxed),
-            early: lock(&self.early).stats(),
+            early,
             arena: self.arena.stats(),
+            ring_bytes,
             ..StatsSnapshot::default()
         }
     }

@@ -99,6 +99,8 @@ pub struct StatsSnapshot {
     pub spec_steps: u64,
     /// The expert slot arena: slots, how they were faulted in, huge pages, heap fallbacks.
     pub arena: super::arena::ArenaStats,
+    /// Bytes of the read-ahead ring's slots (the memory streamed layers are read into).
+    pub ring_bytes: u64,
 }
 
 /// Per rank, how often it was right out of `n` predictions.

@@ -71,6 +71,60 @@ fn every_budget_gives_the_same_logits() {
     }
 }
 
+/// The read-ahead ring's slots take what the plan counts for them (the sizes of the largest
+/// layers it streams, one slot each), not as many slots of the largest layer's size, at every
+/// budget — and the tokens stay the resident model's.
+#[test]
+fn the_read_ahead_ring_takes_what_the_plan_counts() {
+    // A page per slot (the arena's rounding) and the 64-byte alignment of each tensor.
+    const SLACK: u64 = 64 << 10;
+    let mut differ = 0;
+    let small = small().join("small");
+    for set in ["tiny", "tiny2", "small"] {
+        let dir = match set {
+            "small" => small.clone(),
+            _ => fixture(set),
+        };
+        let prompt = [1u32, 5, 9, 2];
+        let (resident, info) = Model::open(&dir, BudgetRequest::Resident, 512).unwrap();
+        let want = generate(&resident, &prompt, 3, |_| {});
+        drop(resident);
+        let floor = info.plan.floor_bytes;
+        let everything = info.sizes.model_bytes();
+        for total in [floor, floor + everything / 4, floor + everything / 2] {
+            let (m, info) = Model::open(&dir, BudgetRequest::Total(total), 512).unwrap();
+            let st = m.streamer().expect("a budget below the model size streams");
+            let got = generate(&m, &prompt, 3, |_| {});
+            for (a, b) in got.iter().zip(&want) {
+                assert_eq!(bits(a), bits(b), "{set} at {total} bytes");
+            }
+            let plan = st.plan();
+            let ring = st.stats().ring_bytes;
+            let largest = (0..plan.pinned.len())
+                .filter(|&il| !plan.pinned[il])
+                .map(|il| info.sizes.layer_trunk[il])
+                .max()
+                .unwrap_or(0);
+            println!(
+                "{set} at {total} B: {} slots, plan {} B, ring {ring} B, largest streamed {largest} B",
+                plan.ring_slots, plan.ring_bytes
+            );
+            assert!(
+                ring <= plan.ring_bytes + plan.ring_slots * SLACK,
+                "{set} at {total} B: the ring takes {ring} B, the plan counts {} B",
+                plan.ring_bytes
+            );
+            if plan.ring_slots * largest > plan.ring_bytes + plan.ring_slots * SLACK {
+                differ += 1;
+            }
+        }
+    }
+    assert!(
+        differ > 0,
+        "no plan streams layers of different sizes: the test shows nothing"
+    );
+}
+
 #[test]
 fn prefetching_predicted_experts_changes_no_token() {
     let mut read_ahead = 0;

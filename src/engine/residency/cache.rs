@@ -4,6 +4,7 @@
 //! Lock order: `Resident` (which owns the cache) is taken before the prefetch queue's state
 //! (`super::prefetch`); nothing here takes another lock.
 
+use super::leaf::Leaf;
 use crate::engine::layer::Layer;
 use crate::engine::moe::Expert;
 use crate::engine::tensor::Dense;
@@ -17,7 +18,7 @@ use crate::tuning::{CachePolicy, Tuning};
 use std::collections::HashMap;
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar};
 
 use super::expert_io::rehome_expert;
 
@@ -104,15 +105,13 @@ pub(super) enum Arrival {
 /// request, and a condition variable the request waits on. Neither sending nor waiting
 /// allocates (a channel's receiver registers itself in a list the first time it blocks).
 pub(super) struct Mailbox {
-    queue: Mutex<VecDeque<Arrival>>,
+    queue: Leaf<VecDeque<Arrival>>,
     landed: Condvar,
 }
 
 impl std::fmt::Debug for Mailbox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Mailbox")
-            .field("queued", &lock(&self.queue).len())
-            .finish()
+        f.debug_struct("Mailbox").finish_non_exhaustive()
     }
 }
 
@@ -120,28 +119,25 @@ impl Mailbox {
     /// A mailbox with room for `room` arrivals before its queue grows.
     pub(super) fn new(room: usize) -> Arc<Mailbox> {
         Arc::new(Mailbox {
-            queue: Mutex::new(VecDeque::with_capacity(room)),
+            queue: Leaf::new(VecDeque::with_capacity(room)),
             landed: Condvar::new(),
         })
     }
 
     /// Leave an arrival.
     pub(super) fn send(&self, a: Arrival) {
-        lock(&self.queue).push_back(a);
+        self.queue.lock().push_back(a);
         self.landed.notify_one();
     }
 
     /// The next arrival, waited for.
     pub(super) fn recv(&self) -> Arrival {
-        let mut q = lock(&self.queue);
+        let mut q = self.queue.lock();
         loop {
             if let Some(a) = q.pop_front() {
                 return a;
             }
-            q = self
-                .landed
-                .wait(q)
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            q = q.wait(&self.landed);
         }
     }
 }
@@ -304,8 +300,13 @@ impl ExpertCache {
         self.fail(slot);
     }
 
-    /// A prefetch into `slot` completed: file it and hand it to the requests waiting for it.
-    pub(super) fn complete_prefetch(&mut self, slot: usize, result: Result<Expert, StreamError>) {
+    /// A prefetch into `slot` completed: file it, and return it with the requests waiting for
+    /// it, to be handed to them once the caller lets the resident set's lock go.
+    pub(super) fn complete_prefetch(
+        &mut self,
+        slot: usize,
+        result: Result<Expert, StreamError>,
+    ) -> (Option<Arc<Expert>>, Vec<(Arc<Mailbox>, usize)>) {
         let expert = match result {
             Ok(ex) => {
                 let ex = Arc::new(ex);
@@ -318,12 +319,7 @@ impl ExpertCache {
                 None
             }
         };
-        for (tx, k) in self.waiting.remove(&slot).unwrap_or_default() {
-            tx.send(Arrival::Shared {
-                k,
-                expert: expert.clone(),
-            });
-        }
+        (expert, self.waiting.remove(&slot).unwrap_or_default())
     }
 
     /// The read into `slot` completed with `ex`.
@@ -395,10 +391,6 @@ pub(super) struct Resident {
     pub(super) right_by_rank: Vec<u64>,
     /// The same for the early predictions.
     pub(super) early_right_by_rank: Vec<u64>,
-}
-
-pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding the lock cannot leave these structures half-updated in a way that
-    // matters for correctness (they only cache reads), so a poisoned lock is used as is.
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    /// Predicted reads queued and reads in flight.
+    pub(super) prefetch: super::prefetch::PrefetchState,
 }

@@ -4,14 +4,15 @@
 //! when nothing else holds it (`expert_io::refill_expert`), so the expert itself is no new
 //! allocation either.
 
-use super::cache::{lock, Arrival, Mailbox};
+use super::cache::{Arrival, Mailbox};
 use super::expert_io::{read_expert, refill_expert, ExpertTable};
+use super::leaf::Leaf;
 use super::prefetch::Prefetcher;
 use crate::engine::config::ModelConfig;
 use crate::engine::moe::Expert;
 use crate::stream::{Checkpoint, StreamError};
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar};
 
 /// Expert `e` of layer `il`, the `k`-th of a request, to be read into cache slot `slot`
 /// (None: read without caching it), with the expert that slot let go (`spare`) and the
@@ -78,9 +79,9 @@ struct Queue {
 /// The expert readers: threads taking reads from one queue, in order.
 #[derive(Debug)]
 pub(super) struct ExpertReaders {
-    queue: Mutex<Queue>,
+    queue: Leaf<Queue>,
     more: Condvar,
-    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    threads: Leaf<Vec<std::thread::JoinHandle<()>>>,
 }
 
 impl ExpertReaders {
@@ -91,52 +92,49 @@ impl ExpertReaders {
         src: Arc<ReadSource>,
     ) -> std::io::Result<Arc<ExpertReaders>> {
         let readers = Arc::new(ExpertReaders {
-            queue: Mutex::new(Queue {
+            queue: Leaf::new(Queue {
                 reads: VecDeque::with_capacity(room),
                 stop: false,
             }),
             more: Condvar::new(),
-            threads: Mutex::new(Vec::new()),
+            threads: Leaf::new(Vec::new()),
         });
         for i in 0..threads.max(1) {
             let (me, src) = (Arc::clone(&readers), Arc::clone(&src));
             let handle = std::thread::Builder::new()
                 .name(format!("k3-expert-{i}"))
                 .spawn(move || me.serve(&src))?;
-            lock(&readers.threads).push(handle);
+            readers.threads.lock().push(handle);
         }
         Ok(readers)
     }
 
     fn serve(&self, src: &ReadSource) {
-        let mut q = lock(&self.queue);
+        let mut q = self.queue.lock();
         loop {
             if let Some(r) = q.reads.pop_front() {
                 drop(q);
                 src.run(r);
-                q = lock(&self.queue);
+                q = self.queue.lock();
             } else if q.stop {
                 return;
             } else {
-                q = self
-                    .more
-                    .wait(q)
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                q = q.wait(&self.more);
             }
         }
     }
 
     /// Queue a read.
     pub(super) fn push(&self, r: ExpertRead) {
-        lock(&self.queue).reads.push_back(r);
+        self.queue.lock().reads.push_back(r);
         self.more.notify_one();
     }
 
     /// End the readers once the queue is empty, and wait until they have.
     pub(super) fn stop(&self) {
-        lock(&self.queue).stop = true;
+        self.queue.lock().stop = true;
         self.more.notify_all();
-        let threads = std::mem::take(&mut *lock(&self.threads));
+        let threads = std::mem::take(&mut *self.threads.lock());
         for t in threads {
             let _ = t.join();
         }

@@ -9,7 +9,7 @@
 //! the mutex is held: once every (slot, layer) pair has been seen, streaming a layer
 //! allocates nothing.
 
-use super::cache::lock;
+use super::leaf::Leaf;
 use crate::engine::bind::{bind_layer, Binder};
 use crate::engine::config::ModelConfig;
 use crate::engine::layer::Layer;
@@ -20,7 +20,7 @@ use crate::stream::ring::RingSlot;
 use crate::stream::trunk::{DecodeScratch, LayerRun, Trunk};
 use crate::stream::{Checkpoint, StreamError};
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar};
 
 /// A layer, or why it could not be read.
 pub(super) type LayerResult = Result<Arc<Layer>, StreamError>;
@@ -294,6 +294,12 @@ impl Status {
 struct RingState {
     /// The slots; None while the reader has one out.
     slots: Vec<Option<RingSlot<Layer>>>,
+    /// Bytes each slot holds.
+    caps: Vec<usize>,
+    /// The memory of the slots, made anew for each plan, one arena per slot: the `n` slots
+    /// are the sizes of the `n` largest layers the plan streams, which is what the plan
+    /// counts.
+    arenas: Vec<Arc<Arena>>,
     status: Vec<Status>,
     /// Slots asked for, oldest first.
     pending: VecDeque<usize>,
@@ -316,16 +322,19 @@ impl RingState {
         self.queue.retain(|&q| q != s);
     }
 
-    /// Ask for layer `il` in a free slot (one whose layers are not lent out, when there is
-    /// one); None when every slot is asked for or still being read.
-    fn ask(&mut self, il: usize) -> Option<usize> {
+    /// Ask for layer `il`, of `len` bytes, in a free slot it fits: the smallest one whose
+    /// layers are not lent out when there is one, else the smallest; None when every slot it
+    /// fits is asked for or still being read.
+    fn ask(&mut self, il: usize, len: usize) -> Option<usize> {
         let free = |st: &RingState, s: usize| {
-            matches!(st.status[s], Status::Free) && st.slots[s].is_some()
+            matches!(st.status[s], Status::Free) && st.slots[s].is_some() && st.caps[s] >= len
         };
         let n = self.slots.len();
-        let s = (0..n)
-            .find(|&s| free(self, s) && self.slots[s].as_ref().is_some_and(|x| !x.is_lent()))
-            .or_else(|| (0..n).find(|&s| free(self, s)))?;
+        let smallest =
+            |ok: &dyn Fn(usize) -> bool| (0..n).filter(|&s| ok(s)).min_by_key(|&s| self.caps[s]);
+        let s =
+            smallest(&|s| free(self, s) && self.slots[s].as_ref().is_some_and(|x| !x.is_lent()))
+                .or_else(|| smallest(&|s| free(self, s)))?;
         self.status[s] = Status::Queued(il);
         self.queue.push_back(s);
         self.pending.push_back(s);
@@ -336,11 +345,8 @@ impl RingState {
 /// The read-ahead ring: its slots, their state, and the reader thread that fills them.
 #[derive(Debug)]
 pub(super) struct LayerRing {
-    state: Mutex<RingState>,
+    state: Leaf<RingState>,
     changed: Condvar,
-    /// The memory of the slots, made anew for each plan: slots of the largest streamed
-    /// layer's size (the plan counts no more).
-    arena: Mutex<Arc<Arena>>,
     /// Bytes each layer takes in a slot.
     lens: Vec<usize>,
     /// Bytes each layer stages before it is decoded (0: read as it lies).
@@ -351,8 +357,8 @@ pub(super) struct LayerRing {
     layers: usize,
     /// The reader's pool, and every thread the reader runs on, joined when it stops: nothing
     /// of the ring runs (or allocates) after the store is gone.
-    pool: Mutex<Option<rayon::ThreadPool>>,
-    threads: Arc<Mutex<Vec<std::thread::JoinHandle<()>>>>,
+    pool: Leaf<Option<rayon::ThreadPool>>,
+    threads: Arc<Leaf<Vec<std::thread::JoinHandle<()>>>>,
 }
 
 impl LayerRing {
@@ -360,8 +366,10 @@ impl LayerRing {
     /// from `src`.
     pub(super) fn start(src: Source) -> std::io::Result<Arc<LayerRing>> {
         let ring = Arc::new(LayerRing {
-            state: Mutex::new(RingState {
+            state: Leaf::new(RingState {
                 slots: Vec::new(),
+                caps: Vec::new(),
+                arenas: Vec::new(),
                 status: Vec::new(),
                 pending: VecDeque::new(),
                 queue: VecDeque::new(),
@@ -370,13 +378,12 @@ impl LayerRing {
                 alive: 0,
             }),
             changed: Condvar::new(),
-            arena: Mutex::new(Arena::new(1)),
             lens: src.table.layouts.iter().map(Layout::len).collect(),
             staged: src.table.layouts.iter().map(Layout::staged).collect(),
             trunk: src.trunk.clone(),
             layers: src.cfg.num_hidden_layers,
-            pool: Mutex::new(None),
-            threads: Arc::new(Mutex::new(Vec::new())),
+            pool: Leaf::new(None),
+            threads: Arc::new(Leaf::new(Vec::new())),
         });
         let reader = Arc::clone(&ring);
         // The reader runs on a thread of a pool of its own, whose other threads take the
@@ -385,7 +392,7 @@ impl LayerRing {
         // the I/O pool; with none, the reader reads alone.
         match crate::stream::checkpoint::io_pool().map(rayon::ThreadPool::current_num_threads) {
             Some(n) => {
-                lock(&ring.state).alive = 1;
+                ring.state.lock().alive = 1;
                 let threads = Arc::clone(&ring.threads);
                 let pool = rayon::ThreadPoolBuilder::new()
                     .num_threads(n.max(2))
@@ -393,7 +400,7 @@ impl LayerRing {
                         let h = std::thread::Builder::new()
                             .name(format!("k3-reader-{}", t.index()))
                             .spawn(move || t.run())?;
-                        lock(&threads).push(h);
+                        threads.lock().push(h);
                         Ok(())
                     })
                     .build()
@@ -402,17 +409,17 @@ impl LayerRing {
                     reader.read(&src);
                     reader.exited();
                 });
-                *lock(&ring.pool) = Some(pool);
+                *ring.pool.lock() = Some(pool);
             }
             None => {
-                lock(&ring.state).alive = 1;
+                ring.state.lock().alive = 1;
                 let h = std::thread::Builder::new()
                     .name("k3-reader".into())
                     .spawn(move || {
                         reader.read(&src);
                         reader.exited();
                     })?;
-                lock(&ring.threads).push(h);
+                ring.threads.lock().push(h);
             }
         }
         Ok(ring)
@@ -420,16 +427,13 @@ impl LayerRing {
 
     /// The reader thread: fill the queued slots in order until stopped.
     fn read(&self, src: &Source) {
-        let mut g = lock(&self.state);
+        let mut g = self.state.lock();
         loop {
             let Some(s) = g.queue.pop_front() else {
                 if g.stop {
                     return;
                 }
-                g = self
-                    .changed
-                    .wait(g)
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                g = g.wait(&self.changed);
                 continue;
             };
             let Status::Queued(il) = g.status[s] else {
@@ -447,12 +451,12 @@ impl LayerRing {
                 if let Some(r) = src.fill(&mut slot, &mut stage, il) {
                     break Some(r);
                 }
-                if matches!(lock(&self.state).status[s], Status::Discard) {
+                if matches!(self.state.lock().status[s], Status::Discard) {
                     break None;
                 }
                 std::thread::sleep(std::time::Duration::from_micros(200));
             };
-            g = lock(&self.state);
+            g = self.state.lock();
             g.slots[s] = Some(slot);
             g.stage = Some(stage);
             g.status[s] = match (&g.status[s], result) {
@@ -466,7 +470,7 @@ impl LayerRing {
     /// Layer `il`: the one read ahead for it, waited for, or else read now. Requests
     /// ahead of it that were not taken are given up.
     pub(super) fn take(&self, il: usize) -> LayerResult {
-        let mut g = lock(&self.state);
+        let mut g = self.state.lock();
         while let Some(&s) = g.pending.front() {
             if g.status[s].layer() == Some(il) {
                 break;
@@ -478,20 +482,22 @@ impl LayerRing {
             if let Some(s) = g.pending.pop_front() {
                 break s;
             }
-            if g.slots.is_empty() {
+            let len = self.lens.get(il).copied().unwrap_or(0);
+            if !g.caps.iter().any(|&c| c >= len) {
                 return Err(StreamError::Unrepresentable {
                     path: std::path::PathBuf::new(),
                     name: format!("layer {il}"),
-                    reason: "the read-ahead ring has no slot".into(),
+                    reason: if g.slots.is_empty() {
+                        "the read-ahead ring has no slot".into()
+                    } else {
+                        "larger than every slot of the read-ahead ring".into()
+                    },
                 });
             }
-            if g.ask(il).is_some() {
+            if g.ask(il, len).is_some() {
                 self.changed.notify_all();
             } else {
-                g = self
-                    .changed
-                    .wait(g)
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                g = g.wait(&self.changed);
             }
         };
         loop {
@@ -500,24 +506,21 @@ impl LayerRing {
                     return r;
                 }
             }
-            g = self
-                .changed
-                .wait(g)
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            g = g.wait(&self.changed);
         }
     }
 
     /// Read layer `il` ahead, if fewer than `depth` layers are asked for and `il` is not one
     /// of them. Returns whether more may be asked for.
     pub(super) fn read_ahead(&self, il: usize, depth: usize) -> bool {
-        let mut g = lock(&self.state);
+        let mut g = self.state.lock();
         if g.pending.len() >= depth {
             return false;
         }
         if g.pending.iter().any(|&s| g.status[s].layer() == Some(il)) {
             return false;
         }
-        let asked = g.ask(il).is_some();
+        let asked = g.ask(il, self.lens.get(il).copied().unwrap_or(0)).is_some();
         if asked {
             self.changed.notify_all();
         }
@@ -525,10 +528,10 @@ impl LayerRing {
     }
 
     /// Drop every request, wait for the reader to finish the read under way, and make
-    /// `slots` slots of the size of the largest layer `pinned` leaves streamed (the layers
-    /// bound to the old slots go with them).
+    /// `slots` slots of the sizes of the `slots` largest layers `pinned` leaves streamed (the
+    /// layers bound to the old slots go with them).
     pub(super) fn resize(&self, slots: usize, pinned: &[bool]) -> std::io::Result<()> {
-        let mut g = lock(&self.state);
+        let mut g = self.state.lock();
         while let Some(s) = g.pending.pop_front() {
             g.discard(s);
         }
@@ -537,22 +540,18 @@ impl LayerRing {
             .iter()
             .any(|s| matches!(s, Status::Reading(_) | Status::Discard))
         {
-            g = self
-                .changed
-                .wait(g)
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            g = g.wait(&self.changed);
         }
         g.slots.clear();
+        g.caps.clear();
         g.status.clear();
         g.queue.clear();
-        let len = (self.lens.iter().enumerate())
+        g.arenas.clear();
+        let mut lens: Vec<usize> = (self.lens.iter().enumerate())
             .filter(|&(il, _)| !pinned.get(il).copied().unwrap_or(false))
             .map(|(_, &n)| n)
-            .max()
-            .unwrap_or(0);
-        let arena = Arena::new(len.max(1));
-        arena.set_slots(slots)?;
-        *lock(&self.arena) = Arc::clone(&arena);
+            .collect();
+        lens.sort_unstable_by(|a, b| b.cmp(a));
         // The staging of the largest encoded run the plan streams (none when it streams none).
         let staged = (self.staged.iter().enumerate())
             .filter(|&(il, _)| !pinned.get(il).copied().unwrap_or(false))
@@ -572,40 +571,48 @@ impl LayerRing {
                     .unwrap_or_default(),
             });
         }
-        for _ in 0..slots {
+        // With fewer streamed layers than slots, the extra slots are the smallest's size.
+        let last = lens.last().copied().unwrap_or(0);
+        for i in 0..slots {
+            let arena = Arena::new(lens.get(i).copied().unwrap_or(last).max(1));
+            arena.set_slots(1)?;
             let slot = RingSlot::new(&arena, self.layers).ok_or_else(|| {
                 std::io::Error::other("the read-ahead ring's memory has no free slot")
             })?;
+            g.caps.push(slot.capacity());
             g.slots.push(Some(slot));
             g.status.push(Status::Free);
+            g.arenas.push(arena);
         }
         g.pending.reserve(slots);
         g.queue.reserve(slots);
         Ok(())
     }
 
+    /// Bytes of the ring's slots.
+    pub(super) fn bytes(&self) -> u64 {
+        self.state.lock().caps.iter().map(|&c| c as u64).sum()
+    }
+
     /// The reader has returned.
     fn exited(&self) {
-        let mut g = lock(&self.state);
+        let mut g = self.state.lock();
         g.alive = g.alive.saturating_sub(1);
         self.changed.notify_all();
     }
 
     /// Stop the reader, and wait until its threads have ended.
     pub(super) fn stop(&self) {
-        let mut g = lock(&self.state);
+        let mut g = self.state.lock();
         g.stop = true;
         self.changed.notify_all();
         while g.alive > 0 {
-            g = self
-                .changed
-                .wait(g)
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            g = g.wait(&self.changed);
         }
         drop(g);
         // With no job left, a dropped pool's threads end.
-        drop(lock(&self.pool).take());
-        let threads = std::mem::take(&mut *lock(&self.threads));
+        drop(self.pool.lock().take());
+        let threads = std::mem::take(&mut *self.threads.lock());
         for t in threads {
             let _ = t.join();
         }

@@ -1,15 +1,18 @@
 //! Reads of experts predicted for the next layer, queued behind the reads layers ask for.
 
-use super::cache::{lock, Counters, ExpertCache, Resident};
+use super::cache::{Arrival, Counters, Resident};
 use super::expert_io::{read_expert, ExpertTable};
+use super::leaf::Leaf;
 use crate::engine::config::ModelConfig;
 use crate::stream::checkpoint::io_pool;
 use crate::stream::Checkpoint;
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-/// Predicted reads waiting for the disk to be idle, and the reads in flight.
+/// Predicted reads waiting for the disk to be idle, and the reads in flight. It lives with the
+/// expert cache under the resident set's lock: queueing, cancelling and completing a read
+/// change both at once.
 #[derive(Debug, Default)]
 pub(super) struct PrefetchState {
     /// Predicted reads not started, the most likely first: (layer, expert, reserved slot).
@@ -67,14 +70,13 @@ pub(super) struct Prefetcher {
     pub(super) ck: Arc<Checkpoint>,
     pub(super) cfg: Arc<ModelConfig>,
     pub(super) table: Arc<ExpertTable>,
-    pub(super) resident: Arc<Mutex<Resident>>,
+    pub(super) resident: Arc<Leaf<Resident>>,
     pub(super) counters: Arc<Counters>,
     pub(super) expert_bytes: u64,
     /// Predicted reads may start while fewer reads than this are in flight.
     pub(super) depth: std::sync::atomic::AtomicUsize,
     /// The same for a prediction from a layer's output.
     pub(super) late_depth: std::sync::atomic::AtomicUsize,
-    pub(super) state: Mutex<PrefetchState>,
     /// Told when the last predicted read in flight completes.
     pub(super) idle: std::sync::Condvar,
 }
@@ -83,33 +85,31 @@ impl std::fmt::Debug for Prefetcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Prefetcher")
             .field("depth", &self.depth.load(Ordering::Relaxed))
-            .field("state", &*lock(&self.state))
             .finish()
     }
 }
 
 impl Prefetcher {
-    /// Queue predicted reads (reserved slots of `cache`) behind those queued already; the
-    /// first `eager` of them may start under `late_depth` (when the queue was empty).
-    pub(super) fn enqueue(&self, reads: &[(usize, usize, usize)], eager: usize) {
-        let mut s = lock(&self.state);
+    /// Queue predicted reads (reserved slots of `r`'s cache) behind those queued already;
+    /// the first `eager` of them may start under `late_depth` (when the queue was empty).
+    pub(super) fn enqueue(r: &mut Resident, reads: &[(usize, usize, usize)], eager: usize) {
+        let s = &mut r.prefetch;
         if s.queued.is_empty() {
             s.eager = eager.min(reads.len());
         }
         s.queued.extend(reads.iter().copied());
     }
 
-    /// Drop every queued predicted read, freeing its slot in `cache`.
-    /// The caller holds the resident lock (whose cache this is): the order is resident, then
-    /// this queue's state.
-    pub(super) fn cancel_queued(&self, cache: &mut ExpertCache) {
-        let mut s = lock(&self.state);
+    /// Drop every queued predicted read, freeing its slot in `r`'s cache.
+    pub(super) fn cancel_queued(&self, r: &mut Resident) {
+        let Resident {
+            prefetch: s, cache, ..
+        } = r;
         s.eager = 0;
         let dropped = s.queued.len() as u64;
         while let Some((_, _, slot)) = s.queued.pop_front() {
             cache.cancel_prefetch(slot);
         }
-        drop(s);
         self.counters
             .prefetch_cancelled
             .fetch_add(dropped, Ordering::Relaxed);
@@ -117,12 +117,12 @@ impl Prefetcher {
 
     /// A layer's own read is issued.
     pub(super) fn demand_started(&self) {
-        lock(&self.state).demand += 1;
+        self.resident.lock().prefetch.demand += 1;
     }
 
     /// A layer's own read completed: predicted reads may use the disk if it goes idle.
     pub(super) fn demand_done(self: &Arc<Self>) {
-        lock(&self.state).demand -= 1;
+        self.resident.lock().prefetch.demand -= 1;
         self.pump();
     }
 
@@ -135,7 +135,8 @@ impl Prefetcher {
         );
         loop {
             let next = {
-                let mut s = lock(&self.state);
+                let mut r = self.resident.lock();
+                let s = &mut r.prefetch;
                 if s.demand + s.in_flight >= if s.eager > 0 { late_depth } else { depth } {
                     return;
                 }
@@ -160,26 +161,30 @@ impl Prefetcher {
                 .expert_bytes
                 .fetch_add(self.expert_bytes, Ordering::Relaxed);
         }
-        lock(&self.resident).cache.complete_prefetch(slot, result);
-        {
-            let mut s = lock(&self.state);
-            s.in_flight -= 1;
-            if s.in_flight == 0 {
+        let (expert, waiting) = {
+            let mut r = self.resident.lock();
+            let done = r.cache.complete_prefetch(slot, result);
+            r.prefetch.in_flight -= 1;
+            if r.prefetch.in_flight == 0 {
                 self.idle.notify_all();
             }
+            done
+        };
+        for (tx, k) in waiting {
+            tx.send(Arrival::Shared {
+                k,
+                expert: expert.clone(),
+            });
         }
         self.pump();
     }
 
     /// Drop the queued predicted reads and wait for those in flight (before a plan change).
     pub(super) fn quiesce(&self) {
-        self.cancel_queued(&mut lock(&self.resident).cache);
-        let mut s = lock(&self.state);
-        while s.in_flight > 0 {
-            s = self
-                .idle
-                .wait(s)
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut r = self.resident.lock();
+        self.cancel_queued(&mut r);
+        while r.prefetch.in_flight > 0 {
+            r = r.wait(&self.idle);
         }
     }
 }

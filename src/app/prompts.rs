@@ -4,7 +4,7 @@
 //! are those `k3 run` gives it alone. One JSON line per prompt goes to stdout, in input order.
 
 use super::run::{
-    load_tokenizer, sampling as run_sampling, set_threads, terminal_safe, RunArgs, MAX_CONTEXT,
+    model_of, sampling as run_sampling, set_threads, terminal_safe, tokenizer_of, RunArgs,
 };
 use crate::engine::model::Logits;
 use crate::engine::sampling::{Sampler, SamplerConfig};
@@ -281,28 +281,13 @@ pub fn run(args: &RunArgs, path: &Path) -> Result<()> {
             "--dump-logits writes one run's logits; it does not go with --prompts".into(),
         ));
     }
-    let model_dir = match &args.model_dir {
-        Some(d) => d.clone(),
-        None => super::demo::materialise()?,
-    };
-    let req = args
-        .budget
-        .request(crate::stream::budget::BudgetRequest::Resident)?;
-    if args.context > MAX_CONTEXT {
-        return Err(Error::Usage(format!(
-            "--context {} is above the limit of {MAX_CONTEXT} positions",
-            args.context
-        )));
-    }
-    let cfg = crate::engine::ModelConfig::load(&model_dir.join("config.json"))?;
+    let (model_dir, req, cfg) = model_of(args)?;
     let (sampler, sampling_line) = run_sampling(args, &model_dir)?;
     sampler
         .validate()
         .map_err(|e| Error::Usage(e.to_string()))?;
     let vocab = cfg.vocab_size;
-    let vocab_u32 =
-        u32::try_from(vocab).map_err(|_| Error::Usage("vocab_size above u32".into()))?;
-    let tok = load_tokenizer(&model_dir, vocab_u32)?;
+    let tok = tokenizer_of(&model_dir, &cfg)?;
     if let Some(bad) = args.stop_ids.iter().find(|&&id| id as usize >= vocab) {
         return Err(Error::Usage(format!(
             "--stop-id {bad} is outside the vocabulary (0..{vocab})"

@@ -389,16 +389,15 @@ pub(crate) fn sampling(args: &RunArgs, model_dir: &Path) -> Result<(SamplerConfi
     Ok((s.sampler, line))
 }
 
-/// Run `k3 run`.
-/// Over 100 lines: `k3 run` is one pass in order (check, open, prefill, decode, report) whose
-/// figures are gathered along the way and reported together at the end.
-pub fn run(args: &RunArgs) -> Result<()> {
-    if args.parallel.is_some() {
-        return Err(Error::Usage(
-            "--parallel sets how many --prompts are decoded together; give --prompts FILE".into(),
-        ));
-    }
-    set_threads(args.threads)?;
+/// What `k3 run` (one prompt or `--prompts`) checks first: the model directory (the demo
+/// model's when none is given), the budget asked for, the context, and the model's config.
+pub(crate) fn model_of(
+    args: &RunArgs,
+) -> Result<(
+    PathBuf,
+    crate::stream::budget::BudgetRequest,
+    crate::engine::ModelConfig,
+)> {
     let model_dir = match &args.model_dir {
         Some(d) => d.clone(),
         None => super::demo::materialise()?,
@@ -412,16 +411,38 @@ pub fn run(args: &RunArgs) -> Result<()> {
             args.context
         )));
     }
+    let cfg = crate::engine::ModelConfig::load(&model_dir.join("config.json"))?;
+    Ok((model_dir, req, cfg))
+}
+
+/// The tokenizer of the model in `dir` whose config is `cfg` (None where it ships none).
+pub(crate) fn tokenizer_of(
+    dir: &Path,
+    cfg: &crate::engine::ModelConfig,
+) -> Result<Option<Tokenizer>> {
+    let vocab =
+        u32::try_from(cfg.vocab_size).map_err(|_| Error::Usage("vocab_size above u32".into()))?;
+    load_tokenizer(dir, vocab)
+}
+
+/// Run `k3 run`.
+/// Over 100 lines: `k3 run` is one pass in order (check, open, prefill, decode, report) whose
+/// figures are gathered along the way and reported together at the end.
+pub fn run(args: &RunArgs) -> Result<()> {
+    if args.parallel.is_some() {
+        return Err(Error::Usage(
+            "--parallel sets how many --prompts are decoded together; give --prompts FILE".into(),
+        ));
+    }
+    set_threads(args.threads)?;
     // The prompt is measured before any weight is read: the config gives the vocabulary, the
     // tokenizer the length.
-    let cfg = crate::engine::ModelConfig::load(&model_dir.join("config.json"))?;
+    let (model_dir, req, cfg) = model_of(args)?;
     // The model's config.json is checked first, then the files that choose the sampler.
     let (sampler_cfg, sampling_line) = sampling(args, &model_dir)?;
     let mut sampler = Sampler::new(sampler_cfg).map_err(|e| Error::Usage(e.to_string()))?;
     let vocab = cfg.vocab_size;
-    let vocab_u32 =
-        u32::try_from(vocab).map_err(|_| Error::Usage("vocab_size above u32".into()))?;
-    let tok = load_tokenizer(&model_dir, vocab_u32)?;
+    let tok = tokenizer_of(&model_dir, &cfg)?;
     let prompt = prompt_ids(args, tok.as_ref(), args.context)?;
     if prompt.is_empty() {
         return Err(Error::Usage("the prompt is empty".into()));

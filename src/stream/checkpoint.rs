@@ -1079,7 +1079,9 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// [`Checkpoint::read_shared`] into a slot of `arena` where one is free.
+    /// [`Checkpoint::read_shared`] into a slot of `arena` where one is free: a new area of
+    /// the size [`Checkpoint::read_range_into`] needs (the aligned window of a direct read),
+    /// read by it.
     fn read_shared_in(
         &self,
         shard: usize,
@@ -1088,69 +1090,30 @@ impl Checkpoint {
         name: &str,
         arena: Option<&std::sync::Arc<Arena>>,
     ) -> Result<Bytes, StreamError> {
-        let alloc = |n: usize| match arena {
+        let ulen = usize::try_from(len).map_err(|_| StreamError::Read {
+            path: self.paths[shard].clone(),
+            offset: at,
+            len,
+            name: name.to_string(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "span too large"),
+        })?;
+        let direct =
+            self.direct.get(shard).is_some_and(Option::is_some) && self.reads_direct(shard, len);
+        let n = if direct {
+            let a = DIRECT_ALIGN as u64;
+            ((at + len).div_ceil(a) * a - at / a * a) as usize
+        } else {
+            ulen
+        };
+        let mut fill = match arena {
             Some(a) => Filling::new_in_arena(n, a),
             None => Filling::new(n),
         };
-        let err = |offset: u64, source: std::io::Error| StreamError::Read {
-            path: self.paths[shard].clone(),
-            offset,
-            len,
-            name: name.to_string(),
-            source,
-        };
-        let ulen = usize::try_from(len).map_err(|_| {
-            err(
-                at,
-                std::io::Error::new(std::io::ErrorKind::InvalidInput, "span too large"),
-            )
-        })?;
-        // Through the page cache, straight into the new allocation.
-        let buffered = || -> Result<Option<Bytes>, StreamError> {
-            let mut fill = alloc(ulen);
-            let got = read_pieces(
-                &self.reads,
-                &self.fault,
-                &self.files[shard],
-                fill.area(),
-                at,
-                ulen,
-            )
-            .map_err(|e| err(at, e))?;
-            Ok(fill.finish(got).slice(0, ulen))
-        };
-        let direct = self.direct.get(shard).and_then(Option::as_ref);
-        let out = match direct.filter(|_| self.reads_direct(shard, len)) {
-            Some(file) => {
-                let a = DIRECT_ALIGN as u64;
-                let start = at / a * a;
-                let end = (at + len).div_ceil(a) * a;
-                let lead = (at - start) as usize;
-                let mut fill = alloc((end - start) as usize);
-                match read_pieces(
-                    &self.reads,
-                    &self.fault,
-                    file,
-                    fill.area(),
-                    start,
-                    lead + ulen,
-                ) {
-                    Ok(got) => fill.finish(got).slice(lead, ulen),
-                    Err(e)
-                        if rustix::io::Errno::from_io_error(&e)
-                            == Some(rustix::io::Errno::INVAL) =>
-                    {
-                        // EINVAL: this filesystem or device does not take these direct reads.
-                        self.direct_off[shard].store(true, Ordering::Relaxed);
-                        buffered()?
-                    }
-                    Err(e) => return Err(err(at, e)),
-                }
-            }
-            None => buffered()?,
-        };
-        self.after_read(shard, at, len);
-        Ok(out.unwrap_or_default())
+        let lead = self.read_range_into(shard, at, len, name, fill.area())?;
+        Ok(fill
+            .finish(lead + ulen)
+            .slice(lead, ulen)
+            .unwrap_or_default())
     }
 }
 

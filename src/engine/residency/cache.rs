@@ -56,7 +56,7 @@ pub(super) struct ExpertCache {
     pub(super) per_layer: Vec<u32>,
     pub(super) now: u64,
     /// Slots being filled by a prefetch, with the requests waiting for them.
-    pub(super) waiting: HashMap<usize, Vec<(Arc<Mailbox>, usize)>>,
+    pub(super) waiting: HashMap<usize, Waiters>,
     /// Slots filled (or being filled) by a prefetch that no request has asked for yet.
     pub(super) prefetched: Vec<bool>,
     /// The last prediction, checked against its layer's routing.
@@ -100,6 +100,9 @@ pub(super) enum Arrival {
         expert: Option<Arc<Expert>>,
     },
 }
+
+/// Requests waiting for a prefetch: where to leave it, and which of their experts it is.
+pub(super) type Waiters = Vec<(Arc<Mailbox>, usize)>;
 
 /// Where a request's arrivals are left: a queue made once, with room for every expert of a
 /// request, and a condition variable the request waits on. Neither sending nor waiting
@@ -306,7 +309,7 @@ impl ExpertCache {
         &mut self,
         slot: usize,
         result: Result<Expert, StreamError>,
-    ) -> (Option<Arc<Expert>>, Vec<(Arc<Mailbox>, usize)>) {
+    ) -> (Option<Arc<Expert>>, Waiters) {
         let expert = match result {
             Ok(ex) => {
                 let ex = Arc::new(ex);

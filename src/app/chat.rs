@@ -171,6 +171,7 @@ fn settings(
 /// any front end takes the terminal, with the floor and the context it assumes.
 fn check_floor(
     model_dir: &std::path::Path,
+    trunk: Option<&std::path::Path>,
     req: crate::stream::budget::BudgetRequest,
     context: u64,
 ) -> crate::Result<()> {
@@ -180,7 +181,12 @@ fn check_floor(
     }
     let cfg = crate::engine::config::ModelConfig::load(&model_dir.join("config.json"))?;
     let ck = crate::stream::Checkpoint::open(model_dir)?;
-    let sizes = crate::engine::weights::model_sizes(&cfg, &ck);
+    let mut sizes = crate::engine::weights::model_sizes(&cfg, &ck);
+    // An encoded trunk's layers are staged before decoding (a bad trunk is reported when the
+    // model opens).
+    if let Some(m) = trunk.and_then(|t| crate::stream::trunk::read_manifest(t).ok()) {
+        sizes.layer_staged = m.staged_lens();
+    }
     let states = 1 + crate::session::chat::SNAPSHOTS as u64;
     budget::plan_states(&sizes, req, context, states, budget::cgroup_limit())
         .map(|_| ())
@@ -373,7 +379,12 @@ pub fn start(args: &ChatArgs) -> crate::Result<Started> {
             .join("\n")
     });
     if args.remote.is_none() {
-        check_floor(&model_dir, budget, settings.context_limit as u64)?;
+        check_floor(
+            &model_dir,
+            args.budget.trunk.as_deref(),
+            budget,
+            settings.context_limit as u64,
+        )?;
     }
     let worker = if let Some(url) = &args.remote {
         let api_key = match &args.api_key_env {

@@ -358,7 +358,8 @@ fn check_sources(
 
 /// Read and parse `trunk.json` in `dir`: older formats and foreign files are refused before
 /// any field is looked at.
-fn read_manifest(dir: &Path) -> Result<Manifest, String> {
+/// Read and parse `dir/trunk.json` (its format and fields; [`Trunk::open`] checks the rest).
+pub fn read_manifest(dir: &Path) -> Result<Manifest, String> {
     let json = dir.join("trunk.json");
     let bytes = super::read_capped(&json, MAX_MANIFEST_BYTES)
         .map_err(|e| format!("cannot read trunk.json: {e} (run `k3 pack` first)"))?;
@@ -679,6 +680,24 @@ fn pack_encoded(
     l.nbytes = buf.len() as u64;
     l.gathered = true;
     Ok(())
+}
+
+impl Manifest {
+    /// Per layer, the bytes a streamed read of it stages before decoding: its run when it
+    /// holds encoded tensors, else 0 (see [`Trunk::staged_lens`]).
+    #[must_use]
+    pub fn staged_lens(&self) -> Vec<u64> {
+        (self.layers.iter())
+            .map(|l| {
+                let encoded = l.tensors.values().any(TrunkTensor::is_encoded);
+                if encoded {
+                    l.nbytes
+                } else {
+                    0
+                }
+            })
+            .collect()
+    }
 }
 
 /// One layer's tensors read from the trunk, as raw bytes until taken.
@@ -1144,9 +1163,7 @@ impl Trunk {
     /// `ModelSizes::layer_staged`).
     #[must_use]
     pub fn staged_lens(&self) -> Vec<u64> {
-        (0..self.manifest.layers.len())
-            .map(|il| self.decoded_len(il).map_or(0, |(stored, _)| stored as u64))
-            .collect()
+        self.manifest.staged_lens()
     }
 
     /// A list of decoding pieces long enough for any layer of the trunk.

@@ -61,3 +61,55 @@ fn plan_chat_plans_what_chat_plans() {
         String::from_utf8_lossy(&above.stderr)
     );
 }
+
+/// With an encoded packed trunk the chat's floor counts the staging of its largest run, as
+/// `k3 plan --chat --trunk` does: a budget between the two floors is refused before the chat
+/// starts, one just above the trunk's floor opens it.
+#[test]
+fn plan_chat_counts_an_encoded_trunks_staging() {
+    let demo = crate::common::demo_model().to_str().unwrap().to_string();
+    let tmp = tempfile::tempdir().unwrap();
+    let home = tmp.path().join("no-config");
+    let trunk = tmp.path().join("trunk");
+    let trunk = trunk.to_str().unwrap();
+    let packed = run(&["pack", demo.as_str(), trunk], &home);
+    assert!(packed.status.success(), "{packed:?}");
+    let plan = |extra: &[&str]| -> Value {
+        let mut args = vec!["plan", demo.as_str(), "--chat", "--json", "--mem", "2"];
+        args.extend_from_slice(extra);
+        let out = run(&args, &home);
+        assert!(out.status.success(), "{out:?}");
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let (plain, with) = (plan(&[]), plan(&["--trunk", trunk]));
+    let staged = (with["sizes"]["layer_staged"].as_array().unwrap().iter())
+        .filter_map(Value::as_u64)
+        .max()
+        .unwrap();
+    assert!(staged > 800_000, "{staged}");
+    let floor = with["floor_bytes"].as_u64().unwrap();
+    assert_eq!(floor, plain["floor_bytes"].as_u64().unwrap() + staged);
+    let sessions = tmp.path().join("sessions");
+    let chat = |bytes: u64| {
+        let mem = format!("{:.4}", bytes as f64 / 1e9);
+        let sessions = sessions.to_str().unwrap();
+        let args = [
+            "chat",
+            &demo,
+            "--plain",
+            "--mem",
+            &mem,
+            "--trunk",
+            trunk,
+            "--session-dir",
+            sessions,
+        ];
+        run(&args, &home)
+    };
+    let below = chat(floor - staged / 2);
+    let err = String::from_utf8_lossy(&below.stderr);
+    assert_eq!(below.status.code(), Some(2), "{err}");
+    assert!(err.contains("positions and 5 sequence states;"), "{err}");
+    let above = chat(floor + staged / 2);
+    assert!(above.status.success(), "{above:?}");
+}

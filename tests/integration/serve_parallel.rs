@@ -215,7 +215,54 @@ fn cancelled_request() -> Value {
 
 #[test]
 fn concurrent_requests_get_the_replies_they_get_alone() {
-    let alone = start(&["--parallel", "1"], &[]);
+    replies_alone_and_together(&[]);
+}
+
+#[test]
+fn concurrent_requests_get_the_replies_they_get_alone_with_every_weight_streamed() {
+    // The budget at the floor of a plan holding 3 sequences and the kept states: every layer
+    // and expert streams.
+    let context = 2048;
+    let out = crate::common::k3_command()
+        .args(["plan", "--json", "--context", &context.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plan: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let states = k3::serve::planned_states(3);
+    let floor = plan["floor_bytes"].as_u64().unwrap()
+        + (states - 1) * plan["sequence_state_bytes"].as_u64().unwrap();
+    let mem = format!("{:.9}", (floor + 1_000) as f64 / 1e9);
+    let context = context.to_string();
+    let read = replies_alone_and_together(&["--mem", &mem, "--context", &context]);
+    let model = plan["model_bytes"].as_u64().unwrap() as f64;
+    assert!(
+        read > 50.0 * model,
+        "{read} bytes read: the weights did not stream"
+    );
+    // More sequences than that budget holds are refused, saying what to lower.
+    let out = crate::common::k3_command()
+        .args(["serve", "--port", "0", "--parallel", "8", "--mem", &mem])
+        .args(["--context", &context])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("lower --parallel"), "{err}");
+}
+
+/// Every request's reply from a server decoding 3 together equals its reply from a server
+/// answering one at a time (both started with `args`). Returns the bytes the second read
+/// from the checkpoint.
+fn replies_alone_and_together(args: &[&str]) -> f64 {
+    let with = |more: &[&'static str]| -> Vec<&str> {
+        args.iter().copied().chain(more.iter().copied()).collect()
+    };
+    let alone = start(&with(&["--parallel", "1"]), &[]);
     let reqs = requests();
     let want: Vec<Reply> = reqs.iter().map(|r| ask(&alone.url, r)).collect();
     let want_long = ask(&alone.url, &long_request());
@@ -224,7 +271,7 @@ fn concurrent_requests_get_the_replies_they_get_alone() {
         assert!(!w.0.is_empty() || !w.1.is_empty(), "{r}: an empty reply");
     }
 
-    let s = start(&["--parallel", "3", "--queue", "16"], &[]);
+    let s = start(&with(&["--parallel", "3", "--queue", "16"]), &[]);
     assert_eq!(metric(&s, "k3_parallel"), 3.0);
     // A long reply in flight, and one whose client goes away while the others run.
     let long = Stream::open(&s, &long_request());
@@ -271,6 +318,7 @@ fn concurrent_requests_get_the_replies_they_get_alone() {
         "{per_pass} != {fed} / {steps}"
     );
     assert!(per_pass > 1.0, "{per_pass}");
+    metric(&s, "k3_bytes_read_total")
 }
 
 #[test]

@@ -714,9 +714,21 @@ impl Streamer {
         }
     }
 
+    /// Layer `il`'s non-expert weights in an allocation of their own, to be pinned: a layer
+    /// stored encoded is read through the ring's staging memory (no more memory than the
+    /// plan counts), any other as it lies.
+    fn load_pinned(&self, il: usize) -> LayerResult {
+        if let Some(t) = self.trunk.as_deref() {
+            if let Some(l) = layers::load_encoded(&self.ck, t, &self.cfg, il, &self.ring) {
+                return l;
+            }
+        }
+        load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il, self.mapped)
+    }
+
     /// Read layer `il`'s non-expert weights into the resident set.
     fn pin_layer(&self, il: usize) -> Result<(), StreamError> {
-        let layer = load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il, self.mapped)?;
+        let layer = self.load_pinned(il)?;
         self.counters
             .trunk_bytes
             .fetch_add(self.sizes.layer_trunk[il], Ordering::Relaxed);
@@ -782,7 +794,7 @@ impl Streamer {
         };
         let t0 = Instant::now();
         let layer = if is_pinned {
-            let l = load_layer(&self.ck, self.trunk.as_deref(), &self.cfg, il, self.mapped)?;
+            let l = self.load_pinned(il)?;
             self.resident.lock().pinned[il] = Some(Arc::clone(&l));
             l
         } else {

@@ -1124,7 +1124,14 @@ impl Trunk {
                 std::io::Error::new(std::io::ErrorKind::InvalidInput, "run too large"),
             )
         })?;
-        let mut fill = Filling::new_in(total, &self.pool);
+        // A raw run becomes the layer's tensors: pooled, for the next read of a streamed
+        // layer. An encoded one is only decoded from: an allocation of its own, given back
+        // to the system once decoded (a pooled one would stay resident beside the layer it
+        // decoded to, outside the plan).
+        let mut fill = match self.decoded[il] {
+            Some(_) => Filling::new(total),
+            None => Filling::new_in(total, &self.pool),
+        };
         self.read_run_into(il, fill.area())?;
         let run = fill.finish(total);
         self.check_run(il, &run)?;
@@ -1324,12 +1331,45 @@ impl Trunk {
     /// Decode layer `il`'s tensors from `run` (its bytes in `trunk.bin`) into one pooled
     /// allocation laid out by `d`, on the I/O pool.
     fn decode_layer(&self, il: usize, run: &Bytes, d: &Decoded) -> Result<Bytes, StreamError> {
-        let mut fill = Filling::new_in(d.len, &self.decoded_pool);
         let mut scratch = self.decode_scratch();
+        self.decode_layer_with(il, run.as_slice(), d, &mut scratch)
+    }
+
+    /// Layer `il`, stored encoded, decoded from `run` (its stored run as
+    /// [`Trunk::read_run_into`] read it, into memory the caller keeps, such as a staging
+    /// buffer) into one pooled allocation of its own, as [`Trunk::read_layer`] gives it.
+    ///
+    /// # Errors
+    /// The layer is stored raw, or a block does not decode.
+    pub fn decode_layer_from(
+        &self,
+        il: usize,
+        run: &[u8],
+        scratch: &mut DecodeScratch,
+    ) -> Result<LayerRun, StreamError> {
+        let Some(d) = self.decoded.get(il).and_then(Option::as_ref) else {
+            return Err(StreamError::Corrupt {
+                path: self.dir.join("trunk.bin"),
+                what: format!("trunk layer {il}"),
+                reason: "the layer holds no encoded tensor".into(),
+            });
+        };
+        let bytes = self.decode_layer_with(il, run, d, scratch)?;
+        self.layer_run(il, &bytes)
+    }
+
+    fn decode_layer_with(
+        &self,
+        il: usize,
+        run: &[u8],
+        d: &Decoded,
+        scratch: &mut DecodeScratch,
+    ) -> Result<Bytes, StreamError> {
+        let mut fill = Filling::new_in(d.len, &self.decoded_pool);
         // On the I/O pool: this may run on a compute pool's worker while the others are
         // blocked waiting for this very layer, so blocks queued on the compute pool would
         // never be decoded.
-        let mut decode = || self.decode_run_into(il, run.as_slice(), fill.area(), &mut scratch);
+        let mut decode = || self.decode_run_into(il, run, fill.area(), scratch);
         match io_pool() {
             Some(pool) => pool.install(decode),
             None => decode(),

@@ -253,6 +253,50 @@ fn a_decoding_step_at_the_floor_allocates_nothing() {
     }
 }
 
+/// Pinning layers stored encoded takes the layers' own memory and no buffer of their stored
+/// runs beside them (those are read into the ring's staging buffer, which the plan counts):
+/// the bytes allocated while a plan pins every layer stay within the layers' decoded size
+/// (reading each run into a buffer of its own allocated about 1.7 times that), and the
+/// tokens stay the resident model's.
+fn pinning_an_encoded_layer_allocates_only_the_layer() {
+    for set in ["tiny", "tiny2"] {
+        let resident = Model::load(&fixture(set)).unwrap();
+        let want = bits(&decode_plain(&resident));
+        let enc = std::env::temp_dir().join(format!("k3-alloc-pin-{set}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&enc);
+        let ck = k3::stream::checkpoint::Checkpoint::open(&fixture(set)).unwrap();
+        let layers = resident.cfg.num_hidden_layers;
+        k3::stream::trunk::pack(&ck, layers, &enc, false, true, &|_, _| {}).unwrap();
+        let mut opts = k3::engine::weights::OpenOptions {
+            budget: BudgetRequest::Resident,
+            context: POSITIONS as u64,
+            trunk: Some(enc.clone()),
+            ..Default::default()
+        };
+        let (_, info) = Model::open_with(&fixture(set), &opts).unwrap();
+        opts.budget = BudgetRequest::Total(info.plan.floor_bytes);
+        let (m, info) = Model::open_with(&fixture(set), &opts).unwrap();
+        let mut plan = m.store().planned().unwrap().1;
+        assert_eq!(plan.n_pinned(), 0, "{set}: nothing pinned at the floor");
+        plan.pinned.iter_mut().for_each(|p| *p = true);
+        let region = Region::new(GLOBAL);
+        m.store().set_plan(plan).unwrap();
+        let bytes = region.change().bytes_allocated as u64;
+        let layers_bytes: u64 = info.sizes.layer_trunk.iter().sum();
+        assert!(
+            bytes <= layers_bytes + layers_bytes / 5 + (64 << 10),
+            "{set}: pinning {layers} encoded layers of {layers_bytes} B allocated {bytes} B"
+        );
+        println!("{set}: pinning {layers_bytes} B of layers allocated {bytes} B");
+        assert_eq!(
+            bits(&decode_plain(&m)),
+            want,
+            "{set}: pinned encoded layers changed a bit"
+        );
+        let _ = std::fs::remove_dir_all(&enc);
+    }
+}
+
 fn a_step_on_two_worker_threads_allocates_nothing() {
     let m = Model::load(&fixture("tiny2")).unwrap();
     let pool = two_threads();
@@ -425,6 +469,7 @@ const TESTS: &[(&str, fn())] = tests![
     a_resident_decoding_step_allocates_nothing,
     a_decoding_step_under_a_budget_allocates_nothing,
     a_decoding_step_at_the_floor_allocates_nothing,
+    pinning_an_encoded_layer_allocates_only_the_layer,
     a_step_on_two_worker_threads_allocates_nothing,
     a_speculator_step_without_a_draft_allocates_nothing,
     a_speculator_step_with_drafts_allocates_nothing,

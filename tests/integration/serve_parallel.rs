@@ -236,13 +236,19 @@ fn concurrent_requests_get_the_replies_they_get_alone_with_every_weight_streamed
     let states = k3::serve::planned_states(3);
     let floor = plan["floor_bytes"].as_u64().unwrap()
         + (states - 1) * plan["sequence_state_bytes"].as_u64().unwrap();
-    let mem = format!("{:.9}", (floor + 1_000) as f64 / 1e9);
+    let budget = floor + 1_000;
+    let mem = format!("{:.9}", budget as f64 / 1e9);
     let context = context.to_string();
-    let read = replies_alone_and_together(&["--mem", &mem, "--context", &context]);
+    let (read, peak) = replies_alone_and_together(&["--mem", &mem, "--context", &context]);
     let model = plan["model_bytes"].as_u64().unwrap() as f64;
     assert!(
         read > 50.0 * model,
         "{read} bytes read: the weights did not stream"
+    );
+    // Three sequences, their kept states and the streamed weights inside the budget.
+    assert!(
+        peak > 0.0 && peak <= budget as f64,
+        "peak RSS {peak} B above the budget {budget} B"
     );
     // More sequences than that budget holds are refused, saying what to lower.
     let out = crate::common::k3_command()
@@ -257,8 +263,8 @@ fn concurrent_requests_get_the_replies_they_get_alone_with_every_weight_streamed
 
 /// Every request's reply from a server decoding 3 together equals its reply from a server
 /// answering one at a time (both started with `args`). Returns the bytes the second read
-/// from the checkpoint.
-fn replies_alone_and_together(args: &[&str]) -> f64 {
+/// from the checkpoint, and its peak resident set.
+fn replies_alone_and_together(args: &[&str]) -> (f64, f64) {
     let with = |more: &[&'static str]| -> Vec<&str> {
         args.iter().copied().chain(more.iter().copied()).collect()
     };
@@ -318,7 +324,10 @@ fn replies_alone_and_together(args: &[&str]) -> f64 {
         "{per_pass} != {fed} / {steps}"
     );
     assert!(per_pass > 1.0, "{per_pass}");
-    metric(&s, "k3_bytes_read_total")
+    (
+        metric(&s, "k3_bytes_read_total"),
+        metric(&s, "k3_peak_rss_bytes"),
+    )
 }
 
 #[test]

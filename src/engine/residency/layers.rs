@@ -62,6 +62,31 @@ fn bind(
     }
 }
 
+/// Layer `il` of `trunk` when it is stored encoded, for pinning: its stored run read into the
+/// ring's staging memory (planned, and idle while a plan is made) and decoded from there into
+/// an allocation of its own, so loading it takes no memory beyond the layer and the plan's
+/// staging. None when the layer is stored raw, or no staging holds its run (then
+/// [`load_layer`] reads it alone).
+pub(super) fn load_encoded(
+    ck: &Checkpoint,
+    trunk: &Trunk,
+    cfg: &ModelConfig,
+    il: usize,
+    ring: &LayerRing,
+) -> Option<LayerResult> {
+    let (stored, _) = trunk.decoded_len(il)?;
+    ring.with_stage(|stage| {
+        let mem = stage.mem.as_mut().filter(|m| m.len() >= stored)?;
+        let read = trunk
+            .read_run_into(il, &mut mem.area()[..stored])
+            .and_then(|()| {
+                trunk.decode_layer_from(il, &mem.as_slice()[..stored], &mut stage.scratch)
+            })
+            .and_then(|run| bind(ck, cfg, il, Binder::new(ck, true, false).with_run(run)));
+        Some(read.map(Arc::new))
+    })
+}
+
 /// One of a layer's tensors: its name, where it lies in its shard, and its place in a slot.
 #[derive(Debug)]
 struct Span {
@@ -429,6 +454,12 @@ impl LayerRing {
     fn read(&self, src: &Source) {
         let mut g = self.state.lock();
         loop {
+            // The staging memory may be out with a pinned layer being loaded: wait for it
+            // before taking a request (whose status may change while waiting).
+            if g.stage.is_none() && !g.stop {
+                g = g.wait(&self.changed);
+                continue;
+            }
             let Some(s) = g.queue.pop_front() else {
                 if g.stop {
                     return;
@@ -552,14 +583,15 @@ impl LayerRing {
             .map(|(_, &n)| n)
             .collect();
         lens.sort_unstable_by(|a, b| b.cmp(a));
-        // The staging of the largest encoded run the plan streams (none when it streams none).
-        let staged = (self.staged.iter().enumerate())
-            .filter(|&(il, _)| !pinned.get(il).copied().unwrap_or(false))
-            .map(|(_, &n)| n)
-            .max()
-            .unwrap_or(0);
+        // The staging of the largest encoded run, streamed or pinned: a pinned layer stored
+        // encoded is read into it and decoded from there too (see [`load_encoded`]). None
+        // when no layer is stored encoded. It may be out with a layer being loaded.
+        while g.stage.is_none() {
+            g = g.wait(&self.changed);
+        }
+        let staged = self.staged.iter().copied().max().unwrap_or(0);
         g.stage = Some(Stage::default());
-        if staged > 0 && slots > 0 {
+        if staged > 0 {
             let stage_arena = Arena::new(staged);
             stage_arena.set_slots(1)?;
             g.stage = Some(Stage {
@@ -587,6 +619,23 @@ impl LayerRing {
         g.pending.reserve(slots);
         g.queue.reserve(slots);
         Ok(())
+    }
+
+    /// Run `f` with the staging memory, waited for while the reader has it out; it goes back
+    /// when `f` returns.
+    fn with_stage<R>(&self, f: impl FnOnce(&mut Stage) -> R) -> R {
+        let mut g = self.state.lock();
+        let mut stage = loop {
+            if let Some(st) = g.stage.take() {
+                break st;
+            }
+            g = g.wait(&self.changed);
+        };
+        drop(g);
+        let r = f(&mut stage);
+        self.state.lock().stage = Some(stage);
+        self.changed.notify_all();
+        r
     }
 
     /// Bytes of the ring's slots.

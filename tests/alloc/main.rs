@@ -256,7 +256,8 @@ fn a_decoding_step_at_the_floor_allocates_nothing() {
 /// Pinning layers stored encoded takes the layers' own memory and no buffer of their stored
 /// runs beside them (those are read into the ring's staging buffer, which the plan counts):
 /// the bytes allocated while a plan pins every layer stay within the layers' decoded size
-/// (reading each run into a buffer of its own allocated about 1.7 times that), and the
+/// plus the bound values' widened vectors, under 1.5 times it (reading each run into a buffer
+/// of its own allocated about 1.9 times it), and the
 /// tokens stay the resident model's.
 fn pinning_an_encoded_layer_allocates_only_the_layer() {
     for set in ["tiny", "tiny2"] {
@@ -284,7 +285,7 @@ fn pinning_an_encoded_layer_allocates_only_the_layer() {
         let bytes = region.change().bytes_allocated as u64;
         let layers_bytes: u64 = info.sizes.layer_trunk.iter().sum();
         assert!(
-            bytes <= layers_bytes + layers_bytes / 5 + (64 << 10),
+            bytes <= layers_bytes + layers_bytes / 2,
             "{set}: pinning {layers} encoded layers of {layers_bytes} B allocated {bytes} B"
         );
         println!("{set}: pinning {layers_bytes} B of layers allocated {bytes} B");

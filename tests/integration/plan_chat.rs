@@ -72,7 +72,7 @@ fn plan_chat_counts_an_encoded_trunks_staging() {
     let home = tmp.path().join("no-config");
     let trunk = tmp.path().join("trunk");
     let trunk = trunk.to_str().unwrap();
-    let packed = run(&["pack", demo.as_str(), trunk], &home);
+    let packed = run(&["pack", demo.as_str(), trunk, "--encode"], &home);
     assert!(packed.status.success(), "{packed:?}");
     let plan = |extra: &[&str]| -> Value {
         let mut args = vec!["plan", demo.as_str(), "--chat", "--json", "--mem", "2"];

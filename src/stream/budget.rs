@@ -11,9 +11,9 @@ use serde::Serialize;
 pub struct ModelSizes {
     /// Non-expert bytes of each layer.
     pub layer_trunk: Vec<u64>,
-    /// Bytes a streamed read of each layer stages before decoding it into its ring slot: its
-    /// stored run when a packed trunk holds it encoded, else 0 (empty: none staged). The ring
-    /// keeps one staging buffer, of the largest run the plan streams.
+    /// Bytes a read of each layer stages before decoding it (into its ring slot, or a pinned
+    /// layer's allocation): its stored run when a packed trunk holds it encoded, else 0
+    /// (empty: none staged). The ring keeps one staging buffer, of the largest of these.
     pub layer_staged: Vec<u64>,
     /// Bytes of one routed expert (its six MXFP4 tensors).
     pub expert_bytes: u64,

@@ -172,9 +172,9 @@ impl Layout {
     }
 }
 
-/// Where the reader stages a layer's encoded run before decoding it into a slot: memory of
-/// the largest encoded run the plan streams and the list of pieces a layer decodes in, both
-/// made once per plan.
+/// Where the reader stages a layer's encoded run before decoding it into a slot (and where a
+/// pinned encoded layer is staged when the plan loads it): memory of the trunk's largest
+/// encoded run and the list of pieces a layer decodes in, both made once per plan.
 #[derive(Default)]
 pub(super) struct Stage {
     mem: Option<Slot>,

@@ -70,11 +70,19 @@ pub struct ArenaStats {
     pub moved: u64,
 }
 
-/// One anonymous mapping holding slots `first..first + slots`.
+/// One anonymous mapping holding slots `first..first + slots`, with an inaccessible guard
+/// before and after them.
+///
+/// The guards keep the slots a mapping of their own: the kernel merges adjacent anonymous
+/// mappings of equal protection and advice into one, so two arenas mapped side by side in
+/// one process (or a heap mapping advised alike) would show up in `/proc/self/smaps` as one
+/// range and each be measured with the other's pages.
 struct Segment {
     map: memmap2::MmapMut,
-    /// Offset of the first slot in `map` (the mapping rounded up to a huge page).
+    /// Offset of the first slot in `map` (past the front guard, on a huge-page boundary).
     lead: usize,
+    /// Bytes of the slots (`slots * slot_len`).
+    body: usize,
     /// Address of the first slot.
     base: *mut u8,
     first: usize,
@@ -89,24 +97,44 @@ unsafe impl Send for Segment {}
 unsafe impl Sync for Segment {}
 
 impl Segment {
-    /// Map room for `slots` slots of `slot_len` bytes, advised for huge pages.
+    /// Map room for `slots` slots of `slot_len` bytes, advised for huge pages, between two
+    /// guards.
     fn map(first: usize, slots: usize, slot_len: usize) -> std::io::Result<Segment> {
-        let len = slots
+        let body = slots
             .checked_mul(slot_len)
-            .and_then(|n| n.checked_add(HUGE_PAGE))
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::OutOfMemory))?;
+        // A page of front guard, up to a huge page less one page of alignment, the slots,
+        // and at least a page of back guard.
+        let len = body
+            .checked_add(HUGE_PAGE + PAGE)
             .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::OutOfMemory))?;
         let mut map = memmap2::MmapOptions::new().len(len).map_anon()?;
         let start = map.as_mut_ptr();
-        let lead = start.align_offset(HUGE_PAGE).min(HUGE_PAGE);
+        // `start` is page-aligned, so `lead` lies in `PAGE..=HUGE_PAGE` and the back guard
+        // `len - lead - body` is at least a page.
+        let lead = PAGE + start.wrapping_add(PAGE).align_offset(HUGE_PAGE);
         // THP in `madvise` mode backs only advised ranges; where THP is off this is refused
         // or ignored, and the slots are ordinary pages.
         #[cfg(target_os = "linux")]
         let _ = map.advise(memmap2::Advice::HugePage);
-        // SAFETY: `lead + slots * slot_len <= len`, so the offset stays inside the mapping.
+        // SAFETY: `0..lead` and `lead + body..len` are whole pages inside the mapping that
+        // nothing refers to (slots start at `lead` and end at `lead + body`); making them
+        // inaccessible changes no byte anyone reads. A refusal leaves them accessible, which
+        // only lets the kernel merge the mapping with a neighbour.
+        unsafe {
+            let _ = rustix::mm::mprotect(start.cast(), lead, rustix::mm::MprotectFlags::empty());
+            let _ = rustix::mm::mprotect(
+                start.add(lead + body).cast(),
+                len - lead - body,
+                rustix::mm::MprotectFlags::empty(),
+            );
+        }
+        // SAFETY: `lead + body <= len`, so the offset stays inside the mapping.
         let base = unsafe { start.add(lead) };
         Ok(Segment {
             map,
             lead,
+            body,
             base,
             first,
             slots,
@@ -122,10 +150,10 @@ impl Segment {
         self.lead + (id - self.first) * slot_len
     }
 
-    /// The mapping's address range.
+    /// The address range of the slots (the guards excluded).
     fn range(&self) -> (usize, usize) {
-        let start = self.map.as_ptr() as usize;
-        (start, start + self.map.len())
+        let start = self.base as usize;
+        (start, start + self.body)
     }
 }
 
@@ -618,6 +646,27 @@ AnonHugePages:         0 kB
             (5120 << 10, 2048 << 10)
         );
         assert_eq!(smaps_bytes(smaps, &[(0x1000, 0x2000)]), (0, 0));
+    }
+
+    #[test]
+    fn arenas_mapped_side_by_side_are_measured_apart() {
+        // Consecutive anonymous mappings are usually placed next to each other; without the
+        // guards the kernel merges them and each arena would count the other's pages.
+        let arenas: Vec<Arc<Arena>> = (0..4).map(|_| Arena::new(64 * PAGE)).collect();
+        for a in &arenas {
+            a.set_slots(8).unwrap();
+        }
+        let own = (8 * 64 * PAGE).next_multiple_of(HUGE_PAGE) as u64;
+        for a in &arenas {
+            a.measure();
+            let s = a.stats();
+            if std::path::Path::new("/proc/self/smaps").exists() {
+                assert!(
+                    s.resident_bytes >= 8 * 64 * PAGE as u64 && s.resident_bytes <= own,
+                    "an arena measured beside others: {s:?}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -586,6 +586,23 @@ impl Request {
         }
     }
 
+    /// Run `f` with this request's callbacks: where generated text goes ([`Request::emit`]),
+    /// and the hooks of the sampler (the logit adjustment, the log-probabilities asked for
+    /// and where they go, [`Request::observe`]).
+    fn hooked<R>(
+        &self,
+        tok: &Tokenizer,
+        f: impl FnOnce(&mut dyn FnMut(u32, &str), &mut Served<'_>) -> R,
+    ) -> R {
+        let mut observe = |t: TokenLogprob| self.observe(tok, &t);
+        let mut served = Served {
+            adjust: &self.job.adjust,
+            logprobs: self.job.logprobs,
+            observe: &mut observe,
+        };
+        f(&mut |id, text| self.emit(id, text), &mut served)
+    }
+
     /// Answer a failed generation.
     fn fail(&self, e: &TurnError) {
         let status = match e {
@@ -608,22 +625,17 @@ fn serve_job(
 ) -> Option<Finished> {
     let req = prepare(session, job, t0, replies)?;
     let tok = session.tokenizer();
-    let mut observe = |t: TokenLogprob| req.observe(tok, &t);
-    let mut served = Served {
-        adjust: &req.job.adjust,
-        logprobs: req.job.logprobs,
-        observe: &mut observe,
-    };
-    let mut emit = |id: u32, text: &str| req.emit(id, text);
-    let done = session.complete_prompt(
-        &req.prompt,
-        req.history_end,
-        &req.stops,
-        &req.settings,
-        &req.job.cancel,
-        &mut emit,
-        Some(&mut served),
-    );
+    let done = req.hooked(tok, |emit, served| {
+        session.complete_prompt(
+            &req.prompt,
+            req.history_end,
+            &req.stops,
+            &req.settings,
+            &req.job.cancel,
+            emit,
+            Some(served),
+        )
+    });
     match done {
         Ok(d) => Some(answer(session, &req, d, replies)),
         Err(e) => {
@@ -738,15 +750,10 @@ impl Active<'_> {
     /// Sample its next id from `logits`; whether it has ended. A failure is answered here.
     fn sample(&mut self, tok: &Tokenizer, logits: &[f32]) -> Result<bool, TurnError> {
         let Active { req, gen } = self;
-        let mut observe = |t: TokenLogprob| req.observe(tok, &t);
-        let mut served = Served {
-            adjust: &req.job.adjust,
-            logprobs: req.job.logprobs,
-            observe: &mut observe,
-        };
-        let mut emit = |id: u32, text: &str| req.emit(id, text);
-        gen.sample(logits, &req.job.cancel, &mut emit, Some(&mut served))
-            .inspect_err(|e| req.fail(e))
+        req.hooked(tok, |emit, served| {
+            gen.sample(logits, &req.job.cancel, emit, Some(served))
+        })
+        .inspect_err(|e| req.fail(e))
     }
 }
 

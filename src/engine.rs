@@ -21,6 +21,6 @@ pub mod weights;
 
 pub use config::ModelConfig;
 pub use model::{Logits, Model, Rollback, Trace};
-pub use run_state::RunState;
+pub use run_state::{activation_sizes, ActivationSizes, RunState};
 pub use state::{SeqState, Snapshot};
 pub use store::{ResidentWeights, WeightStore};

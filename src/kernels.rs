@@ -699,21 +699,44 @@ fn rows2<'x>(
     }
 }
 
-thread_local! {
-    /// The calling thread's buffer for the row-major products of a batch.
-    static SCRATCH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+/// Buffers for the row-major products of a batch, shared by every thread: a call takes one
+/// (or makes one) and gives it back, so the process holds as many as there were batched
+/// products in progress at once (one per forward pass in flight), not one per thread that
+/// ever ran one.
+static SCRATCH: std::sync::Mutex<Vec<Vec<f32>>> = std::sync::Mutex::new(Vec::new());
+
+fn scratch_pool() -> std::sync::MutexGuard<'static, Vec<Vec<f32>>> {
+    // The pool is only pushed to and popped from; a panic between the two loses a buffer,
+    // never leaves the list inconsistent.
+    SCRATCH
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Run `f` on `n` floats of the calling thread's scratch buffer (contents unspecified), kept
-/// between calls so that a batch allocates nothing once the buffer is large enough. A nested
-/// call on the same thread (a task stolen while `f` waits) gets a buffer of its own.
+/// Run `f` on `n` floats of a scratch buffer (contents unspecified), kept between calls so
+/// that a batch allocates nothing once the buffer is large enough. A nested call (a task
+/// stolen while `f` waits) gets a buffer of its own. A buffer grows to exactly what is asked
+/// ([`batch_scratch_bytes`] is what the memory plan counts), never by doubling.
 fn with_scratch(n: usize, f: impl FnOnce(&mut [f32])) {
-    let mut buf = SCRATCH.take();
+    let mut buf = scratch_pool().pop().unwrap_or_default();
     if buf.len() < n {
+        buf.reserve_exact(n - buf.len());
         buf.resize(n, 0.0);
     }
     f(&mut buf[..n]);
-    SCRATCH.set(buf);
+    scratch_pool().push(buf);
+}
+
+/// Bytes the batch scratch buffers hold now.
+#[must_use]
+pub fn batch_scratch_bytes() -> usize {
+    scratch_pool().iter().map(|b| b.capacity() * 4).sum()
+}
+
+/// Free the batch scratch buffers not in use (the next batched product makes one again).
+pub fn release_batch_scratch() {
+    let freed = std::mem::take(&mut *scratch_pool());
+    drop(freed);
 }
 
 /// `y[t·rows + r] = tmp[r·n_tok + t]`.

@@ -647,6 +647,7 @@ pub fn model_sizes(cfg: &ModelConfig, ck: &Checkpoint) -> crate::stream::budget:
         .count() as u64;
     let n_mla = cfg.is_mla.iter().filter(|&&m| m).count() as u64;
     let kp = super::layer::kda_params(cfg);
+    let act = super::run_state::activation_sizes(cfg);
     let kda_layer = (kp.heads * kp.head_dim * kp.head_dim
         + 3 * kp.heads * kp.head_dim * (kp.kernel - 1)) as u64
         * 4;
@@ -680,5 +681,8 @@ pub fn model_sizes(cfg: &ModelConfig, ck: &Checkpoint) -> crate::stream::budget:
             * 4,
         hidden: cfg.hidden_size as u64,
         vocab: cfg.vocab_size as u64,
+        activation_fixed: act.fixed,
+        activation_per_token: act.per_token,
+        activation_per_position: act.per_position,
     }
 }

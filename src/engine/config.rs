@@ -291,6 +291,14 @@ impl ModelConfig {
         il.is_multiple_of(self.attn_res_block_size)
     }
 
+    /// Layers that start an AttnRes block: the most block snapshots a chunk takes.
+    #[must_use]
+    pub fn block_starts(&self) -> usize {
+        (0..self.num_hidden_layers)
+            .filter(|&il| self.is_block_start(il))
+            .count()
+    }
+
     /// KDA projection width (heads × head dim).
     #[must_use]
     pub fn kda_width(&self) -> usize {

@@ -587,6 +587,9 @@ impl Model {
         let n = n_tok * d;
         run.len = n;
         fit(&mut run.h, n);
+        // Room for every block snapshot of the chunk at once, so that taking one never
+        // regrows the buffer (a regrowth holds the old and the new copy for a moment).
+        fit(&mut run.blocks, cfg.block_starts() * n);
         self.weights.embed_into(tokens, fit(&mut run.partial, n))?;
         run.has_partial = true;
         run.n_blocks = 0;

@@ -162,9 +162,11 @@ impl Matrix {
 
 /// The first `n` elements of `buf`, grown (never shrunk) to hold them: a reusable buffer
 /// whose contents the caller overwrites. It allocates only when `n` exceeds every earlier
-/// request.
+/// request, and then to exactly `n` (not by doubling: the memory plan counts what the
+/// buffers of a chunk hold, [`super::run_state::activation_sizes`]).
 pub fn fit<T: Clone + Default>(buf: &mut Vec<T>, n: usize) -> &mut [T] {
     if buf.len() < n {
+        buf.reserve_exact(n - buf.len());
         buf.resize(n, T::default());
     }
     &mut buf[..n]

@@ -45,6 +45,12 @@ pub struct ModelSizes {
     pub hidden: u64,
     /// Vocabulary.
     pub vocab: u64,
+    /// What the buffers of a forward call hold at most, beyond the logits: these bytes, plus
+    /// `activation_per_token` per token of the call and `activation_per_position` per
+    /// position its sequence reserves (the engine's `activation_sizes`).
+    pub activation_fixed: u64,
+    pub activation_per_token: u64,
+    pub activation_per_position: u64,
 }
 
 impl ModelSizes {
@@ -195,17 +201,11 @@ pub fn gb(b: u64) -> String {
 /// The smallest prefill chunk (tokens), the one the floor is computed for.
 pub const MIN_PREFILL_CHUNK: u64 = 64;
 
-/// Bytes of activations per prefill token (about 48 hidden-wide buffers, with room for the
-/// routed experts' per-slot outputs).
-fn activation_bytes_per_token(s: &ModelSizes) -> u64 {
-    48 * s.hidden * 4
-}
-
 /// The longest prefill chunk whose extra activations (beyond the floor's 64 tokens) fit in
 /// `spare` and take at most 1/32 of `budget`: (chunk, extra bytes).
 fn prefill_chunk(s: &ModelSizes, budget: Option<u64>, spare: u64) -> (u64, u64) {
     for c in [512u64, 256, 128] {
-        let extra = (c - MIN_PREFILL_CHUNK) * activation_bytes_per_token(s);
+        let extra = (c - MIN_PREFILL_CHUNK) * s.activation_per_token;
         if extra <= spare && budget.is_none_or(|b| extra <= b / 32) {
             return (c, extra);
         }
@@ -230,11 +230,13 @@ pub fn in_flight_slots(s: &ModelSizes) -> u64 {
     2 * s.top_k
 }
 
-/// Fixed overhead: activations of a 64-token prefill chunk (about 40 hidden-wide buffers),
-/// two logits rows, the arena slots of expert reads in flight ([`in_flight_slots`]), the
-/// piece buffer of a trunk read (8 MiB), and allocator slack.
-fn fixed_overhead(s: &ModelSizes) -> u64 {
-    MIN_PREFILL_CHUNK * activation_bytes_per_token(s)
+/// Fixed overhead: the buffers of a 64-token prefill chunk at a context of `context`
+/// positions, two logits rows, the arena slots of expert reads in flight
+/// ([`in_flight_slots`]), the piece buffer of a trunk read (8 MiB), and allocator slack.
+fn fixed_overhead(s: &ModelSizes, context: u64) -> u64 {
+    s.activation_fixed
+        + MIN_PREFILL_CHUNK * s.activation_per_token
+        + context * s.activation_per_position
         + 2 * s.vocab * 4
         + in_flight_slots(s) * expert_slot_bytes(s)
         + spec_reserve(s)
@@ -291,7 +293,7 @@ pub fn plan_states(
     let n = s.layer_trunk.len();
     let states = states.max(1);
     let state_reserve = states * (s.state_bytes + s.kv_per_position * context);
-    let fixed = fixed_overhead(s);
+    let fixed = fixed_overhead(s, context);
     let head_chunk_rows = (HEAD_CHUNK_BYTES / s.row_bytes.max(1)).clamp(1, s.vocab.max(1));
     let ring_min = ring_need(s, &vec![false; n]);
     let slot = expert_slot_bytes(s);
@@ -484,6 +486,10 @@ mod tests {
             kda_layer_state: 464_633_856 / 69 + 2 * 12_288 * 4,
             hidden: 7168,
             vocab: 163_840,
+            // `engine::activation_sizes` of the released config.
+            activation_fixed: 141_706 * 4,
+            activation_per_token: 496_982 * 4,
+            activation_per_position: 96 * 4,
         }
     }
 

@@ -260,6 +260,23 @@ impl Slot {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.cast(), self.arena.slot_len) }
     }
 
+    /// The slot's first `mid` bytes to read and the rest to write into, at once: a read that
+    /// continues past what has arrived while the arrived bytes are used.
+    pub fn split_at_mut(&mut self, mid: usize) -> (&[u8], &mut [MaybeUninit<u8>]) {
+        let len = self.arena.slot_len;
+        let mid = mid.min(len);
+        // SAFETY: `ptr..ptr + len` lies inside the live mapping `seg` and is owned by this
+        // slot alone; `&mut self` makes these the only references to it, and the two do not
+        // overlap. The first part is initialised as in `as_slice` (anonymous memory is
+        // zero-filled by the kernel).
+        unsafe {
+            (
+                std::slice::from_raw_parts(self.ptr, mid),
+                std::slice::from_raw_parts_mut(self.ptr.add(mid).cast(), len - mid),
+            )
+        }
+    }
+
     /// The slot's bytes.
     #[must_use]
     pub fn as_slice(&self) -> &[u8] {

@@ -733,6 +733,10 @@ impl LayerRun {
 /// one allocation its tensors then borrow.
 const PIECE: usize = 8 << 20;
 
+/// Bytes of a stored run read ahead of the decoder ([`Trunk::read_decode_into`]): four
+/// pieces, so four reads are in flight while the tensors before them are decoded.
+const SEGMENT: usize = 4 * PIECE;
+
 /// An open packed trunk, checked against the checkpoint it serves.
 #[derive(Debug)]
 pub struct Trunk {
@@ -1199,16 +1203,30 @@ impl Trunk {
         il: usize,
         area: &mut [std::mem::MaybeUninit<u8>],
     ) -> Result<(), StreamError> {
-        use rayon::prelude::*;
-        let l = &self.manifest.layers[il];
-        let total = usize::try_from(l.nbytes).unwrap_or(usize::MAX);
+        let total = usize::try_from(self.manifest.layers[il].nbytes).unwrap_or(usize::MAX);
         let Some(area) = area.get_mut(..total) else {
+            let l = &self.manifest.layers[il];
             let e = std::io::Error::new(std::io::ErrorKind::InvalidInput, "run too large");
             return Err(self.read_error(il, l.file_off, l.nbytes, e));
         };
+        self.read_run_part(il, 0, area)?;
+        self.read_run_done(il);
+        Ok(())
+    }
+
+    /// Read bytes `from..from + area.len()` of layer `il`'s run into `area` (`from` a
+    /// multiple of the read piece), in pieces, several in flight.
+    fn read_run_part(
+        &self,
+        il: usize,
+        from: usize,
+        area: &mut [std::mem::MaybeUninit<u8>],
+    ) -> Result<(), StreamError> {
+        use rayon::prelude::*;
+        let l = &self.manifest.layers[il];
         let direct = self.direct.as_ref().filter(|_| self.is_direct());
         let read_piece = |k: usize, piece: &mut [std::mem::MaybeUninit<u8>]| {
-            let at = l.file_off + (k * PIECE) as u64;
+            let at = l.file_off + (from + k * PIECE) as u64;
             let take = piece.len();
             let r = match direct {
                 Some(f) => match pread_counted(&self.reads, &self.fault, f, piece, at, take) {
@@ -1234,9 +1252,16 @@ impl Trunk {
         };
         // Inside a pool (the read-ahead ring's reader), on that pool; else on the I/O pool.
         match io_pool().filter(|_| rayon::current_thread_index().is_none()) {
-            Some(pool) => pool.install(|| read_all(area))?,
-            None => read_all(area)?,
+            Some(pool) => pool.install(|| read_all(area)),
+            None => read_all(area),
         }
+    }
+
+    /// What follows a whole run read: the page cache told to drop it (buffered reads), the
+    /// bytes counted.
+    fn read_run_done(&self, il: usize) {
+        let l = &self.manifest.layers[il];
+        let direct = self.direct.as_ref().filter(|_| self.is_direct());
         if direct.is_none() {
             if let Some(n) = std::num::NonZeroU64::new(l.nbytes) {
                 let _ = rustix::fs::fadvise(
@@ -1248,6 +1273,107 @@ impl Trunk {
             }
         }
         self.bytes_read.fetch_add(l.nbytes, Ordering::Relaxed);
+    }
+
+    /// Whether layer `il`'s run has been checked against the manifest's checksum.
+    #[must_use]
+    pub fn is_checked(&self, il: usize) -> bool {
+        self.verified[il].load(Ordering::Relaxed)
+    }
+
+    /// [`Trunk::read_run_into`] and [`Trunk::decode_run_into`] overlapped, for a layer whose
+    /// run has been checked ([`Trunk::is_checked`]; else, or where its tensors are not stored
+    /// in the order they are decoded, one after the other): the run is read into `staged` a
+    /// segment at a time, and the tensors that have arrived are decoded into `area` while the
+    /// next segment is read, so a streamed encoded layer costs about the longer of its read
+    /// and its decoding rather than their sum. The bytes are those of the two calls.
+    pub fn read_decode_into(
+        &self,
+        il: usize,
+        staged: &mut super::arena::Slot,
+        area: &mut [std::mem::MaybeUninit<u8>],
+        scratch: &mut DecodeScratch,
+    ) -> Result<(), StreamError> {
+        self.read_decode_by(il, staged, area, scratch, SEGMENT)
+    }
+
+    /// [`Trunk::read_decode_into`] reading `segment` bytes ahead of the decoder (rounded up
+    /// to a multiple of 4 KiB, the alignment a direct read keeps).
+    pub fn read_decode_by(
+        &self,
+        il: usize,
+        staged: &mut super::arena::Slot,
+        area: &mut [std::mem::MaybeUninit<u8>],
+        scratch: &mut DecodeScratch,
+        segment: usize,
+    ) -> Result<(), StreamError> {
+        let segment = segment.max(1).next_multiple_of(4096);
+        let l = &self.manifest.layers[il];
+        let total = usize::try_from(l.nbytes).unwrap_or(usize::MAX);
+        let in_order = self.decoded[il].as_ref().is_some_and(|d| {
+            d.tensors
+                .iter()
+                .map(|(name, _)| l.tensors.get(name).map(|t| t.off))
+                .try_fold(0u64, |end, off| off.filter(|&o| o >= end))
+                .is_some()
+        });
+        if !self.is_checked(il) || !in_order || staged.len() < total {
+            self.read_run_into(il, staged.area())?;
+            let run = staged.as_slice().get(..total).unwrap_or_default();
+            return self.decode_run_into(il, run, area, scratch);
+        }
+        let Some(d) = &self.decoded[il] else {
+            return self.decode_run_into(il, &[], area, scratch);
+        };
+        let Some(area) = area.get_mut(..d.len) else {
+            let e = std::io::Error::new(std::io::ErrorKind::InvalidInput, "run too large");
+            return Err(self.read_error(il, 0, d.len as u64, e));
+        };
+        // Where each tensor's stored bytes end, in decoding order.
+        let stored_end = |k: usize| {
+            l.tensors
+                .get(&d.tensors[k].0)
+                .map_or(usize::MAX, |t| (t.off + t.stored) as usize)
+        };
+        let first = segment.min(total);
+        self.read_run_part(il, 0, &mut staged.area()[..first])?;
+        let (mut arrived, mut next, mut decoded_to) = (first, 0usize, 0usize);
+        while next < d.tensors.len() {
+            let ready = (next..d.tensors.len())
+                .take_while(|&k| stored_end(k) <= arrived)
+                .last()
+                .map_or(next, |k| k + 1);
+            let upto = (arrived + segment).min(total);
+            if ready == next && upto == arrived {
+                // Nothing arrived that a tensor could be decoded from, and nothing is left
+                // to read: the layout is not what the manifest said.
+                let e = std::io::Error::new(std::io::ErrorKind::InvalidData, "bad layout");
+                return Err(self.read_error(il, 0, d.len as u64, e));
+            }
+            // What has arrived, and the room the next segment is read into.
+            let (run, rest) = staged.split_at_mut(arrived);
+            // The decoded bytes of tensors `next..ready` (with the padding before each).
+            let end = if ready == d.tensors.len() {
+                area.len()
+            } else {
+                self.decoded_start(il, d, ready)
+            };
+            let end = end.clamp(decoded_to, area.len());
+            let (_, tail) = area.split_at_mut(decoded_to);
+            let (part, _) = tail.split_at_mut(end - decoded_to);
+            let read_next = || {
+                if upto > arrived {
+                    self.read_run_part(il, arrived, &mut rest[..upto - arrived])
+                } else {
+                    Ok(())
+                }
+            };
+            let decode = || self.decode_tensors(il, d, run, next..ready, part, decoded_to, scratch);
+            let (r, x) = rayon::join(read_next, decode);
+            r.and(x)?;
+            (arrived, next, decoded_to) = (upto, ready, end);
+        }
+        self.read_run_done(il);
         Ok(())
     }
 
@@ -1404,11 +1530,46 @@ impl Trunk {
             return Err(self.read_error(il, 0, d.len as u64, e));
         };
         self.check_stored(il, run)?;
+        self.decode_tensors(il, d, run, 0..d.tensors.len(), area, 0, scratch)
+    }
+
+    /// Where the decoded bytes of tensor `k` of `d` begin, the padding before it included
+    /// (the end of tensor `k - 1`).
+    fn decoded_start(&self, il: usize, d: &Decoded, k: usize) -> usize {
+        k.checked_sub(1).map_or(0, |j| {
+            let (name, off) = &d.tensors[j];
+            off + self.manifest.layers[il]
+                .tensors
+                .get(name)
+                .map_or(0, |t| t.nbytes as usize)
+        })
+    }
+
+    /// Decode tensors `ks` of layer `il` from `run` (the stored run, or the part of it that
+    /// holds their bytes) into `area`, which holds the decoded layer from byte `base` on
+    /// (`base` is where tensor `ks.start`'s padding begins), on the current rayon pool.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_tensors(
+        &self,
+        il: usize,
+        d: &Decoded,
+        run: &[u8],
+        ks: std::ops::Range<usize>,
+        area: &mut [std::mem::MaybeUninit<u8>],
+        base: usize,
+        scratch: &mut DecodeScratch,
+    ) -> Result<(), StreamError> {
+        let corrupt = |name: &str, reason: String| StreamError::Corrupt {
+            path: self.dir.join("trunk.bin"),
+            what: format!("trunk layer {il}, tensor {name:?}"),
+            reason,
+        };
         let l = &self.manifest.layers[il];
         let pieces = &mut scratch.pieces;
         pieces.clear();
-        let mut end = 0usize;
-        for (k, (name, off)) in d.tensors.iter().enumerate() {
+        let mut end = base;
+        for k in ks {
+            let (name, off) = &d.tensors[k];
             let t = l
                 .tensors
                 .get(name)
@@ -1440,7 +1601,7 @@ impl Trunk {
             })
             .map_err(|e| corrupt(name, Self::repack(&e)))?;
         }
-        self.decode_pieces(il, d, run, pieces, area, 0)
+        self.decode_pieces(il, d, run, pieces, area, base)
     }
 
     fn repack(e: &super::codec::CodecError) -> String {

@@ -774,3 +774,63 @@ fn pack_writes_raw_unless_asked_to_encode_and_raw_trunks_of_either_format_still_
         assert_eq!(run(Some(&dir(t))), want, "{t}");
     }
 }
+
+#[test]
+fn a_layer_read_and_decoded_a_segment_at_a_time_gives_the_bytes_of_reading_then_decoding() {
+    let small = crate::streaming::small().join("small");
+    let tmp = tempfile::tempdir().unwrap();
+    let enc = tmp.path().join("enc");
+    pack_into(&small, &enc, true);
+    let ck = Checkpoint::open(&small).unwrap();
+    let cfg = k3::engine::ModelConfig::load(&small.join("config.json")).unwrap();
+    let t = trunk::Trunk::open(&enc, &ck, cfg.num_hidden_layers).unwrap();
+    let most = (0..cfg.num_hidden_layers)
+        .filter_map(|il| t.decoded_len(il))
+        .map(|(stored, len)| stored.max(len))
+        .max()
+        .expect("an encoded layer");
+    // The stored run, and the layer decoded both ways, each in a slot of its own.
+    let arena = k3::stream::arena::Arena::new(most);
+    arena.set_slots(3).unwrap();
+    let mut slots: Vec<_> = (0..3).map(|_| arena.take().unwrap()).collect();
+    let [staged, want, got] = &mut slots[..] else {
+        unreachable!()
+    };
+    let fill = |s: &mut k3::stream::arena::Slot, v: u8| {
+        for b in s.area() {
+            b.write(v);
+        }
+    };
+    let mut scratch = t.decode_scratch();
+    let mut layers = 0;
+    for il in 0..cfg.num_hidden_layers {
+        let Some((stored, len)) = t.decoded_len(il) else {
+            continue;
+        };
+        // Unwritten bytes keep the pattern the slots were filled with: two patterns show
+        // that the two ways write the same bytes, and the same ones.
+        for pattern in [0xAA, 0x55] {
+            fill(want, pattern);
+            t.read_run_into(il, staged.area()).unwrap();
+            let run = staged.as_slice()[..stored].to_vec();
+            t.decode_run_into(il, &run, &mut want.area()[..len], &mut scratch)
+                .unwrap();
+            // Checked now: the overlapped read takes its segments.
+            assert!(t.is_checked(il));
+            for segment in [4096, 3 * 4096, stored / 2, stored, usize::MAX / 2] {
+                // Nothing of the run left from the read above: a tensor decoded before its
+                // bytes arrived would decode the pattern.
+                fill(staged, pattern);
+                fill(got, pattern);
+                t.read_decode_by(il, staged, &mut got.area()[..len], &mut scratch, segment)
+                    .unwrap();
+                assert!(
+                    got.as_slice() == want.as_slice(),
+                    "layer {il}: read {segment} bytes ahead, the decoded layer differs"
+                );
+            }
+        }
+        layers += 1;
+    }
+    assert!(layers > 1, "{layers} encoded layers");
+}

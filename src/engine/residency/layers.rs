@@ -215,12 +215,11 @@ impl Source {
                     let (Some(area), Some(mem)) = (area.get_mut(..*len), stage.mem.as_mut()) else {
                         return Err(too_large(ck, il));
                     };
-                    let Some(staged) = mem.area().get_mut(..*stored) else {
+                    if mem.len() < *stored {
                         return Err(too_large(ck, il));
-                    };
-                    trunk.read_run_into(il, staged)?;
-                    let run = &mem.as_slice()[..*stored];
-                    trunk.decode_run_into(il, run, area, &mut stage.scratch)
+                    }
+                    // Read and decoded overlapped, a segment of the run at a time.
+                    trunk.read_decode_into(il, mem, area, &mut stage.scratch)
                 },
                 |mem| {
                     let run = trunk.decoded_layer_run(il, mem)?;

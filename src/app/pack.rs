@@ -21,12 +21,12 @@ pub struct PackArgs {
     /// Replace a trunk already in TRUNK_DIR.
     #[arg(long)]
     pub force: bool,
-    /// Store BF16 tensors with the lossless trunk codec (docs/trunk-codec.md): about 0.68x
-    /// their size, decoded bit for bit as layers are read. Fewer bytes to read, more work for
-    /// the cores: on 2 cores and a 2 GB/s disk a streamed token takes longer than raw.
+    /// Store BF16 tensors with the lossless trunk codec (the default; docs/trunk-codec.md):
+    /// about 0.68x their size, decoded bit for bit as layers are read.
     #[arg(long, conflicts_with = "raw")]
     pub encode: bool,
-    /// Store every tensor as in the checkpoint (the default): nothing to decode.
+    /// Store every tensor as in the checkpoint: nothing to decode, about 1.5x the bytes of
+    /// the encoded trunk to read.
     #[arg(long)]
     pub raw: bool,
 }
@@ -45,7 +45,7 @@ pub fn run(args: &PackArgs) -> Result<()> {
         cfg.num_hidden_layers,
         &args.trunk_dir,
         args.force,
-        args.encode,
+        !args.raw,
         &progress,
     );
     bar.finish();
@@ -53,7 +53,7 @@ pub fn run(args: &PackArgs) -> Result<()> {
     let secs = start.elapsed().as_secs_f64();
     let m = &r.manifest;
     let largest = m.layers.iter().map(|l| l.nbytes).max().unwrap_or(0);
-    let layout = if !args.encode {
+    let layout = if args.raw {
         format!("{} copied as one run, {} gathered", r.verbatim, r.gathered)
     } else {
         let (bf16, stored) = r.bf16;

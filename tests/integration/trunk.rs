@@ -703,7 +703,7 @@ fn encoded_layers_of_several_blocks_stream_while_every_compute_thread_waits() {
 /// `k3-trunk/3` (written before tensors had an encoding), with the tokens of the encoded one
 /// and of no trunk at all.
 #[test]
-fn pack_writes_raw_unless_asked_to_encode_and_raw_trunks_of_either_format_still_run() {
+fn pack_encodes_by_default_and_raw_trunks_of_either_format_still_run() {
     let tiny = fixture("tiny");
     let tiny_s = tiny.to_str().unwrap();
     let tmp = tempfile::tempdir().unwrap();
@@ -732,14 +732,14 @@ fn pack_writes_raw_unless_asked_to_encode_and_raw_trunks_of_either_format_still_
         assert_eq!(code, 0, "{name}: {err}");
         assert_eq!(
             err.contains("BF16 tensors encoded"),
-            name == "encode",
+            name != "raw",
             "{name}: {err}"
         );
-        assert_eq!(encoded(&manifest(&t)) > 0, name == "encode", "{name}");
+        assert_eq!(encoded(&manifest(&t)) > 0, name != "raw", "{name}");
     }
     assert_eq!(
         std::fs::read(dir("default").join("trunk.bin")).unwrap(),
-        std::fs::read(dir("raw").join("trunk.bin")).unwrap()
+        std::fs::read(dir("encode").join("trunk.bin")).unwrap()
     );
     let both = dir("both");
     let (code, _, err) = k3(&["pack", tiny_s, both.to_str().unwrap(), "--raw", "--encode"]);

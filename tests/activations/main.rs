@@ -27,8 +27,17 @@ fn a_prefill_chunk_takes_no_more_memory_than_the_plan_counts() {
         .num_threads(2)
         .build()
         .unwrap();
+    // The pool's threads allocate as they start (their names, deques and epoch records),
+    // and may still be starting when `build` returns: let each run once, then warm the
+    // pool up with a chunk of its own, so that the first counted chunk counts only itself.
+    pool.broadcast(|_| ());
     for set in ["tiny", "tiny2"] {
         let m = Model::load(&fixture(set)).unwrap();
+        let mut st = SeqState::new(&m.cfg);
+        pool.install(|| {
+            m.forward_run(&mut st, &mut RunState::new(), &[3, 5], Logits::Last)
+                .unwrap();
+        });
         let act = activation_sizes(&m.cfg);
         let logits = m.cfg.vocab_size as u64 * 4;
         let v = m.cfg.vocab_size as u32;

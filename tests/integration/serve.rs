@@ -415,21 +415,24 @@ pub(crate) fn long_stream(
     (child, out)
 }
 
-fn metric(s: &Server, name: &str) -> f64 {
+/// The value of the metric `name` in the server's `/metrics`.
+pub(crate) fn metric(s: &Server, name: &str) -> f64 {
     let (_, m) = curl(s, "/metrics", None, &[]);
     m.lines()
         .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .unwrap_or_else(|| panic!("{name} missing"))
+        .unwrap_or_else(|| panic!("{name} missing:\n{m}"))
         .parse()
         .unwrap()
 }
 
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    for _ in 0..600 {
+/// Poll `f` until it holds; panic naming `what` after a minute.
+pub(crate) fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::time::Instant::now() < deadline {
         if f() {
             return;
         }
-        std::thread::sleep(std::time::Duration::from_millis(50));
+        std::thread::sleep(std::time::Duration::from_millis(25));
     }
     panic!("{what} did not happen");
 }

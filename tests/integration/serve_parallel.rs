@@ -5,11 +5,10 @@
 //! cancelled by its client going away; past N in flight and `--queue` waiting the answer is
 //! 429; `/metrics` reports the sequences in flight and the tokens per pass.
 
-use crate::serve::{curl, sse, start, user, Server};
+use crate::serve::{curl, metric, sse, start, user, wait_until, Server};
 use serde_json::{json, Value};
 use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 /// What a reply says, streamed or not, in one form: (text, reasoning, finish reason, every
 /// token's log-probability entry, completion tokens when the server reports them).
@@ -150,26 +149,6 @@ impl Stream {
         self.child.kill().unwrap();
         let _ = self.child.wait();
     }
-}
-
-fn metric(s: &Server, name: &str) -> f64 {
-    let (_, m) = curl(s, "/metrics", None, &[]);
-    m.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .unwrap_or_else(|| panic!("{name} missing:\n{m}"))
-        .parse()
-        .unwrap()
-}
-
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while Instant::now() < deadline {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(25));
-    }
-    panic!("{what} did not happen");
 }
 
 /// The requests of the identity test, each with what makes it differ: greedy and seeded,

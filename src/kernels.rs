@@ -224,6 +224,66 @@ pub fn axpy_bf16(a: f32, w: &[u16], y: &mut [f32]) {
     }
 }
 
+/// A byte a kernel writes: `u8`, or `MaybeUninit<u8>` for a buffer not yet initialized (both
+/// one byte, so SIMD code stores into either through a pointer).
+pub trait Byte: byte_sealed::Sealed {
+    /// Store `v`.
+    fn set(&mut self, v: u8);
+}
+
+mod byte_sealed {
+    pub trait Sealed {}
+    impl Sealed for u8 {}
+    impl Sealed for std::mem::MaybeUninit<u8> {}
+}
+
+impl Byte for u8 {
+    #[inline(always)]
+    fn set(&mut self, v: u8) {
+        *self = v;
+    }
+}
+
+impl Byte for std::mem::MaybeUninit<u8> {
+    #[inline(always)]
+    fn set(&mut self, v: u8) {
+        self.write(v);
+    }
+}
+
+/// Rebuild BF16 values from the nibble codes of an encoded trunk block: value `i` is `low[i]`
+/// and, as its high byte, `dict[c]` for its 4-bit code `c` (nibble `i` of `nib`, value `2k` in
+/// the low half of byte `k`), or the next byte of `esc` when `c` is 15. `out` receives
+/// `2 · low.len()` bytes (`nib` holds at least `low.len()` nibbles, `out` that many bytes).
+/// Returns the escapes used, or `None` when `esc` runs out. Every path writes the same bytes.
+pub fn nibble_bf16<T: Byte>(
+    dict: &[u8; 16],
+    low: &[u8],
+    nib: &[u8],
+    esc: &[u8],
+    out: &mut [T],
+) -> Option<usize> {
+    nibble_bf16_with(isa(), dict, low, nib, esc, out)
+}
+
+/// [`nibble_bf16`] on an explicit path (for tests comparing paths).
+pub fn nibble_bf16_with<T: Byte>(
+    isa: Isa,
+    dict: &[u8; 16],
+    low: &[u8],
+    nib: &[u8],
+    esc: &[u8],
+    out: &mut [T],
+) -> Option<usize> {
+    let n = low.len().min(out.len() / 2).min(2 * nib.len());
+    let (low, out) = (&low[..n], &mut out[..2 * n]);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => x86::nibble_bf16(dict, low, nib, esc, out),
+        _ => generic::nibble_bf16(dict, low, nib, esc, out),
+    }
+}
+
 /// `axpy` on an explicit path (for tests comparing paths).
 pub fn axpy_with(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
     let n = x.len().min(y.len());

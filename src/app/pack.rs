@@ -4,6 +4,7 @@
 use super::progress::ByteBar;
 use crate::engine::config::ModelConfig;
 use crate::stream::budget::gb;
+use crate::stream::codec::Coding;
 use crate::stream::trunk;
 use crate::stream::Checkpoint;
 use crate::Result;
@@ -29,6 +30,29 @@ pub struct PackArgs {
     /// the encoded trunk to read.
     #[arg(long)]
     pub raw: bool,
+    /// How BF16 tensors are coded: `entropy` stores the fewest bytes (about 0.68x) and
+    /// decodes at a few GB/s per core; `nibble` stores about 0.75x and decodes at memory
+    /// speed (docs/trunk-codec.md says which to choose).
+    #[arg(long, value_enum, default_value_t = CodecArg::Entropy, conflicts_with = "raw")]
+    pub codec: CodecArg,
+}
+
+/// The values of `k3 pack --codec`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CodecArg {
+    /// A Huffman code of the high bytes per block.
+    Entropy,
+    /// A 4-bit dictionary code of the high bytes per block.
+    Nibble,
+}
+
+impl CodecArg {
+    fn coding(self) -> Coding {
+        match self {
+            CodecArg::Entropy => Coding::Entropy,
+            CodecArg::Nibble => Coding::Nibble,
+        }
+    }
 }
 
 /// Run `k3 pack`.
@@ -45,7 +69,7 @@ pub fn run(args: &PackArgs) -> Result<()> {
         cfg.num_hidden_layers,
         &args.trunk_dir,
         args.force,
-        !args.raw,
+        (!args.raw).then(|| args.codec.coding()),
         &progress,
     );
     bar.finish();
@@ -58,7 +82,8 @@ pub fn run(args: &PackArgs) -> Result<()> {
     } else {
         let (bf16, stored) = r.bf16;
         format!(
-            "BF16 tensors encoded: {} in {}, {:.3}x",
+            "BF16 tensors encoded ({}): {} in {}, {:.3}x",
+            args.codec.coding().name(),
             gb(bf16),
             gb(stored),
             stored as f64 / bf16.max(1) as f64

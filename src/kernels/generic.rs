@@ -122,3 +122,30 @@ pub fn mxfp4_row(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     }
     fold8(&acc)
 }
+
+/// Rebuild BF16 values from nibble codes (docs/trunk-codec.md, "nibble blocks"): value `i` is
+/// `low[i]` then, as its high byte, `dict[c]` where `c` is nibble `i` of `nib` (value `2k` in
+/// the low half of byte `k`), or the next byte of `esc` when `c` is 15. `out` receives
+/// `2 · low.len()` bytes. Returns the escapes used, or `None` when `esc` runs out.
+pub fn nibble_bf16<T: super::Byte>(
+    dict: &[u8; 16],
+    low: &[u8],
+    nib: &[u8],
+    esc: &[u8],
+    out: &mut [T],
+) -> Option<usize> {
+    let mut used = 0usize;
+    for (i, (o, &l)) in out.chunks_exact_mut(2).zip(low).enumerate() {
+        let c = (nib[i / 2] >> (4 * (i & 1))) & 15;
+        let h = if c == 15 {
+            let h = *esc.get(used)?;
+            used += 1;
+            h
+        } else {
+            dict[usize::from(c)]
+        };
+        o[0].set(l);
+        o[1].set(h);
+    }
+    Some(used)
+}

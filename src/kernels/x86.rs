@@ -807,3 +807,84 @@ pub(super) fn dot4<E: Elem>(isa: super::Isa, w: [&[E]; 4], x: &[f32]) -> Option<
         _ => None,
     }
 }
+
+/// [`super::generic::nibble_bf16`] with SSSE3 byte shuffles, 32 values at a time; a group
+/// holding an escape goes through the scalar code.
+///
+/// # Safety
+/// AVX2 must be available.
+#[target_feature(enable = "avx2")]
+unsafe fn nibble_bf16_avx2_impl<T: super::Byte>(
+    dict: &[u8; 16],
+    low: &[u8],
+    nib: &[u8],
+    esc: &[u8],
+    out: &mut [T],
+) -> Option<usize> {
+    let n = low.len().min(out.len() / 2).min(2 * nib.len());
+    let groups = n / 32;
+    // SAFETY: `dict` is 16 readable bytes.
+    let d = unsafe { _mm_loadu_si128(dict.as_ptr().cast()) };
+    let m = _mm_set1_epi8(15);
+    let mut used = 0usize;
+    for g in 0..groups {
+        // SAFETY: 32·(g + 1) ≤ n ≤ 2·nib.len(), so nib[16g..16g + 16] is in bounds.
+        let v = unsafe { _mm_loadu_si128(nib.as_ptr().add(16 * g).cast()) };
+        let lo = _mm_and_si128(v, m);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), m);
+        let e = _mm_or_si128(_mm_cmpeq_epi8(lo, m), _mm_cmpeq_epi8(hi, m));
+        if _mm_movemask_epi8(e) != 0 {
+            let at = 32 * g;
+            used += super::generic::nibble_bf16(
+                dict,
+                &low[at..at + 32],
+                &nib[at / 2..at / 2 + 16],
+                esc.get(used..)?,
+                &mut out[2 * at..2 * at + 64],
+            )?;
+            continue;
+        }
+        // High bytes of values 2k (lo) and 2k + 1 (hi); interleaved they are in value order.
+        let hl = _mm_shuffle_epi8(d, lo);
+        let hh = _mm_shuffle_epi8(d, hi);
+        let h0 = _mm_unpacklo_epi8(hl, hh);
+        let h1 = _mm_unpackhi_epi8(hl, hh);
+        // SAFETY: 32·(g + 1) ≤ n ≤ low.len() and 64·(g + 1) ≤ 2n ≤ out.len(), so the 32
+        // bytes read from `low` and the 64 written to `out` are in bounds; `T` is `u8` or
+        // `MaybeUninit<u8>`, one byte each, so storing initialized bytes into it is sound.
+        unsafe {
+            let l0 = _mm_loadu_si128(low.as_ptr().add(32 * g).cast());
+            let l1 = _mm_loadu_si128(low.as_ptr().add(32 * g + 16).cast());
+            let o = out.as_mut_ptr().add(64 * g).cast::<__m128i>();
+            _mm_storeu_si128(o, _mm_unpacklo_epi8(l0, h0));
+            _mm_storeu_si128(o.add(1), _mm_unpackhi_epi8(l0, h0));
+            _mm_storeu_si128(o.add(2), _mm_unpacklo_epi8(l1, h1));
+            _mm_storeu_si128(o.add(3), _mm_unpackhi_epi8(l1, h1));
+        }
+    }
+    let at = 32 * groups;
+    let tail = super::generic::nibble_bf16(
+        dict,
+        &low[at..n],
+        &nib[at / 2..],
+        esc.get(used..)?,
+        &mut out[2 * at..2 * n],
+    )?;
+    Some(used + tail)
+}
+
+/// [`super::generic::nibble_bf16`], SSSE3 shuffles where AVX2 is available.
+pub(super) fn nibble_bf16<T: super::Byte>(
+    dict: &[u8; 16],
+    low: &[u8],
+    nib: &[u8],
+    esc: &[u8],
+    out: &mut [T],
+) -> Option<usize> {
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        unsafe { nibble_bf16_avx2_impl(dict, low, nib, esc, out) }
+    } else {
+        super::generic::nibble_bf16(dict, low, nib, esc, out)
+    }
+}

@@ -64,8 +64,8 @@ pub struct TrunkTensor {
     pub source_crc32: u32,
     /// CRC-32 of the sampled windows of the tensor's source bytes ([`sample_spans`]).
     pub source_sample: u32,
-    /// How the tensor is stored: [`RAW`] (its bytes as in the checkpoint) or
-    /// [`super::codec::NAME`] (BF16, docs/trunk-codec.md).
+    /// How the tensor is stored: [`RAW`] (its bytes as in the checkpoint),
+    /// [`super::codec::NAME`] or [`super::codec::NAME_NIBBLE`] (BF16, docs/trunk-codec.md).
     #[serde(default = "raw_encoding")]
     pub encoding: String,
     /// Bytes stored in the run (`nbytes` when raw).
@@ -481,9 +481,9 @@ fn layout(ck: &Checkpoint, il: usize, names: &[String]) -> Result<Layout, String
 
 /// Pack the trunk of the checkpoint in `ck` (with `n_layers` layers) into `out`:
 /// `trunk.bin` and `trunk.json` are written under temporary names, synced, and renamed into
-/// place (the manifest last). With `encode`, every BF16 tensor is stored with
-/// [`super::codec`] and each layer's tensors are gathered one by one. `progress(done, total)`
-/// is called as source bytes are packed.
+/// place (the manifest last). With `encode`, every BF16 tensor is stored with that
+/// [`super::codec::Coding`] and each layer's tensors are gathered one by one.
+/// `progress(done, total)` is called as source bytes are packed.
 /// Over 100 lines: one sequential pass over the layers writes the trunk, then the manifest; the
 /// checksums and the check of the shards share the pass's state.
 pub fn pack(
@@ -491,7 +491,7 @@ pub fn pack(
     n_layers: usize,
     out: &Path,
     force: bool,
-    encode: bool,
+    encode: Option<super::codec::Coding>,
     progress: &dyn Fn(u64, u64),
 ) -> Result<PackReport, TrunkError> {
     let src = ck.dir().to_path_buf();
@@ -545,8 +545,8 @@ pub fn pack(
         let mut file_off = 0u64;
         for l in &mut layers {
             let raw_len = l.nbytes;
-            if encode {
-                pack_encoded(ck, l, &mut buf, &mut piece)?;
+            if let Some(coding) = encode {
+                pack_encoded(ck, l, coding, &mut buf, &mut piece)?;
                 l.file_off = file_off;
                 file_off += l.nbytes;
                 f.write_all(&buf).map_err(wr(&bin))?;
@@ -648,6 +648,7 @@ pub fn pack(
 fn pack_encoded(
     ck: &Checkpoint,
     l: &mut TrunkLayer,
+    coding: super::codec::Coding,
     buf: &mut Vec<u8>,
     piece: &mut Vec<u8>,
 ) -> Result<(), TrunkError> {
@@ -666,8 +667,8 @@ fn pack_encoded(
         let at = buf.len().next_multiple_of(GATHER_ALIGN as usize);
         buf.resize(at, 0);
         t.off = at as u64;
-        if t.dtype == "BF16" && super::codec::encode(piece, buf) {
-            t.encoding = super::codec::NAME.into();
+        if t.dtype == "BF16" && super::codec::encode_as(coding, piece, buf) {
+            t.encoding = coding.name().into();
         } else {
             buf.extend_from_slice(piece);
             t.encoding = RAW.into();
@@ -1014,7 +1015,7 @@ impl Trunk {
                 }
                 match t.encoding.as_str() {
                     RAW if t.stored == t.nbytes => {}
-                    super::codec::NAME if t.dtype == "BF16" => {}
+                    e if t.dtype == "BF16" && super::codec::Coding::from_name(e).is_some() => {}
                     e => {
                         return Err(bad(format!(
                             "layer {il}: tensor {n} ({}, {} bytes) is stored as {e:?} in {} \

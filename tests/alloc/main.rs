@@ -14,6 +14,7 @@
 use k3::engine::spec::{SpecMode, Speculator};
 use k3::engine::{Logits, Model, RunState, SeqState};
 use k3::stream::budget::BudgetRequest;
+use k3::stream::codec::Coding;
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 use std::alloc::System;
 use std::path::PathBuf;
@@ -188,13 +189,21 @@ fn a_decoding_step_at_the_floor_allocates_nothing() {
         let floor = info.plan.floor_bytes;
         let dir = std::env::temp_dir().join(format!("k3-alloc-trunk-{set}-{}", std::process::id()));
         let enc = dir.with_extension("encoded");
-        for (d, encode) in [(&dir, false), (&enc, true)] {
+        let nib = dir.with_extension("nibble");
+        for (d, coding) in [
+            (&dir, None),
+            (&enc, Some(Coding::Entropy)),
+            (&nib, Some(Coding::Nibble)),
+        ] {
             let _ = std::fs::remove_dir_all(d);
             let ck = k3::stream::checkpoint::Checkpoint::open(&fixture(set)).unwrap();
             let layers = resident.cfg.num_hidden_layers;
-            let r = k3::stream::trunk::pack(&ck, layers, d, false, encode, &|_, _| {}).unwrap();
+            let r = k3::stream::trunk::pack(&ck, layers, d, false, coding, &|_, _| {}).unwrap();
             let encoded = r.manifest.layers.iter().flat_map(|l| l.tensors.values());
-            assert_eq!(encoded.filter(|t| t.is_encoded()).count() > 0, encode);
+            assert_eq!(
+                encoded.filter(|t| t.is_encoded()).count() > 0,
+                coding.is_some()
+            );
         }
         // The floor's plan, and the same with an expert cache that holds every expert: there
         // every layer is still read for each step, and the counted decode (the second) finds
@@ -207,6 +216,8 @@ fn a_decoding_step_at_the_floor_allocates_nothing() {
             (Some(&dir), true),
             (Some(&enc), false),
             (Some(&enc), true),
+            (Some(&nib), false),
+            (Some(&nib), true),
         ] {
             let mut opts = k3::engine::weights::OpenOptions {
                 budget: BudgetRequest::Resident,
@@ -218,7 +229,7 @@ fn a_decoding_step_at_the_floor_allocates_nothing() {
             let (_, info) = Model::open_with(&fixture(set), &opts).unwrap();
             let staged = info.sizes.layer_staged.iter().max().copied().unwrap_or(0);
             assert_eq!(info.plan.floor_bytes, floor + staged, "{set}");
-            assert_eq!(staged > 0, trunk == Some(&enc), "{set}");
+            assert_eq!(staged > 0, trunk.is_some_and(|t| *t != dir), "{set}");
             opts.budget = BudgetRequest::Total(info.plan.floor_bytes);
             let (m, _) = Model::open_with(&fixture(set), &opts).unwrap();
             let mut plan = m.store().planned().unwrap().1;
@@ -250,6 +261,7 @@ fn a_decoding_step_at_the_floor_allocates_nothing() {
         }
         let _ = std::fs::remove_dir_all(&dir);
         let _ = std::fs::remove_dir_all(&enc);
+        let _ = std::fs::remove_dir_all(&nib);
     }
 }
 
@@ -267,7 +279,8 @@ fn pinning_an_encoded_layer_allocates_only_the_layer() {
         let _ = std::fs::remove_dir_all(&enc);
         let ck = k3::stream::checkpoint::Checkpoint::open(&fixture(set)).unwrap();
         let layers = resident.cfg.num_hidden_layers;
-        k3::stream::trunk::pack(&ck, layers, &enc, false, true, &|_, _| {}).unwrap();
+        k3::stream::trunk::pack(&ck, layers, &enc, false, Some(Coding::Entropy), &|_, _| {})
+            .unwrap();
         let mut opts = k3::engine::weights::OpenOptions {
             budget: BudgetRequest::Resident,
             context: POSITIONS as u64,

@@ -9,6 +9,7 @@ use k3::engine::weights::OpenOptions;
 use k3::engine::{Model, SeqState};
 use k3::stream::budget::{self, BudgetRequest};
 use k3::stream::checkpoint::Fault;
+use k3::stream::codec::Coding;
 use k3::stream::trunk;
 use k3::stream::Checkpoint;
 use std::path::{Path, PathBuf};
@@ -37,7 +38,7 @@ fn generate(
     Ok(out)
 }
 
-fn pack_into(model: &Path, out: &Path, encode: bool) -> trunk::PackReport {
+fn pack_into(model: &Path, out: &Path, encode: Option<Coding>) -> trunk::PackReport {
     let ck = Checkpoint::open(model).unwrap();
     let cfg = k3::engine::config::ModelConfig::load(&model.join("config.json")).unwrap();
     trunk::pack(&ck, cfg.num_hidden_layers, out, false, encode, &|_, _| {}).unwrap()
@@ -88,20 +89,24 @@ fn k3(args: &[&str]) -> (i32, String, String) {
 
 #[test]
 fn with_or_without_the_trunk_every_budget_gives_the_same_logits() {
-    for (set, encode) in [
-        ("tiny", false),
-        ("tiny2", false),
-        ("tiny", true),
-        ("tiny2", true),
+    for (set, coding) in [
+        ("tiny", None),
+        ("tiny2", None),
+        ("tiny", Some(Coding::Entropy)),
+        ("tiny2", Some(Coding::Entropy)),
+        ("tiny", Some(Coding::Nibble)),
+        ("tiny2", Some(Coding::Nibble)),
     ] {
+        let encode = coding.is_some();
         let dir = fixture(set);
         let tmp = tempfile::tempdir().unwrap();
         let t = tmp.path().join("trunk");
-        let r = pack_into(&dir, &t, encode);
-        if encode {
+        let r = pack_into(&dir, &t, coding);
+        if let Some(c) = coding {
             // Every BF16 tensor encoded, the others raw; the stored size below the raw one.
             for t in r.manifest.layers.iter().flat_map(|l| l.tensors.values()) {
                 assert_eq!(t.is_encoded(), t.dtype == "BF16", "{t:?}");
+                assert!(!t.is_encoded() || t.encoding == c.name(), "{t:?}");
             }
             assert!(r.bf16.1 < r.bf16.0, "{:?}", r.bf16);
             assert!(r.manifest.total_bytes <= r.raw_bytes);
@@ -136,7 +141,7 @@ fn with_or_without_the_trunk_every_budget_gives_the_same_logits() {
                     assert_eq!(
                         bits(a),
                         bits(b),
-                        "{set} {req:?} direct {direct} encoded {encode}"
+                        "{set} {req:?} direct {direct} coding {coding:?}"
                     );
                 }
                 if let Some(st) = m.streamer() {
@@ -204,7 +209,7 @@ fn scrambled_tiny() -> (tempfile::TempDir, PathBuf) {
 fn scattered_layers_are_gathered_and_give_the_same_logits() {
     let (_tmp, dir) = scrambled_tiny();
     let t = dir.parent().unwrap().join("trunk");
-    let r = pack_into(&dir, &t, false);
+    let r = pack_into(&dir, &t, None);
     assert!(r.gathered > 0, "the scrambled layout needs gathering");
     let prompt = u32s(&json("tiny/oracle.json")["prompt_ids"]);
     let want = generate(
@@ -343,7 +348,7 @@ fn trunk_read_faults_are_retried_or_fail_the_step() {
     let dir = fixture("tiny");
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path().join("trunk");
-    pack_into(&dir, &t, true);
+    pack_into(&dir, &t, Some(Coding::Entropy));
     let prompt = u32s(&json("tiny/oracle.json")["prompt_ids"]);
     let want = generate(
         &open(&dir, BudgetRequest::Resident, None, true),
@@ -640,15 +645,17 @@ fn corrupt_encoded_blocks_are_refused_naming_the_layer_and_tensor() {
 /// A streamed encoded layer whose tensors span several codec blocks, decoded while every
 /// compute thread waits for it (`--threads 1` and `2`, one I/O thread, everything streamed):
 /// the read-ahead ring's reader decodes on threads of its own, so the run finishes, with the
-/// raw trunk's tokens. (A reader that queued the blocks on the compute pool would wait
+/// raw trunk's tokens, with either coding. (A reader that queued the blocks on the compute pool would wait
 /// forever: that pool's threads are all waiting for this very layer.)
 #[test]
 fn encoded_layers_of_several_blocks_stream_while_every_compute_thread_waits() {
     let small = crate::streaming::small().join("small");
     let tmp = tempfile::tempdir().unwrap();
     let (enc, raw) = (tmp.path().join("enc"), tmp.path().join("raw"));
-    let r = pack_into(&small, &enc, true);
-    pack_into(&small, &raw, false);
+    let r = pack_into(&small, &enc, Some(Coding::Entropy));
+    pack_into(&small, &raw, None);
+    let nib = tmp.path().join("nibble");
+    pack_into(&small, &nib, Some(Coding::Nibble));
     let block = 2 * k3::stream::codec::BLOCK_ELEMS as u64;
     let multi: Vec<usize> = (r.manifest.layers.iter())
         .filter(|l| {
@@ -661,7 +668,7 @@ fn encoded_layers_of_several_blocks_stream_while_every_compute_thread_waits() {
     assert!(!multi.is_empty(), "a layer holds a tensor of 3+ blocks");
     let small_s = small.to_str().unwrap();
     let mut outs = Vec::new();
-    for t in [&raw, &enc] {
+    for t in [&raw, &enc, &nib] {
         let ts = t.to_str().unwrap();
         let (code, plan, err) = k3(&["plan", small_s, "--trunk", ts, "--json"]);
         assert_eq!(code, 0, "{err}");
@@ -717,13 +724,14 @@ fn pack_encodes_by_default_and_raw_trunks_of_either_format_still_run() {
             .unwrap()
             .iter()
             .flat_map(|l| l["tensors"].as_object().unwrap().values())
-            .filter(|t| t["encoding"] == "k3h1")
+            .filter(|t| t["encoding"] == "k3h1" || t["encoding"] == "k3n1")
             .count()
     };
     for (name, flags) in [
         ("default", &[][..]),
         ("encode", &["--encode"][..]),
         ("raw", &["--raw"][..]),
+        ("nibble", &["--codec", "nibble"][..]),
     ] {
         let t = dir(name);
         let mut a = vec!["pack", tiny_s, t.to_str().unwrap()];
@@ -741,10 +749,30 @@ fn pack_encodes_by_default_and_raw_trunks_of_either_format_still_run() {
         std::fs::read(dir("default").join("trunk.bin")).unwrap(),
         std::fs::read(dir("encode").join("trunk.bin")).unwrap()
     );
-    let both = dir("both");
-    let (code, _, err) = k3(&["pack", tiny_s, both.to_str().unwrap(), "--raw", "--encode"]);
-    assert_eq!(code, 2, "{err}");
-    assert!(!both.join("trunk.json").exists());
+    let names = |t: &str| -> Vec<String> {
+        let m = manifest(&dir(t));
+        let mut v: Vec<String> = (m["layers"].as_array().unwrap().iter())
+            .flat_map(|l| l["tensors"].as_object().unwrap().values())
+            .map(|t| t["encoding"].as_str().unwrap().to_string())
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    };
+    assert_eq!(names("default"), ["k3h1", "raw"]);
+    assert_eq!(names("nibble"), ["k3n1", "raw"]);
+    for (what, flags) in [
+        ("raw and encode", &["--raw", "--encode"][..]),
+        ("raw and a codec", &["--raw", "--codec", "nibble"][..]),
+        ("an unknown codec", &["--codec", "zstd"][..]),
+    ] {
+        let both = dir("both");
+        let mut a = vec!["pack", tiny_s, both.to_str().unwrap()];
+        a.extend_from_slice(flags);
+        let (code, _, err) = k3(&a);
+        assert_eq!(code, 2, "{what}: {err}");
+        assert!(!both.join("trunk.json").exists(), "{what}");
+    }
     // The raw trunk as an earlier k3 wrote it: format 3, no encoding or stored length.
     let old = dir("old");
     std::fs::create_dir(&old).unwrap();
@@ -770,7 +798,7 @@ fn pack_encodes_by_default_and_raw_trunks_of_either_format_still_run() {
         out
     };
     let want = run(None);
-    for t in ["default", "raw", "old"] {
+    for t in ["default", "raw", "old", "nibble"] {
         assert_eq!(run(Some(&dir(t))), want, "{t}");
     }
 }
@@ -780,7 +808,7 @@ fn a_layer_read_and_decoded_a_segment_at_a_time_gives_the_bytes_of_reading_then_
     let small = crate::streaming::small().join("small");
     let tmp = tempfile::tempdir().unwrap();
     let enc = tmp.path().join("enc");
-    pack_into(&small, &enc, true);
+    pack_into(&small, &enc, Some(Coding::Entropy));
     let ck = Checkpoint::open(&small).unwrap();
     let cfg = k3::engine::ModelConfig::load(&small.join("config.json")).unwrap();
     let t = trunk::Trunk::open(&enc, &ck, cfg.num_hidden_layers).unwrap();

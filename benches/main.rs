@@ -186,8 +186,8 @@ fn run_fill<P: k3::stream::cache_policy::Policy>(
 }
 
 /// The trunk codec (docs/trunk-codec.md): decoding 32 MiB of BF16 drawn like trained weights
-/// (N(0, 0.02), one value in 1000 fifty times larger), on one core and on the rayon pool;
-/// throughput is BF16 bytes written. The stored ratio is printed once.
+/// (N(0, 0.02), one value in 1000 fifty times larger), with each coding, on one core and on
+/// the rayon pool; throughput is BF16 bytes written. The stored ratios are printed.
 fn trunk_decode(c: &mut Criterion) {
     use k3::stream::codec;
     let n = 16 << 20;
@@ -207,26 +207,29 @@ fn trunk_decode(c: &mut Criterion) {
             kernels::f32_to_bf16(u * 0.035 * big).to_le_bytes()
         })
         .collect();
-    let mut enc = Vec::new();
-    assert!(codec::encode(&src, &mut enc));
-    eprintln!(
-        "trunk_decode: {} BF16 bytes stored in {} ({:.4}x)",
-        src.len(),
-        enc.len(),
-        enc.len() as f64 / src.len() as f64
-    );
-    let mut out = vec![0u8; src.len()];
     let mut g = c.benchmark_group("trunk_decode");
     g.throughput(Throughput::Bytes(src.len() as u64));
     g.sample_size(10).measurement_time(Duration::from_secs(4));
-    g.bench_function("one_core", |b| {
-        b.iter(|| codec::decode_into(black_box(&enc), &mut out).expect("decodes"));
-    });
-    g.bench_function("rayon", |b| {
-        b.iter(|| codec::decode(black_box(&enc), &mut out).expect("decodes"));
-    });
+    let mut out = vec![0u8; src.len()];
+    for coding in [codec::Coding::Entropy, codec::Coding::Nibble] {
+        let mut enc = Vec::new();
+        assert!(codec::encode_as(coding, &src, &mut enc));
+        let name = coding.name();
+        eprintln!(
+            "trunk_decode {name}: {} BF16 bytes stored in {} ({:.4}x)",
+            src.len(),
+            enc.len(),
+            enc.len() as f64 / src.len() as f64
+        );
+        g.bench_function(format!("{name}/one_core"), |b| {
+            b.iter(|| codec::decode_into(black_box(&enc), &mut out).expect("decodes"));
+        });
+        g.bench_function(format!("{name}/rayon"), |b| {
+            b.iter(|| codec::decode(black_box(&enc), &mut out).expect("decodes"));
+        });
+        assert_eq!(out, src);
+    }
     g.finish();
-    assert_eq!(out, src);
 }
 
 criterion_group!(

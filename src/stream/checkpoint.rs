@@ -61,6 +61,12 @@ thread_local! {
 /// Largest per-thread read buffer kept for reuse; larger ones are freed after their read.
 const KEEP_BYTES: usize = 64 << 20;
 
+/// Largest piece of a direct read into a caller's buffer: each piece goes through this
+/// thread's aligned window, so the window never grows past this (plus its alignment) whatever
+/// the read's length (a streamed output head's chunk is 64 MiB; one window of that size,
+/// allocated and freed each time, was memory the plan did not count).
+const DIRECT_PIECE: usize = 8 << 20;
+
 /// What identifies a shard's bytes without reading them: its size and modification time, and
 /// its inode and change time, which every write changes (restoring the modification time, as
 /// `cp -p` or `rsync -a` do, changes the change time too).
@@ -900,8 +906,9 @@ impl Checkpoint {
         // zeroing per 4 KiB); windows above KEEP_BYTES are allocated for the one read.
         let mut scratch = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
         let mut done = 0usize;
+        let most = if direct { DIRECT_PIECE } else { MAX_READ };
         while done < buf.len() {
-            let take = (buf.len() - done).min(MAX_READ);
+            let take = (buf.len() - done).min(most);
             let at = at0 + done as u64;
             let piece = &mut buf[done..done + take];
             if direct {

@@ -61,3 +61,36 @@ fn tiny_checkpoint_names_resolve_with_their_prefixes() {
         .info("language_model.model.embed_tokens.weight")
         .is_some());
 }
+
+/// A span read into the caller's buffer goes through the device in bounded pieces when reads
+/// are direct: a span of several pieces, at an offset no 4 KiB boundary meets, gives the
+/// bytes of the file (direct and buffered alike).
+#[test]
+fn a_long_unaligned_span_reads_the_same_direct_or_buffered() {
+    // Under the build directory: a file system that takes direct reads where /tmp may not.
+    let base = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let tmp = tempfile::tempdir_in(base).unwrap();
+    let n_big = (20 << 20) + 12_345;
+    let header = format!(
+        "{{\"small.u8\":{{\"dtype\":\"U8\",\"shape\":[7],\"data_offsets\":[0,7]}},\
+         \"big.u8\":{{\"dtype\":\"U8\",\"shape\":[{n_big}],\"data_offsets\":[7,{}]}}}}",
+        7 + n_big
+    );
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(header.as_bytes());
+    file.extend((0..7 + n_big).map(|i| (i * 7 + i / 4093) as u8));
+    std::fs::write(tmp.path().join("model.safetensors"), &file).unwrap();
+    let data_at = 8 + header.len() + 7;
+    let want = |from: usize, len: usize| file[data_at + from..data_at + from + len].to_vec();
+    for direct in [true, false] {
+        let mut ck = Checkpoint::open(tmp.path()).unwrap();
+        ck.set_direct(direct);
+        let info = ck.info("big.u8").unwrap().clone();
+        for (from, len) in [(777usize, (17 << 20) + 5), (0, n_big), (4096, 300_001)] {
+            let mut out = vec![0u8; len];
+            ck.read_span_into(&info, "big.u8", from as u64, &mut out)
+                .unwrap();
+            assert!(out == want(from, len), "direct {direct}: {from}+{len}");
+        }
+    }
+}

@@ -3,16 +3,18 @@
 //! The high byte of a trained BF16 weight (sign and seven exponent bits) carries about 2.6–2.8
 //! bits of information; the low byte (last exponent bit and the mantissa) is close to random.
 //! A tensor is cut into independent blocks of [`BLOCK_ELEMS`] values. Each block stores its
-//! low bytes verbatim and its high bytes with a canonical Huffman code of at most
-//! [`MAX_LEN`] bits built from that block's own histogram, split into [`STREAMS`]
-//! interleaved bit streams so the decoder keeps several lookups in flight. A block the code
-//! would not shrink is stored raw. Every block carries its length and a CRC-32 of its header
+//! low bytes verbatim and its high bytes coded from that block's own histogram, as the
+//! tensor's [`Coding`] says: a canonical Huffman code of at most [`MAX_LEN`] bits split into
+//! [`STREAMS`] interleaved bit streams so the decoder keeps several lookups in flight, or a
+//! 4-bit code into a dictionary of the block's 15 most frequent high bytes with an escape
+//! (decoded by [`crate::kernels::nibble_bf16`]). A block the code would not shrink is stored
+//! raw. Every block carries its length and a CRC-32 of its header
 //! and payload, so a corrupt byte is refused, never decoded into different weights.
 //!
 //! Block layout (all integers little-endian), padded with zeros to a multiple of 8 bytes:
 //!
 //! ```text
-//! 0  u8   kind: 0 raw, 1 Huffman
+//! 0  u8   kind: 0 raw, 1 Huffman, 2 nibble
 //! 1  u8   0
 //! 2  u16  0
 //! 4  u32  values in the block (BLOCK_ELEMS except in a tensor's last block)
@@ -23,6 +25,9 @@
 //!    low nibble; 0 = symbol absent), STREAMS × u32 stream byte lengths, the n low bytes, then
 //!    the streams. Stream k codes the high bytes of values [k·q, (k+1)·q) with q = ⌈n/STREAMS⌉
 //!    (the last stream what remains), least significant bit first.
+//! -- nibble payload: 16 dictionary bytes (entry 15, the escape, is 0), u32 escape count e,
+//!    the n low bytes, ⌈n/2⌉ code bytes (value 2k in the low half of byte k, 0 after an odd
+//!    last value), then the e high bytes of the values coded 15, in value order.
 //! ```
 
 use std::mem::MaybeUninit;

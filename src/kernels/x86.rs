@@ -808,8 +808,12 @@ pub(super) fn dot4<E: Elem>(isa: super::Isa, w: [&[E]; 4], x: &[f32]) -> Option<
     }
 }
 
-/// [`super::generic::nibble_bf16`] with SSSE3 byte shuffles, 32 values at a time; a group
-/// holding an escape goes through the scalar code.
+/// [`super::generic::nibble_bf16`] with SSSE3 byte shuffles, 32 values at a time. A group's
+/// high bytes are looked up together (the escape code's entry is 0), the escaped ones patched
+/// in value order from `esc`, then the group is written. Into a 16-byte aligned `out` the
+/// writes are non-temporal: the decoded layer is far larger than the caches and is read back
+/// by the matrix kernels later, so reading each line before writing it would only add memory
+/// traffic.
 ///
 /// # Safety
 /// AVX2 must be available.
@@ -826,41 +830,72 @@ unsafe fn nibble_bf16_avx2_impl<T: super::Byte>(
     // SAFETY: `dict` is 16 readable bytes.
     let d = unsafe { _mm_loadu_si128(dict.as_ptr().cast()) };
     let m = _mm_set1_epi8(15);
+    let stream = (out.as_ptr() as usize).is_multiple_of(16);
     let mut used = 0usize;
     for g in 0..groups {
         // SAFETY: 32·(g + 1) ≤ n ≤ 2·nib.len(), so nib[16g..16g + 16] is in bounds.
         let v = unsafe { _mm_loadu_si128(nib.as_ptr().add(16 * g).cast()) };
         let lo = _mm_and_si128(v, m);
         let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), m);
-        let e = _mm_or_si128(_mm_cmpeq_epi8(lo, m), _mm_cmpeq_epi8(hi, m));
-        if _mm_movemask_epi8(e) != 0 {
-            let at = 32 * g;
-            used += super::generic::nibble_bf16(
-                dict,
-                &low[at..at + 32],
-                &nib[at / 2..at / 2 + 16],
-                esc.get(used..)?,
-                &mut out[2 * at..2 * at + 64],
-            )?;
-            continue;
-        }
         // High bytes of values 2k (lo) and 2k + 1 (hi); interleaved they are in value order.
         let hl = _mm_shuffle_epi8(d, lo);
         let hh = _mm_shuffle_epi8(d, hi);
-        let h0 = _mm_unpacklo_epi8(hl, hh);
-        let h1 = _mm_unpackhi_epi8(hl, hh);
+        let mut h0 = _mm_unpacklo_epi8(hl, hh);
+        let mut h1 = _mm_unpackhi_epi8(hl, hh);
+        let (el, eh) = (_mm_cmpeq_epi8(lo, m), _mm_cmpeq_epi8(hi, m));
+        if _mm_movemask_epi8(_mm_or_si128(el, eh)) != 0 {
+            // Bit i: value 32g + i has the escape code (interleaved like the high bytes).
+            let e0 = _mm_movemask_epi8(_mm_unpacklo_epi8(el, eh)) as u32 & 0xffff;
+            let e1 = _mm_movemask_epi8(_mm_unpackhi_epi8(el, eh)) as u32 & 0xffff;
+            let mut escaped = e0 | e1 << 16;
+            let mut h = [0u8; 32];
+            // SAFETY: `h` is 32 writable bytes.
+            unsafe {
+                _mm_storeu_si128(h.as_mut_ptr().cast(), h0);
+                _mm_storeu_si128(h.as_mut_ptr().add(16).cast(), h1);
+            }
+            while escaped != 0 {
+                let Some(&e) = esc.get(used) else {
+                    _mm_sfence();
+                    return None;
+                };
+                h[escaped.trailing_zeros() as usize] = e;
+                used += 1;
+                escaped &= escaped - 1;
+            }
+            // SAFETY: `h` is 32 readable bytes.
+            unsafe {
+                h0 = _mm_loadu_si128(h.as_ptr().cast());
+                h1 = _mm_loadu_si128(h.as_ptr().add(16).cast());
+            }
+        }
         // SAFETY: 32·(g + 1) ≤ n ≤ low.len() and 64·(g + 1) ≤ 2n ≤ out.len(), so the 32
-        // bytes read from `low` and the 64 written to `out` are in bounds; `T` is `u8` or
+        // bytes read from `low` and the 64 written to `out` are in bounds, and when `stream`
+        // holds `out` is 16-byte aligned, as are its offsets 64g + 16j; `T` is `u8` or
         // `MaybeUninit<u8>`, one byte each, so storing initialized bytes into it is sound.
         unsafe {
             let l0 = _mm_loadu_si128(low.as_ptr().add(32 * g).cast());
             let l1 = _mm_loadu_si128(low.as_ptr().add(32 * g + 16).cast());
             let o = out.as_mut_ptr().add(64 * g).cast::<__m128i>();
-            _mm_storeu_si128(o, _mm_unpacklo_epi8(l0, h0));
-            _mm_storeu_si128(o.add(1), _mm_unpackhi_epi8(l0, h0));
-            _mm_storeu_si128(o.add(2), _mm_unpacklo_epi8(l1, h1));
-            _mm_storeu_si128(o.add(3), _mm_unpackhi_epi8(l1, h1));
+            let v = [
+                _mm_unpacklo_epi8(l0, h0),
+                _mm_unpackhi_epi8(l0, h0),
+                _mm_unpacklo_epi8(l1, h1),
+                _mm_unpackhi_epi8(l1, h1),
+            ];
+            for (j, v) in v.into_iter().enumerate() {
+                if stream {
+                    _mm_stream_si128(o.add(j), v);
+                } else {
+                    _mm_storeu_si128(o.add(j), v);
+                }
+            }
         }
+    }
+    if stream {
+        // Non-temporal writes are ordered before whatever this thread writes next (the
+        // release that hands the decoded bytes to another thread).
+        _mm_sfence();
     }
     let at = 32 * groups;
     let tail = super::generic::nibble_bf16(

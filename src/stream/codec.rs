@@ -1346,17 +1346,24 @@ mod tests {
                 let mut want = vec![0u8; 2 * n];
                 let used = nibble_bf16_with(Isa::Generic, &dict, &low, &nib, &esc, &mut want);
                 assert_eq!(used, Some(codes));
-                for isa in [Isa::Avx2, detected_isa()] {
-                    let mut got = vec![0x55u8; 2 * n];
-                    let u = nibble_bf16_with(isa, &dict, &low, &nib, &esc, &mut got);
-                    assert_eq!((u, &got), (used, &want), "{isa:?} n {n}");
+                // At an offset of 0 and of 1 byte: the shuffle path writes an aligned output
+                // with non-temporal stores, any other with plain ones.
+                for (isa, off) in [Isa::Avx2, detected_isa()]
+                    .into_iter()
+                    .flat_map(|i| [(i, 0), (i, 1)])
+                {
+                    let mut buf = vec![0x55u8; 2 * n + 32];
+                    let at = buf.as_ptr().align_offset(16) + off;
+                    let got = &mut buf[at..at + 2 * n];
+                    let u = nibble_bf16_with(isa, &dict, &low, &nib, &esc, got);
+                    assert_eq!((u, &*got), (used, &want[..]), "{isa:?} n {n} offset {off}");
                     if codes > 0 {
                         let short = &esc[..codes - 1];
-                        assert_eq!(
-                            nibble_bf16_with(isa, &dict, &low, &nib, short, &mut got),
-                            None
-                        );
+                        assert_eq!(nibble_bf16_with(isa, &dict, &low, &nib, short, got), None);
                     }
+                    // Nothing outside the output is written.
+                    let mut outside = buf[..at].iter().chain(&buf[at + 2 * n..]);
+                    assert!(outside.all(|&b| b == 0x55), "{isa:?} n {n}");
                 }
             }
         }

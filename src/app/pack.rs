@@ -23,17 +23,19 @@ pub struct PackArgs {
     #[arg(long)]
     pub force: bool,
     /// Store BF16 tensors with the lossless trunk codec (the default; docs/trunk-codec.md):
-    /// about 0.68x their size, decoded bit for bit as layers are read.
+    /// about 0.75x their size (0.68x with `--codec entropy`), decoded bit for bit as layers
+    /// are read.
     #[arg(long, conflicts_with = "raw")]
     pub encode: bool,
-    /// Store every tensor as in the checkpoint: nothing to decode, about 1.5x the bytes of
+    /// Store every tensor as in the checkpoint: nothing to decode, about 1.33x the bytes of
     /// the encoded trunk to read.
     #[arg(long)]
     pub raw: bool,
-    /// How BF16 tensors are coded: `entropy` stores the fewest bytes (about 0.68x) and
-    /// decodes at about 3.5 GB/s per core; `nibble` stores about 0.75x and decodes three times
-    /// as fast (docs/trunk-codec.md says which to choose).
-    #[arg(long, value_enum, default_value_t = CodecArg::Entropy, conflicts_with = "raw")]
+    /// How BF16 tensors are coded: `nibble` (the default) stores about 0.75x and decodes at
+    /// about 10 GB/s per core; `entropy` stores the fewest bytes (about 0.68x) but decodes at
+    /// about 3.5 GB/s per core, which on few cores costs more time than its bytes save
+    /// (docs/trunk-codec.md says which to choose).
+    #[arg(long, value_enum, default_value_t = CodecArg::Nibble, conflicts_with = "raw")]
     pub codec: CodecArg,
 }
 

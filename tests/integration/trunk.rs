@@ -561,10 +561,10 @@ fn corrupt_encoded_blocks_are_refused_naming_the_layer_and_tensor() {
     let tmp = tempfile::tempdir().unwrap();
     let (t, traw) = (tmp.path().join("trunk"), tmp.path().join("raw"));
     let (ts, tiny_s) = (t.to_str().unwrap(), tiny.to_str().unwrap());
-    let (code, _, err) = k3(&["pack", tiny_s, ts, "--encode"]);
+    let (code, _, err) = k3(&["pack", tiny_s, ts, "--codec", "entropy"]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("BF16 tensors encoded"), "{err}");
-    let (code, _, err) = k3(&["pack", tiny_s, traw.to_str().unwrap()]);
+    let (code, _, err) = k3(&["pack", tiny_s, traw.to_str().unwrap(), "--raw"]);
     assert_eq!(code, 0, "{err}");
     let run = |trunk: &str| {
         k3(&[
@@ -731,7 +731,7 @@ fn pack_encodes_by_default_and_raw_trunks_of_either_format_still_run() {
         ("default", &[][..]),
         ("encode", &["--encode"][..]),
         ("raw", &["--raw"][..]),
-        ("nibble", &["--codec", "nibble"][..]),
+        ("entropy", &["--codec", "entropy"][..]),
     ] {
         let t = dir(name);
         let mut a = vec!["pack", tiny_s, t.to_str().unwrap()];
@@ -759,8 +759,8 @@ fn pack_encodes_by_default_and_raw_trunks_of_either_format_still_run() {
         v.dedup();
         v
     };
-    assert_eq!(names("default"), ["k3h1", "raw"]);
-    assert_eq!(names("nibble"), ["k3n1", "raw"]);
+    assert_eq!(names("default"), ["k3n1", "raw"]);
+    assert_eq!(names("entropy"), ["k3h1", "raw"]);
     for (what, flags) in [
         ("raw and encode", &["--raw", "--encode"][..]),
         ("raw and a codec", &["--raw", "--codec", "nibble"][..]),
@@ -798,7 +798,7 @@ fn pack_encodes_by_default_and_raw_trunks_of_either_format_still_run() {
         out
     };
     let want = run(None);
-    for t in ["default", "raw", "old", "nibble"] {
+    for t in ["default", "raw", "old", "entropy"] {
         assert_eq!(run(Some(&dir(t))), want, "{t}");
     }
 }
@@ -857,8 +857,68 @@ fn a_layer_read_and_decoded_a_segment_at_a_time_gives_the_bytes_of_reading_then_
                     "layer {il}: read {segment} bytes ahead, the decoded layer differs"
                 );
             }
+            // A read that fails part way fails the layer, naming it; one retried gives the
+            // same bytes.
+            for (fault, fails) in [(Fault::Io, true), (Fault::Short, false)] {
+                fill(got, pattern);
+                t.inject_fault(t.reads_issued() + 2, fault);
+                let r = t.read_decode_by(il, staged, &mut got.area()[..len], &mut scratch, 4096);
+                match (r, fails) {
+                    (Err(e), true) => {
+                        assert!(e.to_string().contains(&format!("trunk layer {il}")), "{e}");
+                    }
+                    (Ok(()), false) => assert!(got.as_slice() == want.as_slice(), "{fault:?}"),
+                    (r, _) => panic!("layer {il}, {fault:?} at the third read: {r:?}"),
+                }
+            }
         }
         layers += 1;
     }
     assert!(layers > 1, "{layers} encoded layers");
+}
+
+#[test]
+fn a_block_corrupted_after_its_layer_was_checked_fails_the_overlapped_read() {
+    let small = crate::streaming::small().join("small");
+    let tmp = tempfile::tempdir().unwrap();
+    let enc = tmp.path().join("enc");
+    pack_into(&small, &enc, Some(Coding::Entropy));
+    let ck = Checkpoint::open(&small).unwrap();
+    let cfg = k3::engine::ModelConfig::load(&small.join("config.json")).unwrap();
+    let t = trunk::Trunk::open(&enc, &ck, cfg.num_hidden_layers).unwrap();
+    // The encoded layer with the most pieces of 4 KiB, and its last encoded tensor.
+    let il = (0..cfg.num_hidden_layers)
+        .filter(|&il| t.decoded_len(il).is_some())
+        .max_by_key(|&il| t.decoded_len(il).unwrap().0)
+        .unwrap();
+    let (stored, len) = t.decoded_len(il).unwrap();
+    let l = &t.manifest().layers[il];
+    let last = l
+        .tensors
+        .values()
+        .filter(|x| x.encoding != "raw")
+        .max_by_key(|x| x.off)
+        .unwrap();
+    let at = l.file_off + last.off + last.stored / 2;
+    let arena = k3::stream::arena::Arena::new(stored.max(len));
+    arena.set_slots(2).unwrap();
+    let (mut staged, mut out) = (arena.take().unwrap(), arena.take().unwrap());
+    let mut scratch = t.decode_scratch();
+    t.read_decode_by(il, &mut staged, &mut out.area()[..len], &mut scratch, 4096)
+        .unwrap();
+    assert!(t.is_checked(il));
+    // A byte in the middle of the last encoded tensor's blocks, changed on disk now that the
+    // layer is checked: its block's checksum refuses it, naming the layer and the tensor.
+    let bin = enc.join("trunk.bin");
+    let mut bytes = std::fs::read(&bin).unwrap();
+    bytes[at as usize] ^= 0x5a;
+    std::fs::write(&bin, &bytes).unwrap();
+    let e = t
+        .read_decode_by(il, &mut staged, &mut out.area()[..len], &mut scratch, 4096)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains(&format!("trunk layer {il}, tensor")),
+        "{e}"
+    );
+    assert_eq!(e.exit_code(), 3, "{e}");
 }

@@ -803,8 +803,14 @@ fn pack_encodes_by_default_and_raw_trunks_of_either_format_still_run() {
     }
 }
 
-#[test]
-fn a_layer_read_and_decoded_a_segment_at_a_time_gives_the_bytes_of_reading_then_decoding() {
+/// The `small` model's trunk packed entropy-coded into a directory of its own (kept while
+/// the first value lives), opened: its directory, the model config and the trunk.
+fn small_encoded_trunk() -> (
+    tempfile::TempDir,
+    PathBuf,
+    k3::engine::ModelConfig,
+    trunk::Trunk,
+) {
     let small = crate::streaming::small().join("small");
     let tmp = tempfile::tempdir().unwrap();
     let enc = tmp.path().join("enc");
@@ -812,6 +818,12 @@ fn a_layer_read_and_decoded_a_segment_at_a_time_gives_the_bytes_of_reading_then_
     let ck = Checkpoint::open(&small).unwrap();
     let cfg = k3::engine::ModelConfig::load(&small.join("config.json")).unwrap();
     let t = trunk::Trunk::open(&enc, &ck, cfg.num_hidden_layers).unwrap();
+    (tmp, enc, cfg, t)
+}
+
+#[test]
+fn a_layer_read_and_decoded_a_segment_at_a_time_gives_the_bytes_of_reading_then_decoding() {
+    let (_tmp, _, cfg, t) = small_encoded_trunk();
     let most = (0..cfg.num_hidden_layers)
         .filter_map(|il| t.decoded_len(il))
         .map(|(stored, len)| stored.max(len))
@@ -879,14 +891,8 @@ fn a_layer_read_and_decoded_a_segment_at_a_time_gives_the_bytes_of_reading_then_
 
 #[test]
 fn a_block_corrupted_after_its_layer_was_checked_fails_the_overlapped_read() {
-    let small = crate::streaming::small().join("small");
-    let tmp = tempfile::tempdir().unwrap();
-    let enc = tmp.path().join("enc");
-    pack_into(&small, &enc, Some(Coding::Entropy));
-    let ck = Checkpoint::open(&small).unwrap();
-    let cfg = k3::engine::ModelConfig::load(&small.join("config.json")).unwrap();
-    let t = trunk::Trunk::open(&enc, &ck, cfg.num_hidden_layers).unwrap();
-    // The encoded layer with the most pieces of 4 KiB, and its last encoded tensor.
+    let (_tmp, enc, cfg, t) = small_encoded_trunk();
+    // The encoded layer with the longest stored run, and its last encoded tensor.
     let il = (0..cfg.num_hidden_layers)
         .filter(|&il| t.decoded_len(il).is_some())
         .max_by_key(|&il| t.decoded_len(il).unwrap().0)

@@ -902,7 +902,7 @@ fn a_block_corrupted_after_its_layer_was_checked_fails_the_overlapped_read() {
     let last = l
         .tensors
         .values()
-        .filter(|x| x.encoding != "raw")
+        .filter(|x| x.is_encoded())
         .max_by_key(|x| x.off)
         .unwrap();
     let at = l.file_off + last.off + last.stored / 2;

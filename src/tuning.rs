@@ -20,6 +20,7 @@
 //! | `K3_PREFETCH_EARLY` | `0`/`off`, `1`/`on`, `auto` | `auto` | the early prediction (`auto`: chosen by timing decoding steps) |
 //! | `K3_CACHE_POLICY` | `cycle-queue`, `layer-cycle`, `lru` | `cycle-queue` | the expert cache's replacement policy |
 //! | `K3_NOSPEC` | `0`/`1` | `0` | `1` turns speculative decoding off whatever `--spec` says |
+//! | `K3_TRUNK_SEGMENT_KB` | 4–1048576 | 32768 | KiB of an encoded trunk layer read ahead of its decoder, and the window a tight budget stages it through |
 
 use serde::Serialize;
 use std::sync::OnceLock;
@@ -37,6 +38,10 @@ pub const DEFAULT_PREFETCH_DEPTH: usize = 3;
 /// fewer reads than this are in flight (`K3_PREFETCH_LATE_DEPTH`): they are read as if they
 /// were the layer's own.
 pub const DEFAULT_PREFETCH_LATE_DEPTH: usize = 16;
+
+/// KiB of an encoded trunk layer's stored run read ahead of its decoder
+/// (`K3_TRUNK_SEGMENT_KB`): four of the 8 MiB pieces a run is read in.
+pub const DEFAULT_TRUNK_SEGMENT_KB: usize = 32 << 10;
 
 /// A kernel path asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -101,6 +106,8 @@ pub struct Tuning {
     pub cache_policy: CachePolicy,
     /// `K3_NOSPEC`.
     pub no_spec: bool,
+    /// `K3_TRUNK_SEGMENT_KB`.
+    pub trunk_segment_kb: usize,
 }
 
 impl Default for Tuning {
@@ -117,6 +124,7 @@ impl Default for Tuning {
             prefetch_early: None,
             cache_policy: CachePolicy::CycleQueue,
             no_spec: false,
+            trunk_segment_kb: DEFAULT_TRUNK_SEGMENT_KB,
         }
     }
 }
@@ -134,7 +142,7 @@ pub struct TuningError {
 }
 
 /// Every variable [`Tuning`] reads.
-pub const VARIABLES: [&str; 11] = [
+pub const VARIABLES: [&str; 12] = [
     "K3_KERNELS",
     "K3_ROW_ORDER",
     "K3_IO_THREADS",
@@ -146,6 +154,7 @@ pub const VARIABLES: [&str; 11] = [
     "K3_PREFETCH_EARLY",
     "K3_CACHE_POLICY",
     "K3_NOSPEC",
+    "K3_TRUNK_SEGMENT_KB",
 ];
 
 impl Tuning {
@@ -230,6 +239,13 @@ impl Tuning {
             prefetch_early,
             cache_policy,
             no_spec: flag("K3_NOSPEC", d.no_spec)?,
+            trunk_segment_kb: count(
+                "K3_TRUNK_SEGMENT_KB",
+                d.trunk_segment_kb,
+                4,
+                1 << 20,
+                "a whole number from 4 to 1048576",
+            )?,
         })
     }
 
@@ -331,6 +347,7 @@ mod tests {
             ("K3_PREFETCH_EARLY", "on"),
             ("K3_CACHE_POLICY", "lru"),
             ("K3_NOSPEC", "1"),
+            ("K3_TRUNK_SEGMENT_KB", "64"),
         ])
         .expect("valid");
         assert_eq!(
@@ -347,6 +364,7 @@ mod tests {
                 prefetch_early: Some(true),
                 cache_policy: CachePolicy::Lru,
                 no_spec: true,
+                trunk_segment_kb: 64,
             }
         );
     }
@@ -366,6 +384,7 @@ mod tests {
             ("K3_PREFETCH_EARLY", "maybe"),
             ("K3_CACHE_POLICY", "belady"),
             ("K3_NOSPEC", "true"),
+            ("K3_TRUNK_SEGMENT_KB", "2"),
         ] {
             let e = with(&[(var, value)]).expect_err(var);
             assert_eq!(e.var, var);

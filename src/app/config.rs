@@ -577,6 +577,9 @@ pub struct TuningConfig {
     /// `K3_NOSPEC`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub no_spec: Option<bool>,
+    /// `K3_TRUNK_SEGMENT_KB`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trunk_segment_kb: Option<i64>,
 }
 
 impl TuningConfig {
@@ -610,6 +613,7 @@ impl TuningConfig {
             "K3_PREFETCH_EARLY" => self.prefetch_early.clone(),
             "K3_CACHE_POLICY" => self.cache_policy.clone(),
             "K3_NOSPEC" => flag(&self.no_spec),
+            "K3_TRUNK_SEGMENT_KB" => num(&self.trunk_segment_kb),
             _ => None,
         }
     }

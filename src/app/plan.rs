@@ -83,6 +83,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     };
     if let Some(t) = &trunk {
         sizes.layer_staged = t.staged_lens();
+        sizes.layer_window = t.window_lens();
     }
     let req = args.budget.request(auto_request())?;
     let index_bytes = ck.index().memory_bytes();
@@ -230,6 +231,19 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             gb(read),
             gb(decoded)
         );
+        let run = sizes.layer_staged.iter().copied().max().unwrap_or(0);
+        if run > 0 {
+            println!(
+                "staging      {} in the ring for encoded runs of up to {}{}",
+                gb(plan.stage_bytes),
+                gb(run),
+                if plan.stage_bytes < run {
+                    " (longer runs are read through it as a window)"
+                } else {
+                    ""
+                }
+            );
+        }
     }
     println!("planned      {}", gb(plan.planned_bytes(&sizes)));
     Ok(())

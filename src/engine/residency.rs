@@ -583,11 +583,12 @@ impl Streamer {
         let want_head = r.plan.head_resident && r.head.is_none();
         let r_ring_slots = r.plan.ring_slots;
         let streamed_of = r.plan.pinned.clone();
+        let stage = usize::try_from(r.plan.stage_bytes).unwrap_or(usize::MAX);
         drop(r);
         // Drop the read-ahead and make the new plan's ring.
         let ring_slots = usize::try_from(r_ring_slots).unwrap_or(usize::MAX);
         self.ring
-            .resize(ring_slots, &streamed_of)
+            .resize(ring_slots, &streamed_of, stage)
             .map_err(|e| StreamError::Open {
                 path: self.ck.dir().to_path_buf(),
                 source: std::io::Error::new(

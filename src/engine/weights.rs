@@ -159,6 +159,7 @@ impl Model {
         let mut sizes = model_sizes(&cfg, &ck);
         if let Some(t) = &trunk {
             sizes.layer_staged = t.staged_lens();
+            sizes.layer_window = t.window_lens();
         }
         let plan = crate::stream::budget::plan_states(
             &sizes,

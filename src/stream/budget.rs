@@ -11,10 +11,15 @@ use serde::Serialize;
 pub struct ModelSizes {
     /// Non-expert bytes of each layer.
     pub layer_trunk: Vec<u64>,
-    /// Bytes a read of each layer stages before decoding it (into its ring slot, or a pinned
-    /// layer's allocation): its stored run when a packed trunk holds it encoded, else 0
-    /// (empty: none staged). The ring keeps one staging buffer, of the largest of these.
+    /// Bytes of each layer's stored run when a packed trunk holds it encoded, else 0 (empty:
+    /// none encoded).
     pub layer_staged: Vec<u64>,
+    /// Bytes a read of each encoded layer stages before decoding it (into its ring slot, or a
+    /// pinned layer's allocation): the window of its run the decoder needs
+    /// (`stream::trunk::Manifest::window_lens`), at most the run; 0 for a layer read as it
+    /// lies (empty: as `layer_staged`). The ring keeps one staging buffer, of the largest of
+    /// these.
+    pub layer_window: Vec<u64>,
     /// Bytes of one routed expert (its six MXFP4 tensors).
     pub expert_bytes: u64,
     /// Routed experts per MoE layer.
@@ -121,6 +126,9 @@ pub struct Plan {
     pub ring_slots: u64,
     /// Bytes of the ring: its slots, and the staging buffer of encoded layers.
     pub ring_bytes: u64,
+    /// Bytes of the staging buffer encoded layers are read through (0: none stored encoded):
+    /// their largest run, or a window of it where the budget is tight.
+    pub stage_bytes: u64,
     /// Routed experts the cache holds.
     pub expert_slots: u64,
     /// Bytes of the expert cache.
@@ -260,14 +268,25 @@ pub fn spec_reserve(s: &ModelSizes) -> u64 {
 }
 
 /// Bytes of the read-ahead ring when the layers not `pinned` stream: its two largest layers,
-/// and the staging buffer of the largest encoded run, streamed or pinned (a pinned layer
-/// stored encoded is read into it and decoded from there when it is loaded).
-fn ring_need(s: &ModelSizes, pinned: &[bool]) -> u64 {
+/// and the staging buffer encoded runs are read through (`stage` bytes), streamed or pinned (a
+/// pinned layer stored encoded is read through it and decoded from there when it is loaded).
+fn ring_need(s: &ModelSizes, pinned: &[bool], stage: u64) -> u64 {
     let streamed = || (0..s.layer_trunk.len()).filter(|&i| !pinned[i]);
     let mut rest: Vec<u64> = streamed().map(|i| s.layer_trunk[i]).collect();
     rest.sort_unstable_by(|a, b| b.cmp(a));
-    let staged = s.layer_staged.iter().copied().max().unwrap_or(0);
-    rest.iter().take(2).sum::<u64>() + staged
+    rest.iter().take(2).sum::<u64>() + stage
+}
+
+/// The staging encoded runs can be read through: the least (the largest window a layer's run
+/// needs, `ModelSizes::layer_window`), and the largest run, which holds every run whole.
+fn stagings(s: &ModelSizes) -> (u64, u64) {
+    let most = |v: &[u64]| v.iter().copied().max().unwrap_or(0);
+    let full = most(&s.layer_staged);
+    if s.layer_window.is_empty() {
+        (full, full)
+    } else {
+        (most(&s.layer_window).min(full), full)
+    }
 }
 
 /// Make a plan for `req`, with room for one sequence state of `context` positions. A memory
@@ -297,7 +316,10 @@ pub fn plan_states(
     let state_reserve = states * (s.state_bytes + s.kv_per_position * context);
     let fixed = fixed_overhead(s, context);
     let head_chunk_rows = (HEAD_CHUNK_BYTES / s.row_bytes.max(1)).clamp(1, s.vocab.max(1));
-    let ring_min = ring_need(s, &vec![false; n]);
+    // The floor stages encoded runs through a window; a budget with room for it stages them
+    // whole (a window costs a copy of part of a run now and then).
+    let (window, full_stage) = stagings(s);
+    let ring_min = ring_need(s, &vec![false; n], window);
     let slot = expert_slot_bytes(s);
     let floor = fixed
         + state_reserve
@@ -319,6 +341,7 @@ pub fn plan_states(
         pinned: vec![true; n],
         ring_slots: 0,
         ring_bytes: 0,
+        stage_bytes: full_stage,
         expert_slots: all_experts,
         expert_cache_bytes: all_experts * s.expert_bytes,
         embed_resident: true,
@@ -398,7 +421,13 @@ pub fn plan_states(
     let mut pinned = vec![false; n];
     let mut left = trunk_budget;
     let mut head_resident = false;
-    let ring_of = |pinned: &[bool]| ring_need(s, pinned);
+    let stage = if trunk_budget >= ring_min + (full_stage - window) {
+        full_stage
+    } else {
+        window
+    };
+    let ring_min = ring_min + (stage - window);
+    let ring_of = |pinned: &[bool]| ring_need(s, pinned, stage);
     if left >= s.head + ring_min {
         head_resident = true;
         left -= s.head;
@@ -435,6 +464,7 @@ pub fn plan_states(
         pinned,
         ring_slots,
         ring_bytes,
+        stage_bytes: stage,
         expert_slots,
         expert_cache_bytes: expert_slots * slot,
         embed_resident: false,
@@ -474,6 +504,7 @@ mod tests {
         ModelSizes {
             layer_trunk,
             layer_staged: Vec::new(),
+            layer_window: Vec::new(),
             expert_bytes: 17_547_264,
             experts_per_layer: 896,
             moe_layers: 92,
@@ -565,6 +596,12 @@ mod tests {
             assert_eq!(p.ring_bytes, slots + streamed_staging, "{gb} GB");
             assert!(p.planned_bytes(&enc) <= gb * 1_000_000_000, "{gb} GB");
         }
+        // Staged through a window of each run (smaller than the run): the window counts.
+        let mut win = enc.clone();
+        win.layer_window = enc.layer_staged.iter().map(|&b| b / 4).collect();
+        let p2 = plan(&win, BudgetRequest::Total(8_000_000_000), 4096, None).unwrap();
+        assert_eq!(p2.floor_bytes, p0.floor_bytes + biggest / 4);
+        assert!(p2.n_pinned() >= p1.n_pinned());
         // Raw layers (or no trunk) stage nothing.
         assert_eq!(p0.ring_bytes, {
             let mut sorted: Vec<u64> = (0..raw.layer_trunk.len())

@@ -684,6 +684,38 @@ fn pack_encoded(
 }
 
 impl Manifest {
+    /// Per layer, the least staging [`Trunk::read_decode_into`] reads and decodes it
+    /// through: 0 for a layer stored raw; else, for the tensor that needs most, the bytes
+    /// from the 4 KiB boundary at or before its start to the segment boundary at or after its
+    /// end (what the window must hold to decode it), and one segment more, so a read is in
+    /// flight while it decodes; the whole run when that is smaller.
+    #[must_use]
+    pub fn window_lens(&self) -> Vec<u64> {
+        self.window_lens_by(segment() as u64)
+    }
+
+    /// [`Manifest::window_lens`] for reads of `seg` bytes ahead of the decoder (a multiple of
+    /// 4 KiB; [`Trunk::read_decode_by`]).
+    #[must_use]
+    pub fn window_lens_by(&self, seg: u64) -> Vec<u64> {
+        let seg = seg.max(1).next_multiple_of(4096);
+        (self.layers.iter())
+            .map(|l| {
+                if !l.tensors.values().any(TrunkTensor::is_encoded) {
+                    return 0;
+                }
+                let need = (l.tensors.values())
+                    .map(|t| {
+                        ((t.off + t.stored).next_multiple_of(seg)).min(l.nbytes)
+                            - t.off / 4096 * 4096
+                    })
+                    .max()
+                    .unwrap_or(0);
+                (need + seg).min(l.nbytes)
+            })
+            .collect()
+    }
+
     /// Per layer, the bytes a streamed read of it stages before decoding: its run when it
     /// holds encoded tensors, else 0 (see [`Trunk::staged_lens`]).
     #[must_use]
@@ -734,9 +766,12 @@ impl LayerRun {
 /// one allocation its tensors then borrow.
 const PIECE: usize = 8 << 20;
 
-/// Bytes of a stored run read ahead of the decoder ([`Trunk::read_decode_into`]): four
-/// pieces, so four reads are in flight while the tensors before them are decoded.
-const SEGMENT: usize = 4 * PIECE;
+/// Bytes of a stored run read ahead of the decoder ([`Trunk::read_decode_into`]): by default
+/// four pieces, so four reads are in flight while the tensors before them are decoded
+/// (`K3_TRUNK_SEGMENT_KB`, a multiple of 4 KiB).
+fn segment() -> usize {
+    (crate::tuning::Tuning::get().trunk_segment_kb << 10).next_multiple_of(4096)
+}
 
 /// An open packed trunk, checked against the checkpoint it serves.
 #[derive(Debug)]
@@ -817,6 +852,23 @@ impl Piece {
     /// Where the piece's share of the decoded layer starts (its padding included).
     fn start(&self) -> usize {
         self.dst - self.gap
+    }
+}
+
+/// A layer's stored run as read into memory: its bytes from byte `from` of the run on (the
+/// whole run from 0, or the window of it a staging smaller than the run holds).
+#[derive(Clone, Copy)]
+struct RunBytes<'a> {
+    bytes: &'a [u8],
+    from: usize,
+}
+
+impl<'a> RunBytes<'a> {
+    /// Tensor `t`'s stored bytes; None when they are not all here.
+    fn stored(&self, t: &TrunkTensor) -> Option<&'a [u8]> {
+        let at = usize::try_from(t.off).ok()?.checked_sub(self.from)?;
+        self.bytes
+            .get(at..at.checked_add(usize::try_from(t.stored).ok()?)?)
     }
 }
 
@@ -1178,6 +1230,13 @@ impl Trunk {
         self.manifest.staged_lens()
     }
 
+    /// Per layer, the least staging a read of it decodes through (see
+    /// [`Manifest::window_lens`]; the planner's `ModelSizes::layer_window`).
+    #[must_use]
+    pub fn window_lens(&self) -> Vec<u64> {
+        self.manifest.window_lens()
+    }
+
     /// A list of decoding pieces long enough for any layer of the trunk.
     #[must_use]
     pub fn decode_scratch(&self) -> DecodeScratch {
@@ -1295,7 +1354,7 @@ impl Trunk {
         area: &mut [std::mem::MaybeUninit<u8>],
         scratch: &mut DecodeScratch,
     ) -> Result<(), StreamError> {
-        self.read_decode_by(il, staged, area, scratch, SEGMENT)
+        self.read_decode_by(il, staged, area, scratch, segment())
     }
 
     /// [`Trunk::read_decode_into`] reading `segment` bytes ahead of the decoder (rounded up
@@ -1318,6 +1377,11 @@ impl Trunk {
                 .try_fold(0u64, |end, off| off.filter(|&o| o >= end))
                 .is_some()
         });
+        if in_order && staged.len() < total {
+            if let Some(d) = &self.decoded[il] {
+                return self.read_decode_window(il, d, staged, area, scratch, segment);
+            }
+        }
         if !self.is_checked(il) || !in_order || staged.len() < total {
             self.read_run_into(il, staged.area())?;
             let run = staged.as_slice().get(..total).unwrap_or_default();
@@ -1369,10 +1433,115 @@ impl Trunk {
                     Ok(())
                 }
             };
+            let run = RunBytes {
+                bytes: run,
+                from: 0,
+            };
             let decode = || self.decode_tensors(il, d, run, next..ready, part, decoded_to, scratch);
             let (r, x) = rayon::join(read_next, decode);
             r.and(x)?;
             (arrived, next, decoded_to) = (upto, ready, end);
+        }
+        self.read_run_done(il);
+        Ok(())
+    }
+
+    /// [`Trunk::read_decode_by`] through a staging smaller than the run (`staged`, at least
+    /// [`Manifest::window_lens`] of the layer): it holds a window of the run, from the start
+    /// of the first tensor not yet decoded to what has arrived. When the next segment does not
+    /// fit, the bytes of the tensors decoded are dropped and the rest moved to the front. A
+    /// run not yet checked is checked as it arrives, and the layer is refused at the end when
+    /// its checksum does not match (each encoded block is checked by its own before it is
+    /// decoded).
+    fn read_decode_window(
+        &self,
+        il: usize,
+        d: &Decoded,
+        staged: &mut super::arena::Slot,
+        area: &mut [std::mem::MaybeUninit<u8>],
+        scratch: &mut DecodeScratch,
+        segment: usize,
+    ) -> Result<(), StreamError> {
+        let l = &self.manifest.layers[il];
+        let total = usize::try_from(l.nbytes).unwrap_or(usize::MAX);
+        let bad = |what: &str| {
+            let e = std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
+            self.read_error(il, l.file_off, l.nbytes, e)
+        };
+        let Some(area) = area.get_mut(..d.len) else {
+            return Err(bad("run too large"));
+        };
+        let window = staged.len();
+        let n = d.tensors.len();
+        let tensor = |k: usize| l.tensors.get(&d.tensors[k].0);
+        let start = |k: usize| tensor(k).map_or(usize::MAX, |t| t.off as usize);
+        let stored_end = |k: usize| tensor(k).map_or(usize::MAX, |t| (t.off + t.stored) as usize);
+        let check = !self.is_checked(il);
+        let mut crc = crc32fast::Hasher::new();
+        // The window holds bytes `from..arrived` of the run; tensors before `next` are
+        // decoded, into `area` up to `decoded_to`.
+        let (mut from, mut arrived, mut next, mut decoded_to) = (0usize, 0usize, 0usize, 0usize);
+        while next < n || (check && arrived < total) {
+            let ready = (next..n)
+                .take_while(|&k| stored_end(k) <= arrived)
+                .last()
+                .map_or(next, |k| k + 1);
+            let upto = (arrived + segment).min(total);
+            let read_now = upto > arrived && upto - from <= window;
+            if ready == next && !read_now {
+                if upto == arrived {
+                    // Nothing left to read, and the tensors left are not all here.
+                    return Err(bad("bad layout"));
+                }
+                // Make room: keep what the tensors left need, from a 4 KiB boundary (where a
+                // direct read may land).
+                let keep = if next < n { start(next) } else { arrived };
+                let to = (keep / 4096 * 4096).clamp(from, arrived);
+                if to == from {
+                    return Err(bad("the staging is smaller than a tensor of the layer"));
+                }
+                staged.area().copy_within(to - from..arrived - from, 0);
+                from = to;
+                continue;
+            }
+            let end = if ready == n {
+                area.len()
+            } else {
+                self.decoded_start(il, d, ready)
+            };
+            let end = end.clamp(decoded_to, area.len());
+            let (run, rest) = staged.split_at_mut(arrived - from);
+            let (_, tail) = area.split_at_mut(decoded_to);
+            let (part, _) = tail.split_at_mut(end - decoded_to);
+            let read_next = || {
+                if read_now {
+                    self.read_run_part(il, arrived, &mut rest[..upto - arrived])
+                } else {
+                    Ok(())
+                }
+            };
+            let run = RunBytes { bytes: run, from };
+            let decode = || self.decode_tensors(il, d, run, next..ready, part, decoded_to, scratch);
+            let (r, x) = rayon::join(read_next, decode);
+            r.and(x)?;
+            if read_now {
+                if check {
+                    crc.update(&staged.as_slice()[arrived - from..upto - from]);
+                }
+                arrived = upto;
+            }
+            (next, decoded_to) = (ready, end);
+        }
+        if check {
+            let got = crc.finalize();
+            if got != l.crc32 {
+                return Err(bad(&format!(
+                    "checksum {got:08x}, the manifest says {:08x} (trunk.bin is corrupt; run \
+                     `k3 pack --force`)",
+                    l.crc32
+                )));
+            }
+            self.verified[il].store(true, Ordering::Relaxed);
         }
         self.read_run_done(il);
         Ok(())
@@ -1462,16 +1631,16 @@ impl Trunk {
         self.decode_layer_with(il, run.as_slice(), d, &mut scratch)
     }
 
-    /// Layer `il`, stored encoded, decoded from `run` (its stored run as
-    /// [`Trunk::read_run_into`] read it, into memory the caller keeps, such as a staging
-    /// buffer) into one pooled allocation of its own, as [`Trunk::read_layer`] gives it.
+    /// Layer `il`, stored encoded, read through `staged` (the whole run, or a window of it
+    /// as [`Trunk::read_decode_into`] reads it) and decoded into one pooled allocation of its
+    /// own, on the I/O pool: a pinned layer loaded through the ring's staging.
     ///
     /// # Errors
-    /// The layer is stored raw, or a block does not decode.
-    pub fn decode_layer_from(
+    /// The layer is stored raw, it cannot be read, or a block does not decode.
+    pub fn read_decode_layer(
         &self,
         il: usize,
-        run: &[u8],
+        staged: &mut super::arena::Slot,
         scratch: &mut DecodeScratch,
     ) -> Result<LayerRun, StreamError> {
         let Some(d) = self.decoded.get(il).and_then(Option::as_ref) else {
@@ -1481,7 +1650,14 @@ impl Trunk {
                 reason: "the layer holds no encoded tensor".into(),
             });
         };
-        let bytes = self.decode_layer_with(il, run, d, scratch)?;
+        let mut fill = Filling::new_in(d.len, &self.decoded_pool);
+        // On the I/O pool, as in `decode_layer_with`.
+        let mut go = || self.read_decode_into(il, staged, fill.area(), scratch);
+        match io_pool() {
+            Some(pool) => pool.install(go),
+            None => go(),
+        }?;
+        let bytes = fill.finish(d.len);
         self.layer_run(il, &bytes)
     }
 
@@ -1531,6 +1707,10 @@ impl Trunk {
             return Err(self.read_error(il, 0, d.len as u64, e));
         };
         self.check_stored(il, run)?;
+        let run = RunBytes {
+            bytes: run,
+            from: 0,
+        };
         self.decode_tensors(il, d, run, 0..d.tensors.len(), area, 0, scratch)
     }
 
@@ -1554,7 +1734,7 @@ impl Trunk {
         &self,
         il: usize,
         d: &Decoded,
-        run: &[u8],
+        run: RunBytes<'_>,
         ks: std::ops::Range<usize>,
         area: &mut [std::mem::MaybeUninit<u8>],
         base: usize,
@@ -1588,7 +1768,7 @@ impl Trunk {
             }
             // `Trunk::open` checked the stored bytes lie inside the run.
             let stored = run
-                .get(t.off as usize..(t.off + t.stored) as usize)
+                .stored(t)
                 .ok_or_else(|| corrupt(name, "outside its run".into()))?;
             let mut first = true;
             super::codec::locate(stored, t.nbytes as usize, |b| {
@@ -1615,7 +1795,7 @@ impl Trunk {
         &self,
         il: usize,
         d: &Decoded,
-        run: &[u8],
+        run: RunBytes<'_>,
         pieces: &[Piece],
         area: &mut [std::mem::MaybeUninit<u8>],
         base: usize,
@@ -1645,7 +1825,7 @@ impl Trunk {
         &self,
         il: usize,
         d: &Decoded,
-        run: &[u8],
+        run: RunBytes<'_>,
         p: &Piece,
         area: &mut [std::mem::MaybeUninit<u8>],
     ) -> Result<(), StreamError> {
@@ -1664,7 +1844,7 @@ impl Trunk {
             b.write(0);
         }
         let stored = run
-            .get(t.off as usize..(t.off + t.stored) as usize)
+            .stored(t)
             .ok_or_else(|| corrupt("outside its run".into()))?;
         match &p.block {
             Some(b) => {

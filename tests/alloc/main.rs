@@ -227,7 +227,7 @@ fn a_decoding_step_at_the_floor_allocates_nothing() {
             };
             // An encoded trunk's floor counts the staging of its largest run.
             let (_, info) = Model::open_with(&fixture(set), &opts).unwrap();
-            let staged = info.sizes.layer_staged.iter().max().copied().unwrap_or(0);
+            let staged = info.sizes.layer_window.iter().max().copied().unwrap_or(0);
             assert_eq!(info.plan.floor_bytes, floor + staged, "{set}");
             assert_eq!(staged > 0, trunk.is_some_and(|t| *t != dir), "{set}");
             opts.budget = BudgetRequest::Total(info.plan.floor_bytes);

@@ -82,7 +82,7 @@ fn plan_chat_counts_an_encoded_trunks_staging() {
         serde_json::from_slice(&out.stdout).unwrap()
     };
     let (plain, with) = (plan(&[]), plan(&["--trunk", trunk]));
-    let staged = (with["sizes"]["layer_staged"].as_array().unwrap().iter())
+    let staged = (with["sizes"]["layer_window"].as_array().unwrap().iter())
         .filter_map(Value::as_u64)
         .max()
         .unwrap();

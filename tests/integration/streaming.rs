@@ -572,6 +572,63 @@ fn small_checkpoint_same_logits_at_every_budget_and_rss_within_budget() {
     }
 }
 
+/// With reads of 64 KiB ahead of the decoder, `small`'s encoded layers are longer than the
+/// window the floor stages them through: at the floor every layer streams through the window
+/// (and a pinned one is loaded through it), at the ids and logits of the checkpoint alone, inside
+/// the budget; a budget with room stages whole runs and gives the same.
+#[test]
+fn encoded_layers_streamed_through_a_window_of_their_runs_give_the_same_bits() {
+    let (ids, logits, _) = run_small(&[]);
+    let trunk = small().join("trunk-window");
+    crate::common::run_ok(
+        crate::common::k3_command()
+            .arg("pack")
+            .arg(small().join("small"))
+            .arg(&trunk),
+    );
+    let t = trunk.to_str().unwrap();
+    let env = [("K3_TRUNK_SEGMENT_KB", "64")];
+    let plan = |mem: &str| -> serde_json::Value {
+        let out = crate::common::run_ok(
+            crate::common::k3_command()
+                .envs(env)
+                .arg("plan")
+                .arg(small().join("small"))
+                .args(["--trunk", t, "--json", "--mem", mem]),
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let at = |p: &serde_json::Value, key: &str| p[key].as_u64().unwrap();
+    let probe = plan("1000");
+    let most = |key: &str| {
+        (probe["sizes"][key].as_array().unwrap().iter())
+            .filter_map(serde_json::Value::as_u64)
+            .max()
+            .unwrap()
+    };
+    let (window, run) = (most("layer_window"), most("layer_staged"));
+    assert!(
+        window > 0 && window * 2 < run,
+        "window {window}, largest run {run}"
+    );
+    let (floor, model) = (at(&probe, "floor_bytes"), at(&probe, "model_bytes"));
+    for budget in [floor, floor + model / 8, model * 2] {
+        let gb = format!("{}", budget as f64 / 1e9);
+        let p = plan(&gb);
+        let staged = at(&p, "stage_bytes");
+        if budget == floor {
+            assert_eq!(staged, window, "the floor stages through the window");
+        } else if budget > model {
+            assert_eq!(staged, run, "room for whole runs");
+        }
+        let (got_ids, got_logits, peak, _) = run_small_env(&["--trunk", t, "--mem", &gb], &env);
+        assert_eq!(got_ids, ids, "budget {budget}, staging {staged}");
+        assert!(got_logits == logits, "logits differ at {budget}");
+        assert!(peak <= budget, "peak RSS {peak} above the budget {budget}");
+        println!("small through a staging of {staged} B (runs up to {run} B) at {budget} B: peak RSS {peak} B");
+    }
+}
+
 #[test]
 fn a_chat_keeps_its_snapshots_inside_the_budget() {
     let plan = crate::common::run_ok(

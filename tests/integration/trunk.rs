@@ -126,7 +126,7 @@ fn with_or_without_the_trunk_every_budget_gives_the_same_logits() {
         let info = info_with(&dir, Some(&t));
         let (floor, model) = (info.plan.floor_bytes, info.sizes.model_bytes());
         let plain = info_with(&dir, None);
-        let staged = info.sizes.layer_staged.iter().max().copied().unwrap_or(0);
+        let staged = info.sizes.layer_window.iter().max().copied().unwrap_or(0);
         assert_eq!(staged > 0, encode, "{set}: encoded layers are staged");
         assert_eq!(floor, plain.plan.floor_bytes + staged, "{set}");
         for direct in [true, false] {
@@ -927,4 +927,102 @@ fn a_block_corrupted_after_its_layer_was_checked_fails_the_overlapped_read() {
         "{e}"
     );
     assert_eq!(e.exit_code(), 3, "{e}");
+}
+
+/// A layer read through a staging smaller than its run (a window of it, as the planner sizes
+/// the staging for large layers) gives the bytes of reading the run whole and decoding it,
+/// whether the run was checked before or is checked as it arrives. A staging too small for
+/// one of the layer's tensors is refused, and a run whose raw tensor changed on disk is
+/// refused by the run's checksum at the end of its first read, never handed out.
+#[test]
+fn a_layer_read_through_a_window_of_its_run_gives_the_bytes_of_reading_it_whole() {
+    let (_tmp, enc, cfg, t) = small_encoded_trunk();
+    let small = crate::streaming::small().join("small");
+    let ck = Checkpoint::open(&small).unwrap();
+    let seg = 4096;
+    let windows = t.manifest().window_lens_by(seg as u64);
+    let most = (0..cfg.num_hidden_layers)
+        .filter_map(|il| t.decoded_len(il))
+        .map(|(stored, len)| stored.max(len))
+        .max()
+        .expect("an encoded layer");
+    let arena = k3::stream::arena::Arena::new(most);
+    arena.set_slots(2).unwrap();
+    let (mut whole, mut want) = (arena.take().unwrap(), arena.take().unwrap());
+    let mut scratch = t.decode_scratch();
+    let mut windowed = Vec::new();
+    for (il, &w) in windows.iter().enumerate() {
+        let Some((stored, len)) = t.decoded_len(il) else {
+            assert_eq!(w, 0, "layer {il} is stored raw");
+            continue;
+        };
+        let w = usize::try_from(w).unwrap();
+        assert!(
+            w > 0 && w <= stored && w % 4096 == 0,
+            "layer {il}: {w} of {stored}"
+        );
+        if w == stored {
+            continue;
+        }
+        t.read_run_into(il, whole.area()).unwrap();
+        let run = whole.as_slice()[..stored].to_vec();
+        t.decode_run_into(il, &run, &mut want.area()[..len], &mut scratch)
+            .unwrap();
+        let window = k3::stream::arena::Arena::new(w);
+        window.set_slots(1).unwrap();
+        let mut staged = window.take().unwrap();
+        assert_eq!(staged.len(), w);
+        // Opened afresh, the run is checked as it arrives; then it is read checked.
+        let fresh = trunk::Trunk::open(&enc, &ck, cfg.num_hidden_layers).unwrap();
+        for checked in [false, true] {
+            assert_eq!(fresh.is_checked(il), checked);
+            for pattern in [0xAA, 0x55] {
+                for b in whole.area() {
+                    b.write(pattern);
+                }
+                fresh
+                    .read_decode_by(il, &mut staged, &mut whole.area()[..len], &mut scratch, seg)
+                    .unwrap();
+                assert!(
+                    whole.as_slice()[..len] == want.as_slice()[..len],
+                    "layer {il}: through a window of {w} of {stored} bytes (checked {checked})"
+                );
+            }
+        }
+        windowed.push(il);
+    }
+    assert!(windowed.len() > 1, "{windowed:?}");
+    // A staging smaller than a tensor's share of the run is refused.
+    let il = windowed[0];
+    let (_, len) = t.decoded_len(il).unwrap();
+    let tiny = k3::stream::arena::Arena::new(4096);
+    tiny.set_slots(1).unwrap();
+    let mut staged = tiny.take().unwrap();
+    let e = t
+        .read_decode_by(il, &mut staged, &mut whole.area()[..len], &mut scratch, seg)
+        .unwrap_err();
+    assert!(e.to_string().contains("smaller than a tensor"), "{e}");
+    // A raw tensor's byte changed on disk (no block checksum covers it): the first read
+    // through a window is refused by the run's checksum, naming the layer.
+    let l = &t.manifest().layers[il];
+    let raw = (l.tensors.values().find(|x| !x.is_encoded())).expect("a raw tensor");
+    let at = l.file_off + raw.off;
+    let path = enc.join("trunk.bin");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[at as usize] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+    let fresh = trunk::Trunk::open(&enc, &ck, cfg.num_hidden_layers).unwrap();
+    let w = usize::try_from(windows[il]).unwrap();
+    let window = k3::stream::arena::Arena::new(w);
+    window.set_slots(1).unwrap();
+    let mut staged = window.take().unwrap();
+    let e = fresh
+        .read_decode_by(il, &mut staged, &mut whole.area()[..len], &mut scratch, seg)
+        .unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("checksum") && msg.contains(&format!("trunk layer {il}")),
+        "{msg}"
+    );
+    assert!(!fresh.is_checked(il));
 }

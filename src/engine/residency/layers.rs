@@ -62,11 +62,11 @@ fn bind(
     }
 }
 
-/// Layer `il` of `trunk` when it is stored encoded, for pinning: its stored run read into the
-/// ring's staging memory (planned, and idle while a plan is made) and decoded from there into
-/// an allocation of its own, so loading it takes no memory beyond the layer and the plan's
-/// staging. None when the layer is stored raw, or no staging holds its run (then
-/// [`load_layer`] reads it alone).
+/// Layer `il` of `trunk` when it is stored encoded, for pinning: its stored run read through
+/// the ring's staging memory (planned, and idle while a plan is made; the whole run or a
+/// window of it) and decoded from there into an allocation of its own, so loading it takes no
+/// memory beyond the layer and the plan's staging. None when the layer is stored raw, or
+/// there is no staging (then [`load_layer`] reads it alone).
 pub(super) fn load_encoded(
     ck: &Checkpoint,
     trunk: &Trunk,
@@ -74,14 +74,11 @@ pub(super) fn load_encoded(
     il: usize,
     ring: &LayerRing,
 ) -> Option<LayerResult> {
-    let (stored, _) = trunk.decoded_len(il)?;
+    trunk.decoded_len(il)?;
     ring.with_stage(|stage| {
-        let mem = stage.mem.as_mut().filter(|m| m.len() >= stored)?;
+        let mem = stage.mem.as_mut()?;
         let read = trunk
-            .read_run_into(il, &mut mem.area()[..stored])
-            .and_then(|()| {
-                trunk.decode_layer_from(il, &mem.as_slice()[..stored], &mut stage.scratch)
-            })
+            .read_decode_layer(il, mem, &mut stage.scratch)
             .and_then(|run| bind(ck, cfg, il, Binder::new(ck, true, false).with_run(run)));
         Some(read.map(Arc::new))
     })
@@ -102,9 +99,10 @@ enum Layout {
     Trunk { len: usize },
     /// Its tensors from the shards, each to its place.
     Shards { spans: Vec<Span> },
-    /// Its run of the packed trunk, `stored` bytes holding encoded tensors, read into the
-    /// ring's staging buffer and decoded from there into `len` bytes of the slot.
-    Encoded { stored: usize, len: usize },
+    /// Its run of the packed trunk, holding encoded tensors, read into the ring's staging
+    /// buffer (`window` bytes of it at least) and decoded from there into `len` bytes of the
+    /// slot.
+    Encoded { window: usize, len: usize },
 }
 
 /// Tensors start at this alignment in a slot (the widest kernel load).
@@ -121,11 +119,17 @@ impl LayerTable {
     /// tensors do not bind is laid out by the names it has; its first read reports what is
     /// wrong.
     pub(super) fn new(ck: &Checkpoint, trunk: Option<&Trunk>, cfg: &ModelConfig) -> LayerTable {
+        let windows = trunk.map(Trunk::window_lens).unwrap_or_default();
         let layouts: Vec<Layout> = (0..cfg.num_hidden_layers)
             .map(|il| match trunk {
                 Some(t) => match (t.raw_run_len(il), t.decoded_len(il)) {
                     (Some(len), _) => Layout::Trunk { len },
-                    (None, Some((stored, len))) => Layout::Encoded { stored, len },
+                    (None, Some((stored, len))) => Layout::Encoded {
+                        window: windows
+                            .get(il)
+                            .map_or(stored, |&w| usize::try_from(w).unwrap_or(stored)),
+                        len,
+                    },
                     // Not a layer of the trunk: its first read reports it.
                     (None, None) => Layout::Trunk { len: 0 },
                 },
@@ -163,18 +167,19 @@ impl Layout {
         }
     }
 
-    /// Bytes the layer stages before it is decoded into a slot.
+    /// Bytes the layer stages (at least) before it is decoded into a slot.
     fn staged(&self) -> usize {
         match self {
-            Layout::Encoded { stored, .. } => *stored,
+            Layout::Encoded { window, .. } => *window,
             _ => 0,
         }
     }
 }
 
 /// Where the reader stages a layer's encoded run before decoding it into a slot (and where a
-/// pinned encoded layer is staged when the plan loads it): memory of the trunk's largest
-/// encoded run and the list of pieces a layer decodes in, both made once per plan.
+/// pinned encoded layer is staged when the plan loads it): memory of the largest window of a
+/// run the decoder needs (the whole run, or a window of it) and the list of pieces a layer
+/// decodes in, both made once per plan.
 #[derive(Default)]
 pub(super) struct Stage {
     mem: Option<Slot>,
@@ -209,16 +214,14 @@ impl Source {
     ) -> Option<LayerResult> {
         let ck = &*self.ck;
         match (&self.table.layouts[il], self.trunk.as_deref()) {
-            (Layout::Encoded { stored, len }, Some(trunk)) => slot.fill(
+            (Layout::Encoded { len, .. }, Some(trunk)) => slot.fill(
                 il,
                 |area| {
                     let (Some(area), Some(mem)) = (area.get_mut(..*len), stage.mem.as_mut()) else {
                         return Err(too_large(ck, il));
                     };
-                    if mem.len() < *stored {
-                        return Err(too_large(ck, il));
-                    }
-                    // Read and decoded overlapped, a segment of the run at a time.
+                    // Read and decoded overlapped, a segment of the run at a time (through a
+                    // window of the run when the staging is smaller than the run).
                     trunk.read_decode_into(il, mem, area, &mut stage.scratch)
                 },
                 |mem| {
@@ -559,8 +562,14 @@ impl LayerRing {
 
     /// Drop every request, wait for the reader to finish the read under way, and make
     /// `slots` slots of the sizes of the `slots` largest layers `pinned` leaves streamed (the
-    /// layers bound to the old slots go with them).
-    pub(super) fn resize(&self, slots: usize, pinned: &[bool]) -> std::io::Result<()> {
+    /// layers bound to the old slots go with them), and a staging of `stage` bytes (at least
+    /// the largest window an encoded run needs, when any layer is stored encoded).
+    pub(super) fn resize(
+        &self,
+        slots: usize,
+        pinned: &[bool],
+        stage: usize,
+    ) -> std::io::Result<()> {
         let mut g = self.state.lock();
         while let Some(s) = g.pending.pop_front() {
             g.discard(s);
@@ -582,13 +591,15 @@ impl LayerRing {
             .map(|(_, &n)| n)
             .collect();
         lens.sort_unstable_by(|a, b| b.cmp(a));
-        // The staging of the largest encoded run, streamed or pinned: a pinned layer stored
-        // encoded is read into it and decoded from there too (see [`load_encoded`]). None
-        // when no layer is stored encoded. It may be out with a layer being loaded.
+        // The staging of the largest window an encoded run needs, streamed or pinned: a
+        // pinned layer stored encoded is read through it and decoded from there too (see
+        // [`load_encoded`]). None when no layer is stored encoded. It may be out with a layer
+        // being loaded.
         while g.stage.is_none() {
             g = g.wait(&self.changed);
         }
-        let staged = self.staged.iter().copied().max().unwrap_or(0);
+        let window = self.staged.iter().copied().max().unwrap_or(0);
+        let staged = if window > 0 { stage.max(window) } else { 0 };
         g.stage = Some(Stage::default());
         if staged > 0 {
             let stage_arena = Arena::new(staged);

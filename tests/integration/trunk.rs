@@ -821,18 +821,27 @@ fn small_encoded_trunk() -> (
     (tmp, enc, cfg, t)
 }
 
-#[test]
-fn a_layer_read_and_decoded_a_segment_at_a_time_gives_the_bytes_of_reading_then_decoding() {
-    let (_tmp, _, cfg, t) = small_encoded_trunk();
+/// `n` slots of memory, each as large as the largest encoded layer of `t`, stored or decoded.
+fn largest_layer_slots(
+    cfg: &k3::engine::ModelConfig,
+    t: &trunk::Trunk,
+    n: usize,
+) -> Vec<k3::stream::arena::Slot> {
     let most = (0..cfg.num_hidden_layers)
         .filter_map(|il| t.decoded_len(il))
         .map(|(stored, len)| stored.max(len))
         .max()
         .expect("an encoded layer");
-    // The stored run, and the layer decoded both ways, each in a slot of its own.
     let arena = k3::stream::arena::Arena::new(most);
-    arena.set_slots(3).unwrap();
-    let mut slots: Vec<_> = (0..3).map(|_| arena.take().unwrap()).collect();
+    arena.set_slots(n).unwrap();
+    (0..n).map(|_| arena.take().unwrap()).collect()
+}
+
+#[test]
+fn a_layer_read_and_decoded_a_segment_at_a_time_gives_the_bytes_of_reading_then_decoding() {
+    let (_tmp, _, cfg, t) = small_encoded_trunk();
+    // The stored run, and the layer decoded both ways, each in a slot of its own.
+    let mut slots = largest_layer_slots(&cfg, &t, 3);
     let [staged, want, got] = &mut slots[..] else {
         unreachable!()
     };
@@ -941,14 +950,8 @@ fn a_layer_read_through_a_window_of_its_run_gives_the_bytes_of_reading_it_whole(
     let ck = Checkpoint::open(&small).unwrap();
     let seg = 4096;
     let windows = t.manifest().window_lens_by(seg as u64);
-    let most = (0..cfg.num_hidden_layers)
-        .filter_map(|il| t.decoded_len(il))
-        .map(|(stored, len)| stored.max(len))
-        .max()
-        .expect("an encoded layer");
-    let arena = k3::stream::arena::Arena::new(most);
-    arena.set_slots(2).unwrap();
-    let (mut whole, mut want) = (arena.take().unwrap(), arena.take().unwrap());
+    let mut slots = largest_layer_slots(&cfg, &t, 2).into_iter();
+    let (mut whole, mut want) = (slots.next().unwrap(), slots.next().unwrap());
     let mut scratch = t.decode_scratch();
     let mut windowed = Vec::new();
     for (il, &w) in windows.iter().enumerate() {

@@ -188,13 +188,13 @@ fn run_fill<P: k3::stream::cache_policy::Policy>(
 /// The trunk codec (docs/trunk-codec.md): decoding 32 MiB of BF16 drawn like trained weights
 /// (N(0, 0.02), one value in 1000 fifty times larger), with each coding, on one core and on
 /// the rayon pool; throughput is BF16 bytes written. The stored ratios are printed.
-fn trunk_decode(c: &mut Criterion) {
-    use k3::stream::codec;
-    let n = 16 << 20;
-    let mut s = 5u64;
-    let src: Vec<u8> = (0..n)
+/// `n` trained-like BF16 values as little-endian bytes: roughly normal, one in 1000 an
+/// outlier 50 times larger, like the synthetic weights.
+fn trained_like(n: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed;
+    (0..n)
         .flat_map(|_| {
-            // A sum of four uniforms: approximately normal, like the synthetic weights.
+            // A sum of four uniforms: approximately normal.
             let u: f32 = (0..4)
                 .map(|_| lcg(&mut s) as f32 / u32::MAX as f32)
                 .sum::<f32>()
@@ -206,7 +206,12 @@ fn trunk_decode(c: &mut Criterion) {
             };
             kernels::f32_to_bf16(u * 0.035 * big).to_le_bytes()
         })
-        .collect();
+        .collect()
+}
+
+fn trunk_decode(c: &mut Criterion) {
+    use k3::stream::codec;
+    let src = trained_like(16 << 20, 5);
     let mut g = c.benchmark_group("trunk_decode");
     g.throughput(Throughput::Bytes(src.len() as u64));
     g.sample_size(10).measurement_time(Duration::from_secs(4));
@@ -232,9 +237,53 @@ fn trunk_decode(c: &mut Criterion) {
     g.finish();
 }
 
+/// A pinned layer's matrix, trained-like BF16 `[7168, 7168]` (larger than the caches), times
+/// one vector: as BF16, and nibble-coded as `k3 pack` stores it, multiplied as stored.
+/// Throughput counts the BF16 bytes in both, so the ratio is the speed-up.
+fn coded_matvec(c: &mut Criterion) {
+    use k3::stream::codec;
+    let (rows, cols) = (7168usize, 7168usize);
+    let src = trained_like(rows * cols, 11);
+    let w: Vec<u16> = src
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect();
+    let mut enc = Vec::new();
+    assert!(codec::encode_as(codec::Coding::Nibble, &src, &mut enc));
+    let index = codec::nibble_index(&enc, rows, cols, &mut Vec::new())
+        .expect("decodes")
+        .expect("nibble-coded");
+    let m = kernels::NibbleMatrix::new(&enc, &index.blocks, &index.row_esc, rows, cols)
+        .expect("consistent");
+    eprintln!(
+        "coded_matvec: {} BF16 bytes held in {} ({:.4}x)",
+        src.len(),
+        enc.len(),
+        enc.len() as f64 / src.len() as f64
+    );
+    let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.001).sin()).collect();
+    let (mut y, mut z) = (vec![0f32; rows], vec![0f32; rows]);
+    let mut g = c.benchmark_group(format!("coded_matvec_{rows}x{cols}"));
+    g.throughput(Throughput::Bytes((rows * cols * 2) as u64));
+    g.sample_size(20).measurement_time(Duration::from_secs(4));
+    for isa in paths() {
+        g.bench_with_input(BenchmarkId::new("bf16", isa.name()), &isa, |b, &isa| {
+            b.iter(|| {
+                kernels::matmul_with(isa, DenseRef::Bf16(&w), rows, cols, black_box(&x), &mut y)
+            });
+        });
+        g.bench_with_input(BenchmarkId::new("coded", isa.name()), &isa, |b, &isa| {
+            b.iter(|| kernels::matmul_nibble_with(isa, &m, black_box(&x), &mut z));
+        });
+        assert_eq!(y, z, "{isa:?}: the coded product differs");
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
     trunk_decode,
+    coded_matvec,
     bf16_matvec,
     mxfp4_matvec,
     mxfp4_batch,

@@ -24,6 +24,10 @@
 //! combined as `b[k]=a[k]+a[k+8]`, `c[k]=b[k]+b[k+4]`, `d[k]=c[k]+c[k+2]`, `s=d[0]+d[1]`; then
 //! the `n mod 16` remaining elements are added in order with an fma.
 //!
+//! A nibble-coded BF16 matrix ([`nibble`], a pinned layer's as the packed trunk stores it) is
+//! reduced exactly as its decoded BF16 rows: each value, put together in a register from its
+//! low byte and its code, goes to the lane and the place in the order the BF16 row gives it.
+//!
 //! Reduction order of an MXFP4 row: 8 lanes; per 32-group, element k goes to lane k mod 8
 //! (fma chain from zero, values in half units), the group's lanes are folded into 8 row
 //! accumulators with one fma by the group scale `2^(s-128)`, and the 8 accumulators are
@@ -32,6 +36,7 @@
 
 pub mod generic;
 pub mod mxfp4;
+pub mod nibble;
 pub mod ops;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -43,6 +48,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 pub use mxfp4::{Mxfp4Matrix, E2M1};
+pub use nibble::{matmul_nibble_with, NibbleBlock, NibbleMatrix, NIBBLE_BLOCK};
 
 /// An instruction-set path for the fast kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -535,56 +541,8 @@ pub fn matmul_ordered(
     let n_tok = x.len() / cols;
     assert_eq!(y.len(), n_tok * rows, "matmul: output size");
     let per_task = rows_per_task(rows, cols).next_multiple_of(4);
-    let row_dot = |r: usize, xt: &[f32]| -> f32 {
-        match w {
-            DenseRef::F32(m) => dot_with(isa, &m[r * cols..(r + 1) * cols], xt),
-            DenseRef::Bf16(m) => dot_bf16_with(isa, &m[r * cols..(r + 1) * cols], xt),
-        }
-    };
-    // One task owns `per_task` consecutive rows and writes them as [rows, n_tok] (row-major
-    // per task) into `tmp`; a transpose afterwards yields [n_tok, rows].
     let fill = |ci: usize, out: &mut [f32], order: RowOrder| {
-        let base = ci * per_task;
-        let n_rows = out.len() / n_tok;
-        // Blocks of four tokens, where a kernel takes four rows against four vectors at once.
-        let mut t0 = 0;
-        'blocks: while t0 + 4 <= n_tok && n_rows >= 4 {
-            let xs: [&[f32]; 4] = std::array::from_fn(|j| &x[(t0 + j) * cols..(t0 + j + 1) * cols]);
-            let mut k = 0;
-            while k + 4 <= n_rows {
-                let Some(v) = dot4_rows_multi(isa, w, base + k, cols, xs) else {
-                    break 'blocks;
-                };
-                for (j, vt) in v.into_iter().enumerate() {
-                    for (i, vi) in vt.into_iter().enumerate() {
-                        out[(k + i) * n_tok + t0 + j] = vi;
-                    }
-                }
-                k += 4;
-            }
-            for kk in k..n_rows {
-                for (j, xt) in xs.iter().enumerate() {
-                    out[kk * n_tok + t0 + j] = row_dot(base + kk, xt);
-                }
-            }
-            t0 += 4;
-        }
-        for t in t0..n_tok {
-            let xt = &x[t * cols..(t + 1) * cols];
-            let mut k = 0;
-            while order == RowOrder::Fours && k + 4 <= n_rows {
-                let Some(v) = dot4_rows(isa, w, base + k, cols, xt) else {
-                    break;
-                };
-                for (j, vj) in v.into_iter().enumerate() {
-                    out[(k + j) * n_tok + t] = vj;
-                }
-                k += 4;
-            }
-            for kk in k..n_rows {
-                out[kk * n_tok + t] = row_dot(base + kk, xt);
-            }
-        }
+        fill_rows(isa, order, w, ci * per_task, cols, x, n_tok, out);
     };
     if n_tok == 1 {
         // The generic path has no 4-row kernel: every row goes through the single-row one.
@@ -604,6 +562,69 @@ pub fn matmul_ordered(
             .for_each(|(ci, out)| fill(ci, out, RowOrder::Fours));
         transpose_into(tmp, rows, n_tok, y);
     });
+}
+
+/// Rows `base..` of `w` (`cols` wide) against the `n_tok` vectors of `x`, into `out`
+/// `[rows, n_tok]` (row-major; as many rows as `out` holds): four rows against four vectors at
+/// once where a kernel takes them, one token at a time in `order` otherwise. Every result is
+/// the single-row kernel's bit for bit.
+#[allow(clippy::too_many_arguments)]
+fn fill_rows(
+    isa: Isa,
+    order: RowOrder,
+    w: DenseRef<'_>,
+    base: usize,
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+    out: &mut [f32],
+) {
+    let row_dot = |r: usize, xt: &[f32]| -> f32 {
+        match w {
+            DenseRef::F32(m) => dot_with(isa, &m[r * cols..(r + 1) * cols], xt),
+            DenseRef::Bf16(m) => dot_bf16_with(isa, &m[r * cols..(r + 1) * cols], xt),
+        }
+    };
+    let n_rows = out.len() / n_tok;
+    // Blocks of four tokens, where a kernel takes four rows against four vectors at once.
+    let mut t0 = 0;
+    'blocks: while t0 + 4 <= n_tok && n_rows >= 4 {
+        let xs: [&[f32]; 4] = std::array::from_fn(|j| &x[(t0 + j) * cols..(t0 + j + 1) * cols]);
+        let mut k = 0;
+        while k + 4 <= n_rows {
+            let Some(v) = dot4_rows_multi(isa, w, base + k, cols, xs) else {
+                break 'blocks;
+            };
+            for (j, vt) in v.into_iter().enumerate() {
+                for (i, vi) in vt.into_iter().enumerate() {
+                    out[(k + i) * n_tok + t0 + j] = vi;
+                }
+            }
+            k += 4;
+        }
+        for kk in k..n_rows {
+            for (j, xt) in xs.iter().enumerate() {
+                out[kk * n_tok + t0 + j] = row_dot(base + kk, xt);
+            }
+        }
+        t0 += 4;
+    }
+    for t in t0..n_tok {
+        let xt = &x[t * cols..(t + 1) * cols];
+        let mut k = 0;
+        while order == RowOrder::Fours && k + 4 <= n_rows {
+            let Some(v) = dot4_rows(isa, w, base + k, cols, xt) else {
+                break;
+            };
+            for (j, vj) in v.into_iter().enumerate() {
+                out[(k + j) * n_tok + t] = vj;
+            }
+            k += 4;
+        }
+        for kk in k..n_rows {
+            out[kk * n_tok + t] = row_dot(base + kk, xt);
+        }
+    }
 }
 
 /// Products of one MXFP4 matrix with a batch of vectors: `x` `[n_tok, cols]`, `y`

@@ -187,6 +187,7 @@ fn check_floor(
     if let Some(m) = trunk.and_then(|t| crate::stream::trunk::read_manifest(t).ok()) {
         sizes.layer_staged = m.staged_lens();
         sizes.layer_window = m.window_lens();
+        sizes.layer_pinned = m.held_lens();
     }
     let states = 1 + crate::session::chat::SNAPSHOTS as u64;
     budget::plan_states(&sizes, req, context, states, budget::cgroup_limit())

@@ -84,6 +84,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     if let Some(t) = &trunk {
         sizes.layer_staged = t.staged_lens();
         sizes.layer_window = t.window_lens();
+        sizes.layer_pinned = t.manifest().held_lens();
     }
     let req = args.budget.request(auto_request())?;
     let index_bytes = ck.index().memory_bytes();
@@ -168,11 +169,24 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         plan.fits,
         context
     );
+    // Pinned layers of an encoded trunk hold their nibble-coded matrices as stored.
+    let pinned_decoded: u64 = (0..plan.pinned.len())
+        .filter(|&il| plan.pinned[il])
+        .map(|il| sizes.layer_trunk[il])
+        .sum();
+    let held = if pinned_decoded > plan.pinned_bytes {
+        format!(
+            "{} held coded for {} of weights",
+            gb(plan.pinned_bytes),
+            gb(pinned_decoded)
+        )
+    } else {
+        gb(plan.pinned_bytes)
+    };
     println!(
-        "layers       {} of {} pinned ({}), ring {} slot(s) ({})",
+        "layers       {} of {} pinned ({held}), ring {} slot(s) ({})",
         plan.n_pinned(),
         plan.pinned.len(),
-        gb(plan.pinned_bytes),
         plan.ring_slots,
         gb(plan.ring_bytes)
     );

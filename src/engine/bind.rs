@@ -148,14 +148,36 @@ impl<'a> Binder<'a> {
     }
 }
 
+/// A tensor as [`Binder::fetch_as`] read it.
+enum Fetched {
+    /// Its values.
+    Data(TensorData),
+    /// A matrix held coded.
+    Coded(crate::stream::trunk::CodedMatrix),
+}
+
 impl Binder<'_> {
-    /// Look up `name`, check it has one of `shapes` and an allowed dtype, and read it.
+    /// Look up `name`, check it has one of `shapes` and an allowed dtype, and read it (a
+    /// matrix the run holds coded, decoded).
     fn fetch(
         &mut self,
         name: &str,
         shapes: &[&[usize]],
         dtypes: &[Dtype],
     ) -> Result<Option<TensorData>, StreamError> {
+        Ok(self.fetch_as(name, shapes, dtypes)?.map(|f| match f {
+            Fetched::Data(d) => d,
+            Fetched::Coded(m) => TensorData::Bf16(m.decode()),
+        }))
+    }
+
+    /// [`Binder::fetch`], a matrix the run holds coded kept so.
+    fn fetch_as(
+        &mut self,
+        name: &str,
+        shapes: &[&[usize]],
+        dtypes: &[Dtype],
+    ) -> Result<Option<Fetched>, StreamError> {
         if self.claimed.insert(name.to_string()) {
             self.order.push(name.to_string());
         }
@@ -183,16 +205,23 @@ impl Binder<'_> {
             return Ok(None);
         }
         if !self.read {
-            return Ok(Some(match info.dtype {
+            return Ok(Some(Fetched::Data(match info.dtype {
                 Dtype::Bf16 => TensorData::Bf16(U16s::from_vec(&[])),
                 Dtype::U8 => TensorData::U8(Bytes::default()),
                 Dtype::F32 | Dtype::F16 => TensorData::F32(Vec::new()),
-            }));
+            })));
         }
-        if let Some((dtype, raw)) = self.run.as_mut().and_then(|r| r.take(name)) {
-            return Ok(Some(TensorData::from_bytes(dtype, raw)));
+        if let Some(run) = self.run.as_mut() {
+            if let Some(m) = run.take_coded(name) {
+                return Ok(Some(Fetched::Coded(m)));
+            }
+            if let Some((dtype, raw)) = run.take(name) {
+                return Ok(Some(Fetched::Data(TensorData::from_bytes(dtype, raw))));
+            }
         }
-        Ok(Some(self.ck.read_maybe_mapped(name, self.mapped)?.1))
+        Ok(Some(Fetched::Data(
+            self.ck.read_maybe_mapped(name, self.mapped)?.1,
+        )))
     }
 
     fn dense(
@@ -202,13 +231,18 @@ impl Binder<'_> {
         cols: usize,
     ) -> Result<Option<Dense>, StreamError> {
         Ok(
-            match self.fetch(name, &[&[rows, cols]], &[Dtype::Bf16, Dtype::F32])? {
-                Some(TensorData::Bf16(v)) => Some(Dense {
+            match self.fetch_as(name, &[&[rows, cols]], &[Dtype::Bf16, Dtype::F32])? {
+                Some(Fetched::Coded(m)) => Some(Dense {
+                    data: DenseData::Coded(Box::new(m)),
+                    rows,
+                    cols,
+                }),
+                Some(Fetched::Data(TensorData::Bf16(v))) => Some(Dense {
                     data: DenseData::Bf16(v),
                     rows,
                     cols,
                 }),
-                Some(TensorData::F32(v)) => Some(Dense {
+                Some(Fetched::Data(TensorData::F32(v))) => Some(Dense {
                     data: DenseData::F32(v),
                     rows,
                     cols,
@@ -660,6 +694,7 @@ pub fn model_sizes(cfg: &ModelConfig, ck: &Checkpoint) -> crate::stream::budget:
         layer_trunk,
         layer_staged: Vec::new(),
         layer_window: Vec::new(),
+        layer_pinned: Vec::new(),
         experts_per_layer: cfg.num_experts as u64,
         moe_layers,
         top_k: cfg.num_experts_per_token as u64,

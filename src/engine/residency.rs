@@ -1171,7 +1171,7 @@ impl Streamer {
             (r.head.clone(), r.plan.head_chunk_rows.max(1) as usize)
         };
         if let Some(h) = head {
-            kernels::matmul(h.view(), v, d, rows, logits);
+            h.apply_into(rows, logits);
             return Ok(());
         }
         let rb = self.sizes.row_bytes;

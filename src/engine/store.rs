@@ -16,7 +16,6 @@ use super::config::ModelConfig;
 use super::layer::Layer;
 use super::moe::{self, MoeParams, MoeScratch, MoeWeights};
 use super::tensor::Dense;
-use crate::kernels;
 use crate::stream::budget::{ModelSizes, Plan};
 use crate::stream::stats::{LayerResidency, Residency, StatsSnapshot};
 use crate::stream::trunk::Trunk;
@@ -201,7 +200,7 @@ impl WeightStore for ResidentWeights {
 
     fn head_into(&self, rows: &[f32], logits: &mut [f32]) -> Result<(), StreamError> {
         let h = &self.lm_head;
-        kernels::matmul(h.view(), h.rows, h.cols, rows, logits);
+        h.apply_into(rows, logits);
         Ok(())
     }
 

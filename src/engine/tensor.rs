@@ -3,6 +3,7 @@
 
 use crate::kernels::{self, DenseRef, Mxfp4Matrix};
 use crate::stream::bytes::{Bytes, U16s};
+use crate::stream::trunk::CodedMatrix;
 
 /// Storage of a dense matrix.
 #[derive(Clone, Debug)]
@@ -11,6 +12,9 @@ pub enum DenseData {
     F32(Vec<f32>),
     /// bfloat16 raw bits (in place in the buffer they were read into).
     Bf16(U16s),
+    /// bfloat16 nibble-coded as the packed trunk stores it, multiplied without being decoded
+    /// (a pinned layer's matrices; docs/trunk-codec.md).
+    Coded(Box<CodedMatrix>),
 }
 
 /// A dense row-major matrix `[rows, cols]`, applied as `y = W x`.
@@ -36,12 +40,13 @@ impl Dense {
         }
     }
 
-    /// Borrowed view for the kernels.
+    /// Bytes the matrix holds.
     #[must_use]
-    pub fn view(&self) -> DenseRef<'_> {
+    pub fn held_bytes(&self) -> usize {
         match &self.data {
-            DenseData::F32(v) => DenseRef::F32(v),
-            DenseData::Bf16(v) => DenseRef::Bf16(v.as_slice()),
+            DenseData::F32(v) => 4 * v.len(),
+            DenseData::Bf16(v) => 2 * v.len(),
+            DenseData::Coded(m) => m.held_bytes(),
         }
     }
 
@@ -56,7 +61,12 @@ impl Dense {
 
     /// [`Dense::apply`] into `y` `[n_tok, rows]` (overwritten).
     pub fn apply_into(&self, x: &[f32], y: &mut [f32]) {
-        kernels::matmul(self.view(), self.rows, self.cols, x, y);
+        let (rows, cols) = (self.rows, self.cols);
+        match &self.data {
+            DenseData::F32(v) => kernels::matmul(DenseRef::F32(v), rows, cols, x, y),
+            DenseData::Bf16(v) => kernels::matmul(DenseRef::Bf16(v.as_slice()), rows, cols, x, y),
+            DenseData::Coded(m) => kernels::matmul_nibble_with(kernels::isa(), &m.matrix(), x, y),
+        }
     }
 
     /// Dot product of row `r` with `x`.
@@ -66,6 +76,7 @@ impl Dense {
         match &self.data {
             DenseData::F32(v) => kernels::dot(&v[a..b], x),
             DenseData::Bf16(v) => kernels::dot_bf16_with(kernels::isa(), &v[a..b], x),
+            DenseData::Coded(m) => m.matrix().row_dot(kernels::isa(), r, x),
         }
     }
 
@@ -75,6 +86,7 @@ impl Dense {
         match &self.data {
             DenseData::F32(v) => kernels::axpy(alpha, &v[a..b], y),
             DenseData::Bf16(v) => kernels::axpy_bf16(alpha, &v[a..b], y),
+            DenseData::Coded(m) => m.matrix().row_axpy(r, alpha, y),
         }
     }
 
@@ -85,6 +97,20 @@ impl Dense {
             DenseData::F32(v) => out.copy_from_slice(&v[a..b]),
             DenseData::Bf16(v) => {
                 for (o, &w) in out.iter_mut().zip(&v[a..b]) {
+                    *o = kernels::bf16_to_f32(w);
+                }
+            }
+            DenseData::Coded(m) => {
+                let mut row = [0u16; 32];
+                let mut whole = Vec::new();
+                let row: &mut [u16] = if self.cols <= row.len() {
+                    &mut row[..self.cols]
+                } else {
+                    whole.resize(self.cols, 0);
+                    &mut whole
+                };
+                m.matrix().decode_row(r, row);
+                for (o, &w) in out.iter_mut().zip(row.iter()) {
                     *o = kernels::bf16_to_f32(w);
                 }
             }

@@ -160,6 +160,7 @@ impl Model {
         if let Some(t) = &trunk {
             sizes.layer_staged = t.staged_lens();
             sizes.layer_window = t.window_lens();
+            sizes.layer_pinned = t.manifest().held_lens();
         }
         let plan = crate::stream::budget::plan_states(
             &sizes,

@@ -149,3 +149,42 @@ pub fn nibble_bf16<T: super::Byte>(
     }
     Some(used)
 }
+
+/// Accumulate the products of nibble-coded BF16 values (as [`nibble_bf16`] decodes them) with
+/// `x` into the 16 lanes of a dot product: value `i` into lane `i mod 16` with an fma, so a row
+/// whose pieces start at multiples of 16 and are accumulated in order, then folded with
+/// [`fold16`], gives exactly [`dot_bf16`] of its decoded values (a length that is a multiple
+/// of 16). An escape past the end of `esc` reads as 0 (a checked matrix has none). Returns the
+/// escapes used.
+pub fn nibble_dot_acc(
+    dict: &[u8; 16],
+    low: &[u8],
+    nib: &[u8],
+    esc: &[u8],
+    x: &[f32],
+    acc: &mut [f32; 16],
+) -> usize {
+    let n = low.len().min(2 * nib.len()).min(x.len());
+    let mut used = 0usize;
+    for i in 0..n {
+        let c = (nib[i / 2] >> (4 * (i & 1))) & 15;
+        let h = if c == 15 {
+            used += 1;
+            esc.get(used - 1).copied().unwrap_or(0)
+        } else {
+            dict[usize::from(c)]
+        };
+        let w = super::bf16_to_f32(u16::from(h) << 8 | u16::from(low[i]));
+        acc[i % 16] = w.mul_add(x[i], acc[i % 16]);
+    }
+    used
+}
+
+/// Accumulate the products of raw BF16 values (little-endian bytes, two per value) with `x`
+/// into the 16 lanes of a dot product, as [`nibble_dot_acc`] does for coded ones.
+pub fn bf16_bytes_dot_acc(w: &[u8], x: &[f32], acc: &mut [f32; 16]) {
+    for (i, (b, &xi)) in w.chunks_exact(2).zip(x).enumerate() {
+        let v = super::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+        acc[i % 16] = v.mul_add(xi, acc[i % 16]);
+    }
+}

@@ -923,3 +923,223 @@ pub(super) fn nibble_bf16<T: super::Byte>(
         super::generic::nibble_bf16(dict, low, nib, esc, out)
     }
 }
+
+/// The high bytes of 32 nibble-coded values: `dict` looked up by the 16 code bytes at `v`
+/// (value `2k` in the low half of byte `k`), escaped values patched in value order from
+/// `esc[*used..]` (a byte past its end reads as 0; a checked matrix has none). Values 0–15 in
+/// the first register, 16–31 in the second.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn nibble_high32(d: __m128i, v: __m128i, esc: &[u8], used: &mut usize) -> (__m128i, __m128i) {
+    let m = _mm_set1_epi8(15);
+    let lo = _mm_and_si128(v, m);
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), m);
+    let hl = _mm_shuffle_epi8(d, lo);
+    let hh = _mm_shuffle_epi8(d, hi);
+    let h0 = _mm_unpacklo_epi8(hl, hh);
+    let h1 = _mm_unpackhi_epi8(hl, hh);
+    let (el, eh) = (_mm_cmpeq_epi8(lo, m), _mm_cmpeq_epi8(hi, m));
+    if _mm_movemask_epi8(_mm_or_si128(el, eh)) == 0 {
+        return (h0, h1);
+    }
+    let e0 = _mm_movemask_epi8(_mm_unpacklo_epi8(el, eh)) as u32 & 0xffff;
+    let e1 = _mm_movemask_epi8(_mm_unpackhi_epi8(el, eh)) as u32 & 0xffff;
+    let mut escaped = e0 | e1 << 16;
+    let mut h = [0u8; 32];
+    // SAFETY: `h` is 32 writable bytes.
+    unsafe {
+        _mm_storeu_si128(h.as_mut_ptr().cast(), h0);
+        _mm_storeu_si128(h.as_mut_ptr().add(16).cast(), h1);
+    }
+    while escaped != 0 {
+        h[escaped.trailing_zeros() as usize] = esc.get(*used).copied().unwrap_or(0);
+        *used += 1;
+        escaped &= escaped - 1;
+    }
+    // SAFETY: `h` is 32 readable bytes.
+    unsafe {
+        (
+            _mm_loadu_si128(h.as_ptr().cast()),
+            _mm_loadu_si128(h.as_ptr().add(16).cast()),
+        )
+    }
+}
+
+/// [`super::generic::nibble_dot_acc`] with AVX-512: 32 values per step, their BF16 bits put
+/// together in registers (low byte, high byte looked up) and accumulated into the 16 lanes.
+///
+/// # Safety
+/// AVX-512F, AVX2 and FMA must be available.
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn nibble_dot_acc_avx512_impl(
+    dict: &[u8; 16],
+    low: &[u8],
+    nib: &[u8],
+    esc: &[u8],
+    x: &[f32],
+    acc: &mut [f32; 16],
+) -> usize {
+    let n = low.len().min(2 * nib.len()).min(x.len());
+    let groups = n / 32;
+    // SAFETY: `dict` is 16 readable bytes, `acc` 16 floats.
+    let (d, mut a) = unsafe {
+        (
+            _mm_loadu_si128(dict.as_ptr().cast()),
+            _mm512_loadu_ps(acc.as_ptr()),
+        )
+    };
+    let mut used = 0usize;
+    for g in 0..groups {
+        // SAFETY: 32·(g + 1) ≤ n, which is at most `low.len()`, `x.len()` and
+        // `2·nib.len()`, so every load is in bounds.
+        unsafe {
+            let v = _mm_loadu_si128(nib.as_ptr().add(16 * g).cast());
+            let (h0, h1) = nibble_high32(d, v, esc, &mut used);
+            let l0 = _mm_loadu_si128(low.as_ptr().add(32 * g).cast());
+            let l1 = _mm_loadu_si128(low.as_ptr().add(32 * g + 16).cast());
+            let w0 = _mm512_or_si512(
+                _mm512_slli_epi32::<16>(_mm512_cvtepu8_epi32(l0)),
+                _mm512_slli_epi32::<24>(_mm512_cvtepu8_epi32(h0)),
+            );
+            let w1 = _mm512_or_si512(
+                _mm512_slli_epi32::<16>(_mm512_cvtepu8_epi32(l1)),
+                _mm512_slli_epi32::<24>(_mm512_cvtepu8_epi32(h1)),
+            );
+            let px = x.as_ptr().add(32 * g);
+            a = _mm512_fmadd_ps(_mm512_castsi512_ps(w0), _mm512_loadu_ps(px), a);
+            a = _mm512_fmadd_ps(_mm512_castsi512_ps(w1), _mm512_loadu_ps(px.add(16)), a);
+        }
+    }
+    // SAFETY: `acc` is 16 writable floats.
+    unsafe { _mm512_storeu_ps(acc.as_mut_ptr(), a) };
+    let at = 32 * groups;
+    used + tail_acc(
+        dict,
+        low,
+        nib,
+        esc.get(used..).unwrap_or_default(),
+        x,
+        at,
+        acc,
+    )
+}
+
+/// [`super::generic::nibble_dot_acc`] with AVX2: lanes 0–7 and 8–15 in two registers, as
+/// [`dot_bf16_avx2_impl`] keeps them.
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn nibble_dot_acc_avx2_impl(
+    dict: &[u8; 16],
+    low: &[u8],
+    nib: &[u8],
+    esc: &[u8],
+    x: &[f32],
+    acc: &mut [f32; 16],
+) -> usize {
+    let n = low.len().min(2 * nib.len()).min(x.len());
+    let groups = n / 32;
+    // SAFETY: `dict` is 16 readable bytes, `acc` 16 floats.
+    let (d, mut a0, mut a1) = unsafe {
+        (
+            _mm_loadu_si128(dict.as_ptr().cast()),
+            _mm256_loadu_ps(acc.as_ptr()),
+            _mm256_loadu_ps(acc.as_ptr().add(8)),
+        )
+    };
+    let mut used = 0usize;
+    for g in 0..groups {
+        // SAFETY: 32·(g + 1) ≤ n, which is at most `low.len()`, `x.len()` and
+        // `2·nib.len()`, so every load is in bounds.
+        unsafe {
+            let v = _mm_loadu_si128(nib.as_ptr().add(16 * g).cast());
+            let (h0, h1) = nibble_high32(d, v, esc, &mut used);
+            let l0 = _mm_loadu_si128(low.as_ptr().add(32 * g).cast());
+            let l1 = _mm_loadu_si128(low.as_ptr().add(32 * g + 16).cast());
+            let px = x.as_ptr().add(32 * g);
+            a0 = _mm256_fmadd_ps(widen(l0, h0), _mm256_loadu_ps(px), a0);
+            a1 = _mm256_fmadd_ps(
+                widen(_mm_srli_si128::<8>(l0), _mm_srli_si128::<8>(h0)),
+                _mm256_loadu_ps(px.add(8)),
+                a1,
+            );
+            a0 = _mm256_fmadd_ps(widen(l1, h1), _mm256_loadu_ps(px.add(16)), a0);
+            a1 = _mm256_fmadd_ps(
+                widen(_mm_srli_si128::<8>(l1), _mm_srli_si128::<8>(h1)),
+                _mm256_loadu_ps(px.add(24)),
+                a1,
+            );
+        }
+    }
+    // SAFETY: `acc` is 16 writable floats.
+    unsafe {
+        _mm256_storeu_ps(acc.as_mut_ptr(), a0);
+        _mm256_storeu_ps(acc.as_mut_ptr().add(8), a1);
+    }
+    let at = 32 * groups;
+    used + tail_acc(
+        dict,
+        low,
+        nib,
+        esc.get(used..).unwrap_or_default(),
+        x,
+        at,
+        acc,
+    )
+}
+
+/// Eight values' BF16 bits as f32: their low bytes and high bytes, the first 8 bytes of `l`
+/// and `h`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn widen(l: __m128i, h: __m128i) -> __m256 {
+    _mm256_castsi256_ps(_mm256_or_si256(
+        _mm256_slli_epi32::<16>(_mm256_cvtepu8_epi32(l)),
+        _mm256_slli_epi32::<24>(_mm256_cvtepu8_epi32(h)),
+    ))
+}
+
+/// The values from `at` (a multiple of 32) on, through the scalar twin: lane `i mod 16` is
+/// the same lane from there as from the start.
+fn tail_acc(
+    dict: &[u8; 16],
+    low: &[u8],
+    nib: &[u8],
+    esc: &[u8],
+    x: &[f32],
+    at: usize,
+    acc: &mut [f32; 16],
+) -> usize {
+    super::generic::nibble_dot_acc(
+        dict,
+        low.get(at..).unwrap_or_default(),
+        nib.get(at / 2..).unwrap_or_default(),
+        esc,
+        x.get(at..).unwrap_or_default(),
+        acc,
+    )
+}
+
+/// [`super::generic::nibble_dot_acc`] on `isa` (the scalar twin where the CPU lacks it).
+pub(super) fn nibble_dot_acc(
+    isa: super::Isa,
+    dict: &[u8; 16],
+    low: &[u8],
+    nib: &[u8],
+    esc: &[u8],
+    x: &[f32],
+    acc: &mut [f32; 16],
+) -> usize {
+    match isa {
+        super::Isa::Avx512 if has_avx512() => {
+            // SAFETY: AVX-512F, AVX2 and FMA are available (checked in this arm's guard).
+            unsafe { nibble_dot_acc_avx512_impl(dict, low, nib, esc, x, acc) }
+        }
+        super::Isa::Avx2 | super::Isa::Avx512 if has_avx2_fma() => {
+            // SAFETY: AVX2 and FMA are available (checked in this arm's guard).
+            unsafe { nibble_dot_acc_avx2_impl(dict, low, nib, esc, x, acc) }
+        }
+        _ => super::generic::nibble_dot_acc(dict, low, nib, esc, x, acc),
+    }
+}

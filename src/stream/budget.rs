@@ -20,6 +20,11 @@ pub struct ModelSizes {
     /// lies (empty: as `layer_staged`). The ring keeps one staging buffer, of the largest of
     /// these.
     pub layer_window: Vec<u64>,
+    /// Bytes each layer holds when pinned, where that differs from `layer_trunk`: a layer of
+    /// an encoded trunk keeps its nibble-coded matrices as stored
+    /// (`stream::trunk::Manifest::held_lens`); 0 (or empty) for a layer held as
+    /// `layer_trunk` says.
+    pub layer_pinned: Vec<u64>,
     /// Bytes of one routed expert (its six MXFP4 tensors).
     pub expert_bytes: u64,
     /// Routed experts per MoE layer.
@@ -59,10 +64,27 @@ pub struct ModelSizes {
 }
 
 impl ModelSizes {
+    /// Bytes layer `il` holds when pinned.
+    #[must_use]
+    pub fn pinned_layer(&self, il: usize) -> u64 {
+        match self.layer_pinned.get(il) {
+            Some(&b) if b > 0 => b,
+            _ => self.layer_trunk[il],
+        }
+    }
+
+    /// Bytes every layer pinned holds.
+    #[must_use]
+    pub fn pinned_trunk(&self) -> u64 {
+        (0..self.layer_trunk.len())
+            .map(|il| self.pinned_layer(il))
+            .sum()
+    }
+
     /// Bytes of every weight in the checkpoint.
     #[must_use]
     pub fn model_bytes(&self) -> u64 {
-        self.layer_trunk.iter().sum::<u64>()
+        self.pinned_trunk()
             + self.expert_bytes * self.experts_per_layer * self.moe_layers
             + self.embed
             + self.head
@@ -351,7 +373,7 @@ pub fn plan_states(
         states,
         fixed_bytes: fixed,
         prefill_chunk: MIN_PREFILL_CHUNK,
-        pinned_bytes: s.layer_trunk.iter().sum(),
+        pinned_bytes: s.pinned_trunk(),
     };
     // A resident plan: whatever the budget leaves beyond everything may lengthen the chunk.
     let resident_in = |budget: Option<u64>| {
@@ -392,7 +414,7 @@ pub fn plan_states(
             (trunk, reserve_cache, b, chunk, extra)
         }
         BudgetRequest::Split { trunk, cache } => {
-            let trunk = trunk.unwrap_or(s.layer_trunk.iter().sum::<u64>() + s.head);
+            let trunk = trunk.unwrap_or(s.pinned_trunk() + s.head);
             let total = trunk.saturating_add(cache);
             if total < floor {
                 return Err(BelowFloor {
@@ -435,10 +457,10 @@ pub fn plan_states(
     for il in 0..n {
         let mut trial = pinned.clone();
         trial[il] = true;
-        let need = s.layer_trunk[il] + ring_of(&trial);
+        let need = s.pinned_layer(il) + ring_of(&trial);
         let used: u64 = (0..n)
             .filter(|&i| pinned[i])
-            .map(|i| s.layer_trunk[i])
+            .map(|i| s.pinned_layer(i))
             .sum();
         if used + need <= left {
             pinned = trial;
@@ -448,7 +470,7 @@ pub fn plan_states(
     }
     let pinned_bytes: u64 = (0..n)
         .filter(|&i| pinned[i])
-        .map(|i| s.layer_trunk[i])
+        .map(|i| s.pinned_layer(i))
         .sum();
     let ring_bytes = ring_of(&pinned);
     let ring_slots = (0..n).filter(|&i| !pinned[i]).count().min(2) as u64;
@@ -505,6 +527,7 @@ mod tests {
             layer_trunk,
             layer_staged: Vec::new(),
             layer_window: Vec::new(),
+            layer_pinned: Vec::new(),
             expert_bytes: 17_547_264,
             experts_per_layer: 896,
             moe_layers: 92,

@@ -38,6 +38,8 @@ pub const NAME: &str = "k3h1";
 pub const NAME_NIBBLE: &str = "k3n1";
 /// Values per block (a block decodes to 512 KiB of BF16).
 pub const BLOCK_ELEMS: usize = 1 << 18;
+// The kernels that multiply a coded matrix walk it in blocks of the same size.
+const _: () = assert!(BLOCK_ELEMS == crate::kernels::NIBBLE_BLOCK);
 /// Longest code, in bits: the decode table has `1 << MAX_LEN` entries.
 pub const MAX_LEN: u32 = 12;
 /// Interleaved bit streams per Huffman block.
@@ -553,6 +555,103 @@ fn walk(enc: &[u8], want: usize, mut found: impl FnMut(Block)) -> Result<(), Cod
         });
     }
     Ok(())
+}
+
+/// A nibble-coded matrix located for the kernels that multiply it as it is stored
+/// ([`crate::kernels::NibbleMatrix`]): where each block's parts lie, and where each row's
+/// escapes start.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NibbleIndex {
+    /// Each block's parts, as offsets into the encoded tensor.
+    pub blocks: Vec<crate::kernels::NibbleBlock>,
+    /// Per row, the escaped values of its block before its first value.
+    pub row_esc: Vec<u32>,
+}
+
+impl NibbleIndex {
+    /// Bytes the index holds for a `[rows, cols]` matrix (what holding it coded costs beyond
+    /// its stored bytes).
+    #[must_use]
+    pub fn bytes_for(rows: usize, cols: usize) -> usize {
+        let blocks = (rows * cols).div_ceil(BLOCK_ELEMS);
+        blocks * std::mem::size_of::<crate::kernels::NibbleBlock>() + rows * 4
+    }
+}
+
+/// Check every block of `enc` (a `[rows, cols]` BF16 tensor as [`encode_as`] wrote it) as
+/// decoding it would, decoding each into `scratch`, and locate it for the kernels that multiply
+/// it coded: None when a block is Huffman-coded or `cols` is not a multiple of 32 (such a
+/// tensor is decoded instead). A block that would not decode is the same error [`decode`]
+/// gives.
+///
+/// # Errors
+/// The blocks do not decode ([`CodecError`]).
+pub fn nibble_index(
+    enc: &[u8],
+    rows: usize,
+    cols: usize,
+    scratch: &mut Vec<u8>,
+) -> Result<Option<NibbleIndex>, CodecError> {
+    use crate::kernels::NibbleBlock;
+    let total = rows.checked_mul(cols).ok_or(CodecError::Length {
+        got: 0,
+        want: u64::MAX,
+    })?;
+    if cols == 0 || !cols.is_multiple_of(32) {
+        return Ok(None);
+    }
+    let list = blocks(enc, 2 * total)?;
+    let mut index = NibbleIndex {
+        blocks: Vec::with_capacity(list.len()),
+        row_esc: vec![0; rows],
+    };
+    let mut holdable = true;
+    for blk in &list {
+        scratch.resize(blk.decoded_len(), 0);
+        blk.decode(enc, &mut scratch[..])?;
+        let payload = blk.at + HEADER;
+        let block = match enc[blk.at] {
+            KIND_RAW => NibbleBlock::Raw { at: payload },
+            KIND_NIBBLE => {
+                let mut dict = [0u8; 16];
+                dict.copy_from_slice(&enc[payload..payload + 16]);
+                let low = payload + NIBBLE_HEAD;
+                NibbleBlock::Coded {
+                    dict,
+                    low,
+                    nib: low + blk.n,
+                    esc: low + blk.n + blk.n.div_ceil(2),
+                    escapes: le32(enc, payload + 16) as usize,
+                }
+            }
+            _ => {
+                holdable = false;
+                NibbleBlock::Raw { at: payload }
+            }
+        };
+        if !holdable {
+            continue;
+        }
+        // The escapes before each row that starts in this block.
+        if let NibbleBlock::Coded { nib, .. } = block {
+            let start = blk.index * BLOCK_ELEMS;
+            let codes = &enc[nib..nib + blk.n.div_ceil(2)];
+            let (mut count, mut from) = (0usize, 0usize);
+            let mut r = start.div_ceil(cols);
+            while r < rows && r * cols < start + blk.n {
+                let at = (r * cols - start) / 2;
+                count += codes[from..at]
+                    .iter()
+                    .map(|&b| usize::from(b & 15 == 15) + usize::from(b >> 4 == 15))
+                    .sum::<usize>();
+                from = at;
+                index.row_esc[r] = u32::try_from(count).unwrap_or(u32::MAX);
+                r += 1;
+            }
+        }
+        index.blocks.push(block);
+    }
+    Ok(holdable.then_some(index))
 }
 
 /// Decode `enc` into `dst`, which receives exactly `dst.len()` bytes of BF16 values; every
@@ -1319,6 +1418,109 @@ mod tests {
     }
 
     /// The shuffle kernel writes the scalar kernel's bytes, escapes anywhere included.
+    /// Every path available here, the scalar one first.
+    fn paths() -> Vec<crate::kernels::Isa> {
+        use crate::kernels::{detected_isa, Isa};
+        let mut v = vec![Isa::Generic, Isa::Avx2, detected_isa()];
+        v.dedup();
+        v
+    }
+
+    #[test]
+    fn a_nibble_coded_matrix_multiplies_as_its_decoded_bf16() {
+        use crate::kernels::{
+            axpy_bf16, dot_bf16_with, matmul_nibble_with, matmul_with, DenseRef, NibbleBlock,
+            NibbleMatrix,
+        };
+        // Rows that run over into the next block (3072 does not divide 2^18), a block stored
+        // raw (random bytes do not code smaller), a block with many escapes (high bytes of 20
+        // values), narrow rows, and a row length that is no multiple of 32 (not held coded).
+        let mut r = Lcg(5);
+        // Random finite values (exponents below 128): 7 bits of high byte do not code smaller.
+        let random: Vec<u8> = (0..BLOCK_ELEMS)
+            .flat_map(|_| [r.next() as u8, r.next() as u8 & 0xbf])
+            .collect();
+        let spread: Vec<u8> = (0..BLOCK_ELEMS)
+            .flat_map(|_| [r.next() as u8, 0x30 + (r.next() % 20) as u8])
+            .collect();
+        let cases: Vec<(Vec<u8>, usize)> = vec![
+            (trained_like(100 * 3072, 0.02, 1), 3072),
+            ([trained_like(BLOCK_ELEMS, 0.05, 2), random].concat(), 4096),
+            ([spread, trained_like(32 + 2 * 96, 0.01, 3)].concat(), 96),
+            (trained_like(5 * 32, 1.0, 4), 32),
+            (trained_like(7 * 48, 0.3, 5), 48),
+        ];
+        let mut scratch = Vec::new();
+        for (k, (src, cols)) in cases.iter().enumerate() {
+            let rows = src.len() / 2 / cols;
+            let mut enc = Vec::new();
+            encode_as(Coding::Nibble, src, &mut enc);
+            let index = nibble_index(&enc, rows, *cols, &mut scratch).expect("decodes");
+            let Some(index) = index else {
+                assert!(!cols.is_multiple_of(32), "case {k}: not held coded");
+                continue;
+            };
+            // The cases cover what they say: a raw block, and a block of many escapes.
+            let escapes = |b: usize| match index.blocks[b] {
+                NibbleBlock::Coded { escapes, .. } => Some(escapes),
+                NibbleBlock::Raw { .. } => None,
+            };
+            match k {
+                1 => assert_eq!((escapes(0).is_some(), escapes(1)), (true, None)),
+                2 => assert!(escapes(0).unwrap() > BLOCK_ELEMS / 8),
+                _ => assert!(escapes(0).is_some()),
+            }
+            let w = NibbleMatrix::new(&enc, &index.blocks, &index.row_esc, rows, *cols)
+                .expect("consistent");
+            let dec: Vec<u16> = src
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect();
+            let x: Vec<f32> = (0..9 * cols).map(|_| (r.unit() - 0.5) as f32).collect();
+            let mut row = vec![0u16; *cols];
+            for i in 0..rows {
+                let want_row = &dec[i * cols..(i + 1) * cols];
+                w.decode_row(i, &mut row);
+                assert_eq!(row, want_row, "case {k} row {i}: decoded");
+                let mut want_y: Vec<f32> = x[..*cols].to_vec();
+                axpy_bf16(0.375, want_row, &mut want_y);
+                let mut got_y = x[..*cols].to_vec();
+                w.row_axpy(i, 0.375, &mut got_y);
+                assert_eq!(bits(&got_y), bits(&want_y), "case {k} row {i}: axpy");
+                for isa in paths() {
+                    let want = dot_bf16_with(isa, want_row, &x[..*cols]);
+                    let got = w.row_dot(isa, i, &x[..*cols]);
+                    assert_eq!(got.to_bits(), want.to_bits(), "case {k} row {i} {isa:?}");
+                }
+            }
+            for isa in paths() {
+                for n_tok in [1usize, 2, 4, 5, 9] {
+                    let xs = &x[..n_tok * cols];
+                    let mut want = vec![0f32; n_tok * rows];
+                    matmul_with(isa, DenseRef::Bf16(&dec), rows, *cols, xs, &mut want);
+                    let mut got = vec![f32::NAN; n_tok * rows];
+                    matmul_nibble_with(isa, &w, xs, &mut got);
+                    assert_eq!(bits(&got), bits(&want), "case {k} {isa:?} {n_tok} tokens");
+                }
+            }
+        }
+        // Huffman-coded blocks are not held coded; a corrupted block is the decoder's error.
+        let src = trained_like(64 * 64, 0.02, 9);
+        let mut enc = Vec::new();
+        encode_as(Coding::Entropy, &src, &mut enc);
+        assert_eq!(nibble_index(&enc, 64, 64, &mut scratch).unwrap(), None);
+        let mut enc = Vec::new();
+        encode_as(Coding::Nibble, &src, &mut enc);
+        let last = enc.len() - 9;
+        enc[last] ^= 1;
+        let e = nibble_index(&enc, 64, 64, &mut scratch).unwrap_err();
+        assert_eq!(e, decode_to_vec(&enc, src.len()).unwrap_err());
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|f| f.to_bits()).collect()
+    }
+
     #[test]
     fn nibble_kernel_paths_agree() {
         use crate::kernels::{detected_isa, nibble_bf16_with, Isa};

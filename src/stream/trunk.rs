@@ -716,6 +716,25 @@ impl Manifest {
             .collect()
     }
 
+    /// Per layer, the bytes it holds when pinned, for a layer stored encoded: its tensors
+    /// laid out with the nibble-coded matrices kept as stored ([`holds_coded`]) and the others
+    /// decoded, and the kernels' index of each kept one; 0 for a layer stored raw (pinned as
+    /// it lies).
+    #[must_use]
+    pub fn held_lens(&self) -> Vec<u64> {
+        (self.layers.iter())
+            .map(|l| {
+                decoded_layout(l, true).map_or(0, |d| {
+                    let index: usize = (l.tensors.values())
+                        .filter(|t| holds_coded(t))
+                        .map(|t| super::codec::NibbleIndex::bytes_for(t.shape[0], t.shape[1]))
+                        .sum();
+                    (d.len + index) as u64
+                })
+            })
+            .collect()
+    }
+
     /// Per layer, the bytes a streamed read of it stages before decoding: its run when it
     /// holds encoded tensors, else 0 (see [`Trunk::staged_lens`]).
     #[must_use]
@@ -738,6 +757,80 @@ impl Manifest {
 pub struct LayerRun {
     layer: usize,
     tensors: std::collections::HashMap<String, (Dtype, Bytes)>,
+    /// Matrices a pinned layer holds coded.
+    coded: std::collections::HashMap<String, CodedMatrix>,
+}
+
+/// A BF16 matrix a pinned layer holds nibble-coded, as stored, with the index the kernels
+/// multiply it through ([`crate::kernels::NibbleMatrix`]; every block checked when it was
+/// loaded).
+#[derive(Clone, Debug)]
+pub struct CodedMatrix {
+    bytes: Bytes,
+    index: std::sync::Arc<super::codec::NibbleIndex>,
+    rows: usize,
+    cols: usize,
+}
+
+impl CodedMatrix {
+    /// `bytes` (a `[rows, cols]` tensor as `k3 pack` encoded it) checked and located: None
+    /// when it cannot be multiplied coded (a Huffman-coded block), an error when a block does
+    /// not decode.
+    ///
+    /// # Errors
+    /// A block does not decode.
+    pub fn new(
+        bytes: Bytes,
+        rows: usize,
+        cols: usize,
+        scratch: &mut Vec<u8>,
+    ) -> Result<Option<CodedMatrix>, super::codec::CodecError> {
+        let Some(index) = super::codec::nibble_index(bytes.as_slice(), rows, cols, scratch)? else {
+            return Ok(None);
+        };
+        let m = CodedMatrix {
+            bytes,
+            index: std::sync::Arc::new(index),
+            rows,
+            cols,
+        };
+        Ok(m.try_matrix().is_some().then_some(m))
+    }
+
+    fn try_matrix(&self) -> Option<crate::kernels::NibbleMatrix<'_>> {
+        let i = &self.index;
+        crate::kernels::NibbleMatrix::new(
+            self.bytes.as_slice(),
+            &i.blocks,
+            &i.row_esc,
+            self.rows,
+            self.cols,
+        )
+    }
+
+    /// The matrix for the kernels.
+    #[must_use]
+    pub fn matrix(&self) -> crate::kernels::NibbleMatrix<'_> {
+        self.try_matrix()
+            .expect("a coded matrix is checked when it is made")
+    }
+
+    /// Bytes held: the coded tensor and its index.
+    #[must_use]
+    pub fn held_bytes(&self) -> usize {
+        self.bytes.len() + super::codec::NibbleIndex::bytes_for(self.rows, self.cols)
+    }
+
+    /// The decoded values (a new allocation).
+    #[must_use]
+    pub fn decode(&self) -> super::bytes::U16s {
+        let m = self.matrix();
+        let mut v = vec![0u16; self.rows * self.cols];
+        for (r, row) in v.chunks_exact_mut(self.cols).enumerate() {
+            m.decode_row(r, row);
+        }
+        super::bytes::U16s::from_vec(&v)
+    }
 }
 
 impl LayerRun {
@@ -747,6 +840,7 @@ impl LayerRun {
         LayerRun {
             layer,
             tensors: parts.into_iter().map(|(n, d, b)| (n, (d, b))).collect(),
+            coded: std::collections::HashMap::new(),
         }
     }
 
@@ -760,11 +854,26 @@ impl LayerRun {
     pub fn take(&mut self, name: &str) -> Option<(Dtype, Bytes)> {
         self.tensors.remove(name)
     }
+
+    /// Take matrix `name` out of the run, if it holds it coded.
+    pub fn take_coded(&mut self, name: &str) -> Option<CodedMatrix> {
+        self.coded.remove(name)
+    }
 }
 
 /// Size of the pieces a run is read in, several at once: the run is read straight into the
 /// one allocation its tensors then borrow.
 const PIECE: usize = 8 << 20;
+
+/// Run `f` on the I/O pool (where there is one): decoding may be asked for on a compute pool's
+/// worker while the others wait for this very layer, so work queued on the compute pool would
+/// never run.
+fn on_io_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    match io_pool() {
+        Some(pool) => pool.install(f),
+        None => f(),
+    }
+}
 
 /// Bytes of a stored run read ahead of the decoder ([`Trunk::read_decode_into`]): by default
 /// four pieces, so four reads are in flight while the tensors before them are decoded
@@ -791,23 +900,42 @@ pub struct Trunk {
     decoded_pool: std::sync::Arc<Pool>,
     /// Per layer, where its tensors go when it holds encoded ones.
     decoded: Vec<Option<Decoded>>,
+    /// The same for a pinned layer, which keeps nibble-coded matrices as stored.
+    held: Vec<Option<Decoded>>,
     source_check: SourceCheck,
 }
 
 /// Where a layer holding encoded tensors is decoded to: every tensor (raw ones copied, so the
 /// read allocation is freed at once) at a [`GATHER_ALIGN`]-aligned offset of one allocation.
+/// In the layout of a pinned layer, the tensors the kernels multiply coded are kept as stored
+/// (copied, not decoded; [`holds_coded`]).
 #[derive(Debug)]
 struct Decoded {
     /// Bytes of the allocation.
     len: usize,
     /// Tensors by offset in the allocation: name, offset.
     tensors: Vec<(String, usize)>,
+    /// Where each tensor's bytes end in the allocation.
+    ends: Vec<usize>,
+    /// Whether each tensor is kept as stored.
+    kept: Vec<bool>,
     /// Pieces the layer decodes in: a block of an encoded tensor, or a raw tensor.
     pieces: usize,
 }
 
-/// The decoded layout of `l`, None when every tensor is raw.
-fn decoded_layout(l: &TrunkLayer) -> Option<Decoded> {
+/// Whether a pinned layer holds tensor `t` as stored, multiplied coded
+/// ([`crate::kernels::NibbleMatrix`]): a nibble-coded BF16 matrix of at least two rows whose
+/// rows are a multiple of 32 values (docs/trunk-codec.md).
+#[must_use]
+pub fn holds_coded(t: &TrunkTensor) -> bool {
+    t.encoding == super::codec::NAME_NIBBLE
+        && t.dtype == "BF16"
+        && matches!(t.shape[..], [rows, cols] if rows >= 2 && cols > 0 && cols % 32 == 0)
+}
+
+/// The decoded layout of `l` (`hold`: a pinned layer's, with the tensors [`holds_coded`]
+/// kept as stored), None when every tensor is raw.
+fn decoded_layout(l: &TrunkLayer, hold: bool) -> Option<Decoded> {
     if !l.tensors.values().any(TrunkTensor::is_encoded) {
         return None;
     }
@@ -816,11 +944,15 @@ fn decoded_layout(l: &TrunkLayer) -> Option<Decoded> {
     let mut at = 0usize;
     let mut pieces = 0usize;
     let mut tensors = Vec::with_capacity(order.len());
+    let (mut ends, mut kept) = (Vec::new(), Vec::new());
     for (name, t) in order {
         let off = at.next_multiple_of(GATHER_ALIGN as usize);
         tensors.push((name.clone(), off));
-        at = off + t.nbytes as usize;
-        pieces += if t.is_encoded() {
+        let keep = hold && holds_coded(t);
+        at = off + if keep { t.stored } else { t.nbytes } as usize;
+        ends.push(at);
+        kept.push(keep);
+        pieces += if t.is_encoded() && !keep {
             (t.nbytes as usize / 2)
                 .div_ceil(super::codec::BLOCK_ELEMS)
                 .max(1)
@@ -831,6 +963,8 @@ fn decoded_layout(l: &TrunkLayer) -> Option<Decoded> {
     Some(Decoded {
         len: at,
         tensors,
+        ends,
+        kept,
         pieces,
     })
 }
@@ -1081,7 +1215,8 @@ impl Trunk {
                 }
             }
         }
-        let decoded = m.layers.iter().map(decoded_layout).collect();
+        let decoded = m.layers.iter().map(|l| decoded_layout(l, false)).collect();
+        let held = m.layers.iter().map(|l| decoded_layout(l, true)).collect();
         let source_check = check_source_bytes(&m, ck, &rewritten, dir)?;
         let bin = dir.join("trunk.bin");
         let (file, len) =
@@ -1103,6 +1238,7 @@ impl Trunk {
             pool: Pool::new(1),
             decoded_pool: Pool::new(1),
             decoded,
+            held,
             manifest: m,
             file,
             source_check,
@@ -1192,11 +1328,15 @@ impl Trunk {
         self.read_run_into(il, fill.area())?;
         let run = fill.finish(total);
         self.check_run(il, &run)?;
-        let run = match &self.decoded[il] {
-            Some(d) => self.decode_layer(il, &run, d)?,
-            None => run,
-        };
-        self.layer_run(il, &run)
+        // Read alone, the layer is held in an allocation of its own: in the pinned layout
+        // (nibble-coded matrices kept as stored).
+        match &self.held[il] {
+            Some(d) => {
+                let bytes = self.decode_layer(il, &run, d)?;
+                on_io_pool(|| self.layer_run_as(il, Some(d), &bytes))
+            }
+            None => self.layer_run(il, &run),
+        }
     }
 
     /// The bytes layer `il`'s run takes when it holds no encoded tensor (what
@@ -1240,7 +1380,10 @@ impl Trunk {
     /// A list of decoding pieces long enough for any layer of the trunk.
     #[must_use]
     pub fn decode_scratch(&self) -> DecodeScratch {
-        let most = self.decoded.iter().flatten().map(|d| d.pieces).max();
+        let most = (self.decoded.iter().chain(&self.held))
+            .flatten()
+            .map(|d| d.pieces)
+            .max();
         DecodeScratch {
             pieces: Vec::with_capacity(most.unwrap_or(0)),
         }
@@ -1367,92 +1510,57 @@ impl Trunk {
         scratch: &mut DecodeScratch,
         segment: usize,
     ) -> Result<(), StreamError> {
+        self.read_layout_by(
+            il,
+            self.decoded[il].as_ref(),
+            staged,
+            area,
+            scratch,
+            segment,
+        )
+    }
+
+    /// [`Trunk::read_decode_by`] into layout `d` (the layer's decoded one, or a pinned
+    /// layer's).
+    fn read_layout_by(
+        &self,
+        il: usize,
+        d: Option<&Decoded>,
+        staged: &mut super::arena::Slot,
+        area: &mut [std::mem::MaybeUninit<u8>],
+        scratch: &mut DecodeScratch,
+        segment: usize,
+    ) -> Result<(), StreamError> {
         let segment = segment.max(1).next_multiple_of(4096);
         let l = &self.manifest.layers[il];
         let total = usize::try_from(l.nbytes).unwrap_or(usize::MAX);
-        let in_order = self.decoded[il].as_ref().is_some_and(|d| {
+        let in_order = d.is_some_and(|d| {
             d.tensors
                 .iter()
                 .map(|(name, _)| l.tensors.get(name).map(|t| t.off))
                 .try_fold(0u64, |end, off| off.filter(|&o| o >= end))
                 .is_some()
         });
-        if in_order && staged.len() < total {
-            if let Some(d) = &self.decoded[il] {
+        // A checked run, or one longer than the staging, is read and decoded overlapped;
+        // a run read for the first time into a staging that holds it is read whole and
+        // checked before anything is decoded.
+        if in_order && (staged.len() < total || self.is_checked(il)) {
+            if let Some(d) = d {
                 return self.read_decode_window(il, d, staged, area, scratch, segment);
             }
         }
-        if !self.is_checked(il) || !in_order || staged.len() < total {
-            self.read_run_into(il, staged.area())?;
-            let run = staged.as_slice().get(..total).unwrap_or_default();
-            return self.decode_run_into(il, run, area, scratch);
-        }
-        let Some(d) = &self.decoded[il] else {
-            return self.decode_run_into(il, &[], area, scratch);
-        };
-        let Some(area) = area.get_mut(..d.len) else {
-            let e = std::io::Error::new(std::io::ErrorKind::InvalidInput, "run too large");
-            return Err(self.read_error(il, 0, d.len as u64, e));
-        };
-        // Where each tensor's stored bytes end, in decoding order.
-        let stored_end = |k: usize| {
-            l.tensors
-                .get(&d.tensors[k].0)
-                .map_or(usize::MAX, |t| (t.off + t.stored) as usize)
-        };
-        let first = segment.min(total);
-        self.read_run_part(il, 0, &mut staged.area()[..first])?;
-        let (mut arrived, mut next, mut decoded_to) = (first, 0usize, 0usize);
-        while next < d.tensors.len() {
-            let ready = (next..d.tensors.len())
-                .take_while(|&k| stored_end(k) <= arrived)
-                .last()
-                .map_or(next, |k| k + 1);
-            let upto = (arrived + segment).min(total);
-            if ready == next && upto == arrived {
-                // Nothing arrived that a tensor could be decoded from, and nothing is left
-                // to read: the layout is not what the manifest said.
-                let e = std::io::Error::new(std::io::ErrorKind::InvalidData, "bad layout");
-                return Err(self.read_error(il, 0, d.len as u64, e));
-            }
-            // What has arrived, and the room the next segment is read into.
-            let (run, rest) = staged.split_at_mut(arrived);
-            // The decoded bytes of tensors `next..ready` (with the padding before each).
-            let end = if ready == d.tensors.len() {
-                area.len()
-            } else {
-                self.decoded_start(il, d, ready)
-            };
-            let end = end.clamp(decoded_to, area.len());
-            let (_, tail) = area.split_at_mut(decoded_to);
-            let (part, _) = tail.split_at_mut(end - decoded_to);
-            let read_next = || {
-                if upto > arrived {
-                    self.read_run_part(il, arrived, &mut rest[..upto - arrived])
-                } else {
-                    Ok(())
-                }
-            };
-            let run = RunBytes {
-                bytes: run,
-                from: 0,
-            };
-            let decode = || self.decode_tensors(il, d, run, next..ready, part, decoded_to, scratch);
-            let (r, x) = rayon::join(read_next, decode);
-            r.and(x)?;
-            (arrived, next, decoded_to) = (upto, ready, end);
-        }
-        self.read_run_done(il);
-        Ok(())
+        self.read_run_into(il, staged.area())?;
+        let run = staged.as_slice().get(..total).unwrap_or_default();
+        self.decode_run_as(il, d, run, area, scratch)
     }
 
-    /// [`Trunk::read_decode_by`] through a staging smaller than the run (`staged`, at least
-    /// [`Manifest::window_lens`] of the layer): it holds a window of the run, from the start
-    /// of the first tensor not yet decoded to what has arrived. When the next segment does not
-    /// fit, the bytes of the tensors decoded are dropped and the rest moved to the front. A
-    /// run not yet checked is checked as it arrives, and the layer is refused at the end when
-    /// its checksum does not match (each encoded block is checked by its own before it is
-    /// decoded).
+    /// [`Trunk::read_decode_by`] overlapped, through a staging that holds the run or a window
+    /// of it (`staged`, at least [`Manifest::window_lens`] of the layer): from the start of the
+    /// first tensor not yet decoded to what has arrived. When the next segment does not fit,
+    /// the bytes of the tensors decoded are dropped and the rest moved to the front (never,
+    /// where the staging holds the run). A run not yet checked is checked as it arrives, and
+    /// the layer is refused at the end when its checksum does not match (each encoded block
+    /// is checked by its own before it is decoded).
     fn read_decode_window(
         &self,
         il: usize,
@@ -1507,7 +1615,7 @@ impl Trunk {
             let end = if ready == n {
                 area.len()
             } else {
-                self.decoded_start(il, d, ready)
+                self.decoded_start(d, ready)
             };
             let end = end.clamp(decoded_to, area.len());
             let (run, rest) = staged.split_at_mut(arrived - from);
@@ -1590,9 +1698,23 @@ impl Trunk {
     /// Layer `il`'s tensors as ranges of `run` (decoded, where the layer holds encoded
     /// tensors).
     fn layer_run(&self, il: usize, run: &Bytes) -> Result<LayerRun, StreamError> {
+        self.layer_run_as(il, self.decoded[il].as_ref(), run)
+    }
+
+    /// [`Trunk::layer_run`] of `run` laid out by `d` (None: the run as stored). Tensors kept
+    /// as stored are checked block by block and located for the kernels, on the current
+    /// rayon pool.
+    fn layer_run_as(
+        &self,
+        il: usize,
+        d: Option<&Decoded>,
+        run: &Bytes,
+    ) -> Result<LayerRun, StreamError> {
+        use rayon::prelude::*;
         let l = &self.manifest.layers[il];
         let path = self.dir.join("trunk.bin");
         let mut tensors = std::collections::HashMap::with_capacity(l.tensors.len());
+        let mut keep = Vec::new();
         for (name, t) in &l.tensors {
             let bad = |reason: String| StreamError::Unrepresentable {
                 path: path.clone(),
@@ -1602,20 +1724,63 @@ impl Trunk {
             let dtype = Dtype::parse(&t.dtype).ok_or_else(|| bad(format!("dtype {}", t.dtype)))?;
             // `Trunk::open` checked every tensor lies inside its run; a decoded layer's
             // tensors are where `decoded_layout` put them.
-            let off = match &self.decoded[il] {
+            let (off, kept) = match d {
                 Some(d) => d
                     .tensors
                     .iter()
-                    .find(|(n, _)| n == name)
-                    .map_or(usize::MAX, |(_, o)| *o),
-                None => t.off as usize,
+                    .position(|(n, _)| n == name)
+                    .map_or((usize::MAX, false), |k| (d.tensors[k].1, d.kept[k])),
+                None => (t.off as usize, false),
             };
+            let len = if kept { t.stored } else { t.nbytes } as usize;
             let b = run
-                .slice(off, t.nbytes as usize)
+                .slice(off, len)
                 .ok_or_else(|| bad("outside its run".into()))?;
-            tensors.insert(name.clone(), (dtype, b));
+            if kept {
+                keep.push((name, t, b));
+            } else {
+                tensors.insert(name.clone(), (dtype, b));
+            }
         }
-        Ok(LayerRun { layer: il, tensors })
+        let coded: Vec<(String, Result<Option<CodedMatrix>, StreamError>, Bytes)> = keep
+            .into_par_iter()
+            .map_init(Vec::new, |scratch, (name, t, b)| {
+                let (rows, cols) = (t.shape[0], t.shape[1]);
+                let m = CodedMatrix::new(b.clone(), rows, cols, scratch).map_err(|e| {
+                    StreamError::Corrupt {
+                        path: path.clone(),
+                        what: format!("trunk layer {il}, tensor {name:?}"),
+                        reason: Self::repack(&e),
+                    }
+                });
+                (name.clone(), m, b)
+            })
+            .collect();
+        let mut held = std::collections::HashMap::with_capacity(coded.len());
+        for (name, m, b) in coded {
+            match m? {
+                Some(m) => {
+                    held.insert(name, m);
+                }
+                // Not multiplied coded: decoded into an allocation of its own.
+                None => {
+                    let n = l.tensors.get(&name).map_or(0, |t| t.nbytes as usize);
+                    let mut v = vec![0u16; n / 2];
+                    let out: &mut [u8] = bytemuck::cast_slice_mut(&mut v);
+                    super::codec::decode(b.as_slice(), out).map_err(|e| StreamError::Corrupt {
+                        path: path.clone(),
+                        what: format!("trunk layer {il}, tensor {name:?}"),
+                        reason: Self::repack(&e),
+                    })?;
+                    tensors.insert(name, (Dtype::Bf16, Bytes::from_u16(&v)));
+                }
+            }
+        }
+        Ok(LayerRun {
+            layer: il,
+            tensors,
+            coded: held,
+        })
     }
 
     /// Layer `il`'s tensors as ranges of `mem`, where [`Trunk::decode_run_into`] decoded
@@ -1643,7 +1808,7 @@ impl Trunk {
         staged: &mut super::arena::Slot,
         scratch: &mut DecodeScratch,
     ) -> Result<LayerRun, StreamError> {
-        let Some(d) = self.decoded.get(il).and_then(Option::as_ref) else {
+        let Some(d) = self.held.get(il).and_then(Option::as_ref) else {
             return Err(StreamError::Corrupt {
                 path: self.dir.join("trunk.bin"),
                 what: format!("trunk layer {il}"),
@@ -1652,13 +1817,9 @@ impl Trunk {
         };
         let mut fill = Filling::new_in(d.len, &self.decoded_pool);
         // On the I/O pool, as in `decode_layer_with`.
-        let mut go = || self.read_decode_into(il, staged, fill.area(), scratch);
-        match io_pool() {
-            Some(pool) => pool.install(go),
-            None => go(),
-        }?;
+        on_io_pool(|| self.read_layout_by(il, Some(d), staged, fill.area(), scratch, segment()))?;
         let bytes = fill.finish(d.len);
-        self.layer_run(il, &bytes)
+        on_io_pool(|| self.layer_run_as(il, Some(d), &bytes))
     }
 
     fn decode_layer_with(
@@ -1672,11 +1833,7 @@ impl Trunk {
         // On the I/O pool: this may run on a compute pool's worker while the others are
         // blocked waiting for this very layer, so blocks queued on the compute pool would
         // never be decoded.
-        let mut decode = || self.decode_run_into(il, run, fill.area(), scratch);
-        match io_pool() {
-            Some(pool) => pool.install(decode),
-            None => decode(),
-        }?;
+        on_io_pool(|| self.decode_run_as(il, Some(d), run, fill.area(), scratch))?;
         Ok(fill.finish(d.len))
     }
 
@@ -1694,12 +1851,24 @@ impl Trunk {
         area: &mut [std::mem::MaybeUninit<u8>],
         scratch: &mut DecodeScratch,
     ) -> Result<(), StreamError> {
+        self.decode_run_as(il, self.decoded[il].as_ref(), run, area, scratch)
+    }
+
+    /// [`Trunk::decode_run_into`] into layout `d`.
+    fn decode_run_as(
+        &self,
+        il: usize,
+        d: Option<&Decoded>,
+        run: &[u8],
+        area: &mut [std::mem::MaybeUninit<u8>],
+        scratch: &mut DecodeScratch,
+    ) -> Result<(), StreamError> {
         let corrupt = |name: &str, reason: String| StreamError::Corrupt {
             path: self.dir.join("trunk.bin"),
             what: format!("trunk layer {il}, tensor {name:?}"),
             reason,
         };
-        let Some(d) = &self.decoded[il] else {
+        let Some(d) = d else {
             return Err(corrupt("", "the layer holds no encoded tensor".into()));
         };
         let Some(area) = area.get_mut(..d.len) else {
@@ -1716,14 +1885,8 @@ impl Trunk {
 
     /// Where the decoded bytes of tensor `k` of `d` begin, the padding before it included
     /// (the end of tensor `k - 1`).
-    fn decoded_start(&self, il: usize, d: &Decoded, k: usize) -> usize {
-        k.checked_sub(1).map_or(0, |j| {
-            let (name, off) = &d.tensors[j];
-            off + self.manifest.layers[il]
-                .tensors
-                .get(name)
-                .map_or(0, |t| t.nbytes as usize)
-        })
+    fn decoded_start(&self, d: &Decoded, k: usize) -> usize {
+        k.checked_sub(1).map_or(0, |j| d.ends[j])
     }
 
     /// Decode tensors `ks` of layer `il` from `run` (the stored run, or the part of it that
@@ -1756,8 +1919,8 @@ impl Trunk {
                 .get(name)
                 .ok_or_else(|| corrupt(name, "not in the manifest".into()))?;
             let gap = off - end;
-            end = off + t.nbytes as usize;
-            if !t.is_encoded() {
+            end = d.ends[k];
+            if !t.is_encoded() || d.kept[k] {
                 pieces.push(Piece {
                     tensor: k,
                     dst: *off,

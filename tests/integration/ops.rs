@@ -838,7 +838,7 @@ fn moe_fixture() {
     // BF16 router: bit-identical to the F32 router on the widened weights, through the block.
     let gw = match &w.gate.data {
         DenseData::F32(v) => v.clone(),
-        DenseData::Bf16(_) => unreachable!(),
+        DenseData::Bf16(_) | DenseData::Coded(_) => unreachable!(),
     };
     let (bits, wide) = bf16_round(&gw);
     let (rows, cols) = (w.gate.rows, w.gate.cols);

@@ -1132,3 +1132,87 @@ fn stats_read_under_load_change_nothing_and_never_block() {
     }
     assert!(m.stats().expert_misses > 0, "the experts streamed");
 }
+
+#[test]
+fn pinned_layers_hold_their_coded_matrices_and_give_the_same_bits() {
+    let (ids, logits, _) = run_small(&["--spec", "off"]);
+    let pack = |name: &str, extra: &[&str]| {
+        let dir = small().join(name);
+        crate::common::run_ok(
+            crate::common::k3_command()
+                .arg("pack")
+                .arg(small().join("small"))
+                .arg(&dir)
+                .args(extra),
+        );
+        dir.to_str().unwrap().to_string()
+    };
+    let (coded, raw) = (pack("trunk-held", &[]), pack("trunk-held-raw", &["--raw"]));
+    let plan = |t: &str, mem: &str| -> serde_json::Value {
+        let out = crate::common::run_ok(
+            crate::common::k3_command()
+                .arg("plan")
+                .arg(small().join("small"))
+                .args(["--trunk", t, "--json", "--mem", mem]),
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let at = |p: &serde_json::Value, key: &str| p[key].as_u64().unwrap();
+    let list = |p: &serde_json::Value, key: &str| -> Vec<u64> {
+        (p["sizes"][key].as_array().unwrap().iter())
+            .map(|v| v.as_u64().unwrap())
+            .collect()
+    };
+    let probe = plan(&coded, "1000");
+    let (held, decoded) = (list(&probe, "layer_pinned"), list(&probe, "layer_trunk"));
+    assert_eq!(held.len(), decoded.len());
+    for (il, (h, d)) in held.iter().zip(&decoded).enumerate() {
+        // Every layer of `small` holds nibble-coded matrices: about three quarters of them.
+        assert!(
+            *h > 0 && *h * 10 < *d * 9,
+            "layer {il}: held {h} B, decoded {d} B"
+        );
+    }
+    let pinned = |p: &serde_json::Value| {
+        (p["pinned"].as_array().unwrap().iter())
+            .filter(|v| v.as_bool().unwrap())
+            .count()
+    };
+    let (floor, model) = (
+        at(&probe, "floor_bytes"),
+        at(&plan(&raw, "1000"), "model_bytes"),
+    );
+    // The budgets between the floor and holding everything where coded layers pin more.
+    let mut more = Vec::new();
+    for k in 1..16 {
+        let budget = floor + (model - floor) * k / 16;
+        let gb = format!("{}", budget as f64 / 1e9);
+        let (c, r) = (pinned(&plan(&coded, &gb)), pinned(&plan(&raw, &gb)));
+        assert!(c >= r, "{budget} B: {c} layers pinned coded, {r} raw");
+        println!("small at {budget} B: {c} layers pinned coded against {r} raw");
+        if c > r && c < held.len() {
+            more.push((gb, budget, c));
+        }
+    }
+    assert!(
+        more.len() >= 2,
+        "budgets pinning more layers coded: {more:?}"
+    );
+    // Part pinned, part streamed: the same bits, prefilled, decoded and verified in batches.
+    for (gb, budget, c) in &more[..2] {
+        for spec in ["off", "4"] {
+            let args = ["--trunk", &coded, "--mem", gb, "--spec", spec];
+            let (got_ids, got_logits, peak, _) = run_small_env(&args, &[]);
+            assert_eq!(got_ids, ids, "budget {budget}, {c} pinned, spec {spec}");
+            assert!(
+                got_logits == logits,
+                "logits differ at {budget}, spec {spec}"
+            );
+            assert!(peak <= *budget, "peak RSS {peak} above the budget {budget}");
+        }
+    }
+    // Everything resident: every layer pinned coded.
+    let (got_ids, got_logits, _, _) = run_small_env(&["--trunk", &coded, "--mem", "1000"], &[]);
+    assert_eq!(got_ids, ids);
+    assert!(got_logits == logits, "logits differ resident");
+}

@@ -89,7 +89,9 @@ fn fix_trunk_blocks(b: &mut [u8]) {
 /// An encoded BF16 tensor of the packed trunk: a little-endian u32 giving the decoded length
 /// (capped at 4 MiB), then the blocks. The fast decoder, on one thread and on the pool, agrees
 /// with the one-code reference decoder (the same bytes or the same error), and a decode fills
-/// exactly the length asked for.
+/// exactly the length asked for. Where the values make rows of a multiple of 32, the tensor
+/// located for the kernels that multiply it coded gives the same error, or rows that decode to
+/// the same bytes and products equal to the decoded rows' ([`coded_rows_agree`]).
 fn trunk_blocks(data: &[u8]) -> String {
     let Some((len, enc)) = data.split_first_chunk::<4>() else {
         return "short".into();
@@ -106,13 +108,66 @@ fn trunk_blocks(data: &[u8]) -> String {
             let mut par = vec![0u8; want];
             assert!(k3::stream::codec::decode(enc, &mut par).is_ok());
             assert!(par == v, "the parallel decoder disagrees");
+            coded_rows_agree(enc, Ok(&v), want);
             format!("ok:{}", (want / 2).min(3))
         }
         Err(e) => {
             let mut par = vec![0u8; want];
             assert!(k3::stream::codec::decode(enc, &mut par).is_err());
+            coded_rows_agree(enc, Err(&e), want);
             sig("blocks", &e.to_string())
         }
+    }
+}
+
+/// The tensor `enc` (which decodes to `dec`) as rows of 32, 64 or 96 values where its length
+/// allows, checked and located for the kernels that multiply it coded: the decoder's error, or
+/// (unless a block is Huffman-coded) a matrix whose rows decode to `dec`'s and whose products
+/// with a vector equal the decoded rows' on the scalar path (on the fast path too, where the
+/// products are numbers).
+fn coded_rows_agree(enc: &[u8], dec: Result<&[u8], &k3::stream::codec::CodecError>, want: usize) {
+    use k3::kernels::{detected_isa, dot_bf16_with, Isa, NibbleMatrix};
+    let n = want / 2;
+    let Some(cols) = [96, 64, 32]
+        .into_iter()
+        .find(|&c| want.is_multiple_of(2) && n > 0 && n.is_multiple_of(c))
+    else {
+        return;
+    };
+    let rows = n / cols;
+    let mut scratch = Vec::new();
+    let got = k3::stream::codec::nibble_index(enc, rows, cols, &mut scratch);
+    let (index, dec) = match (got, dec) {
+        (Err(a), Err(b)) => {
+            assert_eq!(&a, b, "the index and the decoder refuse differently");
+            return;
+        }
+        (Ok(Some(index)), Ok(dec)) => (index, dec),
+        (Ok(None), Ok(_)) => return,
+        (got, dec) => panic!("the index gives {got:?}, the decoder {:?}", dec.err()),
+    };
+    let m = NibbleMatrix::new(enc, &index.blocks, &index.row_esc, rows, cols)
+        .expect("a located tensor makes a matrix");
+    let x: Vec<f32> = (0..cols).map(|i| (i as f32 - 40.0) / 64.0).collect();
+    let mut row = vec![0u16; cols];
+    for r in 0..rows {
+        m.decode_row(r, &mut row);
+        let want_row: Vec<u16> = dec[2 * r * cols..2 * (r + 1) * cols]
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        assert_eq!(row, want_row, "row {r} decodes differently");
+        let (got, want) = (
+            m.row_dot(Isa::Generic, r, &x),
+            dot_bf16_with(Isa::Generic, &row, &x),
+        );
+        assert_eq!(got.to_bits(), want.to_bits(), "row {r}: scalar product");
+        let isa = detected_isa();
+        let (got, want) = (m.row_dot(isa, r, &x), dot_bf16_with(isa, &row, &x));
+        assert!(
+            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+            "row {r}: {isa:?} product"
+        );
     }
 }
 

@@ -564,8 +564,11 @@ impl Streamer {
         self.prefetcher.quiesce();
         let mut r = self.resident.lock();
         let mut shrinks = plan.expert_slots < r.plan.expert_slots;
+        // Pinned layers held the other way (coded or decoded) are read again as the new plan
+        // holds them: it counts them so.
+        let recode = plan.pin_coded != r.plan.pin_coded;
         for (il, slot) in r.pinned.iter_mut().enumerate() {
-            if !plan.pinned.get(il).copied().unwrap_or(false) {
+            if recode || !plan.pinned.get(il).copied().unwrap_or(false) {
                 shrinks |= slot.take().is_some();
             }
         }
@@ -717,10 +720,12 @@ impl Streamer {
 
     /// Layer `il`'s non-expert weights in an allocation of their own, to be pinned: a layer
     /// stored encoded is read through the ring's staging memory (no more memory than the
-    /// plan counts), any other as it lies.
+    /// plan counts), its nibble-coded matrices kept coded where the plan says so
+    /// (`Plan::pin_coded`); any other as it lies.
     fn load_pinned(&self, il: usize) -> LayerResult {
         if let Some(t) = self.trunk.as_deref() {
-            if let Some(l) = layers::load_encoded(&self.ck, t, &self.cfg, il, &self.ring) {
+            let coded = self.resident.lock().plan.pin_coded;
+            if let Some(l) = layers::load_encoded(&self.ck, t, &self.cfg, il, &self.ring, coded) {
                 return l;
             }
         }

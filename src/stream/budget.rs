@@ -84,7 +84,7 @@ impl ModelSizes {
     /// Bytes of every weight in the checkpoint.
     #[must_use]
     pub fn model_bytes(&self) -> u64 {
-        self.pinned_trunk()
+        self.layer_trunk.iter().sum::<u64>()
             + self.expert_bytes * self.experts_per_layer * self.moe_layers
             + self.embed
             + self.head
@@ -173,6 +173,10 @@ pub struct Plan {
     pub prefill_chunk: u64,
     /// Bytes of pinned layers.
     pub pinned_bytes: u64,
+    /// Whether pinned layers of an encoded trunk keep their nibble-coded matrices coded
+    /// (`ModelSizes::layer_pinned`): chosen where that pins more layers than holding them
+    /// decoded, whose products are faster.
+    pub pin_coded: bool,
 }
 
 impl Plan {
@@ -324,8 +328,10 @@ pub fn plan(
 
 /// [`plan`] with room for `states` sequence states of `context` positions each (a chat's live
 /// state and the snapshots it keeps to reuse a prompt's prefix).
-/// Over 100 lines: one derivation of the plan from the sizes; each kind of budget is a branch
-/// over the same floor and reserves.
+///
+/// Pinned layers of an encoded trunk are held coded (`ModelSizes::layer_pinned`) only where
+/// that pins more layers than holding them decoded: a coded matrix takes less memory, a decoded
+/// one multiplies faster where memory is not the bottleneck (docs/trunk-codec.md).
 pub fn plan_states(
     s: &ModelSizes,
     req: BudgetRequest,
@@ -333,7 +339,32 @@ pub fn plan_states(
     states: u64,
     env_limit: Option<u64>,
 ) -> Result<Plan, BelowFloor> {
+    let coded = plan_held(s, req, context, states, env_limit)?;
+    if !coded.pin_coded {
+        return Ok(coded);
+    }
+    let sizes = ModelSizes {
+        layer_pinned: Vec::new(),
+        ..s.clone()
+    };
+    match plan_held(&sizes, req, context, states, env_limit) {
+        Ok(decoded) if decoded.n_pinned() >= coded.n_pinned() => Ok(decoded),
+        _ => Ok(coded),
+    }
+}
+
+/// [`plan_states`] with pinned layers held as `s.layer_pinned` says.
+/// Over 100 lines: one derivation of the plan from the sizes; each kind of budget is a branch
+/// over the same floor and reserves.
+fn plan_held(
+    s: &ModelSizes,
+    req: BudgetRequest,
+    context: u64,
+    states: u64,
+    env_limit: Option<u64>,
+) -> Result<Plan, BelowFloor> {
     let n = s.layer_trunk.len();
+    let pin_coded = s.layer_pinned.iter().any(|&b| b > 0);
     let states = states.max(1);
     let state_reserve = states * (s.state_bytes + s.kv_per_position * context);
     let fixed = fixed_overhead(s, context);
@@ -351,6 +382,8 @@ pub fn plan_states(
         + 64 * s.row_bytes
         + s.small;
     let model_bytes = s.model_bytes();
+    // What holding everything takes: the trunk's layers as pinned layers hold them.
+    let held_bytes = model_bytes - s.layer_trunk.iter().sum::<u64>() + s.pinned_trunk();
     let all_experts = s.experts_per_layer * s.moe_layers;
     // A budget that holds everything still reads experts into arena slots, each a little
     // larger than its expert.
@@ -374,11 +407,12 @@ pub fn plan_states(
         fixed_bytes: fixed,
         prefill_chunk: MIN_PREFILL_CHUNK,
         pinned_bytes: s.pinned_trunk(),
+        pin_coded,
     };
     // A resident plan: whatever the budget leaves beyond everything may lengthen the chunk.
     let resident_in = |budget: Option<u64>| {
         let spare = budget.map_or(u64::MAX, |b| {
-            b.saturating_sub(fixed + state_reserve + model_bytes + slot_slack)
+            b.saturating_sub(fixed + state_reserve + held_bytes + slot_slack)
         });
         let (chunk, extra) = prefill_chunk(s, budget, spare);
         Plan {
@@ -401,7 +435,7 @@ pub fn plan_states(
             if b < floor {
                 return Err(BelowFloor { budget: b, floor });
             }
-            let everything = fixed + state_reserve + model_bytes + slot_slack;
+            let everything = fixed + state_reserve + held_bytes + slot_slack;
             if b >= everything {
                 return Ok(resident_in(Some(b)));
             }
@@ -422,7 +456,7 @@ pub fn plan_states(
                     floor,
                 });
             }
-            if total >= fixed + state_reserve + model_bytes + slot_slack {
+            if total >= fixed + state_reserve + held_bytes + slot_slack {
                 return Ok(resident_in(Some(total)));
             }
             // Everything but the ring and the cache comes out of the cache's share first (a
@@ -497,6 +531,7 @@ pub fn plan_states(
         fixed_bytes: fixed,
         prefill_chunk: chunk,
         pinned_bytes,
+        pin_coded,
     })
 }
 

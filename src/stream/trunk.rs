@@ -1328,15 +1328,11 @@ impl Trunk {
         self.read_run_into(il, fill.area())?;
         let run = fill.finish(total);
         self.check_run(il, &run)?;
-        // Read alone, the layer is held in an allocation of its own: in the pinned layout
-        // (nibble-coded matrices kept as stored).
-        match &self.held[il] {
-            Some(d) => {
-                let bytes = self.decode_layer(il, &run, d)?;
-                on_io_pool(|| self.layer_run_as(il, Some(d), &bytes))
-            }
-            None => self.layer_run(il, &run),
-        }
+        let run = match &self.decoded[il] {
+            Some(d) => self.decode_layer(il, &run, d)?,
+            None => run,
+        };
+        self.layer_run(il, &run)
     }
 
     /// The bytes layer `il`'s run takes when it holds no encoded tensor (what
@@ -1798,7 +1794,9 @@ impl Trunk {
 
     /// Layer `il`, stored encoded, read through `staged` (the whole run, or a window of it
     /// as [`Trunk::read_decode_into`] reads it) and decoded into one pooled allocation of its
-    /// own, on the I/O pool: a pinned layer loaded through the ring's staging.
+    /// own, on the I/O pool: a pinned layer loaded through the ring's staging. With `coded`,
+    /// its nibble-coded matrices are kept as stored and located for the kernels that multiply
+    /// them so ([`holds_coded`], [`LayerRun::take_coded`]).
     ///
     /// # Errors
     /// The layer is stored raw, it cannot be read, or a block does not decode.
@@ -1807,8 +1805,10 @@ impl Trunk {
         il: usize,
         staged: &mut super::arena::Slot,
         scratch: &mut DecodeScratch,
+        coded: bool,
     ) -> Result<LayerRun, StreamError> {
-        let Some(d) = self.held.get(il).and_then(Option::as_ref) else {
+        let layouts = if coded { &self.held } else { &self.decoded };
+        let Some(d) = layouts.get(il).and_then(Option::as_ref) else {
             return Err(StreamError::Corrupt {
                 path: self.dir.join("trunk.bin"),
                 what: format!("trunk layer {il}"),

@@ -1182,14 +1182,21 @@ fn pinned_layers_hold_their_coded_matrices_and_give_the_same_bits() {
         at(&probe, "floor_bytes"),
         at(&plan(&raw, "1000"), "model_bytes"),
     );
-    // The budgets between the floor and holding everything where coded layers pin more.
+    // The budgets between the floor and holding everything where coded layers pin more: the
+    // plan holds them coded there, and decoded (faster products) where that pins as many.
     let mut more = Vec::new();
     for k in 1..16 {
         let budget = floor + (model - floor) * k / 16;
         let gb = format!("{}", budget as f64 / 1e9);
-        let (c, r) = (pinned(&plan(&coded, &gb)), pinned(&plan(&raw, &gb)));
+        let p = plan(&coded, &gb);
+        let (c, r) = (pinned(&p), pinned(&plan(&raw, &gb)));
         assert!(c >= r, "{budget} B: {c} layers pinned coded, {r} raw");
-        println!("small at {budget} B: {c} layers pinned coded against {r} raw");
+        let coded_plan = p["pin_coded"].as_bool().unwrap();
+        assert!(
+            c <= r || coded_plan,
+            "{budget} B: {c} pinned against {r}, decoded"
+        );
+        println!("small at {budget} B: {c} layers pinned against {r} raw");
         if c > r && c < held.len() {
             more.push((gb, budget, c));
         }
@@ -1211,8 +1218,73 @@ fn pinned_layers_hold_their_coded_matrices_and_give_the_same_bits() {
             assert!(peak <= *budget, "peak RSS {peak} above the budget {budget}");
         }
     }
-    // Everything resident: every layer pinned coded.
+    // Where every layer is pinned coded and the budget falls short of holding them decoded.
+    let all = (1..64)
+        .map(|k| floor + (model - floor) * k / 64)
+        .find(|&b| {
+            let p = plan(&coded, &format!("{}", b as f64 / 1e9));
+            pinned(&p) == held.len() && p["pin_coded"].as_bool().unwrap()
+        })
+        .expect("a budget pins every layer coded");
+    let gb = format!("{}", all as f64 / 1e9);
+    let (got_ids, got_logits, peak, _) = run_small_env(&["--trunk", &coded, "--mem", &gb], &[]);
+    assert_eq!(got_ids, ids, "every layer pinned coded at {all}");
+    assert!(got_logits == logits, "logits differ at {all}");
+    assert!(peak <= all, "peak RSS {peak} above the budget {all}");
+    // Everything resident: held decoded.
+    assert!(!plan(&coded, "1000")["pin_coded"].as_bool().unwrap());
     let (got_ids, got_logits, _, _) = run_small_env(&["--trunk", &coded, "--mem", "1000"], &[]);
     assert_eq!(got_ids, ids);
     assert!(got_logits == logits, "logits differ resident");
+}
+
+/// The budget slider moving between a plan that holds pinned layers coded and one that holds
+/// them decoded (and one that streams most): the pinned layers are read again the new plan's
+/// way, and every step gives the bits of the checkpoint alone.
+#[test]
+fn plan_changes_between_coded_and_decoded_pinned_layers_change_no_bit() {
+    use k3::engine::weights::OpenOptions;
+    let trunk = small().join("trunk-recode");
+    crate::common::run_ok(
+        crate::common::k3_command()
+            .arg("pack")
+            .arg(small().join("small"))
+            .arg(&trunk),
+    );
+    let dir = small().join("small");
+    let prompt: Vec<u32> = (1..=10).collect();
+    let (resident, _) = Model::open(&dir, BudgetRequest::Resident, 512).unwrap();
+    let want = generate(&resident, &prompt, 12, |_| {});
+    drop(resident);
+    let opts = |req| OpenOptions {
+        budget: req,
+        context: 512,
+        trunk: Some(trunk.clone()),
+        ..OpenOptions::default()
+    };
+    let (_, info) = Model::open_with(&dir, &opts(BudgetRequest::Resident)).unwrap();
+    let sizes = info.sizes.clone();
+    let plan = |b: u64| budget::plan_states(&sizes, BudgetRequest::Total(b), 512, 1, None).unwrap();
+    let (floor, model) = (info.plan.floor_bytes, sizes.model_bytes());
+    // A budget whose plan pins every layer coded, and one that pins them decoded.
+    let coded = (1..64)
+        .map(|k| floor + model * k / 64)
+        .find(|&b| plan(b).pin_coded && plan(b).n_pinned() == sizes.layer_trunk.len())
+        .expect("a budget pins every layer coded");
+    let decoded = 4 * model;
+    assert!(!plan(decoded).pin_coded);
+    let (m, _) = Model::open_with(&dir, &opts(BudgetRequest::Total(coded))).unwrap();
+    let got = generate(&m, &prompt, 12, |step| {
+        let b = match step {
+            2 => decoded,
+            5 => coded,
+            8 => floor,
+            10 => coded,
+            _ => return,
+        };
+        m.store().set_plan(plan(b)).unwrap();
+    });
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(bits(a), bits(b), "step {i}");
+    }
 }

@@ -64,8 +64,9 @@ fn bind(
 
 /// Layer `il` of `trunk` when it is stored encoded, for pinning: its stored run read through
 /// the ring's staging memory (planned, and idle while a plan is made; the whole run or a
-/// window of it) and decoded from there into an allocation of its own, so loading it takes no
-/// memory beyond the layer and the plan's staging. None when the layer is stored raw, or
+/// window of it) and decoded from there into an allocation of its own (with `coded`, its
+/// nibble-coded matrices kept as stored), so loading it takes no memory beyond the layer and
+/// the plan's staging. None when the layer is stored raw, or
 /// there is no staging (then [`load_layer`] reads it alone).
 pub(super) fn load_encoded(
     ck: &Checkpoint,
@@ -73,12 +74,13 @@ pub(super) fn load_encoded(
     cfg: &ModelConfig,
     il: usize,
     ring: &LayerRing,
+    coded: bool,
 ) -> Option<LayerResult> {
     trunk.decoded_len(il)?;
     ring.with_stage(|stage| {
         let mem = stage.mem.as_mut()?;
         let read = trunk
-            .read_decode_layer(il, mem, &mut stage.scratch)
+            .read_decode_layer(il, mem, &mut stage.scratch, coded)
             .and_then(|run| bind(ck, cfg, il, Binder::new(ck, true, false).with_run(run)));
         Some(read.map(Arc::new))
     })

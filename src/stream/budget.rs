@@ -671,6 +671,51 @@ mod tests {
         });
     }
 
+    /// The released shape with its trunk nibble-coded (runs at 0.75x, windows of 0.43 GB at
+    /// most, pinned layers at 0.75x and their index): a budget that cannot hold every layer
+    /// decoded pins more layers coded, never fewer, inside the budget; one that holds them all
+    /// decoded keeps them decoded.
+    #[test]
+    fn pinned_layers_are_held_coded_where_that_pins_more() {
+        let raw = k3_sizes();
+        let mut enc = raw.clone();
+        enc.layer_staged = raw.layer_trunk.iter().map(|&b| b * 3 / 4).collect();
+        enc.layer_window = (enc.layer_staged.iter())
+            .map(|&b| b.min(430_000_000))
+            .collect();
+        let mut coded = enc.clone();
+        coded.layer_pinned = raw
+            .layer_trunk
+            .iter()
+            .map(|&b| b * 3 / 4 + (1 << 20))
+            .collect();
+        let mut gained = 0;
+        for gb in [8u64, 16, 32, 64, 100, 128, 256] {
+            let req = BudgetRequest::Total(gb * 1_000_000_000);
+            let (d, c) = (
+                plan(&enc, req, 4096, None).unwrap(),
+                plan(&coded, req, 4096, None).unwrap(),
+            );
+            assert!(!d.pin_coded);
+            assert!(c.n_pinned() >= d.n_pinned(), "{gb} GB");
+            assert_eq!(c.pin_coded, c.n_pinned() > d.n_pinned(), "{gb} GB");
+            assert!(c.planned_bytes(&coded) <= gb * 1_000_000_000, "{gb} GB");
+            gained += usize::from(c.n_pinned() > d.n_pinned());
+            println!(
+                "released shape at {gb} GB: {} layers pinned decoded, {} coded",
+                d.n_pinned(),
+                c.n_pinned()
+            );
+        }
+        assert!(
+            gained >= 4,
+            "coded pinned layers gained at {gained} budgets"
+        );
+        let all = plan(&coded, BudgetRequest::Total(2_000_000_000_000), 4096, None).unwrap();
+        assert_eq!((all.n_pinned(), all.pin_coded), (93, false));
+        assert_eq!(all.pinned_bytes, raw.layer_trunk.iter().sum::<u64>());
+    }
+
     #[test]
     fn presets_and_cgroup_cap() {
         let s = k3_sizes();

@@ -167,13 +167,7 @@ pub fn nibble_dot_acc(
     let n = low.len().min(2 * nib.len()).min(x.len());
     let mut used = 0usize;
     for i in 0..n {
-        let c = (nib[i / 2] >> (4 * (i & 1))) & 15;
-        let h = if c == 15 {
-            used += 1;
-            esc.get(used - 1).copied().unwrap_or(0)
-        } else {
-            dict[usize::from(c)]
-        };
+        let h = nibble_high(dict, nib, esc, i, &mut used);
         let w = super::bf16_to_f32(u16::from(h) << 8 | u16::from(low[i]));
         acc[i % 16] = w.mul_add(x[i], acc[i % 16]);
     }
@@ -187,4 +181,35 @@ pub fn bf16_bytes_dot_acc(w: &[u8], x: &[f32], acc: &mut [f32; 16]) {
         let v = super::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
         acc[i % 16] = v.mul_add(xi, acc[i % 16]);
     }
+}
+
+/// The high byte of nibble-coded value `i`: `dict[c]` for its code `c`, or for the escape code
+/// the next escape byte, `esc[*used]` (0 past the end of `esc`: a checked block has none),
+/// counted in `used`.
+#[inline]
+fn nibble_high(dict: &[u8; 16], nib: &[u8], esc: &[u8], i: usize, used: &mut usize) -> u8 {
+    let c = (nib[i / 2] >> (4 * (i & 1))) & 15;
+    if c == 15 {
+        *used += 1;
+        esc.get(*used - 1).copied().unwrap_or(0)
+    } else {
+        dict[usize::from(c)]
+    }
+}
+
+/// [`nibble_bf16`] where a missing escape reads as 0 (a checked block has none): the values
+/// the coded products multiply ([`nibble_dot_acc`]). Returns the escape codes met.
+pub fn nibble_bf16_lenient(
+    dict: &[u8; 16],
+    low: &[u8],
+    nib: &[u8],
+    esc: &[u8],
+    out: &mut [u8],
+) -> usize {
+    let mut used = 0;
+    for (i, (o, &l)) in out.chunks_exact_mut(2).zip(low).enumerate() {
+        o[0] = l;
+        o[1] = nibble_high(dict, nib, esc, i, &mut used);
+    }
+    used
 }

@@ -4,7 +4,7 @@
 //! dictionary, and accumulates them into the lanes a BF16 row would use. A pinned layer held
 //! this way takes three quarters of the memory, and a product reads three quarters of the bytes.
 //!
-//! Every value lands in the lane, and in the order, [`super::dot_bf16`] gives it, so a product
+//! Every value lands in the lane, and in the order, [`generic::dot_bf16`] gives it, so a product
 //! is bit for bit the product of the decoded matrix on every path. That needs the pieces of a
 //! row (a row may run over into the next block, whose dictionary differs) to start at a
 //! multiple of 16 values: a matrix is held this way only when its row length is a multiple of
@@ -189,7 +189,7 @@ impl<'a> NibbleMatrix<'a> {
                 // A checked matrix has every escape its codes need; were one missing, the
                 // value's high byte would read as 0, as in the products.
                 if super::nibble_bf16(&c.dict, c.low, c.nib, c.esc, o).is_none() {
-                    decode_lenient(&c.dict, c.low, c.nib, c.esc, o);
+                    generic::nibble_bf16_lenient(&c.dict, c.low, c.nib, c.esc, o);
                 }
             } else if let Some(w) = p.raw() {
                 for (v, b) in o.iter_mut().zip(w.chunks_exact(2)) {
@@ -218,7 +218,13 @@ impl<'a> NibbleMatrix<'a> {
                 if let Some(k) = p.coded() {
                     let (low, nib) = (&k.low[c..c + m], &k.nib[c / 2..(c + m).div_ceil(2)]);
                     let esc = k.esc.get(used..).unwrap_or_default();
-                    used += decode_lenient(&k.dict, low, nib, esc, bytemuck::cast_slice_mut(o));
+                    used += generic::nibble_bf16_lenient(
+                        &k.dict,
+                        low,
+                        nib,
+                        esc,
+                        bytemuck::cast_slice_mut(o),
+                    );
                 } else if let Some(w) = p.raw() {
                     for (v, b) in o.iter_mut().zip(w[2 * c..2 * (c + m)].chunks_exact(2)) {
                         *v = u16::from_le_bytes([b[0], b[1]]);
@@ -273,24 +279,6 @@ impl<'a> Piece<'a> {
             NibbleBlock::Coded { .. } => None,
         }
     }
-}
-
-/// [`generic::nibble_bf16`] where a missing escape reads as 0 (a checked matrix has none);
-/// returns the escape codes met.
-fn decode_lenient(dict: &[u8; 16], low: &[u8], nib: &[u8], esc: &[u8], out: &mut [u8]) -> usize {
-    let mut used = 0;
-    for (i, (o, &l)) in out.chunks_exact_mut(2).zip(low).enumerate() {
-        let c = (nib[i / 2] >> (4 * (i & 1))) & 15;
-        let h = if c == 15 {
-            used += 1;
-            esc.get(used - 1).copied().unwrap_or(0)
-        } else {
-            dict[usize::from(c)]
-        };
-        o[0] = l;
-        o[1] = h;
-    }
-    used
 }
 
 /// [`generic::nibble_dot_acc`] on `isa`.

@@ -285,7 +285,7 @@ pub fn nibble_bf16_with<T: Byte>(
     let (low, out) = (&low[..n], &mut out[..2 * n]);
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => x86::nibble_bf16(dict, low, nib, esc, out),
+        Isa::Avx2 | Isa::Avx512 => x86::nibble_bf16(isa, dict, low, nib, esc, out),
         _ => generic::nibble_bf16(dict, low, nib, esc, out),
     }
 }

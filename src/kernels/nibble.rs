@@ -112,6 +112,32 @@ impl<'a> NibbleMatrix<'a> {
         })
     }
 
+    /// The matrix from parts [`NibbleMatrix::new`] accepted before and that have not changed
+    /// since, without walking the block table again: a holder checks its parts once, when it
+    /// is made, and then takes a view for every product. Parts that were never accepted can
+    /// only make a product panic on a slice bound (every access is bounds-checked), and debug
+    /// builds check them again.
+    #[must_use]
+    pub fn from_checked(
+        bytes: &'a [u8],
+        blocks: &'a [NibbleBlock],
+        row_esc: &'a [u32],
+        rows: usize,
+        cols: usize,
+    ) -> Self {
+        debug_assert!(
+            Self::new(bytes, blocks, row_esc, rows, cols).is_some(),
+            "nibble matrix: parts never checked"
+        );
+        NibbleMatrix {
+            bytes,
+            blocks,
+            row_esc,
+            rows,
+            cols,
+        }
+    }
+
     /// Rows.
     #[must_use]
     pub fn rows(&self) -> usize {
@@ -173,6 +199,40 @@ impl<'a> NibbleMatrix<'a> {
         let mut acc = [0f32; 16];
         self.row_acc(isa, r, x, &mut acc);
         generic::fold16(&acc)
+    }
+
+    /// Rows `r` and `r + 1` dotted with `x` at once, each exactly its
+    /// [`row_dot`](Self::row_dot) on the same path: None where either row is not one coded
+    /// piece, or the path has no two-row kernel.
+    fn row_dot2(&self, isa: Isa, r: usize, x: &[f32]) -> Option<[f32; 2]> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let one = |r: usize| {
+                let mut pieces = self.pieces(r);
+                let first = pieces.next()?;
+                pieces.next().is_none().then(|| first.coded()).flatten()
+            };
+            let (a, b) = (one(r)?, one(r + 1)?);
+            fn row<'b>(c: &'b Coded<'_>) -> super::x86::CodedRow<'b> {
+                super::x86::CodedRow {
+                    dict: &c.dict,
+                    low: c.low,
+                    nib: c.nib,
+                    esc: c.esc,
+                }
+            }
+            let (mut acc0, mut acc1) = ([0f32; 16], [0f32; 16]);
+            let x = &x[..self.cols];
+            if !super::x86::nibble_dot_acc2(isa, [&row(&a), &row(&b)], x, [&mut acc0, &mut acc1]) {
+                return None;
+            }
+            Some([generic::fold16(&acc0), generic::fold16(&acc1)])
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (isa, r, x);
+            None
+        }
     }
 
     /// Decode row `r` into `out` (`cols` BF16 values).
@@ -313,8 +373,17 @@ pub fn matmul_nibble_with(isa: Isa, w: &NibbleMatrix<'_>, x: &[f32], y: &mut [f3
         y.par_chunks_mut(per_task)
             .enumerate()
             .for_each(|(ci, out)| {
-                for (k, o) in out.iter_mut().enumerate() {
-                    *o = w.row_dot(isa, ci * per_task + k, x);
+                let mut k = 0;
+                while k < out.len() {
+                    let r = ci * per_task + k;
+                    if let Some(pair) = (k + 1 < out.len()).then(|| w.row_dot2(isa, r, x)).flatten()
+                    {
+                        out[k..k + 2].copy_from_slice(&pair);
+                        k += 2;
+                    } else {
+                        out[k] = w.row_dot(isa, r, x);
+                        k += 1;
+                    }
                 }
             });
         return;

@@ -908,15 +908,109 @@ unsafe fn nibble_bf16_avx2_impl<T: super::Byte>(
     Some(used + tail)
 }
 
-/// [`super::generic::nibble_bf16`], SSSE3 shuffles where AVX2 is available.
-pub(super) fn nibble_bf16<T: super::Byte>(
+/// [`super::generic::nibble_bf16`] with AVX-512 VBMI, 32 values at a time: the codes look up
+/// their high bytes in one byte shuffle, escaped values are patched in value order from `esc`,
+/// and one byte permute puts the 32 values' low and high bytes together. Into a 64-byte
+/// aligned `out` the writes are non-temporal, as in [`nibble_bf16_avx2_impl`].
+///
+/// # Safety
+/// AVX-512F, AVX-512BW, AVX-512 VBMI and AVX2 must be available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx2")]
+unsafe fn nibble_bf16_avx512_impl<T: super::Byte>(
     dict: &[u8; 16],
     low: &[u8],
     nib: &[u8],
     esc: &[u8],
     out: &mut [T],
 ) -> Option<usize> {
-    if is_x86_feature_detected!("avx2") {
+    /// Output byte `2t` is value `t`'s low byte (source byte `t`), byte `2t + 1` its high
+    /// byte (the even values' at 32 + t/2, the odd ones' at 48 + t/2).
+    const WORDS: [u8; 64] = {
+        let mut idx = [0u8; 64];
+        let mut t = 0;
+        while t < 32 {
+            idx[2 * t] = t as u8;
+            idx[2 * t + 1] = (32 + 16 * (t % 2) + t / 2) as u8;
+            t += 1;
+        }
+        idx
+    };
+    let n = low.len().min(out.len() / 2).min(2 * nib.len());
+    let groups = n / 32;
+    // SAFETY: `dict` is 16 readable bytes, `WORDS` 64.
+    let (d, words) = unsafe {
+        (
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(dict.as_ptr().cast())),
+            _mm512_loadu_si512(WORDS.as_ptr().cast()),
+        )
+    };
+    let m = _mm256_set1_epi8(15);
+    let stream = (out.as_ptr() as usize).is_multiple_of(64);
+    let mut used = 0usize;
+    for g in 0..groups {
+        // SAFETY: 32·(g + 1) ≤ n ≤ 2·nib.len(), so nib[16g..16g + 16] is in bounds.
+        let v = unsafe { _mm_loadu_si128(nib.as_ptr().add(16 * g).cast()) };
+        let c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(v), v), m);
+        let mut h = _mm256_shuffle_epi8(d, c);
+        let escaped = _mm256_movemask_epi8(_mm256_cmpeq_epi8(c, m)) as u32;
+        if escaped != 0 {
+            let wanted = escaped.count_ones() as usize;
+            if esc.len() < used + wanted {
+                if stream {
+                    _mm_sfence();
+                }
+                return None;
+            }
+            h = patch_escapes(h, escaped, esc, &mut used);
+        }
+        // SAFETY: 32·(g + 1) ≤ n ≤ low.len() and 64·(g + 1) ≤ 2n ≤ out.len(), so the 32
+        // bytes read from `low` and the 64 written to `out` are in bounds, and when `stream`
+        // holds `out` and its offsets 64g are 64-byte aligned; `T` is `u8` or
+        // `MaybeUninit<u8>`, one byte each, so storing initialized bytes into it is sound.
+        unsafe {
+            let src = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(low.as_ptr().add(32 * g).cast())),
+                h,
+            );
+            let w = _mm512_permutexvar_epi8(words, src);
+            let o = out.as_mut_ptr().add(64 * g).cast::<__m512i>();
+            if stream {
+                _mm512_stream_si512(o, w);
+            } else {
+                _mm512_storeu_si512(o, w);
+            }
+        }
+    }
+    if stream {
+        // Non-temporal writes are ordered before whatever this thread writes next (the
+        // release that hands the decoded bytes to another thread).
+        _mm_sfence();
+    }
+    let at = 32 * groups;
+    let tail = super::generic::nibble_bf16(
+        dict,
+        &low[at..n],
+        &nib[at / 2..],
+        esc.get(used..)?,
+        &mut out[2 * at..2 * n],
+    )?;
+    Some(used + tail)
+}
+
+/// [`super::generic::nibble_bf16`] on `isa`: byte permutes on the AVX-512 path where the CPU
+/// has VBMI, SSSE3 shuffles where it has AVX2.
+pub(super) fn nibble_bf16<T: super::Byte>(
+    isa: super::Isa,
+    dict: &[u8; 16],
+    low: &[u8],
+    nib: &[u8],
+    esc: &[u8],
+    out: &mut [T],
+) -> Option<usize> {
+    if isa == super::Isa::Avx512 && has_avx512_vbmi() {
+        // SAFETY: the CPU supports AVX-512F/BW/VBMI and AVX2 (checked just above).
+        unsafe { nibble_bf16_avx512_impl(dict, low, nib, esc, out) }
+    } else if is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2 (checked just above).
         unsafe { nibble_bf16_avx2_impl(dict, low, nib, esc, out) }
     } else {
@@ -965,63 +1059,241 @@ fn nibble_high32(d: __m128i, v: __m128i, esc: &[u8], used: &mut usize) -> (__m12
     }
 }
 
-/// [`super::generic::nibble_dot_acc`] with AVX-512: 32 values per step, their BF16 bits put
-/// together in registers (low byte, high byte looked up) and accumulated into the 16 lanes.
+/// Whether AVX-512 VBMI byte permutes are available (with AVX-512F/BW, AVX2 and FMA): the
+/// coded product's AVX-512 path needs them.
+fn has_avx512_vbmi() -> bool {
+    has_avx512() && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vbmi")
+}
+
+/// Byte indices that put 16 values' BF16 bits into f32 lanes, from a register holding the
+/// low bytes of 32 values (bytes 0–31), the high bytes of the even ones (32–47) and of the
+/// odd ones (48–63): lane `t` takes value `16·half + t`, its low byte into byte 2 of the lane
+/// and its high byte into byte 3 (bytes 0 and 1 are masked to zero).
+const fn bf16_lane_index(half: usize) -> [u8; 64] {
+    let mut idx = [0u8; 64];
+    let mut t = 0;
+    while t < 16 {
+        let v = 16 * half + t;
+        idx[4 * t + 2] = v as u8;
+        idx[4 * t + 3] = (32 + 16 * (v % 2) + v / 2) as u8;
+        t += 1;
+    }
+    idx
+}
+
+/// Bits `0..16` of `x` spread to the even bits of the result.
+fn spread_even(x: u32) -> u32 {
+    let mut x = x & 0xffff;
+    x = (x | x << 8) & 0x00ff_00ff;
+    x = (x | x << 4) & 0x0f0f_0f0f;
+    x = (x | x << 2) & 0x3333_3333;
+    (x | x << 1) & 0x5555_5555
+}
+
+/// One nibble-coded row's parts for the coded products: its piece's dictionary, and the low
+/// bytes, codes and escapes of its values.
+pub(super) struct CodedRow<'a> {
+    pub dict: &'a [u8; 16],
+    pub low: &'a [u8],
+    pub nib: &'a [u8],
+    pub esc: &'a [u8],
+}
+
+/// The registers the AVX-512 coded product keeps for a loop: the dictionary in both halves,
+/// and the byte indices of values 0–15 and 16–31 (see [`bf16_lane_index`]).
+#[derive(Clone, Copy)]
+struct Avx512Coded {
+    dict: __m256i,
+    lanes0: __m512i,
+    lanes1: __m512i,
+}
+
+impl Avx512Coded {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx2")]
+    fn new(dict: &[u8; 16]) -> Self {
+        const LANES0: [u8; 64] = bf16_lane_index(0);
+        const LANES1: [u8; 64] = bf16_lane_index(1);
+        // SAFETY: `dict` is 16 readable bytes, the indices 64 bytes each.
+        unsafe {
+            Avx512Coded {
+                dict: _mm256_broadcastsi128_si256(_mm_loadu_si128(dict.as_ptr().cast())),
+                lanes0: _mm512_loadu_si512(LANES0.as_ptr().cast()),
+                lanes1: _mm512_loadu_si512(LANES1.as_ptr().cast()),
+            }
+        }
+    }
+
+    /// `a` plus group `g` (values 32g to 32g + 31) of `row` times `x`: the codes look up their
+    /// high bytes in one byte shuffle (escapes patched from `row.esc[*used..]`), two byte
+    /// permutes put the BF16 bits of values 0–15 and 16–31 into f32 lanes, each accumulated
+    /// into the lane a BF16 row gives it.
+    ///
+    /// # Safety
+    /// `32·(g + 1)` must be at most `row.low.len()`, `2·row.nib.len()` and `x.len()`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx2,fma")]
+    unsafe fn step(
+        self,
+        row: &CodedRow<'_>,
+        g: usize,
+        x: &[f32],
+        used: &mut usize,
+        a: __m512,
+    ) -> __m512 {
+        // Bytes 2 and 3 of every f32 lane.
+        const HIGH_HALVES: __mmask64 = 0xcccc_cccc_cccc_cccc;
+        let m = _mm256_set1_epi8(15);
+        // SAFETY: 32·(g + 1) is at most `low.len()`, `x.len()` and `2·nib.len()` (this
+        // function's requirement), so every load is in bounds.
+        unsafe {
+            let v = _mm_loadu_si128(row.nib.as_ptr().add(16 * g).cast());
+            prefetch_rows_ahead(row.low, row.nib, g);
+            // Codes of the even values (low halves of the code bytes), then of the odd ones.
+            let c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(v), v), m);
+            let mut h = _mm256_shuffle_epi8(self.dict, c);
+            let escaped = _mm256_movemask_epi8(_mm256_cmpeq_epi8(c, m)) as u32;
+            if escaped != 0 {
+                h = patch_escapes(h, escaped, row.esc, used);
+            }
+            let src = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(row.low.as_ptr().add(32 * g).cast())),
+                h,
+            );
+            let w0 = _mm512_maskz_permutexvar_epi8(HIGH_HALVES, self.lanes0, src);
+            let w1 = _mm512_maskz_permutexvar_epi8(HIGH_HALVES, self.lanes1, src);
+            let px = x.as_ptr().add(32 * g);
+            let a = _mm512_fmadd_ps(_mm512_castsi512_ps(w0), _mm512_loadu_ps(px), a);
+            _mm512_fmadd_ps(_mm512_castsi512_ps(w1), _mm512_loadu_ps(px.add(16)), a)
+        }
+    }
+}
+
+/// [`super::generic::nibble_dot_acc`] with AVX-512 VBMI, 32 values per step
+/// ([`Avx512Coded::step`]).
 ///
 /// # Safety
-/// AVX-512F, AVX2 and FMA must be available.
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn nibble_dot_acc_avx512_impl(
-    dict: &[u8; 16],
-    low: &[u8],
-    nib: &[u8],
-    esc: &[u8],
-    x: &[f32],
-    acc: &mut [f32; 16],
-) -> usize {
-    let n = low.len().min(2 * nib.len()).min(x.len());
-    let groups = n / 32;
-    // SAFETY: `dict` is 16 readable bytes, `acc` 16 floats.
-    let (d, mut a) = unsafe {
-        (
-            _mm_loadu_si128(dict.as_ptr().cast()),
-            _mm512_loadu_ps(acc.as_ptr()),
-        )
-    };
+/// AVX-512F, AVX-512BW, AVX-512 VBMI, AVX2 and FMA must be available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx2,fma")]
+unsafe fn nibble_dot_acc_avx512_impl(row: &CodedRow<'_>, x: &[f32], acc: &mut [f32; 16]) -> usize {
+    let n = row.low.len().min(2 * row.nib.len()).min(x.len());
+    let k = Avx512Coded::new(row.dict);
+    // SAFETY: `acc` is 16 floats.
+    let mut a = unsafe { _mm512_loadu_ps(acc.as_ptr()) };
     let mut used = 0usize;
-    for g in 0..groups {
-        // SAFETY: 32·(g + 1) ≤ n, which is at most `low.len()`, `x.len()` and
-        // `2·nib.len()`, so every load is in bounds.
-        unsafe {
-            let v = _mm_loadu_si128(nib.as_ptr().add(16 * g).cast());
-            let (h0, h1) = nibble_high32(d, v, esc, &mut used);
-            let l0 = _mm_loadu_si128(low.as_ptr().add(32 * g).cast());
-            let l1 = _mm_loadu_si128(low.as_ptr().add(32 * g + 16).cast());
-            let w0 = _mm512_or_si512(
-                _mm512_slli_epi32::<16>(_mm512_cvtepu8_epi32(l0)),
-                _mm512_slli_epi32::<24>(_mm512_cvtepu8_epi32(h0)),
-            );
-            let w1 = _mm512_or_si512(
-                _mm512_slli_epi32::<16>(_mm512_cvtepu8_epi32(l1)),
-                _mm512_slli_epi32::<24>(_mm512_cvtepu8_epi32(h1)),
-            );
-            let px = x.as_ptr().add(32 * g);
-            a = _mm512_fmadd_ps(_mm512_castsi512_ps(w0), _mm512_loadu_ps(px), a);
-            a = _mm512_fmadd_ps(_mm512_castsi512_ps(w1), _mm512_loadu_ps(px.add(16)), a);
-        }
+    for g in 0..n / 32 {
+        // SAFETY: 32·(g + 1) ≤ n, which is at most the lengths `step` needs.
+        a = unsafe { k.step(row, g, x, &mut used, a) };
     }
     // SAFETY: `acc` is 16 writable floats.
     unsafe { _mm512_storeu_ps(acc.as_mut_ptr(), a) };
-    let at = 32 * groups;
-    used + tail_acc(
-        dict,
-        low,
-        nib,
-        esc.get(used..).unwrap_or_default(),
+    used + tail_row(row, used, x, n - n % 32, acc)
+}
+
+/// Two rows' [`nibble_dot_acc_avx512_impl`] at once, their steps interleaved: two chains of
+/// fused multiply-adds instead of one, so neither waits on the other's latency. Each row's
+/// lanes take the same values in the same order as on its own.
+///
+/// # Safety
+/// AVX-512F, AVX-512BW, AVX-512 VBMI, AVX2 and FMA must be available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx2,fma")]
+unsafe fn nibble_dot_acc2_avx512_impl(
+    rows: [&CodedRow<'_>; 2],
+    x: &[f32],
+    acc: [&mut [f32; 16]; 2],
+) {
+    let [r0, r1] = rows;
+    let [acc0, acc1] = acc;
+    let len = |r: &CodedRow<'_>| r.low.len().min(2 * r.nib.len()).min(x.len());
+    let (n0, n1) = (len(r0), len(r1));
+    let (k0, k1) = (Avx512Coded::new(r0.dict), Avx512Coded::new(r1.dict));
+    // SAFETY: `acc0` and `acc1` are 16 floats each.
+    let (mut a0, mut a1) = unsafe {
+        (
+            _mm512_loadu_ps(acc0.as_ptr()),
+            _mm512_loadu_ps(acc1.as_ptr()),
+        )
+    };
+    let (mut u0, mut u1) = (0usize, 0usize);
+    let both = n0.min(n1) / 32;
+    for g in 0..both {
+        // SAFETY: 32·(g + 1) ≤ min(n0, n1), which is at most the lengths `step` needs for
+        // either row.
+        unsafe {
+            a0 = k0.step(r0, g, x, &mut u0, a0);
+            a1 = k1.step(r1, g, x, &mut u1, a1);
+        }
+    }
+    for (k, r, n, a, u) in [
+        (k0, r0, n0, &mut a0, &mut u0),
+        (k1, r1, n1, &mut a1, &mut u1),
+    ] {
+        for g in both..n / 32 {
+            // SAFETY: 32·(g + 1) ≤ n, which is at most the lengths `step` needs.
+            *a = unsafe { k.step(r, g, x, u, *a) };
+        }
+    }
+    // SAFETY: `acc0` and `acc1` are 16 writable floats each.
+    unsafe {
+        _mm512_storeu_ps(acc0.as_mut_ptr(), a0);
+        _mm512_storeu_ps(acc1.as_mut_ptr(), a1);
+    }
+    tail_row(r0, u0, x, n0 - n0 % 32, acc0);
+    tail_row(r1, u1, x, n1 - n1 % 32, acc1);
+}
+
+/// `row`'s values from `at` on (a multiple of 32; `used` escapes taken before it) through
+/// the scalar twin: lane `i mod 16` is the same lane from there as from the start.
+fn tail_row(row: &CodedRow<'_>, used: usize, x: &[f32], at: usize, acc: &mut [f32; 16]) -> usize {
+    tail_acc(
+        row.dict,
+        row.low,
+        row.nib,
+        row.esc.get(used..).unwrap_or_default(),
         x,
         at,
         acc,
     )
+}
+
+/// Prefetch for group `g` (values `32g` on) of a coded row whose parts are `low` and `nib`:
+/// the rows of a matrix are consecutive, so request the lines of the row four rows ahead, one
+/// prefetch per 64 bytes of each part. Without it the AVX-512 coded product waits on memory
+/// (two thirds of the speed, measured on `coded_matvec`).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn prefetch_rows_ahead(low: &[u8], nib: &[u8], g: usize) {
+    let ahead = 4 * low.len();
+    // A prefetch never faults; the addresses are computed with wrapping arithmetic and never
+    // dereferenced.
+    if g.is_multiple_of(2) {
+        _mm_prefetch::<_MM_HINT_T0>(low.as_ptr().wrapping_add(32 * g + ahead).cast());
+    }
+    if g.is_multiple_of(4) {
+        _mm_prefetch::<_MM_HINT_T0>(nib.as_ptr().wrapping_add(16 * g + ahead / 2).cast());
+    }
+}
+
+/// `h` (the looked-up high bytes of 32 values, the even values' in bytes 0–15, the odd ones'
+/// in 16–31) with the values escaped in `escaped` (bit `k`: byte `k` of `h`) given the next
+/// escape bytes from `esc[*used..]` in value order (a byte past its end reads as 0; a checked
+/// matrix has none).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn patch_escapes(h: __m256i, escaped: u32, esc: &[u8], used: &mut usize) -> __m256i {
+    // Bit i: value i (value 2k is byte k, value 2k + 1 byte 16 + k).
+    let mut values = spread_even(escaped) | spread_even(escaped >> 16) << 1;
+    let mut b = [0u8; 32];
+    // SAFETY: `b` is 32 writable bytes.
+    unsafe { _mm256_storeu_si256(b.as_mut_ptr().cast(), h) };
+    while values != 0 {
+        let i = values.trailing_zeros() as usize;
+        b[16 * (i % 2) + i / 2] = esc.get(*used).copied().unwrap_or(0);
+        *used += 1;
+        values &= values - 1;
+    }
+    // SAFETY: `b` is 32 readable bytes.
+    unsafe { _mm256_loadu_si256(b.as_ptr().cast()) }
 }
 
 /// [`super::generic::nibble_dot_acc`] with AVX2: lanes 0–7 and 8–15 in two registers, as
@@ -1132,9 +1404,16 @@ pub(super) fn nibble_dot_acc(
     acc: &mut [f32; 16],
 ) -> usize {
     match isa {
-        super::Isa::Avx512 if has_avx512() => {
-            // SAFETY: AVX-512F, AVX2 and FMA are available (checked in this arm's guard).
-            unsafe { nibble_dot_acc_avx512_impl(dict, low, nib, esc, x, acc) }
+        super::Isa::Avx512 if has_avx512_vbmi() => {
+            let row = CodedRow {
+                dict,
+                low,
+                nib,
+                esc,
+            };
+            // SAFETY: AVX-512F/BW/VBMI, AVX2 and FMA are available (checked in this arm's
+            // guard).
+            unsafe { nibble_dot_acc_avx512_impl(&row, x, acc) }
         }
         super::Isa::Avx2 | super::Isa::Avx512 if has_avx2_fma() => {
             // SAFETY: AVX2 and FMA are available (checked in this arm's guard).
@@ -1142,4 +1421,20 @@ pub(super) fn nibble_dot_acc(
         }
         _ => super::generic::nibble_dot_acc(dict, low, nib, esc, x, acc),
     }
+}
+
+/// Two rows' [`nibble_dot_acc`] at once on the AVX-512 path, where the CPU has VBMI; false
+/// (nothing done) elsewhere.
+pub(super) fn nibble_dot_acc2(
+    isa: super::Isa,
+    rows: [&CodedRow<'_>; 2],
+    x: &[f32],
+    acc: [&mut [f32; 16]; 2],
+) -> bool {
+    if isa != super::Isa::Avx512 || !has_avx512_vbmi() {
+        return false;
+    }
+    // SAFETY: AVX-512F/BW/VBMI, AVX2 and FMA are available (checked just above).
+    unsafe { nibble_dot_acc2_avx512_impl(rows, x, acc) };
+    true
 }

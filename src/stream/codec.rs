@@ -1548,14 +1548,15 @@ mod tests {
                 let mut want = vec![0u8; 2 * n];
                 let used = nibble_bf16_with(Isa::Generic, &dict, &low, &nib, &esc, &mut want);
                 assert_eq!(used, Some(codes));
-                // At an offset of 0 and of 1 byte: the shuffle path writes an aligned output
-                // with non-temporal stores, any other with plain ones.
+                // At offsets of 0, 16 and 1 byte from a 64-byte boundary: the shuffle path
+                // writes a 16-byte aligned output with non-temporal stores, the permute path
+                // (AVX-512 VBMI) a 64-byte aligned one, and any other with plain ones.
                 for (isa, off) in [Isa::Avx2, detected_isa()]
                     .into_iter()
-                    .flat_map(|i| [(i, 0), (i, 1)])
+                    .flat_map(|i| [(i, 0), (i, 16), (i, 1)])
                 {
-                    let mut buf = vec![0x55u8; 2 * n + 32];
-                    let at = buf.as_ptr().align_offset(16) + off;
+                    let mut buf = vec![0x55u8; 2 * n + 128];
+                    let at = buf.as_ptr().align_offset(64) + off;
                     let got = &mut buf[at..at + 2 * n];
                     let u = nibble_bf16_with(isa, &dict, &low, &nib, &esc, got);
                     assert_eq!((u, &*got), (used, &want[..]), "{isa:?} n {n} offset {off}");

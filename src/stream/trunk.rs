@@ -794,25 +794,30 @@ impl CodedMatrix {
             rows,
             cols,
         };
-        Ok(m.try_matrix().is_some().then_some(m))
+        let i = &m.index;
+        let checked = crate::kernels::NibbleMatrix::new(
+            m.bytes.as_slice(),
+            &i.blocks,
+            &i.row_esc,
+            rows,
+            cols,
+        )
+        .is_some();
+        Ok(checked.then_some(m))
     }
 
-    fn try_matrix(&self) -> Option<crate::kernels::NibbleMatrix<'_>> {
+    /// The matrix for the kernels: a view of parts checked when this was made (so it is cheap
+    /// enough to take for every product and every MLA row).
+    #[must_use]
+    pub fn matrix(&self) -> crate::kernels::NibbleMatrix<'_> {
         let i = &self.index;
-        crate::kernels::NibbleMatrix::new(
+        crate::kernels::NibbleMatrix::from_checked(
             self.bytes.as_slice(),
             &i.blocks,
             &i.row_esc,
             self.rows,
             self.cols,
         )
-    }
-
-    /// The matrix for the kernels.
-    #[must_use]
-    pub fn matrix(&self) -> crate::kernels::NibbleMatrix<'_> {
-        self.try_matrix()
-            .expect("a coded matrix is checked when it is made")
     }
 
     /// Bytes held: the coded tensor and its index.

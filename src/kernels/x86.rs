@@ -892,20 +892,7 @@ unsafe fn nibble_bf16_avx2_impl<T: super::Byte>(
             }
         }
     }
-    if stream {
-        // Non-temporal writes are ordered before whatever this thread writes next (the
-        // release that hands the decoded bytes to another thread).
-        _mm_sfence();
-    }
-    let at = 32 * groups;
-    let tail = super::generic::nibble_bf16(
-        dict,
-        &low[at..n],
-        &nib[at / 2..],
-        esc.get(used..)?,
-        &mut out[2 * at..2 * n],
-    )?;
-    Some(used + tail)
+    decode_tail(stream, dict, low, nib, esc, used, 32 * groups, n, out)
 }
 
 /// [`super::generic::nibble_bf16`] with AVX-512 VBMI, 32 values at a time: the codes look up
@@ -981,12 +968,29 @@ unsafe fn nibble_bf16_avx512_impl<T: super::Byte>(
             }
         }
     }
+    decode_tail(stream, dict, low, nib, esc, used, 32 * groups, n, out)
+}
+
+/// The end of a SIMD [`super::generic::nibble_bf16`]: the non-temporal writes fenced (where
+/// `stream`), then values `at..n` (`used` escapes taken before them) through the scalar twin.
+#[allow(clippy::too_many_arguments)]
+fn decode_tail<T: super::Byte>(
+    stream: bool,
+    dict: &[u8; 16],
+    low: &[u8],
+    nib: &[u8],
+    esc: &[u8],
+    used: usize,
+    at: usize,
+    n: usize,
+    out: &mut [T],
+) -> Option<usize> {
     if stream {
         // Non-temporal writes are ordered before whatever this thread writes next (the
         // release that hands the decoded bytes to another thread).
-        _mm_sfence();
+        // SAFETY: SSE2 is part of x86_64.
+        unsafe { _mm_sfence() };
     }
-    let at = 32 * groups;
     let tail = super::generic::nibble_bf16(
         dict,
         &low[at..n],

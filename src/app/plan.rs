@@ -191,9 +191,17 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         gb(plan.ring_bytes)
     );
     println!(
-        "experts      {} cache slots ({})",
+        "experts      {} cache slots ({}){}",
         plan.expert_slots,
-        gb(plan.expert_cache_bytes)
+        gb(plan.expert_cache_bytes),
+        if plan.load_expert_slots < plan.expert_slots {
+            format!(
+                ", {} while pinned layers load through the staging",
+                plan.load_expert_slots
+            )
+        } else {
+            String::new()
+        }
     );
     println!(
         "embedding    {}",
@@ -251,10 +259,10 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                 "staging      {} in the ring for encoded runs of up to {}{}",
                 gb(plan.stage_bytes),
                 gb(run),
-                if plan.stage_bytes < run {
-                    " (longer runs are read through it as a window)"
-                } else {
-                    ""
+                match (plan.stage_only_to_load(), plan.stage_bytes < run) {
+                    (true, _) => " (only while pinned layers load: every layer is pinned)",
+                    (false, true) => " (longer runs are read through it as a window)",
+                    (false, false) => "",
                 }
             );
         }

@@ -331,6 +331,8 @@ fn run_stats(model: &Model, info: &crate::engine::weights::LoadInfo) -> serde_js
         o.insert("predicted".into(), st.predicted.into());
         o.insert("predicted_right".into(), st.predicted_right.into());
         o.insert("prefetch_cancelled".into(), st.prefetch_cancelled.into());
+        o.insert("ring_bytes".into(), st.ring_bytes.into());
+        o.insert("stage_bytes".into(), st.stage_bytes.into());
         o.insert("predictions".into(), st.predictions.into());
         o.insert(
             "prediction_accuracy_by_rank".into(),

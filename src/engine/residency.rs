@@ -575,18 +575,34 @@ impl Streamer {
         if !plan.head_resident {
             shrinks |= r.head.take().is_some();
         }
-        r.cache.resize(plan.expert_slots as usize);
+        let to_pin: Vec<usize> = (0..r.pinned.len())
+            .filter(|&il| plan.pinned.get(il).copied().unwrap_or(false) && r.pinned[il].is_none())
+            .collect();
+        // Where every layer is pinned the staging serves only to load them: none is made when
+        // none is to be loaded, and one that is made is released once they are, its bytes
+        // going to expert slots then (`Plan::load_expert_slots`).
+        let only_to_load = plan.stage_only_to_load();
+        let staging_then_slots = only_to_load && !to_pin.is_empty();
+        let slots = if staging_then_slots {
+            plan.load_expert_slots.min(plan.expert_slots)
+        } else {
+            plan.expert_slots
+        };
+        let final_slots = plan.expert_slots as usize;
+        r.cache.resize(slots as usize);
         // The arena follows: its slots are the cache's plus room for reads in flight.
-        let arena_slots = r.cache.slots() + budget::in_flight_slots(&self.sizes) as usize;
+        let in_flight = budget::in_flight_slots(&self.sizes) as usize;
+        let arena_slots = r.cache.slots() + in_flight;
         r.pinned_map = plan.pinned.clone().into();
         r.plan = plan;
-        let to_pin: Vec<usize> = (0..r.pinned.len())
-            .filter(|&il| r.plan.pinned[il] && r.pinned[il].is_none())
-            .collect();
         let want_head = r.plan.head_resident && r.head.is_none();
         let r_ring_slots = r.plan.ring_slots;
         let streamed_of = r.plan.pinned.clone();
-        let stage = usize::try_from(r.plan.stage_bytes).unwrap_or(usize::MAX);
+        let stage = if only_to_load && to_pin.is_empty() {
+            None
+        } else {
+            Some(usize::try_from(r.plan.stage_bytes).unwrap_or(usize::MAX))
+        };
         drop(r);
         // Drop the read-ahead and make the new plan's ring.
         let ring_slots = usize::try_from(r_ring_slots).unwrap_or(usize::MAX);
@@ -627,6 +643,15 @@ impl Streamer {
                 grown.map_err(arena_error).and(loaded)
             })
         };
+        if staging_then_slots && loaded.is_ok() {
+            // The pinned layers are in: the staging goes, and the expert slots it held back
+            // are made (between forward passes, like every change of the plan).
+            self.ring.release_stage();
+            self.resident.lock().cache.resize(final_slots);
+            let arena_slots = self.resident.lock().cache.slots() + in_flight;
+            self.arena.set_slots(arena_slots).map_err(arena_error)?;
+            shrinks = true;
+        }
         if shrinks {
             // What the smaller plan let go goes back to the system, not only to the allocator.
             if let Some(t) = &self.trunk {
@@ -1240,6 +1265,7 @@ impl Streamer {
         // Each in a statement of its own: a guard lives to the end of its statement.
         let early = self.early.lock().stats();
         let ring_bytes = self.ring.bytes();
+        let stage_bytes = self.ring.stage_bytes();
         let c = &self.counters;
         let read = c.trunk_bytes.load(Ordering::Relaxed)
             + c.expert_bytes.load(Ordering::Relaxed)
@@ -1265,6 +1291,7 @@ impl Streamer {
             early,
             arena: self.arena.stats(),
             ring_bytes,
+            stage_bytes,
             ..StatsSnapshot::default()
         }
     }

@@ -146,13 +146,20 @@ pub struct Plan {
     pub pinned: Vec<bool>,
     /// Layers the ring holds at once (0 when every layer is pinned).
     pub ring_slots: u64,
-    /// Bytes of the ring: its slots, and the staging buffer of encoded layers.
+    /// Bytes of the ring: its slots, and the staging buffer of encoded layers where layers
+    /// stream (0 when every layer is pinned: the staging is then held only while they load).
     pub ring_bytes: u64,
     /// Bytes of the staging buffer encoded layers are read through (0: none stored encoded):
-    /// their largest run, or a window of it where the budget is tight.
+    /// their largest run, or a window of it where the budget is tight. Where every layer is
+    /// pinned it is held only while pinned layers load, and its bytes then go to the expert
+    /// cache ([`Plan::load_expert_slots`]).
     pub stage_bytes: u64,
     /// Routed experts the cache holds.
     pub expert_slots: u64,
+    /// Routed experts the cache holds while pinned layers load: fewer than `expert_slots`
+    /// where the staging is held only to load them (every layer pinned) and the budget has
+    /// no room for both.
+    pub load_expert_slots: u64,
     /// Bytes of the expert cache.
     pub expert_cache_bytes: u64,
     /// Whether the embedding is held (else rows are read on demand).
@@ -186,14 +193,37 @@ impl Plan {
         self.pinned.iter().filter(|&&p| p).count()
     }
 
-    /// Planned resident bytes in total.
+    /// Whether the staging is held only while pinned layers load (every layer is pinned, so
+    /// no layer streams through it after).
+    #[must_use]
+    pub fn stage_only_to_load(&self) -> bool {
+        self.stage_bytes > 0 && self.pinned.iter().all(|&p| p)
+    }
+
+    /// Planned resident bytes in total: the larger of what loading the pinned layers holds
+    /// (with the staging, where it is held only to load them, and the expert slots of
+    /// [`Plan::load_expert_slots`]) and what the plan holds after.
     #[must_use]
     pub fn planned_bytes(&self, sizes: &ModelSizes) -> u64 {
+        let slot = expert_slot_bytes(sizes);
+        let after = self.held_bytes(sizes, self.expert_cache_bytes);
+        if self.stage_only_to_load() {
+            let fewer = self.expert_slots.saturating_sub(self.load_expert_slots) * slot;
+            let loading = self.held_bytes(sizes, self.expert_cache_bytes.saturating_sub(fewer))
+                + self.stage_bytes;
+            after.max(loading)
+        } else {
+            after
+        }
+    }
+
+    /// Resident bytes with `experts` bytes of expert cache and no staging beyond `ring_bytes`.
+    fn held_bytes(&self, sizes: &ModelSizes, experts: u64) -> u64 {
         self.fixed_bytes
             + self.state_reserve
             + self.pinned_bytes
             + self.ring_bytes
-            + self.expert_cache_bytes
+            + experts
             + if self.embed_resident {
                 sizes.embed
             } else {
@@ -398,6 +428,7 @@ fn plan_held(
         ring_bytes: 0,
         stage_bytes: full_stage,
         expert_slots: all_experts,
+        load_expert_slots: all_experts,
         expert_cache_bytes: all_experts * s.expert_bytes,
         embed_resident: true,
         head_resident: true,
@@ -415,10 +446,16 @@ fn plan_held(
             b.saturating_sub(fixed + state_reserve + held_bytes + slot_slack)
         });
         let (chunk, extra) = prefill_chunk(s, budget, spare);
+        // The staging pinned layers load through takes expert slots while they load, where
+        // the budget has no room for both (the slots come back once it is released).
+        let short = full_stage.saturating_sub(spare - extra);
         Plan {
             budget_bytes: budget,
             fixed_bytes: fixed + extra,
             prefill_chunk: chunk,
+            load_expert_slots: all_experts
+                .saturating_sub(short.div_ceil(slot))
+                .max(s.top_k),
             // Under a budget the experts are read into the arena (one slot each).
             expert_cache_bytes: if budget.is_some() {
                 all_experts * slot
@@ -506,12 +543,21 @@ fn plan_held(
         .filter(|&i| pinned[i])
         .map(|i| s.pinned_layer(i))
         .sum();
-    let ring_bytes = ring_of(&pinned);
     let ring_slots = (0..n).filter(|&i| !pinned[i]).count().min(2) as u64;
+    // Where every layer is pinned the staging serves only to load them: it is released once
+    // they are loaded, and its bytes go to expert slots then.
+    let all_pinned = ring_slots == 0;
+    let ring_bytes = if all_pinned { 0 } else { ring_of(&pinned) };
     // Whatever the trunk did not use goes to the cache.
     let trunk_used = pinned_bytes + ring_bytes + if head_resident { s.head } else { 0 };
     let cache_bytes = cache_budget + trunk_budget.saturating_sub(trunk_used);
-    let expert_slots = (cache_bytes / slot).clamp(s.top_k, all_experts.max(s.top_k));
+    let slots_of = |bytes: u64| (bytes / slot).clamp(s.top_k, all_experts.max(s.top_k));
+    let expert_slots = slots_of(cache_bytes);
+    let load_expert_slots = if all_pinned {
+        slots_of(cache_bytes.saturating_sub(stage))
+    } else {
+        expert_slots
+    };
     Ok(Plan {
         model_bytes,
         budget_bytes: Some(total),
@@ -522,6 +568,7 @@ fn plan_held(
         ring_bytes,
         stage_bytes: stage,
         expert_slots,
+        load_expert_slots,
         expert_cache_bytes: expert_slots * slot,
         embed_resident: false,
         head_resident,
@@ -669,6 +716,51 @@ mod tests {
             sorted.sort_unstable_by(|a, b| b.cmp(a));
             sorted.iter().take(2).sum::<u64>()
         });
+    }
+
+    /// A plan that pins every layer of an encoded trunk holds the staging only while they
+    /// load: after, its bytes are expert slots (as many as the raw trunk's plan has), and both
+    /// the loading and the loaded plan fit the budget.
+    #[test]
+    fn pinning_every_encoded_layer_gives_the_staging_to_expert_slots() {
+        let raw = k3_sizes();
+        let mut enc = raw.clone();
+        enc.layer_staged = raw.layer_trunk.iter().map(|&b| b * 3 / 4).collect();
+        let stage = enc.layer_staged.iter().copied().max().unwrap();
+        let slot = expert_slot_bytes(&enc);
+        let mut seen = 0;
+        for gb in (120..=260).step_by(5) {
+            let b = gb * 1_000_000_000;
+            let p = plan(&enc, BudgetRequest::Total(b), 4096, None).unwrap();
+            let r = plan(&raw, BudgetRequest::Total(b), 4096, None).unwrap();
+            if p.n_pinned() < enc.layer_trunk.len() {
+                assert!(!p.stage_only_to_load(), "{gb} GB");
+                assert_eq!(p.load_expert_slots, p.expert_slots, "{gb} GB");
+                continue;
+            }
+            assert!(p.stage_only_to_load(), "{gb} GB");
+            assert_eq!(p.stage_bytes, stage, "{gb} GB");
+            assert_eq!(p.ring_bytes, 0, "{gb} GB: no layer streams");
+            assert!(p.planned_bytes(&enc) <= b, "{gb} GB");
+            // While loading: the staging and the fewer slots fit too.
+            let loading = p.planned_bytes(&enc) - p.expert_cache_bytes
+                + p.load_expert_slots * slot
+                + p.stage_bytes;
+            assert!(
+                loading <= b || p.load_expert_slots == p.expert_slots,
+                "{gb} GB"
+            );
+            if p.budget_bytes.is_some() && p.expert_slots < enc.experts_per_layer * enc.moe_layers {
+                seen += 1;
+                assert_eq!(p.expert_slots, r.expert_slots, "{gb} GB: as many as raw");
+                assert!(p.load_expert_slots < p.expert_slots, "{gb} GB");
+                assert!(
+                    (p.expert_slots - p.load_expert_slots + 1) * slot > stage,
+                    "{gb} GB: the staging's bytes are slots after loading"
+                );
+            }
+        }
+        assert!(seen > 0, "some budget pins every layer short of everything");
     }
 
     /// The released shape with its trunk nibble-coded (runs at 0.75x, windows of 0.43 GB at

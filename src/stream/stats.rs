@@ -101,6 +101,9 @@ pub struct StatsSnapshot {
     pub arena: super::arena::ArenaStats,
     /// Bytes of the read-ahead ring's slots (the memory streamed layers are read into).
     pub ring_bytes: u64,
+    /// Bytes of the staging encoded runs are read through, held now (none once a plan that
+    /// pins every layer has loaded them).
+    pub stage_bytes: u64,
 }
 
 /// Per rank, how often it was right out of `n` predictions.

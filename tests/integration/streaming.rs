@@ -1288,3 +1288,66 @@ fn plan_changes_between_coded_and_decoded_pinned_layers_change_no_bit() {
         assert_eq!(bits(a), bits(b), "step {i}");
     }
 }
+
+/// A budget that pins every layer of an encoded trunk (short of holding everything) keeps the
+/// staging their runs are read through only while they load: after, none is held and its bytes
+/// are expert slots, at the bits of the checkpoint alone and inside the budget, loading
+/// included.
+#[test]
+fn a_plan_pinning_every_encoded_layer_gives_its_staging_to_expert_slots() {
+    let (ids, logits, _) = run_small(&[]);
+    let trunk = small().join("trunk-all-pinned");
+    crate::common::run_ok(
+        crate::common::k3_command()
+            .arg("pack")
+            .arg(small().join("small"))
+            .arg(&trunk),
+    );
+    let t = trunk.to_str().unwrap();
+    // `k3 run` plans for its prompt and generated tokens: 16 positions.
+    let plan = |mem: &str| -> serde_json::Value {
+        let out = crate::common::run_ok(
+            crate::common::k3_command()
+                .arg("plan")
+                .arg(small().join("small"))
+                .args(["--trunk", t, "--json", "--context", "16", "--mem", mem]),
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let at = |p: &serde_json::Value, key: &str| p[key].as_u64().unwrap();
+    let probe = plan("1000");
+    let (floor, model) = (at(&probe, "floor_bytes"), at(&probe, "model_bytes"));
+    let all_experts = at(&probe, "expert_slots");
+    // The least budget (in steps of a 32nd of the model) that pins every layer.
+    let (budget, p) = (1..64)
+        .map(|k| floor + model * k / 32)
+        .map(|b| (b, plan(&format!("{}", b as f64 / 1e9))))
+        .find(|(_, p)| p["pinned"].as_array().unwrap().iter().all(|x| x == true))
+        .expect("a budget pins every layer");
+    let (slots, loading) = (at(&p, "expert_slots"), at(&p, "load_expert_slots"));
+    let stage = at(&p, "stage_bytes");
+    assert!(stage > 0, "{p}");
+    assert_eq!(at(&p, "ring_bytes"), 0, "no layer streams: {p}");
+    assert!(slots < all_experts, "not everything held: {p}");
+    assert!(
+        loading < slots,
+        "the staging takes slots while loading: {p}"
+    );
+    let slot = at(&p["sizes"], "expert_bytes");
+    assert!(
+        (slots - loading) * slot >= stage / 2,
+        "the staging's bytes come back as slots: {slots} against {loading} of {slot} B, staging {stage} B"
+    );
+    let gb = format!("{}", budget as f64 / 1e9);
+    let (got_ids, got_logits, peak, stats) = run_small_env(&["--trunk", t, "--mem", &gb], &[]);
+    assert_eq!(got_ids, ids, "budget {budget}");
+    assert!(got_logits == logits, "logits differ at {budget}");
+    assert!(peak <= budget, "peak RSS {peak} above the budget {budget}");
+    assert_eq!(stats["stage_bytes"], 0, "the staging is released: {stats}");
+    assert_eq!(stats["expert_slots"], slots, "{stats}");
+    assert_eq!(
+        stats["expert_arena"]["slots"].as_u64().unwrap(),
+        slots + 2 * at(&p["sizes"], "top_k"),
+        "the arena has the plan's slots after loading: {stats}"
+    );
+}

@@ -565,12 +565,13 @@ impl LayerRing {
     /// Drop every request, wait for the reader to finish the read under way, and make
     /// `slots` slots of the sizes of the `slots` largest layers `pinned` leaves streamed (the
     /// layers bound to the old slots go with them), and a staging of `stage` bytes (at least
-    /// the largest window an encoded run needs, when any layer is stored encoded).
+    /// the largest window an encoded run needs, when any layer is stored encoded). `None`:
+    /// no staging, for a plan that pins every layer and has none left to load.
     pub(super) fn resize(
         &self,
         slots: usize,
         pinned: &[bool],
-        stage: usize,
+        stage: Option<usize>,
     ) -> std::io::Result<()> {
         let mut g = self.state.lock();
         while let Some(s) = g.pending.pop_front() {
@@ -601,7 +602,10 @@ impl LayerRing {
             g = g.wait(&self.changed);
         }
         let window = self.staged.iter().copied().max().unwrap_or(0);
-        let staged = if window > 0 { stage.max(window) } else { 0 };
+        let staged = match stage {
+            Some(stage) if window > 0 => stage.max(window),
+            _ => 0,
+        };
         g.stage = Some(Stage::default());
         if staged > 0 {
             let stage_arena = Arena::new(staged);
@@ -648,6 +652,28 @@ impl LayerRing {
         self.state.lock().stage = Some(stage);
         self.changed.notify_all();
         r
+    }
+
+    /// Release the staging memory (waited for while a read has it out): for a plan that pins
+    /// every layer, once they are loaded.
+    pub(super) fn release_stage(&self) {
+        let mut g = self.state.lock();
+        while g.stage.is_none() {
+            g = g.wait(&self.changed);
+        }
+        let held = g.stage.replace(Stage::default());
+        drop(g);
+        self.changed.notify_all();
+        drop(held);
+    }
+
+    /// Bytes of the staging memory held now.
+    pub(super) fn stage_bytes(&self) -> u64 {
+        let g = self.state.lock();
+        g.stage
+            .as_ref()
+            .and_then(|st| st.mem.as_ref())
+            .map_or(0, |m| m.len() as u64)
     }
 
     /// Bytes of the ring's slots.

@@ -436,6 +436,18 @@ fn run_small(extra: &[&str]) -> (serde_json::Value, Vec<u8>, u64) {
     (ids, logits, peak)
 }
 
+/// `small` packed by `k3 pack` (the default encoding) into `name` beside it.
+fn pack_small(name: &str) -> std::path::PathBuf {
+    let trunk = small().join(name);
+    crate::common::run_ok(
+        crate::common::k3_command()
+            .arg("pack")
+            .arg(small().join("small"))
+            .arg(&trunk),
+    );
+    trunk
+}
+
 /// [`run_small`] with environment variables set; also the `--json` stats.
 fn run_small_env(
     extra: &[&str],
@@ -579,13 +591,7 @@ fn small_checkpoint_same_logits_at_every_budget_and_rss_within_budget() {
 #[test]
 fn encoded_layers_streamed_through_a_window_of_their_runs_give_the_same_bits() {
     let (ids, logits, _) = run_small(&[]);
-    let trunk = small().join("trunk-window");
-    crate::common::run_ok(
-        crate::common::k3_command()
-            .arg("pack")
-            .arg(small().join("small"))
-            .arg(&trunk),
-    );
+    let trunk = pack_small("trunk-window");
     let t = trunk.to_str().unwrap();
     let env = [("K3_TRUNK_SEGMENT_KB", "64")];
     let plan = |mem: &str| -> serde_json::Value {
@@ -1244,13 +1250,7 @@ fn pinned_layers_hold_their_coded_matrices_and_give_the_same_bits() {
 #[test]
 fn plan_changes_between_coded_and_decoded_pinned_layers_change_no_bit() {
     use k3::engine::weights::OpenOptions;
-    let trunk = small().join("trunk-recode");
-    crate::common::run_ok(
-        crate::common::k3_command()
-            .arg("pack")
-            .arg(small().join("small"))
-            .arg(&trunk),
-    );
+    let trunk = pack_small("trunk-recode");
     let dir = small().join("small");
     let prompt: Vec<u32> = (1..=10).collect();
     let (resident, _) = Model::open(&dir, BudgetRequest::Resident, 512).unwrap();
@@ -1296,13 +1296,7 @@ fn plan_changes_between_coded_and_decoded_pinned_layers_change_no_bit() {
 #[test]
 fn a_plan_pinning_every_encoded_layer_gives_its_staging_to_expert_slots() {
     let (ids, logits, _) = run_small(&[]);
-    let trunk = small().join("trunk-all-pinned");
-    crate::common::run_ok(
-        crate::common::k3_command()
-            .arg("pack")
-            .arg(small().join("small"))
-            .arg(&trunk),
-    );
+    let trunk = pack_small("trunk-all-pinned");
     let t = trunk.to_str().unwrap();
     // `k3 run` plans for its prompt and generated tokens: 16 positions.
     let plan = |mem: &str| -> serde_json::Value {

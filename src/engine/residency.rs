@@ -647,9 +647,14 @@ impl Streamer {
             // The pinned layers are in: the staging goes, and the expert slots it held back
             // are made (between forward passes, like every change of the plan).
             self.ring.release_stage();
-            self.resident.lock().cache.resize(final_slots);
-            let arena_slots = self.resident.lock().cache.slots() + in_flight;
-            self.arena.set_slots(arena_slots).map_err(arena_error)?;
+            let cache_slots = {
+                let mut r = self.resident.lock();
+                r.cache.resize(final_slots);
+                r.cache.slots()
+            };
+            self.arena
+                .set_slots(cache_slots + in_flight)
+                .map_err(arena_error)?;
             shrinks = true;
         }
         if shrinks {

@@ -188,6 +188,7 @@ fn check_floor(
         sizes.layer_staged = m.staged_lens();
         sizes.layer_window = m.window_lens();
         sizes.layer_pinned = m.held_lens();
+        sizes.head_stored = m.head_stored(crate::engine::bind::names::LM_HEAD);
     }
     let states = 1 + crate::session::chat::SNAPSHOTS as u64;
     budget::plan_states(&sizes, req, context, states, budget::cgroup_limit())

@@ -69,6 +69,7 @@ pub fn run(args: &PackArgs) -> Result<()> {
     let result = trunk::pack(
         &ck,
         cfg.num_hidden_layers,
+        Some(crate::engine::bind::names::LM_HEAD),
         &args.trunk_dir,
         args.force,
         (!args.raw).then(|| args.codec.coding()),
@@ -92,9 +93,14 @@ pub fn run(args: &PackArgs) -> Result<()> {
         )
     };
     eprintln!(
-        "k3 pack: {} layers ({layout}) -> {}: {} in trunk.bin ({:.3}x of the raw {}), largest \
-         layer {}, {:.1} s ({:.0} MB/s of source)",
+        "k3 pack: {} layers{} ({layout}) -> {}: {} in trunk.bin ({:.3}x of the raw {}), \
+         largest layer {}, {:.1} s ({:.0} MB/s of source)",
         m.n_layers,
+        if m.head.is_some() {
+            " and the output head"
+        } else {
+            ""
+        },
         crate::stream::shown(&args.trunk_dir),
         gb(m.total_bytes),
         m.total_bytes as f64 / r.raw_bytes.max(1) as f64,

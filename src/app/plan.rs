@@ -85,6 +85,9 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         sizes.layer_staged = t.staged_lens();
         sizes.layer_window = t.window_lens();
         sizes.layer_pinned = t.manifest().held_lens();
+        sizes.head_stored = t
+            .manifest()
+            .head_stored(crate::engine::bind::names::LM_HEAD);
     }
     let req = args.budget.request(auto_request())?;
     let index_bytes = ck.index().memory_bytes();
@@ -216,7 +219,15 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         if plan.head_resident {
             "resident".to_string()
         } else {
-            format!("streamed in chunks of {} rows", plan.head_chunk_rows)
+            match sizes.head_rows_encoded(plan.head_chunk_rows) {
+                Some(rows) => format!(
+                    "streamed from the trunk's encoded head ({} read for {}), decoded {rows} \
+                     rows at a time",
+                    gb(sizes.head_stored),
+                    gb(sizes.head)
+                ),
+                None => format!("streamed in chunks of {} rows", plan.head_chunk_rows),
+            }
         }
     );
     println!(

@@ -361,9 +361,10 @@ fn print_text(args: &VerifyArgs, r: &Report, p: &Problems, secs: f64) {
     println!("  tokenizer  {} ranks", r.tokenizer_entries);
     if let Some(tt) = &r.trunk {
         println!(
-            "  trunk      {} layers compared ({} of trunk.bin): {} tensor(s) differ, {} bad \
+            "  trunk      {} layers{} compared ({} of trunk.bin): {} tensor(s) differ, {} bad \
              checksum(s)",
             tt.layers,
+            if tt.head { " and the output head" } else { "" },
             gb(tt.trunk_bytes),
             tt.differing_tensors,
             tt.bad_checksums
@@ -413,6 +414,7 @@ fn print_json(args: &VerifyArgs, r: &Report, p: &Problems, secs: f64) {
         "tokenizer_unmerged": r.unmerged,
         "trunk": r.trunk.as_ref().map(|tt| json!({
             "layers": tt.layers,
+            "head": tt.head,
             "trunk_bytes": tt.trunk_bytes,
             "differing_tensors": tt.differing_tensors,
             "bad_checksums": tt.bad_checksums,

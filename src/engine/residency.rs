@@ -329,13 +329,15 @@ fn widen(raw: &[u8], dtype: Dtype, out: &mut [f32]) {
 }
 
 /// Buffers the embedding and streamed-head reads reuse: raw bytes (as 16-bit words, so a
-/// BF16 chunk is multiplied in place), a widened chunk for other dtypes, and the product of a
-/// chunk for several rows.
+/// BF16 chunk is multiplied in place; the decoded rows of an encoded head), a widened chunk
+/// for other dtypes, the product of a chunk for several rows, and an encoded head's stored
+/// bytes.
 #[derive(Debug, Default)]
 struct IoScratch {
     raw: Vec<u16>,
     wide: Vec<f32>,
     part: Vec<f32>,
+    stored: Vec<u8>,
 }
 
 impl IoScratch {
@@ -1209,13 +1211,48 @@ impl Streamer {
             h.apply_into(rows, logits);
             return Ok(());
         }
+        // A head stored encoded is decoded from the trunk in as many bytes as its rows read raw
+        // would take (`ModelSizes::head_rows_encoded`).
+        let encoded = (self.trunk.as_deref()).zip(self.sizes.head_rows_encoded(chunk_rows as u64));
+        if let Some((trunk, chunk_rows)) = encoded {
+            let chunk_rows = chunk_rows as usize;
+            let mut io = self.io.lock();
+            let IoScratch {
+                raw, part, stored, ..
+            } = &mut *io;
+            let reading = trunk.stream_head(chunk_rows, d, stored, raw, |r0, chunk| {
+                let cr = chunk.len() / d;
+                let w = kernels::DenseRef::Bf16(chunk);
+                if n == 1 {
+                    kernels::matmul(w, cr, d, rows, &mut logits[r0..r0 + cr]);
+                    return;
+                }
+                let part = fit(part, n * cr);
+                kernels::matmul(w, cr, d, rows, part);
+                for t in 0..n {
+                    logits[t * v + r0..t * v + r0 + cr]
+                        .copy_from_slice(&part[t * cr..(t + 1) * cr]);
+                }
+            })?;
+            // The time spent reading, as the reads of a raw head count it.
+            self.note_io(
+                Instant::now()
+                    .checked_sub(reading)
+                    .unwrap_or_else(Instant::now),
+                self.sizes.head_stored,
+                &self.counters.embed_head_bytes,
+            );
+            return Ok(());
+        }
         let rb = self.sizes.row_bytes;
         let info = &self.head_info;
         let mut io = self.io.lock();
         for r0 in (0..v).step_by(chunk_rows) {
             let cr = chunk_rows.min(v - r0);
             let t0 = Instant::now();
-            let IoScratch { raw, wide, part } = &mut *io;
+            let IoScratch {
+                raw, wide, part, ..
+            } = &mut *io;
             let bytes = fit_bytes(raw, cr * rb as usize);
             self.ck
                 .read_span_into(info, names::LM_HEAD, r0 as u64 * rb, bytes)?;

@@ -161,6 +161,9 @@ impl Model {
             sizes.layer_staged = t.staged_lens();
             sizes.layer_window = t.window_lens();
             sizes.layer_pinned = t.manifest().held_lens();
+            sizes.head_stored = t
+                .manifest()
+                .head_stored(crate::engine::bind::names::LM_HEAD);
         }
         let plan = crate::stream::budget::plan_states(
             &sizes,

@@ -37,6 +37,9 @@ pub struct ModelSizes {
     pub embed: u64,
     /// Output head bytes.
     pub head: u64,
+    /// Bytes the output head is stored in where the packed trunk holds it encoded
+    /// (`stream::trunk::Manifest::head`); 0 where it is read from the checkpoint as it is.
+    pub head_stored: u64,
     /// Final norm and aggregator vectors.
     pub small: u64,
     /// Bytes of one embedding (or head) row.
@@ -71,6 +74,26 @@ impl ModelSizes {
             Some(&b) if b > 0 => b,
             _ => self.layer_trunk[il],
         }
+    }
+
+    /// Rows at a time a head stored encoded is streamed in (decoded from its stored bytes)
+    /// where that fits in the bytes `rows` rows read raw take: its decoded rows, the block that
+    /// completes them and the stored bytes read ahead (`stream::trunk::head_scratch`). None
+    /// where it does not fit (a head smaller than a few codec blocks) or the head is not
+    /// stored encoded: it is then read raw from the checkpoint.
+    #[must_use]
+    pub fn head_rows_encoded(&self, rows: u64) -> Option<u64> {
+        if self.head_stored == 0 || self.row_bytes == 0 {
+            return None;
+        }
+        let (cols, values) = (self.row_bytes / 2, self.head / 2);
+        let room = rows * self.row_bytes;
+        let (_, enc) = super::trunk::head_scratch(1, cols, values, self.head_stored);
+        let block = 2 * super::codec::BLOCK_ELEMS as u64;
+        let fit = room.checked_sub(enc + block)? / self.row_bytes;
+        let fit = fit.min(self.vocab);
+        let (dec, enc) = super::trunk::head_scratch(fit, cols, values, self.head_stored);
+        (fit > 0 && 2 * dec + enc <= room).then_some(fit)
     }
 
     /// Bytes every layer pinned holds.
@@ -616,6 +639,7 @@ mod tests {
             top_k: 16,
             embed: 2_348_810_240,
             head: 2_348_810_240,
+            head_stored: 0,
             small: 43_008,
             row_bytes: 14_336,
             state_bytes: 464_633_856,
@@ -871,5 +895,29 @@ mod tests {
             plan(&s, tiny, 4096, None).unwrap_err().budget,
             2_000_000_000
         );
+    }
+
+    #[test]
+    fn an_encoded_head_streams_in_the_bytes_of_its_raw_rows() {
+        let mut s = k3_sizes();
+        let rows = HEAD_CHUNK_BYTES / s.row_bytes;
+        let room = rows * s.row_bytes;
+        assert_eq!(s.head_rows_encoded(rows), None, "read raw");
+        s.head_stored = s.head * 3 / 4;
+        let (cols, values) = (s.row_bytes / 2, s.head / 2);
+        let fit = s
+            .head_rows_encoded(rows)
+            .expect("the released head streams encoded");
+        let bytes = |r| {
+            let (dec, enc) = super::super::trunk::head_scratch(r, cols, values, s.head_stored);
+            2 * dec + enc
+        };
+        assert!(bytes(fit) <= room && bytes(fit + 1) > room, "{fit} rows");
+        assert!(fit > rows * 3 / 4 && fit < rows, "{fit} of {rows}");
+        // A head of a few blocks takes more to stream decoded than read raw: read raw.
+        s.vocab = 64;
+        s.head = 64 * s.row_bytes;
+        s.head_stored = s.head * 3 / 4;
+        assert_eq!(s.head_rows_encoded(64), None);
     }
 }

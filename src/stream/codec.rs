@@ -447,6 +447,12 @@ impl Block {
         2 * self.n
     }
 
+    /// Bytes the block takes where it is stored, its padding included.
+    #[must_use]
+    pub fn span(&self) -> usize {
+        (HEADER + self.payload).next_multiple_of(BLOCK_ALIGN)
+    }
+
     /// Decode the block from `enc` (the encoded tensor [`locate`] found it in) into `out`,
     /// which receives exactly [`Block::decoded_len`] bytes. Allocates nothing but an error.
     pub fn decode<T: Put>(&self, enc: &[u8], out: &mut [T]) -> Result<(), CodecError> {
@@ -477,76 +483,12 @@ fn blocks(enc: &[u8], want: usize) -> Result<Vec<Block>, CodecError> {
 }
 
 fn walk(enc: &[u8], want: usize, mut found: impl FnMut(Block)) -> Result<(), CodecError> {
-    if !want.is_multiple_of(2) {
-        return Err(CodecError::Length {
-            got: 0,
-            want: want as u64,
-        });
-    }
-    let total = want / 2;
-    let count = total.div_ceil(BLOCK_ELEMS);
+    let total = values(want)?;
     let mut at = 0usize;
-    for b in 0..count {
-        if enc.len() - at < HEADER {
-            return Err(CodecError::Truncated {
-                block: b,
-                reason: format!(
-                    "{} bytes end the input where a {HEADER}-byte header belongs",
-                    enc.len() - at
-                ),
-            });
-        }
-        let n = le32(enc, at + 4) as usize;
-        let payload = le32(enc, at + 8) as usize;
-        let expect = if b + 1 < count {
-            BLOCK_ELEMS
-        } else {
-            total - b * BLOCK_ELEMS
-        };
-        if n != expect {
-            return Err(CodecError::BadHeader {
-                block: b,
-                reason: format!("{n} values, expected {expect}"),
-            });
-        }
-        if enc[at] > KIND_NIBBLE || enc[at + 1] != 0 || enc[at + 2] != 0 || enc[at + 3] != 0 {
-            return Err(CodecError::BadHeader {
-                block: b,
-                reason: format!(
-                    "kind {} {} {} {}",
-                    enc[at],
-                    enc[at + 1],
-                    enc[at + 2],
-                    enc[at + 3]
-                ),
-            });
-        }
-        let span = (HEADER + payload).next_multiple_of(BLOCK_ALIGN);
-        if payload > 4 * BLOCK_ELEMS || span > enc.len() - at {
-            return Err(CodecError::Truncated {
-                block: b,
-                reason: format!(
-                    "a payload of {payload} bytes, {} bytes left",
-                    enc.len() - at - HEADER
-                ),
-            });
-        }
-        if enc[at + HEADER + payload..at + span]
-            .iter()
-            .any(|&x| x != 0)
-        {
-            return Err(CodecError::BadHeader {
-                block: b,
-                reason: "non-zero padding after the payload".into(),
-            });
-        }
-        found(Block {
-            index: b,
-            at,
-            n,
-            payload,
-        });
-        at += span;
+    for b in 0..total.div_ceil(BLOCK_ELEMS) {
+        let blk = header(enc, at, b, total)?;
+        at += blk.span();
+        found(blk);
     }
     if at != enc.len() {
         return Err(CodecError::Length {
@@ -555,6 +497,106 @@ fn walk(enc: &[u8], want: usize, mut found: impl FnMut(Block)) -> Result<(), Cod
         });
     }
     Ok(())
+}
+
+/// Values in a tensor of `want` bytes (an odd length is no BF16 tensor).
+fn values(want: usize) -> Result<usize, CodecError> {
+    if !want.is_multiple_of(2) {
+        return Err(CodecError::Length {
+            got: 0,
+            want: want as u64,
+        });
+    }
+    Ok(want / 2)
+}
+
+/// Most bytes one block takes, its padding included (a payload is at most 4 bytes a value).
+pub const MAX_BLOCK_SPAN: usize = (HEADER + 4 * BLOCK_ELEMS).next_multiple_of(BLOCK_ALIGN);
+
+/// The bytes the block whose header starts `enc` says it takes, padding included; None when
+/// `enc` is shorter than a header. Only a hint of how much to read: [`block_at`] checks it.
+#[must_use]
+pub fn stated_span(enc: &[u8]) -> Option<usize> {
+    (enc.len() >= HEADER).then(|| (HEADER + le32(enc, 8) as usize).next_multiple_of(BLOCK_ALIGN))
+}
+
+/// Block `b` of a tensor of `want` bytes, its header at the start of `enc` (which holds at
+/// least the block), checked as [`locate`] checks it; decode it with [`Block::decode`] from
+/// `enc`. For reading a tensor's blocks in order as they arrive.
+pub fn block_at(enc: &[u8], b: usize, want: usize) -> Result<Block, CodecError> {
+    let total = values(want)?;
+    if b >= total.div_ceil(BLOCK_ELEMS) {
+        return Err(CodecError::Length {
+            got: ((b + 1) * BLOCK_ELEMS * 2) as u64,
+            want: want as u64,
+        });
+    }
+    header(enc, 0, b, total)
+}
+
+/// Check the header of block `b` (of a tensor of `total` values) at `enc[at..]`, its padding,
+/// and that the block lies inside `enc`.
+fn header(enc: &[u8], at: usize, b: usize, total: usize) -> Result<Block, CodecError> {
+    let count = total.div_ceil(BLOCK_ELEMS);
+    if enc.len() - at < HEADER {
+        return Err(CodecError::Truncated {
+            block: b,
+            reason: format!(
+                "{} bytes end the input where a {HEADER}-byte header belongs",
+                enc.len() - at
+            ),
+        });
+    }
+    let n = le32(enc, at + 4) as usize;
+    let payload = le32(enc, at + 8) as usize;
+    let expect = if b + 1 < count {
+        BLOCK_ELEMS
+    } else {
+        total - b * BLOCK_ELEMS
+    };
+    if n != expect {
+        return Err(CodecError::BadHeader {
+            block: b,
+            reason: format!("{n} values, expected {expect}"),
+        });
+    }
+    if enc[at] > KIND_NIBBLE || enc[at + 1] != 0 || enc[at + 2] != 0 || enc[at + 3] != 0 {
+        return Err(CodecError::BadHeader {
+            block: b,
+            reason: format!(
+                "kind {} {} {} {}",
+                enc[at],
+                enc[at + 1],
+                enc[at + 2],
+                enc[at + 3]
+            ),
+        });
+    }
+    let span = (HEADER + payload).next_multiple_of(BLOCK_ALIGN);
+    if payload > 4 * BLOCK_ELEMS || span > enc.len() - at {
+        return Err(CodecError::Truncated {
+            block: b,
+            reason: format!(
+                "a payload of {payload} bytes, {} bytes left",
+                enc.len() - at - HEADER
+            ),
+        });
+    }
+    if enc[at + HEADER + payload..at + span]
+        .iter()
+        .any(|&x| x != 0)
+    {
+        return Err(CodecError::BadHeader {
+            block: b,
+            reason: "non-zero padding after the payload".into(),
+        });
+    }
+    Ok(Block {
+        index: b,
+        at,
+        n,
+        payload,
+    })
 }
 
 /// A nibble-coded matrix located for the kernels that multiply it as it is stored

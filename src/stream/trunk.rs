@@ -190,6 +190,34 @@ pub struct Manifest {
     pub shards: Vec<SourceShard>,
     /// Layers in order.
     pub layers: Vec<TrunkLayer>,
+    /// The output head encoded, in one run after the layers' (its `layer` is `n_layers`);
+    /// absent from trunks stored raw and from earlier packs, whose head is read from the
+    /// checkpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head: Option<TrunkLayer>,
+}
+
+impl Manifest {
+    /// Every run: the layers', then the head's.
+    pub fn runs(&self) -> impl Iterator<Item = &TrunkLayer> {
+        self.layers.iter().chain(&self.head)
+    }
+
+    /// Bytes the tensor `name` is stored in where it is the encoded head; 0 otherwise.
+    #[must_use]
+    pub fn head_stored(&self, name: &str) -> u64 {
+        self.head_tensor()
+            .filter(|(n, _, _)| *n == name)
+            .map_or(0, |(_, t, _)| t.stored)
+    }
+
+    /// The encoded output head: its name and how it is stored, with its run.
+    #[must_use]
+    pub fn head_tensor(&self) -> Option<(&str, &TrunkTensor, &TrunkLayer)> {
+        let l = self.head.as_ref()?;
+        let (name, t) = l.tensors.iter().next()?;
+        Some((name, t, l))
+    }
 }
 
 /// A trunk could not be packed or used.
@@ -411,7 +439,8 @@ pub struct PackReport {
     pub verbatim: usize,
     /// Layers gathered tensor by tensor.
     pub gathered: usize,
-    /// Size `trunk.bin` has with every tensor stored raw (`k3 pack --raw`).
+    /// Size `trunk.bin` would have with every tensor it holds stored raw (`k3 pack --raw`
+    /// writes the layers only: the head is then read from the checkpoint).
     pub raw_bytes: u64,
     /// Bytes of the BF16 tensors, and what they are stored in.
     pub bf16: (u64, u64),
@@ -482,13 +511,15 @@ fn layout(ck: &Checkpoint, il: usize, names: &[String]) -> Result<Layout, String
 /// Pack the trunk of the checkpoint in `ck` (with `n_layers` layers) into `out`:
 /// `trunk.bin` and `trunk.json` are written under temporary names, synced, and renamed into
 /// place (the manifest last). With `encode`, every BF16 tensor is stored with that
-/// [`super::codec::Coding`] and each layer's tensors are gathered one by one.
+/// [`super::codec::Coding`] and each layer's tensors are gathered one by one, and the output
+/// head `head` (when BF16) is stored encoded too, in a run after the layers'.
 /// `progress(done, total)` is called as source bytes are packed.
 /// Over 100 lines: one sequential pass over the layers writes the trunk, then the manifest; the
 /// checksums and the check of the shards share the pass's state.
 pub fn pack(
     ck: &Checkpoint,
     n_layers: usize,
+    head: Option<&str>,
     out: &Path,
     force: bool,
     encode: Option<super::codec::Coding>,
@@ -500,7 +531,20 @@ pub fn pack(
         reason,
     };
     let per_layer = layer_tensors(ck, n_layers);
-    let before = source_shards(ck, &per_layer).map_err(&bad)?;
+    let head = head.filter(|n| {
+        encode.is_some()
+            && ck
+                .info(n)
+                .is_some_and(|i| i.dtype == Dtype::Bf16 && i.n_bytes() > 0)
+    });
+    let head_layout = match head {
+        Some(name) => Some(layout(ck, n_layers, &[name.to_string()]).map_err(&bad)?),
+        None => None,
+    };
+    let sources: Vec<Vec<String>> = (per_layer.iter().cloned())
+        .chain(head.map(|n| vec![n.to_string()]))
+        .collect();
+    let before = source_shards(ck, &sources).map_err(&bad)?;
     let mut layers = Vec::with_capacity(n_layers);
     let mut file_off = 0u64;
     for (il, names) in per_layer.iter().enumerate() {
@@ -519,8 +563,11 @@ pub fn pack(
         });
         file_off += nbytes;
     }
-    let raw_bytes = file_off;
-    let total = file_off;
+    let total = file_off + head_layout.as_ref().map_or(0, |h| h.raw);
+    let raw_bytes = file_off
+        + head_layout
+            .as_ref()
+            .map_or(0, |h| h.raw.next_multiple_of(ALIGN));
     let wr = |path: &Path| {
         let path = path.to_path_buf();
         move |e| TrunkError::Write {
@@ -597,7 +644,29 @@ pub fn pack(
             done += l.nbytes;
             progress(done, total);
         }
-        let after = source_shards(ck, &per_layer).map_err(&bad)?;
+        let head = match (head, head_layout, encode) {
+            (Some(name), Some(lay), Some(coding)) => {
+                let mut l = TrunkLayer {
+                    layer: n_layers,
+                    shard: ck.index().shard_names()[lay.shard].clone(),
+                    run_start: lay.run_start,
+                    nbytes: 0,
+                    file_off,
+                    gathered: true,
+                    crc32: 0,
+                    source_crc32: 0,
+                    tensors: lay.tensors,
+                };
+                let f = tmp_bin.file();
+                let at = |d| progress(done + d, total);
+                pack_head(ck, name, &mut l, coding, f, &mut piece, &at)
+                    .map_err(|e| e.or_write(&bin))?;
+                file_off += l.nbytes;
+                Some(l)
+            }
+            _ => None,
+        };
+        let after = source_shards(ck, &sources).map_err(&bad)?;
         if after != before {
             return Err(bad(
                 "a shard changed while it was being packed (size or modification time); \
@@ -614,6 +683,7 @@ pub fn pack(
             total_bytes: file_off,
             shards: before.clone(),
             layers: layers.clone(),
+            head,
         };
         let text = serde_json::to_string(&manifest).expect("manifest serialises");
         let mut tmp_json = PendingFile::shared(&json).map_err(wr(&json))?;
@@ -628,8 +698,7 @@ pub fn pack(
     let manifest = result?;
     let gathered = manifest.layers.iter().filter(|l| l.gathered).count();
     let bf16 = manifest
-        .layers
-        .iter()
+        .runs()
         .flat_map(|l| l.tensors.values())
         .filter(|t| t.dtype == "BF16")
         .fold((0, 0), |(a, b), t| (a + t.nbytes, b + t.stored));
@@ -680,6 +749,100 @@ fn pack_encoded(
     l.crc32 = crc32fast::hash(buf);
     l.nbytes = buf.len() as u64;
     l.gathered = true;
+    Ok(())
+}
+
+/// Stored bytes of the encoded head read ahead of its decoding at a time.
+const HEAD_SEGMENT: u64 = 8 << 20;
+
+/// The buffers [`Trunk::stream_head`] uses for a head of `values` values stored in `stored`
+/// bytes, decoded `rows` rows of `cols` at a time: (decoded values, stored bytes). The decoded
+/// buffer holds the rows of one call and the block that completes them; the stored one a
+/// segment read and what is left of the block before it.
+#[must_use]
+pub fn head_scratch(rows: u64, cols: u64, values: u64, stored: u64) -> (u64, u64) {
+    let block = super::codec::BLOCK_ELEMS as u64;
+    let span = super::codec::MAX_BLOCK_SPAN as u64;
+    (
+        (rows.max(1) * cols + block).min(values),
+        (HEAD_SEGMENT + span).min(stored),
+    )
+}
+
+/// What went wrong writing the head: reading the source, or writing `trunk.bin`.
+enum HeadFailure {
+    Source(StreamError),
+    Write(std::io::Error),
+}
+
+impl HeadFailure {
+    fn or_write(self, bin: &Path) -> TrunkError {
+        match self {
+            HeadFailure::Source(e) => TrunkError::Stream(e),
+            HeadFailure::Write(source) => TrunkError::Write {
+                path: bin.to_path_buf(),
+                source,
+            },
+        }
+    }
+}
+
+/// Source values of the head encoded per piece: a whole number of codec blocks, so the pieces'
+/// encodings put together are the encoding of the whole tensor (blocks are independent).
+const HEAD_PIECE: u64 = 64 * super::codec::BLOCK_ELEMS as u64 * 2;
+
+/// Write the output head `name` encoded with `coding` to `f` as run `l` (one tensor at offset
+/// 0, padded to [`ALIGN`]), a piece at a time so packing holds no more of it than a piece;
+/// fills in the run's and the tensor's checksums and lengths. `progress(d)`: `d` source
+/// bytes of it done.
+fn pack_head(
+    ck: &Checkpoint,
+    name: &str,
+    l: &mut TrunkLayer,
+    coding: super::codec::Coding,
+    mut f: &File,
+    piece: &mut Vec<u8>,
+    progress: &dyn Fn(u64),
+) -> Result<(), HeadFailure> {
+    let n = ck
+        .info(name)
+        .ok_or_else(|| HeadFailure::Source(StreamError::NoSuchTensor(name.into())))?
+        .n_bytes();
+    let mut run = crc32fast::Hasher::new();
+    let mut source = crc32fast::Hasher::new();
+    let mut enc = Vec::new();
+    let mut stored = 0u64;
+    for at in (0..n).step_by(HEAD_PIECE as usize) {
+        let len = HEAD_PIECE.min(n - at);
+        ck.read_span(name, at, len, piece)
+            .map_err(HeadFailure::Source)?;
+        source.update(piece);
+        enc.clear();
+        super::codec::encode_as(coding, piece, &mut enc);
+        run.update(&enc);
+        f.write_all(&enc).map_err(HeadFailure::Write)?;
+        stored += enc.len() as u64;
+        progress(at + len);
+    }
+    let mut sample = crc32fast::Hasher::new();
+    for (o, len) in sample_spans(n) {
+        ck.read_span(name, o, len, piece)
+            .map_err(HeadFailure::Source)?;
+        sample.update(piece);
+    }
+    let padded = stored.next_multiple_of(ALIGN);
+    let pad = vec![0u8; (padded - stored) as usize];
+    run.update(&pad);
+    f.write_all(&pad).map_err(HeadFailure::Write)?;
+    let t = l.tensors.get_mut(name).expect("the head's layout names it");
+    t.off = 0;
+    t.encoding = coding.name().into();
+    t.stored = stored;
+    t.source_crc32 = source.finalize();
+    t.source_sample = sample.finalize();
+    l.source_crc32 = t.source_crc32;
+    l.crc32 = run.finalize();
+    l.nbytes = padded;
     Ok(())
 }
 
@@ -1043,7 +1206,7 @@ fn check_source_bytes(
     use rayon::prelude::*;
     let names = ck.index().shard_names();
     let mut jobs = Vec::new();
-    for l in &m.layers {
+    for l in m.runs() {
         for (name, t) in &l.tensors {
             let i = ck
                 .info(name)
@@ -1134,6 +1297,164 @@ fn check_source_bytes(
     })
 }
 
+/// A matrix stored encoded, to be decoded rows at a time by [`decode_rows`].
+#[derive(Clone, Copy, Debug)]
+pub struct RowShape {
+    /// Values of the matrix.
+    pub values: usize,
+    /// Bytes its encoding takes.
+    pub stored: usize,
+    /// Rows at most per call.
+    pub rows: usize,
+    /// Values per row.
+    pub cols: usize,
+}
+
+/// Why [`decode_rows`] stopped.
+#[derive(Debug)]
+pub enum RowsError<E> {
+    /// The reader failed.
+    Read(E),
+    /// The encoding does not decode: why.
+    Corrupt(String),
+}
+
+/// Decode an encoded matrix in order: `rows_done(first, values)` is called with whole rows of
+/// `shape.cols` BF16 values, at most `shape.rows` rows a call. `read(at, area)` fills `area`
+/// with the encoding's bytes from `at`; they are read [`HEAD_SEGMENT`] at a time into `enc`
+/// and decoded a block at a time into `dec` (both grown to [`head_scratch`]'s sizes, never
+/// shrunk). A block that does not decode (a bad header, code or checksum), or blocks that do
+/// not add up to the stored length, stop it before any of their values reach `rows_done`.
+pub fn decode_rows<E>(
+    shape: RowShape,
+    mut read: impl FnMut(usize, &mut [u8]) -> Result<(), E>,
+    enc: &mut Vec<u8>,
+    dec: &mut Vec<u16>,
+    mut rows_done: impl FnMut(usize, &[u16]),
+) -> Result<(), RowsError<E>> {
+    use super::codec;
+    let RowShape {
+        values,
+        stored,
+        rows,
+        cols,
+    } = shape;
+    let (rows, cols) = (rows.max(1), cols.max(1));
+    if !values.is_multiple_of(cols) {
+        return Err(RowsError::Corrupt(format!(
+            "{values} values are no whole rows of {cols}"
+        )));
+    }
+    let (dec_len, enc_len) = head_scratch(rows as u64, cols as u64, values as u64, stored as u64);
+    if dec.len() < dec_len as usize {
+        dec.resize(dec_len as usize, 0);
+    }
+    if enc.len() < enc_len as usize {
+        enc.resize(enc_len as usize, 0);
+    }
+    let bad = |e: codec::CodecError| RowsError::Corrupt(Trunk::repack(&e));
+    // enc[lo..hi] holds stored bytes not yet decoded; `got` of them have been read.
+    let (mut lo, mut hi, mut got) = (0usize, 0usize, 0usize);
+    // dec[..filled] holds decoded values from row `row0` on.
+    let (mut filled, mut row0) = (0usize, 0usize);
+    let count = values.div_ceil(codec::BLOCK_ELEMS);
+    for b in 0..count {
+        while got < stored {
+            let span = codec::stated_span(&enc[lo..hi]).map(|n| n.min(codec::MAX_BLOCK_SPAN));
+            if span.is_some_and(|n| n <= hi - lo) {
+                break;
+            }
+            enc.copy_within(lo..hi, 0);
+            (lo, hi) = (0, hi - lo);
+            let take = (enc.len() - hi).min(stored - got);
+            if take == 0 {
+                break;
+            }
+            read(got, &mut enc[hi..hi + take]).map_err(RowsError::Read)?;
+            (hi, got) = (hi + take, got + take);
+        }
+        let blk = codec::block_at(&enc[lo..hi], b, 2 * values).map_err(bad)?;
+        let n = blk.decoded_len() / 2;
+        let Some(out) = dec.get_mut(filled..filled + n) else {
+            return Err(RowsError::Corrupt(format!(
+                "block {b} decodes past the matrix"
+            )));
+        };
+        blk.decode(&enc[lo..hi], bytemuck::cast_slice_mut::<u16, u8>(out))
+            .map_err(bad)?;
+        (lo, filled) = (lo + blk.span(), filled + n);
+        if filled >= rows * cols || b + 1 == count {
+            let whole = filled / cols;
+            for part in dec[..whole * cols].chunks(rows * cols) {
+                rows_done(row0, part);
+                row0 += part.len() / cols;
+            }
+            dec.copy_within(whole * cols..filled, 0);
+            filled -= whole * cols;
+        }
+    }
+    if lo != hi || got != stored {
+        return Err(RowsError::Corrupt(format!(
+            "{stored} stored bytes, the blocks take {}",
+            got - (hi - lo)
+        )));
+    }
+    Ok(())
+}
+
+/// Check the head's run `h` of a trunk whose layers end at `end`: one BF16 tensor of the
+/// checkpoint, encoded, inside its aligned run, which follows the layers'. Returns where it ends.
+fn check_head(h: &TrunkLayer, ck: &Checkpoint, n_layers: usize, end: u64) -> Result<u64, String> {
+    if h.layer != n_layers {
+        return Err(format!(
+            "the head's run is numbered {}, expected {n_layers}",
+            h.layer
+        ));
+    }
+    let next = h.file_off.checked_add(h.nbytes);
+    if !h.file_off.is_multiple_of(ALIGN)
+        || !h.nbytes.is_multiple_of(ALIGN)
+        || h.file_off < end
+        || next.is_none()
+    {
+        return Err(format!(
+            "the head's run: file_off {} / nbytes {} not 4096-aligned or overlapping",
+            h.file_off, h.nbytes
+        ));
+    }
+    let mut tensors = h.tensors.iter();
+    let (Some((name, t)), None) = (tensors.next(), tensors.next()) else {
+        return Err(format!(
+            "the head's run holds {} tensors, expected one",
+            h.tensors.len()
+        ));
+    };
+    let Some(i) = ck.info(name) else {
+        return Err(format!(
+            "the head's run holds {name:?}, which the checkpoint does not have"
+        ));
+    };
+    if t.dtype != "BF16"
+        || i.dtype != Dtype::Bf16
+        || t.shape != i.shape
+        || t.nbytes != i.n_bytes()
+        || super::codec::Coding::from_name(&t.encoding).is_none()
+    {
+        return Err(format!(
+            "the head {name:?} is {} {:?} stored as {:?} in the trunk, {} {:?} in the checkpoint",
+            t.dtype,
+            t.shape,
+            t.encoding,
+            i.dtype.name(),
+            i.shape
+        ));
+    }
+    if t.off.checked_add(t.stored).is_none_or(|e| e > h.nbytes) {
+        return Err(format!("the head {name:?} lies outside its run"));
+    }
+    Ok(next.unwrap_or(u64::MAX))
+}
+
 impl Trunk {
     /// Open the trunk in `dir` for the checkpoint `ck` with `n_layers` layers: the manifest is
     /// validated in full (format, alignment, every offset and size, `trunk.bin`'s length) and
@@ -1158,7 +1479,10 @@ impl Trunk {
             )));
         }
         let want = layer_tensors(ck, n_layers);
-        let rewritten = check_sources(&m, ck, &want, dir).map_err(bad)?;
+        let with_head: Vec<Vec<String>> = (want.iter().cloned())
+            .chain(m.head.iter().map(|h| h.tensors.keys().cloned().collect()))
+            .collect();
+        let rewritten = check_sources(&m, ck, &with_head, dir).map_err(bad)?;
         if m.n_layers != n_layers || m.layers.len() != n_layers {
             return Err(bad(format!(
                 "the manifest declares {} layers and lists {}; the model has {n_layers}",
@@ -1220,6 +1544,9 @@ impl Trunk {
                 }
             }
         }
+        if let Some(h) = &m.head {
+            end = check_head(h, ck, n_layers, end).map_err(bad)?;
+        }
         let decoded = m.layers.iter().map(|l| decoded_layout(l, false)).collect();
         let held = m.layers.iter().map(|l| decoded_layout(l, true)).collect();
         let source_check = check_source_bytes(&m, ck, &rewritten, dir)?;
@@ -1248,6 +1575,74 @@ impl Trunk {
             file,
             source_check,
         })
+    }
+
+    /// Decode the encoded output head ([`Manifest::head`]) in order with [`decode_rows`]: the
+    /// stored bytes are read from `trunk.bin` [`HEAD_SEGMENT`] at a time. Returns the time
+    /// spent reading. A block that does not decode is refused as corrupt.
+    pub fn stream_head(
+        &self,
+        rows: usize,
+        cols: usize,
+        enc: &mut Vec<u8>,
+        dec: &mut Vec<u16>,
+        rows_done: impl FnMut(usize, &[u16]),
+    ) -> Result<std::time::Duration, StreamError> {
+        let path = self.dir.join("trunk.bin");
+        let Some((_, t, l)) = self.manifest.head_tensor() else {
+            return Err(StreamError::Corrupt {
+                path,
+                what: "trunk output head".into(),
+                reason: "the trunk holds no encoded head".into(),
+            });
+        };
+        let base = l.file_off + t.off;
+        let mut reading = std::time::Duration::ZERO;
+        let read = |at: usize, area: &mut [u8]| {
+            let at = base + at as u64;
+            let t0 = std::time::Instant::now();
+            let take = area.len();
+            let r = pread_counted(
+                &self.reads,
+                &self.fault,
+                &self.file,
+                super::bytes::as_uninit(area),
+                at,
+                take,
+            );
+            reading += t0.elapsed();
+            r.map(|_| ()).map_err(|source| StreamError::Read {
+                path: path.clone(),
+                offset: at,
+                len: take as u64,
+                name: "trunk output head".into(),
+                source,
+            })
+        };
+        let shape = RowShape {
+            values: t.nbytes as usize / 2,
+            stored: t.stored as usize,
+            rows,
+            cols,
+        };
+        decode_rows(shape, read, enc, dec, rows_done).map_err(|e| match e {
+            RowsError::Read(e) => e,
+            RowsError::Corrupt(reason) => StreamError::Corrupt {
+                path: path.clone(),
+                what: "trunk output head".into(),
+                reason,
+            },
+        })?;
+        if let Some(n) = std::num::NonZeroU64::new(l.nbytes) {
+            let _ = rustix::fs::fadvise(
+                &self.file,
+                l.file_off,
+                Some(n),
+                rustix::fs::Advice::DontNeed,
+            );
+        }
+        self.bytes_read.fetch_add(t.stored, Ordering::Relaxed);
+        Ok(reading)
     }
 
     /// What the check of the source bytes at open read.
@@ -2056,5 +2451,136 @@ mod describe_tests {
             describe(&st, true),
             "5 bytes, modified 2026-12-04 10:31:07.000000025 UTC"
         );
+    }
+}
+
+#[cfg(test)]
+mod rows_tests {
+    use super::*;
+    use crate::stream::codec::{self, Coding, BLOCK_ELEMS};
+
+    /// BF16 values as trained weights look: a few exponents, a random mantissa.
+    fn weights(n: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed | 1;
+        let mut out = Vec::with_capacity(2 * n);
+        for _ in 0..n {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let v =
+                f32::from_bits(((x >> 40) as u32 & 0x807f_ffff) | ((118 + (x % 5) as u32) << 23));
+            out.extend_from_slice(&((v.to_bits() >> 16) as u16).to_le_bytes());
+        }
+        out
+    }
+
+    fn u16s(b: &[u8]) -> Vec<u16> {
+        b.chunks_exact(2)
+            .map(|p| u16::from_le_bytes([p[0], p[1]]))
+            .collect()
+    }
+
+    /// Decode `enc` (of `src`) `rows` rows of `cols` at a time; the rows given, in order.
+    fn rows_of(
+        enc: &[u8],
+        values: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Vec<(usize, Vec<u16>)>, RowsError<()>> {
+        let mut calls = Vec::new();
+        let shape = RowShape {
+            values,
+            stored: enc.len(),
+            rows,
+            cols,
+        };
+        let read = |at: usize, area: &mut [u8]| {
+            area.copy_from_slice(&enc[at..at + area.len()]);
+            Ok(())
+        };
+        let (mut e, mut d) = (Vec::new(), Vec::new());
+        decode_rows(shape, read, &mut e, &mut d, |r0, v| {
+            calls.push((r0, v.to_vec()))
+        })?;
+        let (dl, el) = head_scratch(rows as u64, cols as u64, values as u64, enc.len() as u64);
+        assert!(
+            d.len() as u64 <= dl.max(1) && e.len() as u64 <= el,
+            "scratch as sized"
+        );
+        Ok(calls)
+    }
+
+    #[test]
+    fn rows_that_straddle_blocks_decode_to_the_source_at_every_chunk_size() {
+        // 7168 values a row, as the released head: rows run over block boundaries.
+        let (cols, nrows) = (7168, 80);
+        let src = weights(cols * nrows, 7);
+        let want = u16s(&src);
+        assert!(cols * nrows > 2 * BLOCK_ELEMS && !BLOCK_ELEMS.is_multiple_of(cols));
+        for coding in [Coding::Nibble, Coding::Entropy] {
+            let mut enc = Vec::new();
+            assert!(codec::encode_as(coding, &src, &mut enc));
+            for rows in [1, 3, 36, 37, 80, 1000] {
+                let calls = rows_of(&enc, cols * nrows, rows, cols).unwrap();
+                let mut next = 0;
+                let mut got = Vec::new();
+                for (r0, v) in &calls {
+                    assert_eq!(*r0, next, "{coding:?} {rows}: rows in order");
+                    assert_eq!(v.len() % cols, 0);
+                    assert!(v.len() / cols <= rows, "at most {rows} rows a call");
+                    next += v.len() / cols;
+                    got.extend_from_slice(v);
+                }
+                assert_eq!(got, want, "{coding:?} {rows}");
+            }
+        }
+        // More than a segment of stored bytes: the reads carry a block over.
+        let big = 5 * BLOCK_ELEMS * 16 + 3 * 7168;
+        let src = weights(big - big % 7168, 9);
+        let mut enc = Vec::new();
+        codec::encode_as(Coding::Nibble, &src, &mut enc);
+        assert!(enc.len() > HEAD_SEGMENT as usize);
+        let calls = rows_of(&enc, src.len() / 2, 1024, 7168).unwrap();
+        let got: Vec<u16> = calls.into_iter().flat_map(|(_, v)| v).collect();
+        assert_eq!(got, u16s(&src));
+    }
+
+    #[test]
+    fn a_corrupt_or_misfit_encoding_is_refused() {
+        let (cols, nrows) = (7168, 40);
+        let src = weights(cols * nrows, 3);
+        let mut enc = Vec::new();
+        codec::encode_as(Coding::Nibble, &src, &mut enc);
+        let n = cols * nrows;
+        let corrupt = |r: Result<Vec<(usize, Vec<u16>)>, RowsError<()>>| match r {
+            Err(RowsError::Corrupt(reason)) => reason,
+            other => panic!("not refused: {:?}", other.map(|c| c.len())),
+        };
+        // A payload byte flipped: the block's checksum.
+        let mut bad = enc.clone();
+        bad[codec::HEADER + 1000] ^= 0x10;
+        assert!(corrupt(rows_of(&bad, n, 8, cols)).contains("checksum"));
+        // A header whose payload runs past the end, or is impossible.
+        let mut bad = enc.clone();
+        bad[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(corrupt(rows_of(&bad, n, 8, cols)).contains("truncated"));
+        // Truncated, one byte short; and a byte too many.
+        assert!(!corrupt(rows_of(&enc[..enc.len() - 1], n, 8, cols)).is_empty());
+        let mut long = enc.clone();
+        long.extend_from_slice(&[0; 8]);
+        assert!(corrupt(rows_of(&long, n, 8, cols)).contains("stored bytes"));
+        // Values that are no whole rows; fewer values than the blocks hold.
+        assert!(corrupt(rows_of(&enc, n, 8, cols + 1)).contains("whole rows"));
+        assert!(!corrupt(rows_of(&enc, n - cols, 8, cols)).is_empty());
+        // A read error is passed on as it is.
+        let shape = RowShape {
+            values: n,
+            stored: enc.len(),
+            rows: 8,
+            cols,
+        };
+        let (mut e, mut d) = (Vec::new(), Vec::new());
+        let r = decode_rows(shape, |_, _| Err("eio"), &mut e, &mut d, |_, _| {});
+        assert!(matches!(r, Err(RowsError::Read("eio"))));
     }
 }

@@ -365,6 +365,8 @@ pub fn sha256_file(path: &Path, buf: &mut Vec<u8>) -> std::io::Result<[u8; 32]> 
 pub struct TrunkTotals {
     /// Layers compared.
     pub layers: u64,
+    /// Whether the trunk's encoded output head was compared.
+    pub head: bool,
     /// Bytes of `trunk.bin` read.
     pub trunk_bytes: u64,
     /// Tensors whose bytes differ from their source.
@@ -390,7 +392,8 @@ fn trunk_piece(
 }
 
 /// Compare every tensor of `trunk` byte for byte with its source in `ck`, and recompute each
-/// layer's run checksum and source checksum against the manifest.
+/// run's checksum (the layers' and the encoded head's) and source checksum against the
+/// manifest.
 ///
 /// Over 100 lines: one pass over the layers with the read buffers and report it shares.
 pub fn compare_trunk(
@@ -410,8 +413,13 @@ pub fn compare_trunk(
             return totals;
         }
     };
-    for l in &trunk.manifest().layers {
-        let il = l.layer;
+    let n_layers = trunk.manifest().n_layers;
+    for l in trunk.manifest().runs() {
+        let what = if l.layer < n_layers {
+            format!("trunk layer {}", l.layer)
+        } else {
+            "trunk output head".to_string()
+        };
         let mut run = crc32fast::Hasher::new();
         let mut source = crc32fast::Hasher::new();
         let mut order: Vec<(&String, &TrunkTensor)> = l.tensors.iter().collect();
@@ -439,7 +447,7 @@ pub fn compare_trunk(
                         Err(e) => {
                             totals.differing_tensors += 1;
                             p.push(format!(
-                                "trunk layer {il}: tensor {name:?} does not decode: {e} \
+                                "{what}: tensor {name:?} does not decode: {e} \
                                  (trunk.bin offset {})",
                                 l.file_off + t.off
                             ));
@@ -448,7 +456,7 @@ pub fn compare_trunk(
                             if let Some(i) = dec.iter().zip(sb.iter()).position(|(a, b)| a != b) {
                                 totals.differing_tensors += 1;
                                 p.push(format!(
-                                    "trunk layer {il}: tensor {name:?} decodes to bytes that \
+                                    "{what}: tensor {name:?} decodes to bytes that \
                                      differ from its source at byte {i}"
                                 ));
                             }
@@ -469,7 +477,7 @@ pub fn compare_trunk(
                             differs = true;
                             totals.differing_tensors += 1;
                             p.push(format!(
-                                "trunk layer {il}: tensor {name:?} differs from its source at \
+                                "{what}: tensor {name:?} differs from its source at \
                                  byte {} (trunk.bin offset {})",
                                 k + i as u64,
                                 l.file_off + t.off + k + i as u64
@@ -491,15 +499,19 @@ pub fn compare_trunk(
             Ok(())
         })();
         if let Err(e) = result {
-            p.push(format!("trunk layer {il}: read error: {e}"));
+            p.push(format!("{what}: read error: {e}"));
             continue;
         }
-        totals.layers += 1;
+        if l.layer < n_layers {
+            totals.layers += 1;
+        } else {
+            totals.head = true;
+        }
         let got = run.finalize();
         if got != l.crc32 {
             totals.bad_checksums += 1;
             p.push(format!(
-                "trunk layer {il}: trunk.bin checksum {got:08x}, the manifest says {:08x} \
+                "{what}: trunk.bin checksum {got:08x}, the manifest says {:08x} \
                  (re-pack with `k3 pack --force`)",
                 l.crc32
             ));
@@ -507,7 +519,7 @@ pub fn compare_trunk(
         let got = source.finalize();
         if got != l.source_crc32 {
             p.push(format!(
-                "trunk layer {il}: the source tensors' checksum is {got:08x}, {:08x} when \
+                "{what}: the source tensors' checksum is {got:08x}, {:08x} when \
                  packed (the checkpoint changed since; re-pack with `k3 pack --force`)",
                 l.source_crc32
             ));

@@ -198,7 +198,16 @@ fn a_decoding_step_at_the_floor_allocates_nothing() {
             let _ = std::fs::remove_dir_all(d);
             let ck = k3::stream::checkpoint::Checkpoint::open(&fixture(set)).unwrap();
             let layers = resident.cfg.num_hidden_layers;
-            let r = k3::stream::trunk::pack(&ck, layers, d, false, coding, &|_, _| {}).unwrap();
+            let r = k3::stream::trunk::pack(
+                &ck,
+                layers,
+                Some(k3::engine::bind::names::LM_HEAD),
+                d,
+                false,
+                coding,
+                &|_, _| {},
+            )
+            .unwrap();
             let encoded = r.manifest.layers.iter().flat_map(|l| l.tensors.values());
             assert_eq!(
                 encoded.filter(|t| t.is_encoded()).count() > 0,
@@ -279,8 +288,16 @@ fn pinning_an_encoded_layer_allocates_only_the_layer() {
         let _ = std::fs::remove_dir_all(&enc);
         let ck = k3::stream::checkpoint::Checkpoint::open(&fixture(set)).unwrap();
         let layers = resident.cfg.num_hidden_layers;
-        k3::stream::trunk::pack(&ck, layers, &enc, false, Some(Coding::Entropy), &|_, _| {})
-            .unwrap();
+        k3::stream::trunk::pack(
+            &ck,
+            layers,
+            Some(k3::engine::bind::names::LM_HEAD),
+            &enc,
+            false,
+            Some(Coding::Entropy),
+            &|_, _| {},
+        )
+        .unwrap();
         let mut opts = k3::engine::weights::OpenOptions {
             budget: BudgetRequest::Resident,
             context: POSITIONS as u64,

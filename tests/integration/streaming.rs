@@ -481,6 +481,98 @@ fn run_small_env(
     )
 }
 
+/// `small` packed by `k3 pack` stores its output head encoded (several codec blocks). At the
+/// floor the head is streamed, and read from its encoded run: the ids and logits of the
+/// checkpoint's head, fewer bytes read than with the head read raw (its run removed from the
+/// manifest, as an earlier pack wrote it), peak RSS inside the budget. A block of it corrupted
+/// (the run's checksum re-sealed) stops the run with exit 3, naming the head.
+#[test]
+fn the_output_head_is_streamed_from_its_encoded_run() {
+    let trunk = pack_small("trunk-head");
+    let ts = trunk.to_str().unwrap();
+    let json_path = trunk.join("trunk.json");
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(&json_path).unwrap()).unwrap();
+    let head = &m["head"];
+    let t = head["tensors"][k3::engine::bind::names::LM_HEAD].clone();
+    assert_eq!(t["encoding"], "k3n1", "{head}");
+    let (stored, nbytes) = (t["stored"].as_u64().unwrap(), t["nbytes"].as_u64().unwrap());
+    assert!(nbytes > 4 * 2 * k3::stream::codec::BLOCK_ELEMS as u64);
+    assert!(stored < nbytes * 4 / 5, "{stored} of {nbytes}");
+    // The floor of a run of 10 ids and 6 generated (16 positions).
+    let plan_at = |mem: &str| {
+        let out = crate::common::run_ok(
+            crate::common::k3_command()
+                .arg("plan")
+                .arg(small().join("small"))
+                .args(["--trunk", ts, "--context", "16", "--json", "--mem", mem]),
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let floor = plan_at("1000")["floor_bytes"].as_u64().unwrap();
+    let gb = format!("{:.6}", floor.div_ceil(1000) as f64 / 1e6);
+    assert_eq!(plan_at(&gb)["head_resident"], false);
+    let (want_ids, want_logits, _) = run_small(&["--mem", &gb]);
+    let (ids, logits, peak, st) = run_small_env(&["--mem", &gb, "--trunk", ts], &[]);
+    assert_eq!(ids, want_ids);
+    assert!(logits == want_logits, "logits differ with the encoded head");
+    assert!(
+        peak <= floor.div_ceil(1000) * 1000,
+        "peak RSS {peak}, budget {gb} GB"
+    );
+    // The same run with the head read raw from the checkpoint reads more.
+    let orig = std::fs::read(&json_path).unwrap();
+    let mut no_head = m.clone();
+    no_head.as_object_mut().unwrap().remove("head");
+    std::fs::write(&json_path, serde_json::to_vec(&no_head).unwrap()).unwrap();
+    let (raw_ids, raw_logits, _, raw_st) = run_small_env(&["--mem", &gb, "--trunk", ts], &[]);
+    assert_eq!(raw_ids, want_ids);
+    assert!(raw_logits == want_logits);
+    let read = |s: &serde_json::Value| s["disk_bytes_read"].as_u64().unwrap();
+    assert!(
+        read(&st) < read(&raw_st),
+        "{} bytes read with the encoded head, {} with the raw one",
+        read(&st),
+        read(&raw_st)
+    );
+    // A byte of the head's blocks flipped, its run's checksum re-sealed.
+    let bin = trunk.join("trunk.bin");
+    let orig_bin = std::fs::read(&bin).unwrap();
+    let (off, len) = (
+        head["file_off"].as_u64().unwrap() as usize,
+        head["nbytes"].as_u64().unwrap() as usize,
+    );
+    let mut bad = orig_bin.clone();
+    bad[off + k3::stream::codec::HEADER + 1000] ^= 0x08;
+    let mut sealed = m.clone();
+    sealed["head"]["crc32"] = serde_json::json!(crc32fast::hash(&bad[off..off + len]));
+    std::fs::write(&bin, &bad).unwrap();
+    std::fs::write(&json_path, serde_json::to_vec(&sealed).unwrap()).unwrap();
+    let out = crate::common::k3_command()
+        .arg("run")
+        .arg(small().join("small"))
+        .args([
+            "--ids",
+            "1,2,3,4,5,6,7,8,9,10",
+            "--gen",
+            "6",
+            "--mem",
+            &gb,
+            "--trunk",
+            ts,
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains("trunk output head") && err.contains("checksum"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    std::fs::write(&bin, &orig_bin).unwrap();
+    std::fs::write(&json_path, &orig).unwrap();
+}
+
 #[test]
 fn k3_run_with_and_without_prefetch_gives_the_same_bits_inside_the_budget() {
     let plan = crate::common::run_ok(

@@ -41,7 +41,16 @@ fn generate(
 fn pack_into(model: &Path, out: &Path, encode: Option<Coding>) -> trunk::PackReport {
     let ck = Checkpoint::open(model).unwrap();
     let cfg = k3::engine::config::ModelConfig::load(&model.join("config.json")).unwrap();
-    trunk::pack(&ck, cfg.num_hidden_layers, out, false, encode, &|_, _| {}).unwrap()
+    trunk::pack(
+        &ck,
+        cfg.num_hidden_layers,
+        Some(k3::engine::bind::names::LM_HEAD),
+        out,
+        false,
+        encode,
+        &|_, _| {},
+    )
+    .unwrap()
 }
 
 fn open(model: &Path, budget: BudgetRequest, trunk: Option<&Path>, direct: bool) -> Model {
@@ -110,6 +119,10 @@ fn with_or_without_the_trunk_every_budget_gives_the_same_logits() {
             }
             assert!(r.bf16.1 < r.bf16.0, "{:?}", r.bf16);
             assert!(r.manifest.total_bytes <= r.raw_bytes);
+            // The output head is packed encoded too.
+            let (name, head, _) = r.manifest.head_tensor().expect("the head is packed");
+            assert_eq!(name, k3::engine::bind::names::LM_HEAD);
+            assert_eq!(head.encoding, c.name());
         } else {
             assert_eq!(
                 r.verbatim, r.manifest.n_layers,
@@ -129,6 +142,7 @@ fn with_or_without_the_trunk_every_budget_gives_the_same_logits() {
         let staged = info.sizes.layer_window.iter().max().copied().unwrap_or(0);
         assert_eq!(staged > 0, encode, "{set}: encoded layers are staged");
         assert_eq!(floor, plain.plan.floor_bytes + staged, "{set}");
+        assert_eq!(info.sizes.head_stored > 0, encode, "{set}");
         for direct in [true, false] {
             for req in [
                 BudgetRequest::Resident,
@@ -371,7 +385,11 @@ fn trunk_read_faults_are_retried_or_fail_the_step() {
             tr.inject_fault(tr.reads_issued() + n, fault);
             match (fault, generate(&m, &prompt, 4, |_| {})) {
                 (Fault::Io, Err(e)) => {
-                    assert!(e.to_string().contains("trunk layer"), "{e}");
+                    let e2 = e.to_string();
+                    assert!(
+                        e2.contains("trunk layer") || e2.contains("trunk output head"),
+                        "{e}"
+                    );
                     assert_eq!(e.exit_code(), 1);
                     failed += 1;
                 }
@@ -553,8 +571,9 @@ fn a_shard_edited_in_place_keeping_its_size_and_mtime_is_refused() {
 
 /// An encoded block that does not decode, though the layer's checksum was made to match (a
 /// block corrupted after the layer was first verified, or a buggy writer): refused with exit 3
-/// naming the layer and the tensor, never run on different weights. A raw (`--raw`) trunk
-/// and an encoded one give the same tokens.
+/// naming the layer and the tensor, never run on different weights; a head run that does not
+/// match the checkpoint is refused at open. A raw (`--raw`) trunk, an encoded one, and one
+/// without its head run give the same tokens.
 #[test]
 fn corrupt_encoded_blocks_are_refused_naming_the_layer_and_tensor() {
     let tiny = fixture("tiny");
@@ -636,6 +655,29 @@ fn corrupt_encoded_blocks_are_refused_naming_the_layer_and_tensor() {
     let (code, _, err) = run(ts);
     assert_eq!(code, 3, "{err}");
     assert!(err.contains("\"zstd\""), "{err}");
+    let head = &m["head"];
+    let hname = head["tensors"].as_object().unwrap().keys().next().unwrap();
+    assert_eq!(hname, k3::engine::bind::names::LM_HEAD);
+    // A head run that is not the checkpoint's head, or lies past trunk.bin: refused at open.
+    std::fs::write(&bin, &orig_bin).unwrap();
+    let mut m6 = m.clone();
+    m6["head"]["tensors"][hname]["shape"] = serde_json::json!([1, 2]);
+    std::fs::write(&json_path, serde_json::to_vec(&m6).unwrap()).unwrap();
+    let (code, _, err) = run(ts);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("the head"), "{err}");
+    let mut m7 = m.clone();
+    m7["head"]["file_off"] = serde_json::json!(orig_bin.len());
+    std::fs::write(&json_path, serde_json::to_vec(&m7).unwrap()).unwrap();
+    let (code, _, err) = run(ts);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("trunk.bin is"), "{err}");
+    // Without its head run (as an earlier pack wrote it), the head is read from the checkpoint.
+    let mut m8 = m.clone();
+    m8.as_object_mut().unwrap().remove("head");
+    std::fs::write(&json_path, serde_json::to_vec(&m8).unwrap()).unwrap();
+    let (code, out, err) = run(ts);
+    assert_eq!((code, out), (0, good.clone()), "{err}");
     // Restored, it runs as before.
     std::fs::write(&json_path, &orig_json).unwrap();
     let (code, out, err) = run(ts);

@@ -89,7 +89,8 @@ fn fix_trunk_blocks(b: &mut [u8]) {
 /// An encoded BF16 tensor of the packed trunk: a little-endian u32 giving the decoded length
 /// (capped at 4 MiB), then the blocks. The fast decoder, on one thread and on the pool, agrees
 /// with the one-code reference decoder (the same bytes or the same error), and a decode fills
-/// exactly the length asked for. Where the values make rows of a multiple of 32, the tensor
+/// exactly the length asked for; decoding it rows at a time gives the same rows or refuses
+/// with it ([`rows_agree`]). Where the values make rows of a multiple of 32, the tensor
 /// located for the kernels that multiply it coded gives the same error, or rows that decode to
 /// the same bytes and products equal to the decoded rows' ([`coded_rows_agree`]).
 fn trunk_blocks(data: &[u8]) -> String {
@@ -102,6 +103,7 @@ fn trunk_blocks(data: &[u8]) -> String {
         got == k3::stream::codec::decode_reference(enc, want),
         "the fast decoder disagrees with the reference"
     );
+    rows_agree(enc, got.as_deref().ok(), want);
     match got {
         Ok(v) => {
             assert_eq!(v.len(), want);
@@ -117,6 +119,49 @@ fn trunk_blocks(data: &[u8]) -> String {
             coded_rows_agree(enc, Err(&e), want);
             sig("blocks", &e.to_string())
         }
+    }
+}
+
+/// The tensor `enc` (which decodes to `dec`, None where it does not decode) decoded rows at a
+/// time as a streamed output head is ([`k3::stream::trunk::decode_rows`], stored bytes read a
+/// few at a time): the same rows in order, or a refusal where the decoder refuses.
+fn rows_agree(enc: &[u8], dec: Option<&[u8]>, want: usize) {
+    use k3::stream::trunk::{decode_rows, RowShape, RowsError};
+    if !want.is_multiple_of(2) {
+        return;
+    }
+    let values = want / 2;
+    let cols = [96, 64, 32, 7, 1]
+        .into_iter()
+        .find(|&c| values.is_multiple_of(c))
+        .unwrap_or(1);
+    let shape = RowShape {
+        values,
+        stored: enc.len(),
+        rows: 1 + want % 5,
+        cols,
+    };
+    let read = |at: usize, area: &mut [u8]| -> Result<(), ()> {
+        area.copy_from_slice(&enc[at..at + area.len()]);
+        Ok(())
+    };
+    let mut rows = Vec::new();
+    let mut next = 0;
+    let (mut e, mut d) = (Vec::new(), Vec::new());
+    let got = decode_rows(shape, read, &mut e, &mut d, |r0, v| {
+        assert_eq!(r0, next, "rows out of order");
+        assert!(v.len().is_multiple_of(cols) && v.len() <= shape.rows * cols);
+        next += v.len() / cols;
+        rows.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+    });
+    match (got, dec) {
+        (Ok(()), Some(dec)) => assert!(rows == dec, "the rows decode differently"),
+        (Err(RowsError::Corrupt(_)), None) => {}
+        (got, dec) => panic!(
+            "decoding rows gives {:?}, the decoder {}",
+            got.err(),
+            if dec.is_some() { "decodes" } else { "refuses" }
+        ),
     }
 }
 

@@ -391,6 +391,88 @@ fn trunk_piece(
     Ok(())
 }
 
+/// Rows of the head compared at a time by [`compare_head`].
+const HEAD_ROWS_BYTES: usize = 32 << 20;
+
+/// Compare the encoded head `name` (tensor `t` of run `l`) with its source, decoding it rows at
+/// a time (`trunk::decode_rows`) so neither it nor its source is held whole: its stored bytes
+/// feed `run`, its source's `source`. Returns the stored bytes read and what differs, if
+/// anything (a block that does not decode, or the first byte that differs).
+#[allow(clippy::too_many_arguments)]
+fn compare_head(
+    ck: &Checkpoint,
+    file: &File,
+    l: &super::trunk::TrunkLayer,
+    name: &str,
+    t: &TrunkTensor,
+    enc: &mut Vec<u8>,
+    src: &mut Vec<u8>,
+    run: &mut crc32fast::Hasher,
+    source: &mut crc32fast::Hasher,
+    progress: &mut dyn FnMut(u64),
+) -> std::io::Result<(u64, Option<String>)> {
+    use super::trunk::{decode_rows, RowShape, RowsError};
+    let cols = t.shape.last().copied().unwrap_or(1).max(1);
+    let stored = usize::try_from(t.stored).unwrap_or(usize::MAX);
+    let base = l.file_off + t.off;
+    let mut fed = 0usize;
+    let read = |at: usize, area: &mut [u8]| -> std::io::Result<()> {
+        file.read_exact_at(area, base + at as u64)?;
+        drop_behind(file, base + at as u64, area.len());
+        run.update(area);
+        fed = at + area.len();
+        Ok(())
+    };
+    let shape = RowShape {
+        values: t.nbytes as usize / 2,
+        stored,
+        rows: (HEAD_ROWS_BYTES / (2 * cols)).max(1),
+        cols,
+    };
+    let mut dec = Vec::new();
+    let mut differs: Option<String> = None;
+    let mut failed: Option<std::io::Error> = None;
+    let got = decode_rows(shape, read, enc, &mut dec, |r0, rows| {
+        if failed.is_some() {
+            return;
+        }
+        let (at, len) = ((r0 * cols * 2) as u64, rows.len() * 2);
+        if let Err(e) = ck.read_span(name, at, len as u64, src) {
+            failed = Some(std::io::Error::other(e.to_string()));
+            return;
+        }
+        source.update(src);
+        progress(len as u64 * 2);
+        if differs.is_none() {
+            let dec_bytes = rows.iter().flat_map(|v| v.to_le_bytes());
+            if let Some(i) = dec_bytes.zip(src.iter()).position(|(a, &b)| a != b) {
+                differs = Some(format!(
+                    "decodes to bytes that differ from its source at byte {}",
+                    at + i as u64
+                ));
+            }
+        }
+    });
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    let problem = match got {
+        Ok(()) => differs,
+        Err(RowsError::Read(e)) => return Err(e),
+        Err(RowsError::Corrupt(why)) => {
+            // The rest of its stored bytes still belong to the run's checksum.
+            let mut at = fed;
+            while at < stored {
+                let take = (stored - at).min(PIECE);
+                trunk_piece(file, base + at as u64, take, enc, run)?;
+                at += take;
+            }
+            Some(format!("does not decode: {why}"))
+        }
+    };
+    Ok((t.stored, problem))
+}
+
 /// Compare every tensor of `trunk` byte for byte with its source in `ck`, and recompute each
 /// run's checksum (the layers' and the encoded head's) and source checksum against the
 /// manifest.
@@ -433,6 +515,28 @@ pub fn compare_trunk(
                     trunk_piece(&file, l.file_off + at, take, tb, &mut run)?;
                     at += take as u64;
                     totals.trunk_bytes += take as u64;
+                }
+                if t.is_encoded() && l.layer >= n_layers {
+                    // The head: decoded rows at a time, never held whole.
+                    let (read, problem) = compare_head(
+                        ck,
+                        &file,
+                        l,
+                        name,
+                        t,
+                        tb,
+                        sb,
+                        &mut run,
+                        &mut source,
+                        progress,
+                    )?;
+                    totals.trunk_bytes += read;
+                    at = at.max(t.off + t.stored);
+                    if let Some(why) = problem {
+                        totals.differing_tensors += 1;
+                        p.push(format!("{what}: tensor {name:?} {why}"));
+                    }
+                    continue;
                 }
                 if t.is_encoded() {
                     let stored = usize::try_from(t.stored).unwrap_or(usize::MAX);

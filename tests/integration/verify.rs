@@ -294,6 +294,9 @@ fn a_trunk_with_one_byte_flipped_fails() {
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
         assert!(v["trunk"]["layers"].as_u64().unwrap() > 0, "{v}");
         assert_eq!(v["trunk"]["differing_tensors"], 0);
+        // Each of these trunks is encoded (the first by default): it holds the output head
+        // too, and the head is compared.
+        assert_eq!(v["trunk"]["head"], true, "{v}");
 
         // Flip one byte of the first tensor of layer 1 (raw), or inside the blocks of its
         // first encoded tensor.
@@ -317,6 +320,9 @@ fn a_trunk_with_one_byte_flipped_fails() {
         let bin = t.join("trunk.bin");
         let mut bytes = std::fs::read(&bin).unwrap();
         bytes[at] ^= 0x01;
+        // And one inside the output head's first block.
+        let at = m["head"]["file_off"].as_u64().unwrap() as usize + 16 + 100;
+        bytes[at] ^= 0x01;
         std::fs::write(&bin, &bytes).unwrap();
         let (code, out, err) = verify(&[d, "--trunk", ts]);
         assert_eq!(code, 3, "{out}{err}");
@@ -327,6 +333,13 @@ fn a_trunk_with_one_byte_flipped_fails() {
         };
         assert!(out.contains(&says), "{out}");
         assert!(out.contains("trunk layer 1: trunk.bin checksum"), "{out}");
+        let head = "trunk output head: tensor \"language_model.lm_head.weight\" does not \
+                    decode: block 0: checksum";
+        assert!(out.contains(head), "{out}");
+        assert!(
+            out.contains("trunk output head: trunk.bin checksum"),
+            "{out}"
+        );
     }
 }
 

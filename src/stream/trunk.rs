@@ -1254,8 +1254,13 @@ fn check_source_bytes(
         Ok((
             read,
             (got != want).then(|| {
+                let run = if *il < m.n_layers {
+                    format!("layer {il}")
+                } else {
+                    "the output head".to_string()
+                };
                 format!(
-                    "layer {il}: tensor {name:?} in {} (its {what} hash to {got:08x}, \
+                    "{run}: tensor {name:?} in {} (its {what} hash to {got:08x}, \
                      {want:08x} when packed)",
                     super::shown(Path::new(&names[i.shard]))
                 )

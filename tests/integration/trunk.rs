@@ -567,6 +567,23 @@ fn a_shard_edited_in_place_keeping_its_size_and_mtime_is_refused() {
     let (code, repacked, err) = run(true);
     assert_eq!(code, 0, "{err}");
     assert_eq!(repacked, plain);
+
+    // The output head, packed encoded, is checked the same way: an edit of it in place is
+    // refused, naming it.
+    let head = k3::engine::bind::names::LM_HEAD;
+    let p = shard(&dir, 3);
+    assert!(split(&p).0.get(head).is_some(), "the head lies in shard 3");
+    let edited = tmp.path().join("edited-head.safetensors");
+    std::fs::copy(&p, &edited).unwrap();
+    flip_tensor_byte(&edited, head, 3);
+    ok(Command::new("touch").arg("-r").arg(&p).arg(&edited));
+    ok(Command::new("cp").arg("-p").arg(&edited).arg(&p));
+    let (code, _, err) = run(true);
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains(&format!("the output head: tensor {head:?}")),
+        "{err}"
+    );
 }
 
 /// An encoded block that does not decode, though the layer's checksum was made to match (a

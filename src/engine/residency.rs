@@ -347,6 +347,29 @@ impl IoScratch {
     }
 }
 
+/// Multiply `cr` rows of the output head from row `r0` (`chunk`, `[cr, d]`) by the input
+/// `rows` (`[n, d]`) into their columns of `logits` (`[n, v]`): one input row straight into
+/// its logits, several through `part`.
+fn head_chunk_into(
+    chunk: kernels::DenseRef<'_>,
+    (r0, cr): (usize, usize),
+    (d, v): (usize, usize),
+    rows: &[f32],
+    part: &mut Vec<f32>,
+    logits: &mut [f32],
+) {
+    let n = rows.len() / d.max(1);
+    if n == 1 {
+        kernels::matmul(chunk, cr, d, rows, &mut logits[r0..r0 + cr]);
+        return;
+    }
+    let part = fit(part, n * cr);
+    kernels::matmul(chunk, cr, d, rows, part);
+    for t in 0..n {
+        logits[t * v + r0..t * v + r0 + cr].copy_from_slice(&part[t * cr..(t + 1) * cr]);
+    }
+}
+
 /// The first `n` bytes of `raw`, grown (never shrunk) to hold them.
 fn fit_bytes(raw: &mut Vec<u16>, n: usize) -> &mut [u8] {
     let words = n.div_ceil(2);
@@ -1202,7 +1225,6 @@ impl Streamer {
     /// chunk straight into its place in `logits`).
     pub fn head_into(&self, rows: &[f32], logits: &mut [f32]) -> Result<(), StreamError> {
         let (v, d) = (self.cfg.vocab_size, self.cfg.hidden_size);
-        let n = rows.len() / d;
         let (head, chunk_rows) = {
             let r = self.resident.lock();
             (r.head.clone(), r.plan.head_chunk_rows.max(1) as usize)
@@ -1221,18 +1243,8 @@ impl Streamer {
                 raw, part, stored, ..
             } = &mut *io;
             let reading = trunk.stream_head(chunk_rows, d, stored, raw, |r0, chunk| {
-                let cr = chunk.len() / d;
                 let w = kernels::DenseRef::Bf16(chunk);
-                if n == 1 {
-                    kernels::matmul(w, cr, d, rows, &mut logits[r0..r0 + cr]);
-                    return;
-                }
-                let part = fit(part, n * cr);
-                kernels::matmul(w, cr, d, rows, part);
-                for t in 0..n {
-                    logits[t * v + r0..t * v + r0 + cr]
-                        .copy_from_slice(&part[t * cr..(t + 1) * cr]);
-                }
+                head_chunk_into(w, (r0, chunk.len() / d), (d, v), rows, part, logits);
             })?;
             // The time spent reading, as the reads of a raw head count it.
             self.note_io(
@@ -1265,15 +1277,7 @@ impl Streamer {
                     kernels::DenseRef::F32(w)
                 }
             };
-            if n == 1 {
-                kernels::matmul(chunk, cr, d, rows, &mut logits[r0..r0 + cr]);
-                continue;
-            }
-            let part = fit(part, n * cr);
-            kernels::matmul(chunk, cr, d, rows, part);
-            for t in 0..n {
-                logits[t * v + r0..t * v + r0 + cr].copy_from_slice(&part[t * cr..(t + 1) * cr]);
-            }
+            head_chunk_into(chunk, (r0, cr), (d, v), rows, part, logits);
         }
         Ok(())
     }

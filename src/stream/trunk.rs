@@ -1638,14 +1638,7 @@ impl Trunk {
                 reason,
             },
         })?;
-        if let Some(n) = std::num::NonZeroU64::new(l.nbytes) {
-            let _ = rustix::fs::fadvise(
-                &self.file,
-                l.file_off,
-                Some(n),
-                rustix::fs::Advice::DontNeed,
-            );
-        }
+        self.drop_cached(l);
         self.bytes_read.fetch_add(t.stored, Ordering::Relaxed);
         Ok(reading)
     }
@@ -1865,18 +1858,22 @@ impl Trunk {
     /// bytes counted.
     fn read_run_done(&self, il: usize) {
         let l = &self.manifest.layers[il];
-        let direct = self.direct.as_ref().filter(|_| self.is_direct());
-        if direct.is_none() {
-            if let Some(n) = std::num::NonZeroU64::new(l.nbytes) {
-                let _ = rustix::fs::fadvise(
-                    &self.file,
-                    l.file_off,
-                    Some(n),
-                    rustix::fs::Advice::DontNeed,
-                );
-            }
+        if self.direct.as_ref().filter(|_| self.is_direct()).is_none() {
+            self.drop_cached(l);
         }
         self.bytes_read.fetch_add(l.nbytes, Ordering::Relaxed);
+    }
+
+    /// Tell the page cache to drop run `l`'s bytes (read through it, and not needed again).
+    fn drop_cached(&self, l: &TrunkLayer) {
+        if let Some(n) = std::num::NonZeroU64::new(l.nbytes) {
+            let _ = rustix::fs::fadvise(
+                &self.file,
+                l.file_off,
+                Some(n),
+                rustix::fs::Advice::DontNeed,
+            );
+        }
     }
 
     /// Whether layer `il`'s run has been checked against the manifest's checksum.

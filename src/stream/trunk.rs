@@ -1593,13 +1593,14 @@ impl Trunk {
         dec: &mut Vec<u16>,
         rows_done: impl FnMut(usize, &[u16]),
     ) -> Result<std::time::Duration, StreamError> {
-        let path = self.dir.join("trunk.bin");
+        // Errors only build their path and names: a token's read allocates nothing.
+        let corrupt = |reason: String| StreamError::Corrupt {
+            path: self.dir.join("trunk.bin"),
+            what: "trunk output head".into(),
+            reason,
+        };
         let Some((_, t, l)) = self.manifest.head_tensor() else {
-            return Err(StreamError::Corrupt {
-                path,
-                what: "trunk output head".into(),
-                reason: "the trunk holds no encoded head".into(),
-            });
+            return Err(corrupt("the trunk holds no encoded head".into()));
         };
         let base = l.file_off + t.off;
         let mut reading = std::time::Duration::ZERO;
@@ -1617,7 +1618,7 @@ impl Trunk {
             );
             reading += t0.elapsed();
             r.map(|_| ()).map_err(|source| StreamError::Read {
-                path: path.clone(),
+                path: self.dir.join("trunk.bin"),
                 offset: at,
                 len: take as u64,
                 name: "trunk output head".into(),
@@ -1632,11 +1633,7 @@ impl Trunk {
         };
         decode_rows(shape, read, enc, dec, rows_done).map_err(|e| match e {
             RowsError::Read(e) => e,
-            RowsError::Corrupt(reason) => StreamError::Corrupt {
-                path: path.clone(),
-                what: "trunk output head".into(),
-                reason,
-            },
+            RowsError::Corrupt(reason) => corrupt(reason),
         })?;
         self.drop_cached(l);
         self.bytes_read.fetch_add(t.stored, Ordering::Relaxed);

@@ -496,6 +496,64 @@ macro_rules! tests {
 }
 
 /// The tests, in the order they run.
+/// Reading and decoding an encoded output head rows at a time, as a token that streams it does
+/// (`Trunk::stream_head`: stored bytes read a segment at a time, decoded a block at a time
+/// into whole rows), allocates nothing once its two buffers have grown, and gives the head's
+/// bytes. (The test models' heads are small enough that the streamer reads them raw; the
+/// reader is the same whatever the head's size.)
+fn streaming_an_encoded_head_allocates_nothing() {
+    let set = "tiny";
+    let resident = Model::load(&fixture(set)).unwrap();
+    let dir = std::env::temp_dir().join(format!("k3-alloc-head-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let ck = k3::stream::checkpoint::Checkpoint::open(&fixture(set)).unwrap();
+    let layers = resident.cfg.num_hidden_layers;
+    let head = k3::engine::bind::names::LM_HEAD;
+    for coding in [Coding::Nibble, Coding::Entropy] {
+        k3::stream::trunk::pack(
+            &ck,
+            layers,
+            Some(head),
+            &dir,
+            true,
+            Some(coding),
+            &|_, _| {},
+        )
+        .unwrap();
+        let trunk = k3::stream::trunk::Trunk::open(&dir, &ck, layers).unwrap();
+        let cols = resident.cfg.hidden_size;
+        let mut want = Vec::new();
+        ck.read_span(
+            head,
+            0,
+            (resident.cfg.vocab_size * cols * 2) as u64,
+            &mut want,
+        )
+        .unwrap();
+        let mut got = vec![0u8; want.len()];
+        let (mut enc, mut dec) = (Vec::new(), Vec::new());
+        let mut read = || {
+            trunk
+                .stream_head(7, cols, &mut enc, &mut dec, |r0, v| {
+                    for (k, x) in v.iter().enumerate() {
+                        let at = 2 * (r0 * cols + k);
+                        got[at..at + 2].copy_from_slice(&x.to_le_bytes());
+                    }
+                })
+                .unwrap();
+        };
+        read();
+        let n = allocations(|| {
+            for _ in 0..4 {
+                read();
+            }
+        });
+        assert_eq!(n, 0, "{coding:?}: {n} allocations in 4 reads of the head");
+        assert!(got == want, "{coding:?}: the head decodes to its source");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 const TESTS: &[(&str, fn())] = tests![
     a_resident_decoding_step_allocates_nothing,
     a_decoding_step_under_a_budget_allocates_nothing,
@@ -505,6 +563,7 @@ const TESTS: &[(&str, fn())] = tests![
     a_speculator_step_without_a_draft_allocates_nothing,
     a_speculator_step_with_drafts_allocates_nothing,
     a_prefill_chunk_allocates_nothing_once_the_buffers_are_sized,
+    streaming_an_encoded_head_allocates_nothing,
 ];
 
 /// Runs every test whose name contains one of the arguments that are not flags (all of them

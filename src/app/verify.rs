@@ -184,8 +184,7 @@ pub fn run(args: &VerifyArgs) -> Result<i32> {
     r.shard_bytes = sizes.iter().sum();
     let trunk_bytes: u64 = trunk.as_ref().map_or(0, |t| {
         t.manifest()
-            .layers
-            .iter()
+            .runs()
             .flat_map(|l| l.tensors.values())
             .map(|t| t.stored + t.nbytes)
             .sum()

@@ -442,7 +442,7 @@ fn compare_head(
             return;
         }
         source.update(src);
-        progress(len as u64 * 2);
+        progress(len as u64);
         if differs.is_none() {
             let dec_bytes = rows.iter().flat_map(|v| v.to_le_bytes());
             if let Some(i) = dec_bytes.zip(src.iter()).position(|(a, &b)| a != b) {
@@ -456,6 +456,8 @@ fn compare_head(
     if let Some(e) = failed {
         return Err(e);
     }
+    // The stored bytes, once read (the rows gave their source's).
+    progress(t.stored);
     let problem = match got {
         Ok(()) => differs,
         Err(RowsError::Read(e)) => return Err(e),

@@ -185,10 +185,7 @@ fn check_floor(
     // An encoded trunk's layers are staged before decoding (a bad trunk is reported when the
     // model opens).
     if let Some(m) = trunk.and_then(|t| crate::stream::trunk::read_manifest(t).ok()) {
-        sizes.layer_staged = m.staged_lens();
-        sizes.layer_window = m.window_lens();
-        sizes.layer_pinned = m.held_lens();
-        sizes.head_stored = m.head_stored(crate::engine::bind::names::LM_HEAD);
+        m.sizes_into(&mut sizes, crate::engine::bind::names::LM_HEAD);
     }
     let states = 1 + crate::session::chat::SNAPSHOTS as u64;
     budget::plan_states(&sizes, req, context, states, budget::cgroup_limit())

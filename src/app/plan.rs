@@ -82,12 +82,8 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         None => None,
     };
     if let Some(t) = &trunk {
-        sizes.layer_staged = t.staged_lens();
-        sizes.layer_window = t.window_lens();
-        sizes.layer_pinned = t.manifest().held_lens();
-        sizes.head_stored = t
-            .manifest()
-            .head_stored(crate::engine::bind::names::LM_HEAD);
+        t.manifest()
+            .sizes_into(&mut sizes, crate::engine::bind::names::LM_HEAD);
     }
     let req = args.budget.request(auto_request())?;
     let index_bytes = ck.index().memory_bytes();
@@ -216,7 +212,13 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     );
     println!(
         "output head  {}",
-        if plan.head_resident {
+        if plan.head_resident && sizes.held_head(&plan) < sizes.head {
+            format!(
+                "resident, held coded as the trunk stores it ({} for {})",
+                gb(sizes.held_head(&plan)),
+                gb(sizes.head)
+            )
+        } else if plan.head_resident {
             "resident".to_string()
         } else {
             match sizes.head_rows_encoded(plan.head_chunk_rows) {

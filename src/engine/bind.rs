@@ -701,6 +701,7 @@ pub fn model_sizes(cfg: &ModelConfig, ck: &Checkpoint) -> crate::stream::budget:
         embed: bytes(names::EMBED),
         head: bytes(names::LM_HEAD),
         head_stored: 0,
+        head_pinned: 0,
         small: bytes(names::NORM) + bytes(names::OUT_RES_NORM) + bytes(names::OUT_RES_PROJ),
         row_bytes: bytes(names::EMBED) / cfg.vocab_size.max(1) as u64,
         state_bytes: kda_layer * (cfg.num_hidden_layers as u64 - n_mla),

@@ -597,7 +597,8 @@ impl Streamer {
                 shrinks |= slot.take().is_some();
             }
         }
-        if !plan.head_resident {
+        // A head held the other way (coded or decoded) is read again as the new plan holds it.
+        if !plan.head_resident || plan.head_coded != r.plan.head_coded {
             shrinks |= r.head.take().is_some();
         }
         let to_pin: Vec<usize> = (0..r.pinned.len())
@@ -797,8 +798,24 @@ impl Streamer {
         Ok(())
     }
 
-    /// Read the output head into the resident set.
+    /// Read the output head into the resident set: coded from the trunk where the plan holds
+    /// it so (`Plan::head_coded`: it is stored nibble-coded), else from the checkpoint.
     fn pin_head(&self) -> Result<(), StreamError> {
+        let coded = self.resident.lock().plan.head_coded;
+        if let Some(t) = self.trunk.as_deref().filter(|_| coded) {
+            if let Some(m) = t.read_head_coded()? {
+                self.counters
+                    .embed_head_bytes
+                    .fetch_add(self.sizes.head_stored, Ordering::Relaxed);
+                let dense = Dense {
+                    data: DenseData::Coded(Box::new(m)),
+                    rows: self.cfg.vocab_size,
+                    cols: self.cfg.hidden_size,
+                };
+                self.resident.lock().head = Some(Arc::new(dense));
+                return Ok(());
+            }
+        }
         let (info, data) = self.ck.read_maybe_mapped(names::LM_HEAD, self.mapped)?;
         self.counters
             .embed_head_bytes

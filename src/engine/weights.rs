@@ -158,12 +158,7 @@ impl Model {
         let digest = ck.index_digest();
         let mut sizes = model_sizes(&cfg, &ck);
         if let Some(t) = &trunk {
-            sizes.layer_staged = t.staged_lens();
-            sizes.layer_window = t.window_lens();
-            sizes.layer_pinned = t.manifest().held_lens();
-            sizes.head_stored = t
-                .manifest()
-                .head_stored(crate::engine::bind::names::LM_HEAD);
+            t.manifest().sizes_into(&mut sizes, names::LM_HEAD);
         }
         let plan = crate::stream::budget::plan_states(
             &sizes,
@@ -177,7 +172,13 @@ impl Model {
             let total = if plan.budget_bytes.is_none() {
                 sizes.model_bytes()
             } else {
-                plan.pinned_bytes + if plan.head_resident { sizes.head } else { 0 } + sizes.small
+                plan.pinned_bytes
+                    + if plan.head_resident {
+                        sizes.held_head(&plan)
+                    } else {
+                        0
+                    }
+                    + sizes.small
             };
             ck.set_progress(Box::new(move |done| p(done.min(total), total)));
         }

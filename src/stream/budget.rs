@@ -40,6 +40,10 @@ pub struct ModelSizes {
     /// Bytes the output head is stored in where the packed trunk holds it encoded
     /// (`stream::trunk::Manifest::head`); 0 where it is read from the checkpoint as it is.
     pub head_stored: u64,
+    /// Bytes the output head holds when resident, where that differs from `head`: a head
+    /// stored nibble-coded is held coded beside pinned layers held coded
+    /// (`stream::trunk::Manifest::head_held`); 0 for a head held as `head` says.
+    pub head_pinned: u64,
     /// Final norm and aggregator vectors.
     pub small: u64,
     /// Bytes of one embedding (or head) row.
@@ -73,6 +77,26 @@ impl ModelSizes {
         match self.layer_pinned.get(il) {
             Some(&b) if b > 0 => b,
             _ => self.layer_trunk[il],
+        }
+    }
+
+    /// Bytes the output head holds when resident: coded (`head_pinned`) where there is
+    /// such a size, else `head`.
+    #[must_use]
+    pub fn pinned_head(&self) -> u64 {
+        match self.head_pinned {
+            0 => self.head,
+            b => b,
+        }
+    }
+
+    /// Bytes a resident output head holds under `plan`: coded where the plan holds it so.
+    #[must_use]
+    pub fn held_head(&self, plan: &Plan) -> u64 {
+        if plan.head_coded {
+            self.pinned_head()
+        } else {
+            self.head
         }
     }
 
@@ -207,6 +231,30 @@ pub struct Plan {
     /// (`ModelSizes::layer_pinned`): chosen where that pins more layers than holding them
     /// decoded, whose products are faster.
     pub pin_coded: bool,
+    /// Whether a resident output head is held coded as the trunk stores it
+    /// (`ModelSizes::head_pinned`).
+    pub head_coded: bool,
+}
+
+impl Plan {
+    /// Bytes of the packed trunk a token reads: its streamed layers' runs and, where the head
+    /// streams, its stored bytes.
+    #[must_use]
+    pub fn trunk_read_bytes(&self, s: &ModelSizes) -> u64 {
+        let layers: u64 = (0..self.pinned.len())
+            .filter(|&il| !self.pinned[il])
+            .map(|il| match s.layer_staged.get(il) {
+                Some(&b) if b > 0 => b,
+                _ => s.layer_trunk[il],
+            })
+            .sum();
+        let head = match (self.head_resident, s.head_stored) {
+            (true, _) => 0,
+            (false, 0) => s.head,
+            (false, b) => b,
+        };
+        layers + head
+    }
 }
 
 impl Plan {
@@ -253,7 +301,7 @@ impl Plan {
                 sizes.row_bytes * 64
             }
             + if self.head_resident {
-                sizes.head
+                sizes.held_head(self)
             } else {
                 self.head_chunk_rows * sizes.row_bytes
             }
@@ -382,9 +430,10 @@ pub fn plan(
 /// [`plan`] with room for `states` sequence states of `context` positions each (a chat's live
 /// state and the snapshots it keeps to reuse a prompt's prefix).
 ///
-/// Pinned layers of an encoded trunk are held coded (`ModelSizes::layer_pinned`) only where
-/// that pins more layers than holding them decoded: a coded matrix takes less memory, a decoded
-/// one multiplies faster where memory is not the bottleneck (docs/trunk-codec.md).
+/// Pinned layers and the output head of an encoded trunk are held coded
+/// (`ModelSizes::layer_pinned`, `ModelSizes::head_pinned`) only where that leaves fewer trunk
+/// bytes to read a token than holding them decoded: a coded matrix takes less memory, a
+/// decoded one multiplies faster where memory is not the bottleneck (docs/trunk-codec.md).
 pub fn plan_states(
     s: &ModelSizes,
     req: BudgetRequest,
@@ -393,17 +442,34 @@ pub fn plan_states(
     env_limit: Option<u64>,
 ) -> Result<Plan, BelowFloor> {
     let coded = plan_held(s, req, context, states, env_limit)?;
-    if !coded.pin_coded {
+    if !coded.pin_coded && !coded.head_coded {
         return Ok(coded);
     }
-    let sizes = ModelSizes {
+    // Candidates, in order of preference where they read as many bytes a token: everything
+    // decoded, everything coded, layers coded with the head decoded (a head held coded first
+    // may leave no room for a large layer it would have pinned).
+    let decoded = ModelSizes {
         layer_pinned: Vec::new(),
+        head_pinned: 0,
         ..s.clone()
     };
-    match plan_held(&sizes, req, context, states, env_limit) {
-        Ok(decoded) if decoded.n_pinned() >= coded.n_pinned() => Ok(decoded),
-        _ => Ok(coded),
+    let head_decoded = ModelSizes {
+        head_pinned: 0,
+        ..s.clone()
+    };
+    let reads = |p: &Plan| p.trunk_read_bytes(s);
+    let mut best = coded;
+    if let Ok(p) = plan_held(&decoded, req, context, states, env_limit) {
+        if reads(&p) <= reads(&best) {
+            best = p;
+        }
     }
+    if let Ok(p) = plan_held(&head_decoded, req, context, states, env_limit) {
+        if reads(&p) < reads(&best) {
+            best = p;
+        }
+    }
+    Ok(best)
 }
 
 /// [`plan_states`] with pinned layers held as `s.layer_pinned` says.
@@ -435,8 +501,10 @@ fn plan_held(
         + 64 * s.row_bytes
         + s.small;
     let model_bytes = s.model_bytes();
-    // What holding everything takes: the trunk's layers as pinned layers hold them.
-    let held_bytes = model_bytes - s.layer_trunk.iter().sum::<u64>() + s.pinned_trunk();
+    // What holding everything takes: the trunk's layers and the head as pinned they are held.
+    let held_bytes = model_bytes - s.layer_trunk.iter().sum::<u64>() - s.head
+        + s.pinned_trunk()
+        + s.pinned_head();
     let all_experts = s.experts_per_layer * s.moe_layers;
     // A budget that holds everything still reads experts into arena slots, each a little
     // larger than its expert.
@@ -462,6 +530,7 @@ fn plan_held(
         prefill_chunk: MIN_PREFILL_CHUNK,
         pinned_bytes: s.pinned_trunk(),
         pin_coded,
+        head_coded: s.head_pinned > 0,
     };
     // A resident plan: whatever the budget leaves beyond everything may lengthen the chunk.
     let resident_in = |budget: Option<u64>| {
@@ -508,7 +577,7 @@ fn plan_held(
             (trunk, reserve_cache, b, chunk, extra)
         }
         BudgetRequest::Split { trunk, cache } => {
-            let trunk = trunk.unwrap_or(s.pinned_trunk() + s.head);
+            let trunk = trunk.unwrap_or(s.pinned_trunk() + s.pinned_head());
             let total = trunk.saturating_add(cache);
             if total < floor {
                 return Err(BelowFloor {
@@ -544,9 +613,9 @@ fn plan_held(
     };
     let ring_min = ring_min + (stage - window);
     let ring_of = |pinned: &[bool]| ring_need(s, pinned, stage);
-    if left >= s.head + ring_min {
+    if left >= s.pinned_head() + ring_min {
         head_resident = true;
-        left -= s.head;
+        left -= s.pinned_head();
     }
     for il in 0..n {
         let mut trial = pinned.clone();
@@ -572,7 +641,7 @@ fn plan_held(
     let all_pinned = ring_slots == 0;
     let ring_bytes = if all_pinned { 0 } else { ring_of(&pinned) };
     // Whatever the trunk did not use goes to the cache.
-    let trunk_used = pinned_bytes + ring_bytes + if head_resident { s.head } else { 0 };
+    let trunk_used = pinned_bytes + ring_bytes + if head_resident { s.pinned_head() } else { 0 };
     let cache_bytes = cache_budget + trunk_budget.saturating_sub(trunk_used);
     let slots_of = |bytes: u64| (bytes / slot).clamp(s.top_k, all_experts.max(s.top_k));
     let expert_slots = slots_of(cache_bytes);
@@ -602,6 +671,7 @@ fn plan_held(
         prefill_chunk: chunk,
         pinned_bytes,
         pin_coded,
+        head_coded: head_resident && s.head_pinned > 0,
     })
 }
 
@@ -640,6 +710,7 @@ mod tests {
             embed: 2_348_810_240,
             head: 2_348_810_240,
             head_stored: 0,
+            head_pinned: 0,
             small: 43_008,
             row_bytes: 14_336,
             state_bytes: 464_633_856,
@@ -840,6 +911,63 @@ mod tests {
         let all = plan(&coded, BudgetRequest::Total(2_000_000_000_000), 4096, None).unwrap();
         assert_eq!((all.n_pinned(), all.pin_coded), (93, false));
         assert_eq!(all.pinned_bytes, raw.layer_trunk.iter().sum::<u64>());
+    }
+
+    /// The released shape with its trunk and head nibble-coded: where pinned layers are held
+    /// coded the head is held coded too (its run and index, about 0.75x), and the room it
+    /// frees pins more layers or holds a head that would otherwise stream, never fewer layers,
+    /// inside the budget. Where the plan holds pinned weights decoded the head is counted
+    /// decoded.
+    #[test]
+    fn a_coded_head_is_held_where_pinned_layers_are() {
+        let raw = k3_sizes();
+        let mut layers = raw.clone();
+        layers.layer_staged = raw.layer_trunk.iter().map(|&b| b * 3 / 4).collect();
+        layers.layer_window = (layers.layer_staged.iter())
+            .map(|&b| b.min(430_000_000))
+            .collect();
+        layers.layer_pinned = (raw.layer_trunk.iter())
+            .map(|&b| b * 3 / 4 + (1 << 20))
+            .collect();
+        layers.head_stored = raw.head * 3 / 4;
+        let mut head = layers.clone();
+        let index = super::super::codec::NibbleIndex::bytes_for(163_840, 7168) as u64;
+        head.head_pinned = (raw.head * 3 / 4).next_multiple_of(4096) + index;
+        assert!(head.pinned_head() < raw.head);
+        let mut gained = 0;
+        for gb in [7u64, 8, 9, 10, 16, 32, 64, 100, 128] {
+            let req = BudgetRequest::Total(gb * 1_000_000_000);
+            let (l, h) = (
+                plan(&layers, req, 4096, None).unwrap(),
+                plan(&head, req, 4096, None).unwrap(),
+            );
+            assert!(h.planned_bytes(&head) <= gb * 1_000_000_000, "{gb} GB");
+            assert!(!h.head_coded || h.head_resident, "{gb} GB");
+            let held = if h.head_coded {
+                head.pinned_head()
+            } else {
+                raw.head
+            };
+            assert_eq!(head.held_head(&h), held, "{gb} GB");
+            let reads = |p: &Plan| p.trunk_read_bytes(&head);
+            println!(
+                "released shape at {gb} GB: head resident {} / {}, layers pinned {} / {}, \
+                 trunk read per token {:.2} / {:.2} GB (head decoded / coded)",
+                l.head_resident,
+                h.head_resident,
+                l.n_pinned(),
+                h.n_pinned(),
+                reads(&l) as f64 / 1e9,
+                reads(&h) as f64 / 1e9,
+            );
+            assert!(reads(&h) <= reads(&l), "{gb} GB");
+            gained += usize::from(reads(&h) < reads(&l));
+        }
+        assert!(gained >= 2, "a coded head gained at {gained} budgets");
+        // Holding everything: decoded, the head too.
+        let all = plan(&head, BudgetRequest::Total(2_000_000_000_000), 4096, None).unwrap();
+        assert!(!all.pin_coded && !all.head_coded && all.head_resident);
+        assert_eq!(head.held_head(&all), raw.head);
     }
 
     #[test]

@@ -211,6 +211,28 @@ impl Manifest {
             .map_or(0, |(_, t, _)| t.stored)
     }
 
+    /// Bytes the output head `name` takes held coded as pinned layers hold their matrices
+    /// (its run and the kernels' index; [`Trunk::read_head_coded`]) where it is stored
+    /// nibble-coded; 0 otherwise.
+    #[must_use]
+    pub fn head_held(&self, name: &str) -> u64 {
+        self.head_tensor()
+            .filter(|(n, t, _)| *n == name && holds_coded(t))
+            .map_or(0, |(_, t, l)| {
+                l.nbytes + super::codec::NibbleIndex::bytes_for(t.shape[0], t.shape[1]) as u64
+            })
+    }
+
+    /// Set what the planner knows of a trunk in `s`: each layer's staging, window and
+    /// pinned bytes, and how the output head `head` is stored and held.
+    pub fn sizes_into(&self, s: &mut super::budget::ModelSizes, head: &str) {
+        s.layer_staged = self.staged_lens();
+        s.layer_window = self.window_lens();
+        s.layer_pinned = self.held_lens();
+        s.head_stored = self.head_stored(head);
+        s.head_pinned = self.head_held(head);
+    }
+
     /// The encoded output head: its name and how it is stored, with its run.
     #[must_use]
     pub fn head_tensor(&self) -> Option<(&str, &TrunkTensor, &TrunkLayer)> {
@@ -1640,6 +1662,52 @@ impl Trunk {
         Ok(reading)
     }
 
+    /// The encoded output head read whole from its run to be held coded and multiplied so
+    /// ([`CodedMatrix`]; [`Manifest::head_held`] bytes): the run's checksum and every block
+    /// checked. None where the head is not stored nibble-coded.
+    ///
+    /// # Errors
+    /// A read fails, the run's checksum does not match, or a block does not decode.
+    pub fn read_head_coded(&self) -> Result<Option<CodedMatrix>, StreamError> {
+        let Some((_, t, l)) = self
+            .manifest
+            .head_tensor()
+            .filter(|(_, t, _)| holds_coded(t))
+        else {
+            return Ok(None);
+        };
+        let corrupt = |reason: String| StreamError::Corrupt {
+            path: self.dir.join("trunk.bin"),
+            what: "trunk output head".into(),
+            reason,
+        };
+        let (Ok(len), Ok(off), Ok(stored)) = (
+            usize::try_from(l.nbytes),
+            usize::try_from(t.off),
+            usize::try_from(t.stored),
+        ) else {
+            return Err(corrupt("larger than this machine can address".into()));
+        };
+        let mut fill = Filling::new(len);
+        self.read_run_part(l, 0, fill.area())?;
+        self.read_run_done(l);
+        let mut run = fill.finish(len);
+        let got = crc32fast::hash(run.as_slice());
+        if got != l.crc32 {
+            return Err(corrupt(format!(
+                "checksum {got:08x}, the manifest says {:08x} (trunk.bin is corrupt; run `k3 \
+                 pack --force`)",
+                l.crc32
+            )));
+        }
+        if !run.reslice(off, stored) {
+            return Err(corrupt("the head lies outside its run".into()));
+        }
+        let mut scratch = Vec::new();
+        CodedMatrix::new(run, t.shape[0], t.shape[1], &mut scratch)
+            .map_err(|e| corrupt(Self::repack(&e)))
+    }
+
     /// What the check of the source bytes at open read.
     #[must_use]
     pub fn source_check(&self) -> &SourceCheck {
@@ -1785,8 +1853,17 @@ impl Trunk {
             path: self.dir.join("trunk.bin"),
             offset: at,
             len,
-            name: format!("trunk layer {il}"),
+            name: self.run_name(il),
             source,
+        }
+    }
+
+    /// How errors name run `il`: a layer's, or the output head's (numbered `n_layers`).
+    fn run_name(&self, il: usize) -> String {
+        if il == self.manifest.layers.len() {
+            "trunk output head".into()
+        } else {
+            format!("trunk layer {il}")
         }
     }
 
@@ -1803,8 +1880,9 @@ impl Trunk {
             let e = std::io::Error::new(std::io::ErrorKind::InvalidInput, "run too large");
             return Err(self.read_error(il, l.file_off, l.nbytes, e));
         };
-        self.read_run_part(il, 0, area)?;
-        self.read_run_done(il);
+        let l = &self.manifest.layers[il];
+        self.read_run_part(l, 0, area)?;
+        self.read_run_done(l);
         Ok(())
     }
 
@@ -1812,12 +1890,12 @@ impl Trunk {
     /// multiple of the read piece), in pieces, several in flight.
     fn read_run_part(
         &self,
-        il: usize,
+        l: &TrunkLayer,
         from: usize,
         area: &mut [std::mem::MaybeUninit<u8>],
     ) -> Result<(), StreamError> {
         use rayon::prelude::*;
-        let l = &self.manifest.layers[il];
+        let il = l.layer;
         let direct = self.direct.as_ref().filter(|_| self.is_direct());
         let read_piece = |k: usize, piece: &mut [std::mem::MaybeUninit<u8>]| {
             let at = l.file_off + (from + k * PIECE) as u64;
@@ -1853,8 +1931,7 @@ impl Trunk {
 
     /// What follows a whole run read: the page cache told to drop it (buffered reads), the
     /// bytes counted.
-    fn read_run_done(&self, il: usize) {
-        let l = &self.manifest.layers[il];
+    fn read_run_done(&self, l: &TrunkLayer) {
         if self.direct.as_ref().filter(|_| self.is_direct()).is_none() {
             self.drop_cached(l);
         }
@@ -2018,7 +2095,7 @@ impl Trunk {
             let (part, _) = tail.split_at_mut(end - decoded_to);
             let read_next = || {
                 if read_now {
-                    self.read_run_part(il, arrived, &mut rest[..upto - arrived])
+                    self.read_run_part(l, arrived, &mut rest[..upto - arrived])
                 } else {
                     Ok(())
                 }
@@ -2046,7 +2123,7 @@ impl Trunk {
             }
             self.verified[il].store(true, Ordering::Relaxed);
         }
-        self.read_run_done(il);
+        self.read_run_done(l);
         Ok(())
     }
 

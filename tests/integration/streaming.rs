@@ -573,6 +573,88 @@ fn the_output_head_is_streamed_from_its_encoded_run() {
     std::fs::write(&json_path, &orig).unwrap();
 }
 
+/// `small` packed by `k3 pack`, at a budget whose plan holds pinned layers coded: the output
+/// head is held coded too, read from its encoded run, and multiplied coded (`k3 plan` says
+/// so), with the ids and logits of the checkpoint alone and peak RSS inside the budget. A
+/// block of it corrupted (the run's checksum re-sealed), or a byte of its run flipped, stops
+/// the run with exit 3 naming the head.
+#[test]
+fn a_resident_head_is_held_coded_from_its_encoded_run() {
+    let trunk = pack_small("trunk-head-held");
+    let ts = trunk.to_str().unwrap();
+    let plan_at = |mem: &str| {
+        let out = crate::common::run_ok(
+            crate::common::k3_command()
+                .arg("plan")
+                .arg(small().join("small"))
+                .args(["--trunk", ts, "--context", "16", "--json", "--mem", mem]),
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let floor = plan_at("1000")["floor_bytes"].as_u64().unwrap();
+    // The least budget (in steps of 5 MB from the floor) whose plan holds the head coded.
+    let gb = (1..40)
+        .map(|k| format!("{:.3}", (floor.div_ceil(5_000_000) + k) as f64 * 0.005))
+        .find(|gb| plan_at(gb)["head_coded"] == true)
+        .expect("a budget that holds the head coded");
+    let p = plan_at(&gb);
+    assert_eq!(
+        (p["head_resident"].clone(), p["pin_coded"].clone()),
+        (true.into(), true.into())
+    );
+    let text = crate::common::run_ok(
+        crate::common::k3_command()
+            .arg("plan")
+            .arg(small().join("small"))
+            .args(["--trunk", ts, "--context", "16", "--mem", &gb]),
+    );
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("resident, held coded"), "{text}");
+    let (want_ids, want_logits, _) = run_small(&["--mem", &gb]);
+    let (ids, logits, peak, _) = run_small_env(&["--mem", &gb, "--trunk", ts], &[]);
+    assert_eq!(ids, want_ids);
+    assert!(
+        logits == want_logits,
+        "logits differ with the head held coded"
+    );
+    let budget = (gb.parse::<f64>().unwrap() * 1e9) as u64;
+    assert!(peak <= budget, "peak RSS {peak}, budget {gb} GB");
+    // A byte of the head's blocks flipped (its run's checksum re-sealed), then a byte of its
+    // run flipped: both refused when the head is loaded.
+    let json_path = trunk.join("trunk.json");
+    let orig = std::fs::read(&json_path).unwrap();
+    let m: serde_json::Value = serde_json::from_slice(&orig).unwrap();
+    let bin = trunk.join("trunk.bin");
+    let orig_bin = std::fs::read(&bin).unwrap();
+    let (off, len) = (
+        m["head"]["file_off"].as_u64().unwrap() as usize,
+        m["head"]["nbytes"].as_u64().unwrap() as usize,
+    );
+    let mut bad = orig_bin.clone();
+    bad[off + k3::stream::codec::HEADER + 1000] ^= 0x08;
+    let mut sealed = m.clone();
+    sealed["head"]["crc32"] = serde_json::json!(crc32fast::hash(&bad[off..off + len]));
+    std::fs::write(&bin, &bad).unwrap();
+    for manifest in [&sealed, &m] {
+        std::fs::write(&json_path, serde_json::to_vec(manifest).unwrap()).unwrap();
+        let out = crate::common::k3_command()
+            .arg("run")
+            .arg(small().join("small"))
+            .args(["--ids", "1,2,3", "--gen", "2", "--mem", &gb, "--trunk", ts])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(3), "{err}");
+        assert!(
+            err.contains("trunk output head") && err.contains("checksum"),
+            "{err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    std::fs::write(&bin, &orig_bin).unwrap();
+    std::fs::write(&json_path, &orig).unwrap();
+}
+
 #[test]
 fn k3_run_with_and_without_prefetch_gives_the_same_bits_inside_the_budget() {
     let plan = crate::common::run_ok(

@@ -1418,9 +1418,9 @@ fn pinned_layers_hold_their_coded_matrices_and_give_the_same_bits() {
     assert!(got_logits == logits, "logits differ resident");
 }
 
-/// The budget slider moving between a plan that holds pinned layers coded and one that holds
-/// them decoded (and one that streams most): the pinned layers are read again the new plan's
-/// way, and every step gives the bits of the checkpoint alone.
+/// The budget slider moving between a plan that holds pinned layers and the output head coded
+/// and one that holds them decoded (and one that streams most): the pinned layers and the head
+/// are read again the new plan's way, and every step gives the bits of the checkpoint alone.
 #[test]
 fn plan_changes_between_coded_and_decoded_pinned_layers_change_no_bit() {
     use k3::engine::weights::OpenOptions;
@@ -1447,6 +1447,10 @@ fn plan_changes_between_coded_and_decoded_pinned_layers_change_no_bit() {
         .expect("a budget pins every layer coded");
     let decoded = 4 * model;
     assert!(!plan(decoded).pin_coded);
+    // The output head goes with them: held coded, then decoded, then streamed, then coded.
+    assert!(plan(coded).head_coded && plan(coded).head_resident);
+    assert!(!plan(decoded).head_coded && plan(decoded).head_resident);
+    assert!(!plan(floor).head_resident);
     let (m, _) = Model::open_with(&dir, &opts(BudgetRequest::Total(coded))).unwrap();
     let got = generate(&m, &prompt, 12, |step| {
         let b = match step {

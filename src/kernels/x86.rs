@@ -1329,23 +1329,18 @@ unsafe fn nibble_dot_acc_avx2_impl(
         // SAFETY: 32·(g + 1) ≤ n, which is at most `low.len()`, `x.len()` and
         // `2·nib.len()`, so every load is in bounds.
         unsafe {
+            prefetch_rows_ahead(low, nib, g);
             let v = _mm_loadu_si128(nib.as_ptr().add(16 * g).cast());
             let (h0, h1) = nibble_high32(d, v, esc, &mut used);
             let l0 = _mm_loadu_si128(low.as_ptr().add(32 * g).cast());
             let l1 = _mm_loadu_si128(low.as_ptr().add(32 * g + 16).cast());
             let px = x.as_ptr().add(32 * g);
-            a0 = _mm256_fmadd_ps(widen(l0, h0), _mm256_loadu_ps(px), a0);
-            a1 = _mm256_fmadd_ps(
-                widen(_mm_srli_si128::<8>(l0), _mm_srli_si128::<8>(h0)),
-                _mm256_loadu_ps(px.add(8)),
-                a1,
-            );
-            a0 = _mm256_fmadd_ps(widen(l1, h1), _mm256_loadu_ps(px.add(16)), a0);
-            a1 = _mm256_fmadd_ps(
-                widen(_mm_srli_si128::<8>(l1), _mm_srli_si128::<8>(h1)),
-                _mm256_loadu_ps(px.add(24)),
-                a1,
-            );
+            let (w0, w1) = widen16(l0, h0);
+            let (w2, w3) = widen16(l1, h1);
+            a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(px), a0);
+            a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(px.add(8)), a1);
+            a0 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(px.add(16)), a0);
+            a1 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(px.add(24)), a1);
         }
     }
     // SAFETY: `acc` is 16 writable floats.
@@ -1365,15 +1360,23 @@ unsafe fn nibble_dot_acc_avx2_impl(
     )
 }
 
-/// Eight values' BF16 bits as f32: their low bytes and high bytes, the first 8 bytes of `l`
-/// and `h`.
+/// Sixteen values' BF16 bits as f32, values 0–7 and 8–15: their low bytes `l` and high
+/// bytes `h` interleaved into BF16 words (one byte shuffle for eight values), each word
+/// widened into the top half of its lane.
 #[inline]
 #[target_feature(enable = "avx2")]
-fn widen(l: __m128i, h: __m128i) -> __m256 {
-    _mm256_castsi256_ps(_mm256_or_si256(
-        _mm256_slli_epi32::<16>(_mm256_cvtepu8_epi32(l)),
-        _mm256_slli_epi32::<24>(_mm256_cvtepu8_epi32(h)),
-    ))
+fn widen16(l: __m128i, h: __m128i) -> (__m256, __m256) {
+    (
+        words_f32(_mm_unpacklo_epi8(l, h)),
+        words_f32(_mm_unpackhi_epi8(l, h)),
+    )
+}
+
+/// Eight BF16 words as f32.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn words_f32(w: __m128i) -> __m256 {
+    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(w)))
 }
 
 /// The values from `at` (a multiple of 32) on, through the scalar twin: lane `i mod 16` is

@@ -499,15 +499,7 @@ fn the_output_head_is_streamed_from_its_encoded_run() {
     assert!(nbytes > 4 * 2 * k3::stream::codec::BLOCK_ELEMS as u64);
     assert!(stored < nbytes * 4 / 5, "{stored} of {nbytes}");
     // The floor of a run of 10 ids and 6 generated (16 positions).
-    let plan_at = |mem: &str| {
-        let out = crate::common::run_ok(
-            crate::common::k3_command()
-                .arg("plan")
-                .arg(small().join("small"))
-                .args(["--trunk", ts, "--context", "16", "--json", "--mem", mem]),
-        );
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
-    };
+    let plan_at = |mem: &str| plan_16(ts, mem);
     let floor = plan_at("1000")["floor_bytes"].as_u64().unwrap();
     let gb = format!("{:.6}", floor.div_ceil(1000) as f64 / 1e6);
     assert_eq!(plan_at(&gb)["head_resident"], false);
@@ -535,41 +527,16 @@ fn the_output_head_is_streamed_from_its_encoded_run() {
         read(&raw_st)
     );
     // A byte of the head's blocks flipped, its run's checksum re-sealed.
-    let bin = trunk.join("trunk.bin");
-    let orig_bin = std::fs::read(&bin).unwrap();
-    let (off, len) = (
-        head["file_off"].as_u64().unwrap() as usize,
-        head["nbytes"].as_u64().unwrap() as usize,
-    );
-    let mut bad = orig_bin.clone();
-    bad[off + k3::stream::codec::HEADER + 1000] ^= 0x08;
-    let mut sealed = m.clone();
-    sealed["head"]["crc32"] = serde_json::json!(crc32fast::hash(&bad[off..off + len]));
-    std::fs::write(&bin, &bad).unwrap();
-    std::fs::write(&json_path, serde_json::to_vec(&sealed).unwrap()).unwrap();
-    let out = crate::common::k3_command()
-        .arg("run")
-        .arg(small().join("small"))
-        .args([
-            "--ids",
-            "1,2,3,4,5,6,7,8,9,10",
-            "--gen",
-            "6",
-            "--mem",
-            &gb,
-            "--trunk",
-            ts,
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(3), "{err}");
-    assert!(
-        err.contains("trunk output head") && err.contains("checksum"),
-        "{err}"
-    );
-    assert!(!err.contains("panicked"), "{err}");
-    std::fs::write(&bin, &orig_bin).unwrap();
+    std::fs::write(&json_path, &orig).unwrap();
+    let (orig_bin, sealed, _) = flip_head_block(&trunk);
+    std::fs::write(
+        trunk.join("trunk.json"),
+        serde_json::to_vec(&sealed).unwrap(),
+    )
+    .unwrap();
+    let args = ["--ids", "1,2,3,4,5,6,7,8,9,10", "--gen", "6"];
+    assert_head_refused(&args, &gb, ts);
+    std::fs::write(trunk.join("trunk.bin"), &orig_bin).unwrap();
     std::fs::write(&json_path, &orig).unwrap();
 }
 
@@ -582,15 +549,7 @@ fn the_output_head_is_streamed_from_its_encoded_run() {
 fn a_resident_head_is_held_coded_from_its_encoded_run() {
     let trunk = pack_small("trunk-head-held");
     let ts = trunk.to_str().unwrap();
-    let plan_at = |mem: &str| {
-        let out = crate::common::run_ok(
-            crate::common::k3_command()
-                .arg("plan")
-                .arg(small().join("small"))
-                .args(["--trunk", ts, "--context", "16", "--json", "--mem", mem]),
-        );
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
-    };
+    let plan_at = |mem: &str| plan_16(ts, mem);
     let floor = plan_at("1000")["floor_bytes"].as_u64().unwrap();
     // The least budget (in steps of 5 MB from the floor) whose plan holds the head coded.
     let gb = (1..40)
@@ -622,8 +581,33 @@ fn a_resident_head_is_held_coded_from_its_encoded_run() {
     // A byte of the head's blocks flipped (its run's checksum re-sealed), then a byte of its
     // run flipped: both refused when the head is loaded.
     let json_path = trunk.join("trunk.json");
-    let orig = std::fs::read(&json_path).unwrap();
-    let m: serde_json::Value = serde_json::from_slice(&orig).unwrap();
+    let (orig_bin, sealed, m) = flip_head_block(&trunk);
+    for manifest in [&sealed, &m] {
+        std::fs::write(&json_path, serde_json::to_vec(manifest).unwrap()).unwrap();
+        assert_head_refused(&["--ids", "1,2,3", "--gen", "2"], &gb, ts);
+    }
+    std::fs::write(trunk.join("trunk.bin"), &orig_bin).unwrap();
+    std::fs::write(&json_path, serde_json::to_vec(&m).unwrap()).unwrap();
+}
+
+/// `k3 plan --json` of `small` with the trunk `ts` at `--mem mem`, for the 16 positions of a
+/// run of 10 ids and 6 generated.
+fn plan_16(ts: &str, mem: &str) -> serde_json::Value {
+    let out = crate::common::run_ok(
+        crate::common::k3_command()
+            .arg("plan")
+            .arg(small().join("small"))
+            .args(["--trunk", ts, "--context", "16", "--json", "--mem", mem]),
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Flip a byte of the first block of `trunk`'s encoded head in `trunk.bin`: (the bytes
+/// before, the manifest with the head run's checksum re-sealed over the flipped bytes, the
+/// manifest as it was). The manifest is left as it was.
+fn flip_head_block(trunk: &std::path::Path) -> (Vec<u8>, serde_json::Value, serde_json::Value) {
+    let m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(trunk.join("trunk.json")).unwrap()).unwrap();
     let bin = trunk.join("trunk.bin");
     let orig_bin = std::fs::read(&bin).unwrap();
     let (off, len) = (
@@ -635,24 +619,26 @@ fn a_resident_head_is_held_coded_from_its_encoded_run() {
     let mut sealed = m.clone();
     sealed["head"]["crc32"] = serde_json::json!(crc32fast::hash(&bad[off..off + len]));
     std::fs::write(&bin, &bad).unwrap();
-    for manifest in [&sealed, &m] {
-        std::fs::write(&json_path, serde_json::to_vec(manifest).unwrap()).unwrap();
-        let out = crate::common::k3_command()
-            .arg("run")
-            .arg(small().join("small"))
-            .args(["--ids", "1,2,3", "--gen", "2", "--mem", &gb, "--trunk", ts])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(3), "{err}");
-        assert!(
-            err.contains("trunk output head") && err.contains("checksum"),
-            "{err}"
-        );
-        assert!(!err.contains("panicked"), "{err}");
-    }
-    std::fs::write(&bin, &orig_bin).unwrap();
-    std::fs::write(&json_path, &orig).unwrap();
+    (orig_bin, sealed, m)
+}
+
+/// `k3 run` on `small` with `args`, `--mem gb` and `--trunk ts` exits 3 naming the output head
+/// and a checksum, without a panic.
+fn assert_head_refused(args: &[&str], gb: &str, ts: &str) {
+    let out = crate::common::k3_command()
+        .arg("run")
+        .arg(small().join("small"))
+        .args(args)
+        .args(["--mem", gb, "--trunk", ts])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains("trunk output head") && err.contains("checksum"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
 }
 
 #[test]

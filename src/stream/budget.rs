@@ -228,8 +228,8 @@ pub struct Plan {
     /// Bytes of pinned layers.
     pub pinned_bytes: u64,
     /// Whether pinned layers of an encoded trunk keep their nibble-coded matrices coded
-    /// (`ModelSizes::layer_pinned`): chosen where that pins more layers than holding them
-    /// decoded, whose products are faster.
+    /// (`ModelSizes::layer_pinned`): chosen where that leaves fewer trunk bytes to read a
+    /// token than holding them decoded, whose products are faster (`plan_states`).
     pub pin_coded: bool,
     /// Whether a resident output head is held coded as the trunk stores it
     /// (`ModelSizes::head_pinned`).
@@ -237,6 +237,12 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Number of pinned layers.
+    #[must_use]
+    pub fn n_pinned(&self) -> usize {
+        self.pinned.iter().filter(|&&p| p).count()
+    }
+
     /// Bytes of the packed trunk a token reads: its streamed layers' runs and, where the head
     /// streams, its stored bytes.
     #[must_use]
@@ -254,14 +260,6 @@ impl Plan {
             (false, b) => b,
         };
         layers + head
-    }
-}
-
-impl Plan {
-    /// Number of pinned layers.
-    #[must_use]
-    pub fn n_pinned(&self) -> usize {
-        self.pinned.iter().filter(|&&p| p).count()
     }
 
     /// Whether the staging is held only while pinned layers load (every layer is pinned, so

@@ -1113,6 +1113,14 @@ struct Decoded {
     pieces: usize,
 }
 
+/// Why a run whose bytes hash to `got` is refused, its manifest saying `want`.
+fn checksum_mismatch(got: u32, want: u32) -> String {
+    format!(
+        "checksum {got:08x}, the manifest says {want:08x} (trunk.bin is corrupt; run `k3 pack \
+         --force`)"
+    )
+}
+
 /// Whether a pinned layer holds tensor `t` as stored, multiplied coded
 /// ([`crate::kernels::NibbleMatrix`]): a nibble-coded BF16 matrix of at least two rows whose
 /// rows are a multiple of 32 values (docs/trunk-codec.md).
@@ -1616,13 +1624,8 @@ impl Trunk {
         rows_done: impl FnMut(usize, &[u16]),
     ) -> Result<std::time::Duration, StreamError> {
         // Errors only build their path and names: a token's read allocates nothing.
-        let corrupt = |reason: String| StreamError::Corrupt {
-            path: self.dir.join("trunk.bin"),
-            what: "trunk output head".into(),
-            reason,
-        };
         let Some((_, t, l)) = self.manifest.head_tensor() else {
-            return Err(corrupt("the trunk holds no encoded head".into()));
+            return Err(self.head_corrupt("the trunk holds no encoded head".into()));
         };
         let base = l.file_off + t.off;
         let mut reading = std::time::Duration::ZERO;
@@ -1655,7 +1658,7 @@ impl Trunk {
         };
         decode_rows(shape, read, enc, dec, rows_done).map_err(|e| match e {
             RowsError::Read(e) => e,
-            RowsError::Corrupt(reason) => corrupt(reason),
+            RowsError::Corrupt(reason) => self.head_corrupt(reason),
         })?;
         self.drop_cached(l);
         self.bytes_read.fetch_add(t.stored, Ordering::Relaxed);
@@ -1676,17 +1679,12 @@ impl Trunk {
         else {
             return Ok(None);
         };
-        let corrupt = |reason: String| StreamError::Corrupt {
-            path: self.dir.join("trunk.bin"),
-            what: "trunk output head".into(),
-            reason,
-        };
         let (Ok(len), Ok(off), Ok(stored)) = (
             usize::try_from(l.nbytes),
             usize::try_from(t.off),
             usize::try_from(t.stored),
         ) else {
-            return Err(corrupt("larger than this machine can address".into()));
+            return Err(self.head_corrupt("larger than this machine can address".into()));
         };
         let mut fill = Filling::new(len);
         self.read_run_part(l, 0, fill.area())?;
@@ -1694,18 +1692,23 @@ impl Trunk {
         let mut run = fill.finish(len);
         let got = crc32fast::hash(run.as_slice());
         if got != l.crc32 {
-            return Err(corrupt(format!(
-                "checksum {got:08x}, the manifest says {:08x} (trunk.bin is corrupt; run `k3 \
-                 pack --force`)",
-                l.crc32
-            )));
+            return Err(self.head_corrupt(checksum_mismatch(got, l.crc32)));
         }
         if !run.reslice(off, stored) {
-            return Err(corrupt("the head lies outside its run".into()));
+            return Err(self.head_corrupt("the head lies outside its run".into()));
         }
         let mut scratch = Vec::new();
         CodedMatrix::new(run, t.shape[0], t.shape[1], &mut scratch)
-            .map_err(|e| corrupt(Self::repack(&e)))
+            .map_err(|e| self.head_corrupt(Self::repack(&e)))
+    }
+
+    /// The encoded output head refused as corrupt, for `reason`.
+    fn head_corrupt(&self, reason: String) -> StreamError {
+        StreamError::Corrupt {
+            path: self.dir.join("trunk.bin"),
+            what: self.run_name(self.manifest.layers.len()),
+            reason,
+        }
     }
 
     /// What the check of the source bytes at open read.
@@ -2115,11 +2118,7 @@ impl Trunk {
         if check {
             let got = crc.finalize();
             if got != l.crc32 {
-                return Err(bad(&format!(
-                    "checksum {got:08x}, the manifest says {:08x} (trunk.bin is corrupt; run \
-                     `k3 pack --force`)",
-                    l.crc32
-                )));
+                return Err(bad(&checksum_mismatch(got, l.crc32)));
             }
             self.verified[il].store(true, Ordering::Relaxed);
         }
@@ -2148,10 +2147,7 @@ impl Trunk {
                 l.nbytes,
                 std::io::Error::new(
                     std::io::ErrorKind::InvalidData,
-                    format!(
-                        "checksum {got:08x}, the manifest says {:08x} (trunk.bin is corrupt; run `k3 pack --force`)",
-                        l.crc32
-                    ),
+                    checksum_mismatch(got, l.crc32),
                 ),
             ));
         }

@@ -257,6 +257,16 @@ impl Byte for std::mem::MaybeUninit<u8> {
     }
 }
 
+/// Whether this process's kernels multiply a nibble-coded matrix faster than its BF16 twin
+/// when the weights come from memory: on the SIMD paths the coded product reads three
+/// quarters of the bytes and keeps up with them (a `[131072, 2048]` matrix, two threads of a
+/// Xeon with AVX-512 VBMI: 33.5 against 26 GiB/s of BF16 on AVX-512, 29 against 26 on AVX2);
+/// the scalar path is bound by its arithmetic, which is heavier coded (docs/trunk-codec.md).
+#[must_use]
+pub fn coded_outruns_bf16() -> bool {
+    isa() != Isa::Generic
+}
+
 /// Rebuild BF16 values from the nibble codes of an encoded trunk block: value `i` is `low[i]`
 /// and, as its high byte, `dict[c]` for its 4-bit code `c` (nibble `i` of `nib`, value `2k` in
 /// the low half of byte `k`), or the next byte of `esc` when `c` is 15. `out` receives

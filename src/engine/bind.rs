@@ -84,6 +84,9 @@ pub(crate) struct Binder<'a> {
     /// A packed trunk to read layers' non-expert tensors from, and the layer run read from it.
     trunk: Option<&'a Trunk>,
     run: Option<LayerRun>,
+    /// Keep the trunk's nibble-coded matrices as stored, to be multiplied coded: the layers'
+    /// and the output head's (where the trunk holds it encoded).
+    coded: (bool, bool),
     /// Take tensors from read-only mappings of the shards instead of reading them.
     mapped: bool,
     /// The names fetched, in order (the layout of a layer read into a ring slot).
@@ -100,6 +103,7 @@ impl<'a> Binder<'a> {
             experts,
             trunk: None,
             run: None,
+            coded: (false, false),
             mapped: false,
             order: Vec::new(),
         }
@@ -123,13 +127,20 @@ impl<'a> Binder<'a> {
         self
     }
 
+    /// Keep the trunk's nibble-coded matrices coded (when reading from a trunk): the layers'
+    /// where `layers`, the output head's where `head`.
+    pub(crate) fn coded(mut self, layers: bool, head: bool) -> Self {
+        self.coded = (layers, head);
+        self
+    }
+
     /// Start binding layer `il`: with a trunk, its run is read in one pass.
     fn enter_layer(&mut self, il: usize) -> Result<(), StreamError> {
         if self.run.as_ref().is_some_and(|r| r.layer() == il) {
             return Ok(());
         }
         self.run = match self.trunk {
-            Some(t) if self.read => Some(t.read_layer(il)?),
+            Some(t) if self.read => Some(t.read_layer(il, self.coded.0)?),
             _ => None,
         };
         Ok(())
@@ -210,6 +221,14 @@ impl Binder<'_> {
                 Dtype::U8 => TensorData::U8(Bytes::default()),
                 Dtype::F32 | Dtype::F16 => TensorData::F32(Vec::new()),
             })));
+        }
+        if let Some(t) = self
+            .trunk
+            .filter(|_| self.coded.1 && name == names::LM_HEAD)
+        {
+            if let Some(m) = t.read_head_coded()? {
+                return Ok(Some(Fetched::Coded(m)));
+            }
         }
         if let Some(run) = self.run.as_mut() {
             if let Some(m) = run.take_coded(name) {
@@ -722,5 +741,6 @@ pub fn model_sizes(cfg: &ModelConfig, ck: &Checkpoint) -> crate::stream::budget:
         activation_fixed: act.fixed,
         activation_per_token: act.per_token,
         activation_per_position: act.per_position,
+        coded_first: crate::kernels::coded_outruns_bf16(),
     }
 }

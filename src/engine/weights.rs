@@ -183,7 +183,8 @@ impl Model {
             ck.set_progress(Box::new(move |done| p(done.min(total), total)));
         }
         if plan.budget_bytes.is_none() {
-            let model = Self::bind_opts(cfg, &ck, trunk.as_deref(), opts.mapped)?;
+            let coded = (plan.pin_coded, plan.head_coded);
+            let model = Self::bind_opts(cfg, &ck, trunk.as_deref(), opts.mapped, coded)?;
             let info = LoadInfo {
                 bytes_read: ck.bytes_read(),
                 index_digest: digest,
@@ -270,18 +271,23 @@ impl Model {
         ck: &Checkpoint,
         trunk: Option<&Trunk>,
     ) -> Result<Model, LoadError> {
-        Self::bind_opts(cfg, ck, trunk, false)
+        Self::bind_opts(cfg, ck, trunk, false, (false, false))
     }
 
     /// [`Model::bind_with`], taking the checkpoint's tensors in place from mappings of its
-    /// shards when `mapped`.
+    /// shards when `mapped`, and keeping the trunk's nibble-coded matrices coded where `coded`
+    /// says (the layers', the output head's: `Plan::pin_coded`, `Plan::head_coded`).
     fn bind_opts(
         cfg: ModelConfig,
         ck: &Checkpoint,
         trunk: Option<&Trunk>,
         mapped: bool,
+        coded: (bool, bool),
     ) -> Result<Model, LoadError> {
-        let mut b = Binder::new(ck, true, true).with_trunk(trunk).mapped(mapped);
+        let mut b = Binder::new(ck, true, true)
+            .with_trunk(trunk)
+            .mapped(mapped)
+            .coded(coded.0, coded.1);
         let bound = bind_model(&mut b, &cfg, true)?;
         match bound {
             Some((embed, lm_head, norm, out_res_fold, layers)) if b.problems.is_empty() => {

@@ -261,30 +261,32 @@ impl<'a> NibbleMatrix<'a> {
     }
 
     /// `y ← y + alpha · row r` with fma, exactly [`super::axpy_bf16`] of the decoded row: the
-    /// row is decoded 32 values at a time on the stack (the update is element-wise, so the
-    /// pieces change no bit).
+    /// row is decoded [`AXPY_CHUNK`] values at a time on the stack, by the same decoder as
+    /// [`decode_row`](Self::decode_row) (the update is element-wise, so the chunks change no
+    /// bit).
     pub fn row_axpy(&self, r: usize, alpha: f32, y: &mut [f32]) {
         assert!(
             r < self.rows && y.len() >= self.cols,
             "nibble row_axpy: size"
         );
-        let mut buf = [0u16; 32];
+        let mut buf = [0u16; AXPY_CHUNK];
         let mut done = 0;
         for p in self.pieces(r) {
+            let coded = p.coded();
             let mut used = 0;
-            for c in (0..p.len).step_by(32) {
-                let m = 32.min(p.len - c);
+            for c in (0..p.len).step_by(AXPY_CHUNK) {
+                let m = AXPY_CHUNK.min(p.len - c);
                 let o = &mut buf[..m];
-                if let Some(k) = p.coded() {
+                if let Some(k) = &coded {
                     let (low, nib) = (&k.low[c..c + m], &k.nib[c / 2..(c + m).div_ceil(2)]);
                     let esc = k.esc.get(used..).unwrap_or_default();
-                    used += generic::nibble_bf16_lenient(
-                        &k.dict,
-                        low,
-                        nib,
-                        esc,
-                        bytemuck::cast_slice_mut(o),
-                    );
+                    let o: &mut [u8] = bytemuck::cast_slice_mut(o);
+                    // A checked matrix has every escape its codes need; were one missing, the
+                    // value's high byte would read as 0, as in the products.
+                    used += match super::nibble_bf16(&k.dict, low, nib, esc, o) {
+                        Some(n) => n,
+                        None => generic::nibble_bf16_lenient(&k.dict, low, nib, esc, o),
+                    };
                 } else if let Some(w) = p.raw() {
                     for (v, b) in o.iter_mut().zip(w[2 * c..2 * (c + m)].chunks_exact(2)) {
                         *v = u16::from_le_bytes([b[0], b[1]]);
@@ -296,6 +298,10 @@ impl<'a> NibbleMatrix<'a> {
         }
     }
 }
+
+/// Values [`NibbleMatrix::row_axpy`] decodes at a time (1 KiB on the stack; even, so a chunk
+/// starts on a code byte).
+const AXPY_CHUNK: usize = 512;
 
 /// A coded piece's dictionary, and the low bytes, codes and escapes of its values.
 struct Coded<'a> {

@@ -68,6 +68,12 @@ pub struct ModelSizes {
     pub activation_fixed: u64,
     pub activation_per_token: u64,
     pub activation_per_position: u64,
+    /// Whether the kernels multiply nibble-coded weights faster than BF16 ones read from
+    /// memory (`kernels::coded_outruns_bf16`: the SIMD paths). Where holding the trunk's
+    /// pinned layers and head coded leaves as few trunk bytes to read a token as holding them
+    /// decoded, they are then held coded (fewer bytes touched, faster products, more expert
+    /// slots), else decoded.
+    pub coded_first: bool,
 }
 
 impl ModelSizes {
@@ -229,7 +235,8 @@ pub struct Plan {
     pub pinned_bytes: u64,
     /// Whether pinned layers of an encoded trunk keep their nibble-coded matrices coded
     /// (`ModelSizes::layer_pinned`): chosen where that leaves fewer trunk bytes to read a
-    /// token than holding them decoded, whose products are faster (`plan_states`).
+    /// token than holding them decoded, or as many and the coded products are the faster
+    /// ones (`ModelSizes::coded_first`, `plan_states`). False where no layer is pinned.
     pub pin_coded: bool,
     /// Whether a resident output head is held coded as the trunk stores it
     /// (`ModelSizes::head_pinned`).
@@ -429,9 +436,11 @@ pub fn plan(
 /// state and the snapshots it keeps to reuse a prompt's prefix).
 ///
 /// Pinned layers and the output head of an encoded trunk are held coded
-/// (`ModelSizes::layer_pinned`, `ModelSizes::head_pinned`) only where that leaves fewer trunk
-/// bytes to read a token than holding them decoded: a coded matrix takes less memory, a
-/// decoded one multiplies faster where memory is not the bottleneck (docs/trunk-codec.md).
+/// (`ModelSizes::layer_pinned`, `ModelSizes::head_pinned`) where that leaves fewer trunk bytes
+/// to read a token than holding them decoded, and where it leaves as many and the kernels
+/// multiply coded weights faster than decoded ones (`ModelSizes::coded_first`): a coded matrix
+/// takes less memory, and on the SIMD paths its product is faster when the weights come from
+/// memory; on the scalar path a decoded one multiplies faster (docs/trunk-codec.md).
 pub fn plan_states(
     s: &ModelSizes,
     req: BudgetRequest,
@@ -444,8 +453,9 @@ pub fn plan_states(
         return Ok(coded);
     }
     // Candidates, in order of preference where they read as many bytes a token: everything
-    // decoded, everything coded, layers coded with the head decoded (a head held coded first
-    // may leave no room for a large layer it would have pinned).
+    // decoded (unless the coded products are the faster ones), everything coded, layers coded
+    // with the head decoded (a head held coded first may leave no room for a large layer it
+    // would have pinned).
     let decoded = ModelSizes {
         layer_pinned: Vec::new(),
         head_pinned: 0,
@@ -458,7 +468,7 @@ pub fn plan_states(
     let reads = |p: &Plan| p.trunk_read_bytes(s);
     let mut best = coded;
     if let Ok(p) = plan_held(&decoded, req, context, states, env_limit) {
-        if reads(&p) <= reads(&best) {
+        if reads(&p) < reads(&best) || (reads(&p) == reads(&best) && !s.coded_first) {
             best = p;
         }
     }
@@ -668,7 +678,7 @@ fn plan_held(
         fixed_bytes: fixed,
         prefill_chunk: chunk,
         pinned_bytes,
-        pin_coded,
+        pin_coded: pin_coded && pinned_bytes > 0,
         head_coded: head_resident && s.head_pinned > 0,
     })
 }
@@ -721,6 +731,7 @@ mod tests {
             activation_fixed: 141_705 * 4,
             activation_per_token: 489_814 * 4,
             activation_per_position: 96 * 4,
+            coded_first: false,
         }
     }
 
@@ -966,6 +977,56 @@ mod tests {
         let all = plan(&head, BudgetRequest::Total(2_000_000_000_000), 4096, None).unwrap();
         assert!(!all.pin_coded && !all.head_coded && all.head_resident);
         assert_eq!(head.held_head(&all), raw.head);
+    }
+
+    /// Where the kernels multiply coded weights faster (`coded_first`), a budget whose plan
+    /// pins as many layers either way holds them and the head coded, and the bytes that frees
+    /// become expert slots; where it pins more coded the plan is the same as without.
+    #[test]
+    fn coded_first_holds_pinned_weights_coded_where_that_reads_as_many() {
+        let raw = k3_sizes();
+        let mut s = raw.clone();
+        s.layer_staged = raw.layer_trunk.iter().map(|&b| b * 3 / 4).collect();
+        s.layer_window = (s.layer_staged.iter())
+            .map(|&b| b.min(430_000_000))
+            .collect();
+        s.layer_pinned = (raw.layer_trunk.iter())
+            .map(|&b| b * 3 / 4 + (1 << 20))
+            .collect();
+        s.head_stored = raw.head * 3 / 4;
+        s.head_pinned = raw.head * 3 / 4 + (1 << 20);
+        let first = ModelSizes {
+            coded_first: true,
+            ..s.clone()
+        };
+        let mut more_slots = 0;
+        for gb in [8u64, 32, 64, 150, 256, 2000] {
+            let req = BudgetRequest::Total(gb * 1_000_000_000);
+            let (d, c) = (
+                plan(&s, req, 4096, None).unwrap(),
+                plan(&first, req, 4096, None).unwrap(),
+            );
+            assert!(c.planned_bytes(&first) <= gb * 1_000_000_000, "{gb} GB");
+            assert_eq!(
+                c.trunk_read_bytes(&first),
+                d.trunk_read_bytes(&s),
+                "{gb} GB"
+            );
+            if d.pin_coded || c.n_pinned() == 0 {
+                // Coded already (or nothing pinned): the same plan.
+                assert_eq!(c, d, "{gb} GB");
+            } else {
+                assert!(c.pin_coded && c.head_coded, "{gb} GB");
+                assert_eq!(c.n_pinned(), d.n_pinned(), "{gb} GB");
+                assert!(c.expert_slots >= d.expert_slots, "{gb} GB");
+                more_slots += usize::from(c.expert_slots > d.expert_slots);
+            }
+        }
+        assert!(more_slots >= 2, "more expert slots at {more_slots} budgets");
+        // Everything held: coded.
+        let all = plan(&first, BudgetRequest::Total(2_000_000_000_000), 4096, None).unwrap();
+        assert!(all.pin_coded && all.head_coded && all.head_resident);
+        assert_eq!(all.pinned_bytes, first.pinned_trunk());
     }
 
     #[test]

@@ -1771,9 +1771,10 @@ impl Trunk {
 
     /// Read layer `il`'s run in large pieces, several in flight (direct where allowed),
     /// straight into one allocation whose ranges become the tensors (decoded first where the
-    /// layer holds encoded ones); the run's checksum is verified the first time the layer is
-    /// read.
-    pub fn read_layer(&self, il: usize) -> Result<LayerRun, StreamError> {
+    /// layer holds encoded ones; with `coded`, its nibble-coded matrices kept as stored, as a
+    /// pinned layer holds them: [`LayerRun::take_coded`]); the run's checksum is verified the
+    /// first time the layer is read.
+    pub fn read_layer(&self, il: usize, coded: bool) -> Result<LayerRun, StreamError> {
         let l = &self.manifest.layers[il];
         let total = usize::try_from(l.nbytes).map_err(|_| {
             self.read_error(
@@ -1783,22 +1784,28 @@ impl Trunk {
                 std::io::Error::new(std::io::ErrorKind::InvalidInput, "run too large"),
             )
         })?;
+        let layout = match coded {
+            true => self.held[il].as_ref().or(self.decoded[il].as_ref()),
+            false => self.decoded[il].as_ref(),
+        };
         // A raw run becomes the layer's tensors: pooled, for the next read of a streamed
         // layer. An encoded one is only decoded from: an allocation of its own, given back
         // to the system once decoded (a pooled one would stay resident beside the layer it
         // decoded to, outside the plan).
-        let mut fill = match self.decoded[il] {
+        let mut fill = match layout {
             Some(_) => Filling::new(total),
             None => Filling::new_in(total, &self.pool),
         };
         self.read_run_into(il, fill.area())?;
         let run = fill.finish(total);
         self.check_run(il, &run)?;
-        let run = match &self.decoded[il] {
-            Some(d) => self.decode_layer(il, &run, d)?,
-            None => run,
-        };
-        self.layer_run(il, &run)
+        match layout {
+            Some(d) => {
+                let run = self.decode_layer(il, &run, d)?;
+                on_io_pool(|| self.layer_run_as(il, Some(d), &run))
+            }
+            None => self.layer_run(il, &run),
+        }
     }
 
     /// The bytes layer `il`'s run takes when it holds no encoded tensor (what

@@ -1397,11 +1397,61 @@ fn pinned_layers_hold_their_coded_matrices_and_give_the_same_bits() {
     assert_eq!(got_ids, ids, "every layer pinned coded at {all}");
     assert!(got_logits == logits, "logits differ at {all}");
     assert!(peak <= all, "peak RSS {peak} above the budget {all}");
-    // Everything resident: held decoded.
-    assert!(!plan(&coded, "1000")["pin_coded"].as_bool().unwrap());
+    // Everything resident: held coded where the kernels multiply coded weights faster
+    // (`kernels::coded_outruns_bf16`, which `coded_first` reports), else decoded.
+    let resident = plan(&coded, "1000");
+    assert_eq!(
+        resident["pin_coded"], resident["sizes"]["coded_first"],
+        "{resident}"
+    );
     let (got_ids, got_logits, _, _) = run_small_env(&["--trunk", &coded, "--mem", "1000"], &[]);
     assert_eq!(got_ids, ids);
     assert!(got_logits == logits, "logits differ resident");
+}
+
+/// With no budget (`k3 run` without `--mem`: everything resident) and an encoded trunk, the
+/// layers and the output head are held as the plan says: coded where the kernels multiply coded
+/// weights faster (the SIMD paths), decoded on the scalar path; the tokens are the checkpoint's
+/// either way.
+#[test]
+fn a_model_without_a_budget_holds_the_trunk_as_the_plan_says() {
+    use k3::engine::store::ResidentWeights;
+    use k3::engine::tensor::DenseData;
+    use k3::engine::weights::OpenOptions;
+    let trunk = pack_small("trunk-unbudgeted");
+    let dir = small().join("small");
+    let prompt: Vec<u32> = (1..=10).collect();
+    let (plain, _) = Model::open(&dir, BudgetRequest::Resident, 512).unwrap();
+    let want = generate(&plain, &prompt, 12, |_| {});
+    drop(plain);
+    let opts = OpenOptions {
+        budget: BudgetRequest::Resident,
+        context: 512,
+        trunk: Some(trunk),
+        ..OpenOptions::default()
+    };
+    let (m, info) = Model::open_with(&dir, &opts).unwrap();
+    let coded = k3::kernels::coded_outruns_bf16();
+    assert_eq!(info.sizes.coded_first, coded);
+    assert_eq!((info.plan.pin_coded, info.plan.head_coded), (coded, coded));
+    let w = (m.store().as_any().downcast_ref::<ResidentWeights>()).expect("every weight resident");
+    let is_coded = |d: &k3::engine::tensor::Dense| matches!(d.data, DenseData::Coded(_));
+    assert_eq!(is_coded(&w.lm_head), coded, "the output head");
+    let dense_mlp = (w.layers.iter())
+        .find_map(|l| match &l.ffn {
+            k3::engine::layer::FeedForward::Dense(mlp) => Some(mlp),
+            k3::engine::layer::FeedForward::Moe(_) => None,
+        })
+        .expect("small has a dense layer");
+    assert_eq!(
+        [&dense_mlp.gate, &dense_mlp.up, &dense_mlp.down].map(is_coded),
+        [coded; 3],
+        "a dense layer's matrices"
+    );
+    let got = generate(&m, &prompt, 12, |_| {});
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(bits(a), bits(b), "step {i}");
+    }
 }
 
 /// The budget slider moving between a plan that holds pinned layers and the output head coded
@@ -1431,22 +1481,30 @@ fn plan_changes_between_coded_and_decoded_pinned_layers_change_no_bit() {
         .map(|k| floor + model * k / 64)
         .find(|&b| plan(b).pin_coded && plan(b).n_pinned() == sizes.layer_trunk.len())
         .expect("a budget pins every layer coded");
+    // Where the coded products are the faster ones every budget that pins every layer holds
+    // them coded: the plan that holds them decoded is the one made where they are not.
+    let decoded_sizes = budget::ModelSizes {
+        coded_first: false,
+        ..sizes.clone()
+    };
     let decoded = 4 * model;
-    assert!(!plan(decoded).pin_coded);
+    let plan_decoded =
+        budget::plan_states(&decoded_sizes, BudgetRequest::Total(decoded), 512, 1, None).unwrap();
+    assert!(!plan_decoded.pin_coded);
     // The output head goes with them: held coded, then decoded, then streamed, then coded.
     assert!(plan(coded).head_coded && plan(coded).head_resident);
-    assert!(!plan(decoded).head_coded && plan(decoded).head_resident);
+    assert!(!plan_decoded.head_coded && plan_decoded.head_resident);
     assert!(!plan(floor).head_resident);
     let (m, _) = Model::open_with(&dir, &opts(BudgetRequest::Total(coded))).unwrap();
     let got = generate(&m, &prompt, 12, |step| {
-        let b = match step {
-            2 => decoded,
-            5 => coded,
-            8 => floor,
-            10 => coded,
+        let p = match step {
+            2 => plan_decoded.clone(),
+            5 => plan(coded),
+            8 => plan(floor),
+            10 => plan(coded),
             _ => return,
         };
-        m.store().set_plan(plan(b)).unwrap();
+        m.store().set_plan(p).unwrap();
     });
     for (i, (a, b)) in got.iter().zip(&want).enumerate() {
         assert_eq!(bits(a), bits(b), "step {i}");

@@ -735,6 +735,23 @@ mod tests {
         }
     }
 
+    /// The released shape with its trunk and head nibble-coded: runs at 0.75x, windows of
+    /// 0.43 GB at most, pinned layers at 0.75x and their index, the head stored at 0.75x (and
+    /// held decoded: no `head_pinned`).
+    fn k3_coded_sizes() -> ModelSizes {
+        let raw = k3_sizes();
+        let layer_staged: Vec<u64> = raw.layer_trunk.iter().map(|&b| b * 3 / 4).collect();
+        ModelSizes {
+            layer_window: (layer_staged.iter()).map(|&b| b.min(430_000_000)).collect(),
+            layer_staged,
+            layer_pinned: (raw.layer_trunk.iter())
+                .map(|&b| b * 3 / 4 + (1 << 20))
+                .collect(),
+            head_stored: raw.head * 3 / 4,
+            ..raw
+        }
+    }
+
     #[test]
     fn the_real_shape_fits_in_six_gb_and_the_floor_is_reported() {
         let s = k3_sizes();
@@ -884,17 +901,14 @@ mod tests {
     #[test]
     fn pinned_layers_are_held_coded_where_that_pins_more() {
         let raw = k3_sizes();
-        let mut enc = raw.clone();
-        enc.layer_staged = raw.layer_trunk.iter().map(|&b| b * 3 / 4).collect();
-        enc.layer_window = (enc.layer_staged.iter())
-            .map(|&b| b.min(430_000_000))
-            .collect();
-        let mut coded = enc.clone();
-        coded.layer_pinned = raw
-            .layer_trunk
-            .iter()
-            .map(|&b| b * 3 / 4 + (1 << 20))
-            .collect();
+        let coded = ModelSizes {
+            head_stored: 0,
+            ..k3_coded_sizes()
+        };
+        let enc = ModelSizes {
+            layer_pinned: Vec::new(),
+            ..coded.clone()
+        };
         let mut gained = 0;
         for gb in [8u64, 16, 32, 64, 100, 128, 256] {
             let req = BudgetRequest::Total(gb * 1_000_000_000);
@@ -930,15 +944,7 @@ mod tests {
     #[test]
     fn a_coded_head_is_held_where_pinned_layers_are() {
         let raw = k3_sizes();
-        let mut layers = raw.clone();
-        layers.layer_staged = raw.layer_trunk.iter().map(|&b| b * 3 / 4).collect();
-        layers.layer_window = (layers.layer_staged.iter())
-            .map(|&b| b.min(430_000_000))
-            .collect();
-        layers.layer_pinned = (raw.layer_trunk.iter())
-            .map(|&b| b * 3 / 4 + (1 << 20))
-            .collect();
-        layers.head_stored = raw.head * 3 / 4;
+        let layers = k3_coded_sizes();
         let mut head = layers.clone();
         let index = super::super::codec::NibbleIndex::bytes_for(163_840, 7168) as u64;
         head.head_pinned = (raw.head * 3 / 4).next_multiple_of(4096) + index;
@@ -984,17 +990,8 @@ mod tests {
     /// become expert slots; where it pins more coded the plan is the same as without.
     #[test]
     fn coded_first_holds_pinned_weights_coded_where_that_reads_as_many() {
-        let raw = k3_sizes();
-        let mut s = raw.clone();
-        s.layer_staged = raw.layer_trunk.iter().map(|&b| b * 3 / 4).collect();
-        s.layer_window = (s.layer_staged.iter())
-            .map(|&b| b.min(430_000_000))
-            .collect();
-        s.layer_pinned = (raw.layer_trunk.iter())
-            .map(|&b| b * 3 / 4 + (1 << 20))
-            .collect();
-        s.head_stored = raw.head * 3 / 4;
-        s.head_pinned = raw.head * 3 / 4 + (1 << 20);
+        let mut s = k3_coded_sizes();
+        s.head_pinned = s.head * 3 / 4 + (1 << 20);
         let first = ModelSizes {
             coded_first: true,
             ..s.clone()

@@ -1416,6 +1416,24 @@ fn pinned_layers_hold_their_coded_matrices_and_give_the_same_bits() {
     assert!(got_logits == logits, "logits differ resident");
 }
 
+/// `small` packed into `name` ([`pack_small`]), its directory, a prompt, and the logits of 12
+/// greedy steps after it from the checkpoint alone, every weight resident.
+fn small_packed_and_generated(
+    name: &str,
+) -> (
+    std::path::PathBuf,
+    std::path::PathBuf,
+    Vec<u32>,
+    Vec<Vec<f32>>,
+) {
+    let trunk = pack_small(name);
+    let dir = small().join("small");
+    let prompt: Vec<u32> = (1..=10).collect();
+    let (plain, _) = Model::open(&dir, BudgetRequest::Resident, 512).unwrap();
+    let want = generate(&plain, &prompt, 12, |_| {});
+    (trunk, dir, prompt, want)
+}
+
 /// With no budget (`k3 run` without `--mem`: everything resident) and an encoded trunk, the
 /// layers and the output head are held as the plan says: coded where the kernels multiply coded
 /// weights faster (the SIMD paths), decoded on the scalar path; the tokens are the checkpoint's
@@ -1425,12 +1443,7 @@ fn a_model_without_a_budget_holds_the_trunk_as_the_plan_says() {
     use k3::engine::store::ResidentWeights;
     use k3::engine::tensor::DenseData;
     use k3::engine::weights::OpenOptions;
-    let trunk = pack_small("trunk-unbudgeted");
-    let dir = small().join("small");
-    let prompt: Vec<u32> = (1..=10).collect();
-    let (plain, _) = Model::open(&dir, BudgetRequest::Resident, 512).unwrap();
-    let want = generate(&plain, &prompt, 12, |_| {});
-    drop(plain);
+    let (trunk, dir, prompt, want) = small_packed_and_generated("trunk-unbudgeted");
     let opts = OpenOptions {
         budget: BudgetRequest::Resident,
         context: 512,
@@ -1467,12 +1480,7 @@ fn a_model_without_a_budget_holds_the_trunk_as_the_plan_says() {
 #[test]
 fn plan_changes_between_coded_and_decoded_pinned_layers_change_no_bit() {
     use k3::engine::weights::OpenOptions;
-    let trunk = pack_small("trunk-recode");
-    let dir = small().join("small");
-    let prompt: Vec<u32> = (1..=10).collect();
-    let (resident, _) = Model::open(&dir, BudgetRequest::Resident, 512).unwrap();
-    let want = generate(&resident, &prompt, 12, |_| {});
-    drop(resident);
+    let (trunk, dir, prompt, want) = small_packed_and_generated("trunk-recode");
     let opts = |req| OpenOptions {
         budget: req,
         context: 512,

@@ -1009,6 +1009,15 @@ mod tests {
                 d.trunk_read_bytes(&s),
                 "{gb} GB"
             );
+            println!(
+                "released shape at {gb} GB: {} layers pinned, coded {} / {}, {} / {} expert slots \
+                 (coded_first off / on)",
+                c.n_pinned(),
+                d.pin_coded,
+                c.pin_coded,
+                d.expert_slots,
+                c.expert_slots
+            );
             if d.pin_coded || c.n_pinned() == 0 {
                 // Coded already (or nothing pinned): the same plan.
                 assert_eq!(c, d, "{gb} GB");

@@ -38,6 +38,7 @@ pub mod generic;
 pub mod mxfp4;
 pub mod nibble;
 pub mod ops;
+pub mod warm;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

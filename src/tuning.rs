@@ -21,6 +21,7 @@
 //! | `K3_CACHE_POLICY` | `cycle-queue`, `layer-cycle`, `lru` | `cycle-queue` | the expert cache's replacement policy |
 //! | `K3_NOSPEC` | `0`/`1` | `0` | `1` turns speculative decoding off whatever `--spec` says |
 //! | `K3_TRUNK_SEGMENT_KB` | 4–1048576 | 32768 | KiB of an encoded trunk layer read ahead of its decoder, and the window a tight budget stages it through |
+//! | `K3_KEEP_WARM` | `0`/`1` | `1` | `1` keeps a compute thread looking for work between a forward pass's parallel loops instead of letting it sleep |
 
 use serde::Serialize;
 use std::sync::OnceLock;
@@ -108,6 +109,8 @@ pub struct Tuning {
     pub no_spec: bool,
     /// `K3_TRUNK_SEGMENT_KB`.
     pub trunk_segment_kb: usize,
+    /// `K3_KEEP_WARM`.
+    pub keep_warm: bool,
 }
 
 impl Default for Tuning {
@@ -125,6 +128,7 @@ impl Default for Tuning {
             cache_policy: CachePolicy::CycleQueue,
             no_spec: false,
             trunk_segment_kb: DEFAULT_TRUNK_SEGMENT_KB,
+            keep_warm: true,
         }
     }
 }
@@ -142,7 +146,7 @@ pub struct TuningError {
 }
 
 /// Every variable [`Tuning`] reads.
-pub const VARIABLES: [&str; 12] = [
+pub const VARIABLES: [&str; 13] = [
     "K3_KERNELS",
     "K3_ROW_ORDER",
     "K3_IO_THREADS",
@@ -155,6 +159,7 @@ pub const VARIABLES: [&str; 12] = [
     "K3_CACHE_POLICY",
     "K3_NOSPEC",
     "K3_TRUNK_SEGMENT_KB",
+    "K3_KEEP_WARM",
 ];
 
 impl Tuning {
@@ -246,6 +251,7 @@ impl Tuning {
                 1 << 20,
                 "a whole number from 4 to 1048576",
             )?,
+            keep_warm: flag("K3_KEEP_WARM", d.keep_warm)?,
         })
     }
 
@@ -348,6 +354,7 @@ mod tests {
             ("K3_CACHE_POLICY", "lru"),
             ("K3_NOSPEC", "1"),
             ("K3_TRUNK_SEGMENT_KB", "64"),
+            ("K3_KEEP_WARM", "0"),
         ])
         .expect("valid");
         assert_eq!(
@@ -365,6 +372,7 @@ mod tests {
                 cache_policy: CachePolicy::Lru,
                 no_spec: true,
                 trunk_segment_kb: 64,
+                keep_warm: false,
             }
         );
     }
@@ -385,6 +393,7 @@ mod tests {
             ("K3_CACHE_POLICY", "belady"),
             ("K3_NOSPEC", "true"),
             ("K3_TRUNK_SEGMENT_KB", "2"),
+            ("K3_KEEP_WARM", "on"),
         ] {
             let e = with(&[(var, value)]).expect_err(var);
             assert_eq!(e.var, var);

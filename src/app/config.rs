@@ -580,6 +580,9 @@ pub struct TuningConfig {
     /// `K3_TRUNK_SEGMENT_KB`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub trunk_segment_kb: Option<i64>,
+    /// `K3_KEEP_WARM`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keep_warm: Option<bool>,
 }
 
 impl TuningConfig {
@@ -614,6 +617,7 @@ impl TuningConfig {
             "K3_CACHE_POLICY" => self.cache_policy.clone(),
             "K3_NOSPEC" => flag(&self.no_spec),
             "K3_TRUNK_SEGMENT_KB" => num(&self.trunk_segment_kb),
+            "K3_KEEP_WARM" => flag(&self.keep_warm),
             _ => None,
         }
     }

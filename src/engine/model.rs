@@ -19,6 +19,7 @@ use super::state::{LayerState, SeqState};
 use super::store::WeightStore;
 use super::tensor::fit;
 use crate::kernels::ops;
+use crate::kernels::warm::warm;
 use crate::stream::stats::StatsSnapshot;
 use crate::stream::StreamError;
 
@@ -628,16 +629,18 @@ impl Model {
             };
             let layer = self.weights.layer(il)?;
             let record = records.as_deref_mut().map(|r| &mut r[il]);
-            let routing = layer.forward(
-                il,
-                cfg,
-                run,
-                ls,
-                &*self.weights,
-                record,
-                want_routing,
-                finish_of(il),
-            )?;
+            let routing = warm(|| {
+                layer.forward(
+                    il,
+                    cfg,
+                    run,
+                    ls,
+                    &*self.weights,
+                    record,
+                    want_routing,
+                    finish_of(il),
+                )
+            })?;
             drop(layer);
             predict_next(il + 1, cfg, run, &*self.weights, finish_of(il + 1));
             if let Some(t) = trace.as_deref_mut() {
@@ -694,7 +697,7 @@ impl Model {
             Logits::All => h,
         };
         let len = rows.len() / d * cfg.vocab_size;
-        self.weights.head_into(rows, fit(logits, len))?;
+        warm(|| self.weights.head_into(rows, fit(logits, len)))?;
         *n_logits = len;
         Ok(())
     }

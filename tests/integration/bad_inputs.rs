@@ -514,6 +514,7 @@ fn a_malformed_tuning_variable_is_refused_by_name() {
         ("K3_KERNELS", "avx3"),
         ("K3_ROW_ORDER", "diagonal"),
         ("K3_MMAP", "yes"),
+        ("K3_KEEP_WARM", "on"),
     ] {
         let (code, err) = run_k3_with(&tiny, &[], &[(var, value)]);
         assert_eq!(code, 2, "{var}={value}: {err}");

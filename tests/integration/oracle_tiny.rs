@@ -236,6 +236,47 @@ fn thread_count_does_not_change_a_bit() {
     assert_eq!(bits(&one), bits(&run(3)));
 }
 
+/// Keeping the pool's threads looking for work between a pass's parallel loops
+/// (`K3_KEEP_WARM`, on by default) changes only who runs a loop's pieces: `k3 run` on two and
+/// three threads gives the logits of one thread with it on and off, prompt and decoding.
+#[test]
+fn keeping_the_pool_warm_does_not_change_a_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = u32s(&oracle()["full_ids"]);
+    let ids: Vec<String> = full.iter().map(u32::to_string).collect();
+    let dump = |threads: &str, keep_warm: &str| {
+        let out = dir.path().join(format!("{threads}-{keep_warm}.f32"));
+        crate::common::run_ok(
+            crate::common::k3_command()
+                .env("K3_KEEP_WARM", keep_warm)
+                .args([
+                    "run",
+                    fixture("tiny").to_str().unwrap(),
+                    "--ids",
+                    &ids.join(","),
+                    "--gen",
+                    "6",
+                    "--threads",
+                    threads,
+                    "--dump-logits",
+                    out.to_str().unwrap(),
+                ]),
+        );
+        std::fs::read(&out).unwrap()
+    };
+    let one = dump("1", "0");
+    assert_eq!(one.len(), 6 * vocab() * 4, "six rows of logits");
+    for threads in ["2", "3"] {
+        for keep_warm in ["0", "1"] {
+            assert_eq!(
+                dump(threads, keep_warm),
+                one,
+                "--threads {threads}, K3_KEEP_WARM={keep_warm}"
+            );
+        }
+    }
+}
+
 /// Every kernel path gives the same logits, bit for bit: `k3 run` with each path forced by
 /// `K3_KERNELS` (each in its own process, so no test here changes the path others run on)
 /// dumps the logits of the prompt and of every generated token.

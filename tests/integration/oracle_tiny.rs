@@ -236,40 +236,48 @@ fn thread_count_does_not_change_a_bit() {
     assert_eq!(bits(&one), bits(&run(3)));
 }
 
+/// The six rows of logits `k3 run --gen 6 --dump-logits` writes for the oracle's prompt on
+/// `tiny`, with `envs` set and `args` added; each run in its own process, so no test changes
+/// the settings others run with.
+fn tiny_run_logits(envs: &[(&str, &str)], args: &[&str]) -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("logits.f32");
+    let full = u32s(&oracle()["full_ids"]);
+    let ids: Vec<String> = full.iter().map(u32::to_string).collect();
+    crate::common::run_ok(
+        crate::common::k3_command()
+            .envs(envs.iter().copied())
+            .args([
+                "run",
+                fixture("tiny").to_str().unwrap(),
+                "--ids",
+                &ids.join(","),
+                "--gen",
+                "6",
+                "--dump-logits",
+                out.to_str().unwrap(),
+            ])
+            .args(args),
+    );
+    let bytes = std::fs::read(&out).unwrap();
+    assert_eq!(
+        bytes.len(),
+        6 * vocab() * 4,
+        "{envs:?} {args:?}: six rows of logits"
+    );
+    bytes
+}
+
 /// Keeping the pool's threads looking for work between a pass's parallel loops
 /// (`K3_KEEP_WARM`, on by default) changes only who runs a loop's pieces: `k3 run` on two and
 /// three threads gives the logits of one thread with it on and off, prompt and decoding.
 #[test]
 fn keeping_the_pool_warm_does_not_change_a_bit() {
-    let dir = tempfile::tempdir().unwrap();
-    let full = u32s(&oracle()["full_ids"]);
-    let ids: Vec<String> = full.iter().map(u32::to_string).collect();
-    let dump = |threads: &str, keep_warm: &str| {
-        let out = dir.path().join(format!("{threads}-{keep_warm}.f32"));
-        crate::common::run_ok(
-            crate::common::k3_command()
-                .env("K3_KEEP_WARM", keep_warm)
-                .args([
-                    "run",
-                    fixture("tiny").to_str().unwrap(),
-                    "--ids",
-                    &ids.join(","),
-                    "--gen",
-                    "6",
-                    "--threads",
-                    threads,
-                    "--dump-logits",
-                    out.to_str().unwrap(),
-                ]),
-        );
-        std::fs::read(&out).unwrap()
-    };
-    let one = dump("1", "0");
-    assert_eq!(one.len(), 6 * vocab() * 4, "six rows of logits");
+    let one = tiny_run_logits(&[("K3_KEEP_WARM", "0")], &["--threads", "1"]);
     for threads in ["2", "3"] {
         for keep_warm in ["0", "1"] {
             assert_eq!(
-                dump(threads, keep_warm),
+                tiny_run_logits(&[("K3_KEEP_WARM", keep_warm)], &["--threads", threads]),
                 one,
                 "--threads {threads}, K3_KEEP_WARM={keep_warm}"
             );
@@ -278,29 +286,10 @@ fn keeping_the_pool_warm_does_not_change_a_bit() {
 }
 
 /// Every kernel path gives the same logits, bit for bit: `k3 run` with each path forced by
-/// `K3_KERNELS` (each in its own process, so no test here changes the path others run on)
-/// dumps the logits of the prompt and of every generated token.
+/// `K3_KERNELS` dumps the logits of the prompt and of every generated token.
 #[test]
 fn scalar_and_simd_paths_agree_bitwise() {
-    let dir = tempfile::tempdir().unwrap();
-    let full = u32s(&oracle()["full_ids"]);
-    let ids: Vec<String> = full.iter().map(u32::to_string).collect();
-    let dump = |path: &str| {
-        let out = dir.path().join(format!("{path}.f32"));
-        crate::common::run_ok(crate::common::k3_command().env("K3_KERNELS", path).args([
-            "run",
-            fixture("tiny").to_str().unwrap(),
-            "--ids",
-            &ids.join(","),
-            "--gen",
-            "6",
-            "--dump-logits",
-            out.to_str().unwrap(),
-        ]));
-        let bytes = std::fs::read(&out).unwrap();
-        assert_eq!(bytes.len(), 6 * vocab() * 4, "{path}: six rows of logits");
-        bytes
-    };
+    let dump = |path: &str| tiny_run_logits(&[("K3_KERNELS", path)], &[]);
     let scalar = dump("generic");
     // Stated tolerance: zero. The paths share lane partitions and reduction trees.
     assert_eq!(dump("auto"), scalar, "the detected path");

@@ -16,20 +16,26 @@
 //! every output is one fixed-order reduction wherever it runs. The jobs are rayon's own
 //! stack jobs ([`rayon::join`]), so a step allocates nothing more.
 
+use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// How long a spinning job looks for work in vain before it gives its core back.
 const IDLE: Duration = Duration::from_micros(200);
 
-/// Run `f` on the current thread with the pool's other threads kept looking for work until
-/// it returns (see the module's doc). Off on a pool of one thread, outside a pool, and where
-/// `K3_KEEP_WARM=0` (docs/tuning.md): `f` then just runs.
+/// Run `f` on the current thread with the pool's other threads (as many as there are other
+/// cores) kept looking for work until it returns (see the module's doc). Off on a pool of
+/// one thread or on one core, outside a pool, and where `K3_KEEP_WARM=0` (docs/tuning.md):
+/// `f` then just runs.
 pub fn warm<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     let Some(owner) = rayon::current_thread_index() else {
         return f();
     };
-    let helpers = rayon::current_num_threads().saturating_sub(1);
+    // One helper per other thread of the pool, but never more threads busy than cores: a
+    // pool larger than the machine (`--threads 16` on two cores) would have its helpers take
+    // the cores from the step itself.
+    let helpers = rayon::current_num_threads().min(cores()).saturating_sub(1);
     if helpers == 0 || !crate::tuning::Tuning::get().keep_warm {
         return f();
     }
@@ -43,6 +49,12 @@ pub fn warm<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     };
     with_helpers(helpers, owner, &done, &mut step);
     out.expect("the step ran")
+}
+
+/// The cores this process may run on, read once.
+fn cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get))
 }
 
 /// `step`, then `done` set, beside `n` spinning jobs (one `join` each, nested).

@@ -21,7 +21,7 @@
 //! | `K3_CACHE_POLICY` | `cycle-queue`, `layer-cycle`, `lru` | `cycle-queue` | the expert cache's replacement policy |
 //! | `K3_NOSPEC` | `0`/`1` | `0` | `1` turns speculative decoding off whatever `--spec` says |
 //! | `K3_TRUNK_SEGMENT_KB` | 4–1048576 | 32768 | KiB of an encoded trunk layer read ahead of its decoder, and the window a tight budget stages it through |
-//! | `K3_KEEP_WARM` | `0`/`1` | `1` | `1` keeps a compute thread looking for work between a forward pass's parallel loops instead of letting it sleep |
+//! | `K3_KEEP_WARM` | `0`/`1` | `1` | `1` keeps the other compute threads (one per other core at most) looking for work between a forward pass's parallel loops instead of letting them sleep |
 
 use serde::Serialize;
 use std::sync::OnceLock;

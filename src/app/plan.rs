@@ -183,11 +183,16 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         gb(plan.pinned_bytes)
     };
     println!(
-        "layers       {} of {} pinned ({held}), ring {} slot(s) ({})",
+        "layers       {} of {} pinned ({held}), ring {} slot(s) ({}{})",
         plan.n_pinned(),
         plan.pinned.len(),
         plan.ring_slots,
-        gb(plan.ring_bytes)
+        gb(plan.ring_bytes),
+        if plan.ring_coded {
+            ", layers read as stored and multiplied coded"
+        } else {
+            ""
+        }
     );
     println!(
         "experts      {} cache slots ({}){}",
@@ -267,7 +272,9 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             gb(decoded)
         );
         let run = sizes.layer_staged.iter().copied().max().unwrap_or(0);
-        if run > 0 {
+        if run > 0 && plan.stage_bytes == 0 {
+            println!("staging      none: every encoded layer is read as it is stored");
+        } else if run > 0 {
             println!(
                 "staging      {} in the ring for encoded runs of up to {}{}",
                 gb(plan.stage_bytes),

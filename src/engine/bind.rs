@@ -714,6 +714,7 @@ pub fn model_sizes(cfg: &ModelConfig, ck: &Checkpoint) -> crate::stream::budget:
         layer_staged: Vec::new(),
         layer_window: Vec::new(),
         layer_pinned: Vec::new(),
+        layer_in_place: Vec::new(),
         experts_per_layer: cfg.num_experts as u64,
         moe_layers,
         top_k: cfg.num_experts_per_token as u64,

@@ -623,6 +623,7 @@ impl Streamer {
         r.plan = plan;
         let want_head = r.plan.head_resident && r.head.is_none();
         let r_ring_slots = r.plan.ring_slots;
+        let ring_coded = r.plan.ring_coded;
         let streamed_of = r.plan.pinned.clone();
         let stage = if only_to_load && to_pin.is_empty() {
             None
@@ -633,7 +634,7 @@ impl Streamer {
         // Drop the read-ahead and make the new plan's ring.
         let ring_slots = usize::try_from(r_ring_slots).unwrap_or(usize::MAX);
         self.ring
-            .resize(ring_slots, &streamed_of, stage)
+            .resize(ring_slots, &streamed_of, stage, ring_coded)
             .map_err(|e| StreamError::Open {
                 path: self.ck.dir().to_path_buf(),
                 source: std::io::Error::new(
@@ -777,10 +778,14 @@ impl Streamer {
     /// Layer `il`'s non-expert weights in an allocation of their own, to be pinned: a layer
     /// stored encoded is read through the ring's staging memory (no more memory than the
     /// plan counts), its nibble-coded matrices kept coded where the plan says so
-    /// (`Plan::pin_coded`); any other as it lies.
+    /// (`Plan::pin_coded`), or read as it lies where it is then held as stored
+    /// (`Trunk::in_place_len`); any other as it lies.
     fn load_pinned(&self, il: usize) -> LayerResult {
         if let Some(t) = self.trunk.as_deref() {
             let coded = self.resident.lock().plan.pin_coded;
+            if coded && t.in_place_len(il).is_some() {
+                return layers::load_in_place(&self.ck, t, &self.cfg, il);
+            }
             if let Some(l) = layers::load_encoded(&self.ck, t, &self.cfg, il, &self.ring, coded) {
                 return l;
             }

@@ -25,6 +25,12 @@ pub struct ModelSizes {
     /// (`stream::trunk::Manifest::held_lens`); 0 (or empty) for a layer held as
     /// `layer_trunk` says.
     pub layer_pinned: Vec<u64>,
+    /// Bytes of each layer's stored run where it can be read in place, as it lies, and
+    /// multiplied coded there (`stream::trunk::Manifest::in_place_lens`: every encoded tensor
+    /// nibble-coded, every encoded matrix held coded); 0 (or empty) for a layer that cannot. Where the plan
+    /// holds layers coded, such a layer streams through a ring slot of its run's size with
+    /// no staging and no decoding, and is pinned the same way.
+    pub layer_in_place: Vec<u64>,
     /// Bytes of one routed expert (its six MXFP4 tensors).
     pub expert_bytes: u64,
     /// Routed experts per MoE layer.
@@ -241,6 +247,11 @@ pub struct Plan {
     /// Whether a resident output head is held coded as the trunk stores it
     /// (`ModelSizes::head_pinned`).
     pub head_coded: bool,
+    /// Whether the ring holds the layers that can be read in place
+    /// (`ModelSizes::layer_in_place`) as they lie, multiplied coded, in slots of their
+    /// runs' size; those not read in place are decoded into slots as before. Chosen with
+    /// holding pinned layers coded (the same products on the same bytes).
+    pub ring_coded: bool,
 }
 
 impl Plan {
@@ -399,25 +410,86 @@ pub fn spec_reserve(s: &ModelSizes) -> u64 {
     s.kda_layer_state + tokens * (s.kda_record_per_position + 2 * s.vocab * 4)
 }
 
-/// Bytes of the read-ahead ring when the layers not `pinned` stream: its two largest layers,
-/// and the staging buffer encoded runs are read through (`stage` bytes), streamed or pinned (a
-/// pinned layer stored encoded is read through it and decoded from there when it is loaded).
-fn ring_need(s: &ModelSizes, pinned: &[bool], stage: u64) -> u64 {
-    let streamed = || (0..s.layer_trunk.len()).filter(|&i| !pinned[i]);
-    let mut rest: Vec<u64> = streamed().map(|i| s.layer_trunk[i]).collect();
-    rest.sort_unstable_by(|a, b| b.cmp(a));
-    rest.iter().take(2).sum::<u64>() + stage
+/// How the ring holds each layer: the bytes of its slot, the bytes a slot keeps for it once
+/// it has held it (a layer read in place keeps its kernels' index with each slot it has been
+/// in), and what a read of it stages (its run, and the least window of it; 0 for a layer read
+/// as it lies).
+struct RingSizes {
+    slot: Vec<u64>,
+    kept: Vec<u64>,
+    staged: Vec<u64>,
+    window: Vec<u64>,
 }
 
-/// The staging encoded runs can be read through: the least (the largest window a layer's run
-/// needs, `ModelSizes::layer_window`), and the largest run, which holds every run whole.
-fn stagings(s: &ModelSizes) -> (u64, u64) {
-    let most = |v: &[u64]| v.iter().copied().max().unwrap_or(0);
-    let full = most(&s.layer_staged);
-    if s.layer_window.is_empty() {
-        (full, full)
-    } else {
-        (most(&s.layer_window).min(full), full)
+impl RingSizes {
+    /// The ring of `s`, its layers read in place where `in_place` and `s` say they can be.
+    fn of(s: &ModelSizes, in_place: bool) -> RingSizes {
+        let n = s.layer_trunk.len();
+        let place = |i: usize| {
+            let b = s.layer_in_place.get(i).copied().unwrap_or(0);
+            (in_place && b > 0).then_some(b)
+        };
+        let staged = |i: usize| match place(i) {
+            Some(_) => 0,
+            None => s.layer_staged.get(i).copied().unwrap_or(0),
+        };
+        RingSizes {
+            slot: (0..n)
+                .map(|i| place(i).unwrap_or(s.layer_trunk[i]))
+                .collect(),
+            kept: (0..n)
+                .map(|i| place(i).map_or(0, |b| s.pinned_layer(i).saturating_sub(b)))
+                .collect(),
+            staged: (0..n).map(staged).collect(),
+            window: (0..n)
+                .map(|i| match s.layer_window.get(i) {
+                    Some(&w) if s.layer_window.len() == n => w.min(staged(i)),
+                    _ => staged(i),
+                })
+                .collect(),
+        }
+    }
+
+    /// Bytes of the ring when the layers not `pinned` stream: its two largest slots, what
+    /// each slot keeps of every layer it may hold, and the staging buffer encoded runs are
+    /// read through (`stage` bytes), streamed or pinned (a pinned layer stored encoded is
+    /// read through it and decoded from there when it is loaded).
+    fn need(&self, pinned: &[bool], stage: u64) -> u64 {
+        let streamed = || (0..self.slot.len()).filter(|&i| !pinned[i]);
+        let mut rest: Vec<u64> = streamed().map(|i| self.slot[i]).collect();
+        rest.sort_unstable_by(|a, b| b.cmp(a));
+        let slots = rest.len().min(2) as u64;
+        let kept: u64 = streamed().map(|i| self.kept[i]).sum();
+        rest.iter().take(2).sum::<u64>() + slots * kept + stage
+    }
+
+    /// The staging encoded runs can be read through: the least (the largest window a
+    /// layer's run needs, `ModelSizes::layer_window`), and the largest run, which holds
+    /// every run whole.
+    fn stagings(&self) -> (u64, u64) {
+        let most = |v: &[u64]| v.iter().copied().max().unwrap_or(0);
+        let full = most(&self.staged);
+        (most(&self.window).min(full), full)
+    }
+
+    /// The staging that reads every streamed layer's run whole when the layers `pinned` are
+    /// pinned: the largest streamed run, and for a pinned layer (read through it once, when
+    /// it is loaded) its window. A large pinned layer (the dense first one) then no longer
+    /// sets the staging every other layer streams through.
+    fn whole(&self, pinned: &[bool]) -> u64 {
+        let (window, full) = self.stagings();
+        (0..self.staged.len())
+            .map(|i| {
+                if pinned[i] {
+                    self.window[i]
+                } else {
+                    self.staged[i]
+                }
+            })
+            .max()
+            .unwrap_or(0)
+            .max(window)
+            .min(full)
     }
 }
 
@@ -448,19 +520,41 @@ pub fn plan_states(
     states: u64,
     env_limit: Option<u64>,
 ) -> Result<Plan, BelowFloor> {
-    let coded = plan_held(s, req, context, states, env_limit)?;
-    if !coded.pin_coded && !coded.head_coded {
-        return Ok(coded);
-    }
     // Candidates, in order of preference where they read as many bytes a token: everything
     // decoded (unless the coded products are the faster ones), everything coded, layers coded
     // with the head decoded (a head held coded first may leave no room for a large layer it
     // would have pinned).
     let decoded = ModelSizes {
         layer_pinned: Vec::new(),
+        layer_in_place: Vec::new(),
         head_pinned: 0,
         ..s.clone()
     };
+    // The floor is the least budget any of them runs in: held coded, layers read in place may
+    // need less than decoded ones (no staging, smaller slots), or more (what each slot keeps).
+    let floor_of =
+        |s: &ModelSizes| match plan_held(s, BudgetRequest::Total(0), context, states, None) {
+            Ok(p) => p.floor_bytes,
+            Err(e) => e.floor,
+        };
+    let lowest = floor_of(s).min(floor_of(&decoded));
+    let at_lowest = |mut p: Plan| {
+        p.floor_bytes = p.floor_bytes.min(lowest);
+        p
+    };
+    // Below the coded plan's floor, the decoded one's may still fit.
+    let coded = match plan_held(s, req, context, states, env_limit) {
+        Ok(p) => p,
+        Err(e) => {
+            let d = plan_held(&decoded, req, context, states, env_limit);
+            return d
+                .map(at_lowest)
+                .map_err(|d| if d.floor < e.floor { d } else { e });
+        }
+    };
+    if !coded.pin_coded && !coded.head_coded && !coded.ring_coded {
+        return Ok(at_lowest(coded));
+    }
     let head_decoded = ModelSizes {
         head_pinned: 0,
         ..s.clone()
@@ -477,7 +571,7 @@ pub fn plan_states(
             best = p;
         }
     }
-    Ok(best)
+    Ok(at_lowest(best))
 }
 
 /// [`plan_states`] with pinned layers held as `s.layer_pinned` says.
@@ -498,8 +592,11 @@ fn plan_held(
     let head_chunk_rows = (HEAD_CHUNK_BYTES / s.row_bytes.max(1)).clamp(1, s.vocab.max(1));
     // The floor stages encoded runs through a window; a budget with room for it stages them
     // whole (a window costs a copy of part of a run now and then).
-    let (window, full_stage) = stagings(s);
-    let ring_min = ring_need(s, &vec![false; n], window);
+    // Held coded, the layers that can be are read in place and stream the same way.
+    let ring = RingSizes::of(s, pin_coded);
+    let ring_coded = pin_coded && s.layer_in_place.iter().any(|&b| b > 0);
+    let (window, full_stage) = ring.stagings();
+    let ring_min = ring.need(&vec![false; n], window);
     let slot = expert_slot_bytes(s);
     let floor = fixed
         + state_reserve
@@ -539,6 +636,7 @@ fn plan_held(
         pinned_bytes: s.pinned_trunk(),
         pin_coded,
         head_coded: s.head_pinned > 0,
+        ring_coded: false,
     };
     // A resident plan: whatever the budget leaves beyond everything may lengthen the chunk.
     let resident_in = |budget: Option<u64>| {
@@ -614,13 +712,19 @@ fn plan_held(
     let mut pinned = vec![false; n];
     let mut left = trunk_budget;
     let mut head_resident = false;
-    let stage = if trunk_budget >= ring_min + (full_stage - window) {
-        full_stage
-    } else {
-        window
+    // Runs are staged whole where the budget has room for it with nothing pinned (a window
+    // costs a copy of part of a run now and then); then only as much as the layers left
+    // streaming need.
+    let whole = trunk_budget >= ring_min + (full_stage - window);
+    let stage_of = |pinned: &[bool]| {
+        if whole {
+            ring.whole(pinned)
+        } else {
+            window
+        }
     };
-    let ring_min = ring_min + (stage - window);
-    let ring_of = |pinned: &[bool]| ring_need(s, pinned, stage);
+    let ring_min = ring_min + (stage_of(&vec![false; n]) - window);
+    let ring_of = |pinned: &[bool]| ring.need(pinned, stage_of(pinned));
     if left >= s.pinned_head() + ring_min {
         head_resident = true;
         left -= s.pinned_head();
@@ -653,6 +757,7 @@ fn plan_held(
     let cache_bytes = cache_budget + trunk_budget.saturating_sub(trunk_used);
     let slots_of = |bytes: u64| (bytes / slot).clamp(s.top_k, all_experts.max(s.top_k));
     let expert_slots = slots_of(cache_bytes);
+    let stage = stage_of(&pinned);
     let load_expert_slots = if all_pinned {
         slots_of(cache_bytes.saturating_sub(stage))
     } else {
@@ -680,6 +785,7 @@ fn plan_held(
         pinned_bytes,
         pin_coded: pin_coded && pinned_bytes > 0,
         head_coded: head_resident && s.head_pinned > 0,
+        ring_coded: ring_coded && ring_slots > 0,
     })
 }
 
@@ -711,6 +817,7 @@ mod tests {
             layer_staged: Vec::new(),
             layer_window: Vec::new(),
             layer_pinned: Vec::new(),
+            layer_in_place: Vec::new(),
             expert_bytes: 17_547_264,
             experts_per_layer: 896,
             moe_layers: 92,
@@ -837,6 +944,135 @@ mod tests {
             sorted.sort_unstable_by(|a, b| b.cmp(a));
             sorted.iter().take(2).sum::<u64>()
         });
+    }
+
+    /// A budget with room to stage runs whole stages only the runs of the layers it streams
+    /// whole: a pinned layer larger than all of them (the released shape's dense first layer,
+    /// 1.76 GB against 0.95 GB stored) is loaded through a window of the staging instead of
+    /// setting its size. The bytes that frees pin more layers, never fewer, inside the budget.
+    #[test]
+    fn a_large_pinned_layer_does_not_set_the_staging() {
+        let coded = k3_coded_sizes();
+        let whole_only = ModelSizes {
+            layer_window: Vec::new(),
+            ..coded.clone()
+        };
+        let biggest = coded.layer_staged.iter().copied().max().unwrap();
+        let mut smaller = 0;
+        for gb in [8u64, 16, 32, 64, 100] {
+            let b = gb * 1_000_000_000;
+            let req = BudgetRequest::Total(b);
+            let (p, q) = (
+                plan(&coded, req, 4096, None).unwrap(),
+                plan(&whole_only, req, 4096, None).unwrap(),
+            );
+            assert!(p.planned_bytes(&coded) <= b, "{gb} GB");
+            assert!(p.n_pinned() >= q.n_pinned(), "{gb} GB");
+            assert!(
+                p.trunk_read_bytes(&coded) <= q.trunk_read_bytes(&coded),
+                "{gb} GB"
+            );
+            if p.stage_bytes == biggest
+                || p.stage_bytes == *coded.layer_window.iter().max().unwrap()
+            {
+                continue;
+            }
+            // Staged whole: every streamed run fits, and every pinned layer's window.
+            for i in 0..coded.layer_trunk.len() {
+                let need = if p.pinned[i] {
+                    coded.layer_window[i]
+                } else {
+                    coded.layer_staged[i]
+                };
+                assert!(p.stage_bytes >= need, "{gb} GB, layer {i}");
+            }
+            assert!(p.pinned[0], "{gb} GB: the dense layer is pinned");
+            assert!(p.stage_bytes < biggest, "{gb} GB");
+            smaller += 1;
+        }
+        assert!(smaller > 0, "some budget stages less than the largest run");
+    }
+
+    /// Layers whose runs can be read in place (`ModelSizes::layer_in_place`), where pinned
+    /// layers are held coded: the ring's slots are the runs' size, each slot keeps every
+    /// streamed layer's index, nothing is staged, and the bytes that frees leave fewer trunk
+    /// bytes to read a token (never more) inside the budget, at a lower floor. A plan holding
+    /// layers decoded (the `decoded` sizes) reads nothing in place.
+    #[test]
+    fn layers_read_in_place_need_no_staging_and_pin_more() {
+        let staged = k3_coded_sizes();
+        // On kernels that multiply coded as fast (where a tie in bytes read holds coded).
+        let staged = ModelSizes {
+            coded_first: true,
+            ..staged
+        };
+        let in_place = ModelSizes {
+            layer_in_place: staged.layer_staged.clone(),
+            ..staged.clone()
+        };
+        let (p0, q0) = (
+            plan(&in_place, BudgetRequest::Total(8_000_000_000), 4096, None).unwrap(),
+            plan(&staged, BudgetRequest::Total(8_000_000_000), 4096, None).unwrap(),
+        );
+        assert!(p0.floor_bytes < q0.floor_bytes);
+        let mut more = 0;
+        for gb in [8u64, 16, 32, 64, 100] {
+            let b = gb * 1_000_000_000;
+            let req = BudgetRequest::Total(b);
+            let (p, q) = (
+                plan(&in_place, req, 4096, None).unwrap(),
+                plan(&staged, req, 4096, None).unwrap(),
+            );
+            assert_eq!(p.ring_coded, p.ring_slots > 0, "{gb} GB");
+            assert!(!q.ring_coded, "{gb} GB");
+            assert_eq!(p.stage_bytes, 0, "{gb} GB");
+            assert!(p.planned_bytes(&in_place) <= b, "{gb} GB");
+            let reads = |x: &Plan| x.trunk_read_bytes(&in_place);
+            assert!(reads(&p) <= reads(&q), "{gb} GB");
+            more += usize::from(reads(&p) < reads(&q));
+            let streamed: Vec<usize> = (0..93).filter(|&i| !p.pinned[i]).collect();
+            let mut slots: Vec<u64> = streamed
+                .iter()
+                .map(|&i| in_place.layer_in_place[i])
+                .collect();
+            slots.sort_unstable_by(|a, b| b.cmp(a));
+            let kept: u64 = (streamed.iter())
+                .map(|&i| in_place.layer_pinned[i] - in_place.layer_in_place[i])
+                .sum();
+            assert_eq!(
+                p.ring_bytes,
+                slots.iter().take(2).sum::<u64>() + p.ring_slots * kept,
+                "{gb} GB"
+            );
+            println!(
+                "released shape at {gb} GB: {} layers pinned and {:.1} GB read a token where \
+                 layers are read in place, {} and {:.1} GB where they are staged",
+                p.n_pinned(),
+                reads(&p) as f64 / 1e9,
+                q.n_pinned(),
+                reads(&q) as f64 / 1e9
+            );
+        }
+        assert!(more > 0, "reading in place pins more at some budget");
+        // Held decoded, nothing is read in place.
+        let decoded = ModelSizes {
+            layer_pinned: Vec::new(),
+            ..in_place.clone()
+        };
+        let d = plan(&decoded, BudgetRequest::Total(16_000_000_000), 4096, None).unwrap();
+        assert!(!d.ring_coded && d.stage_bytes > 0);
+        // Where a tie holds layers decoded (the scalar kernels) the plan without a budget
+        // holds them decoded, and its floor is still the least budget any plan runs in.
+        let generic = ModelSizes {
+            coded_first: false,
+            ..in_place.clone()
+        };
+        let r = plan(&generic, BudgetRequest::Resident, 4096, None).unwrap();
+        assert!(!r.pin_coded);
+        assert_eq!(r.floor_bytes, p0.floor_bytes);
+        let at = |b: u64| plan(&generic, BudgetRequest::Total(b), 4096, None);
+        assert!(at(r.floor_bytes).is_ok_and(|p| p.ring_coded));
+        assert_eq!(at(r.floor_bytes - 1).unwrap_err().floor, r.floor_bytes);
     }
 
     /// A plan that pins every layer of an encoded trunk holds the staging only while they

@@ -1188,6 +1188,20 @@ pub(crate) fn pread_counted(
     at: u64,
     need: usize,
 ) -> std::io::Result<usize> {
+    pread_seen(reads, fault, file, buf, at, need, |_| {})
+}
+
+/// [`pread_counted`], showing `seen` the bytes read, in order, as they arrive (to hash them
+/// while they are still in the cache).
+pub(crate) fn pread_seen(
+    reads: &AtomicU64,
+    fault: &FaultSlot,
+    file: &File,
+    buf: &mut [MaybeUninit<u8>],
+    at: u64,
+    need: usize,
+    mut seen: impl FnMut(&[u8]),
+) -> std::io::Result<usize> {
     use rustix::io::Errno;
     let n = reads.fetch_add(1, Ordering::Relaxed);
     let fault = fault.get(n);
@@ -1222,7 +1236,10 @@ pub(crate) fn pread_counted(
                         "the file ended before the tensor (truncated while in use?)",
                     ));
                 }
-                Ok((got, _)) => done += got.len(),
+                Ok((got, _)) => {
+                    seen(got);
+                    done += got.len();
+                }
                 Err(Errno::INTR) => {}
                 // One bounded retry of an I/O error (a transient device hiccup); a second fails.
                 Err(Errno::IO) if !retried_eio => retried_eio = true,

@@ -18,7 +18,7 @@
 use super::atomic::PendingFile;
 use super::bytes::{Bytes, Filling, Pool};
 use super::checkpoint::{
-    io_pool, open_direct, pread_counted, Checkpoint, FaultSlot, ShardStat, DIRECT_ALIGN,
+    io_pool, open_direct, pread_counted, pread_seen, Checkpoint, FaultSlot, ShardStat, DIRECT_ALIGN,
 };
 use super::safetensors::Dtype;
 use super::StreamError;
@@ -229,6 +229,7 @@ impl Manifest {
         s.layer_staged = self.staged_lens();
         s.layer_window = self.window_lens();
         s.layer_pinned = self.held_lens();
+        s.layer_in_place = self.in_place_lens();
         s.head_stored = self.head_stored(head);
         s.head_pinned = self.head_held(head);
     }
@@ -909,6 +910,10 @@ impl Manifest {
     pub fn held_lens(&self) -> Vec<u64> {
         (self.layers.iter())
             .map(|l| {
+                // Read in place, a layer is pinned so too: its run and what it keeps beside.
+                if placed_layout(l).is_some() {
+                    return l.nbytes + placed_extra(l);
+                }
                 decoded_layout(l, true).map_or(0, |d| {
                     let index: usize = (l.tensors.values())
                         .filter(|t| holds_coded(t))
@@ -917,6 +922,15 @@ impl Manifest {
                     (d.len + index) as u64
                 })
             })
+            .collect()
+    }
+
+    /// Per layer, the bytes its run takes where it is read in place, to be multiplied coded
+    /// as it lies (see [`placed_layout`]); 0 for a layer that is not.
+    #[must_use]
+    pub fn in_place_lens(&self) -> Vec<u64> {
+        (self.layers.iter())
+            .map(|l| placed_layout(l).map_or(0, |_| l.nbytes))
             .collect()
     }
 
@@ -1092,6 +1106,9 @@ pub struct Trunk {
     decoded: Vec<Option<Decoded>>,
     /// The same for a pinned layer, which keeps nibble-coded matrices as stored.
     held: Vec<Option<Decoded>>,
+    /// Per layer, its tensors where they lie in its run, where it can be read in place (see
+    /// [`placed_layout`]): read as it lies, it is multiplied coded with no decoding.
+    placed: Vec<Option<Decoded>>,
     source_check: SourceCheck,
 }
 
@@ -1165,6 +1182,57 @@ fn decoded_layout(l: &TrunkLayer, hold: bool) -> Option<Decoded> {
         kept,
         pieces,
     })
+}
+
+/// Layer `l`'s tensors as they lie in its stored run, where the run can be read into memory
+/// as it lies and bound there (None where it cannot): every encoded tensor nibble-coded, so
+/// the kernels multiply its matrices as stored, and every tensor at a [`GATHER_ALIGN`]-aligned
+/// offset of the run (as `k3 pack` lays them out), every encoded matrix one the kernels
+/// multiply coded ([`holds_coded`]). Each encoded tensor is "kept": bound to its stored bytes,
+/// a matrix held coded, a vector (a norm's gains, a matrix of one row) decoded into an
+/// allocation of its own when the layer is bound.
+fn placed_layout(l: &TrunkLayer) -> Option<Decoded> {
+    let mut order: Vec<(&String, &TrunkTensor)> = l.tensors.iter().collect();
+    order.sort_by_key(|(_, t)| t.off);
+    let any_encoded = order.iter().any(|(_, t)| t.is_encoded());
+    // Only vectors are decoded beside the run: a layer with a matrix the kernels cannot
+    // multiply coded (rows not a multiple of 32 values) is staged and decoded instead.
+    let vector = |t: &TrunkTensor| t.shape.len() == 1 || t.shape.first() == Some(&1);
+    let placeable = order.iter().all(|(_, t)| {
+        t.off.is_multiple_of(GATHER_ALIGN)
+            && (!t.is_encoded()
+                || (t.encoding == super::codec::NAME_NIBBLE && (holds_coded(t) || vector(t))))
+    });
+    if !any_encoded || !placeable {
+        return None;
+    }
+    Some(Decoded {
+        len: usize::try_from(l.nbytes).ok()?,
+        tensors: (order.iter())
+            .map(|(name, t)| ((*name).clone(), t.off as usize))
+            .collect(),
+        ends: order
+            .iter()
+            .map(|(_, t)| (t.off + t.stored) as usize)
+            .collect(),
+        kept: order.iter().map(|(_, t)| t.is_encoded()).collect(),
+        pieces: 0,
+    })
+}
+
+/// What a layer read in place keeps beside its run once bound: the kernels' index of each
+/// matrix held coded, and the decoded values of its other encoded tensors.
+fn placed_extra(l: &TrunkLayer) -> u64 {
+    (l.tensors.values())
+        .filter(|t| t.is_encoded())
+        .map(|t| {
+            if holds_coded(t) {
+                super::codec::NibbleIndex::bytes_for(t.shape[0], t.shape[1]) as u64
+            } else {
+                t.nbytes
+            }
+        })
+        .sum()
 }
 
 /// One piece of a layer's decoding: a block of an encoded tensor, or a raw tensor copied.
@@ -1584,6 +1652,7 @@ impl Trunk {
         }
         let decoded = m.layers.iter().map(|l| decoded_layout(l, false)).collect();
         let held = m.layers.iter().map(|l| decoded_layout(l, true)).collect();
+        let placed = m.layers.iter().map(placed_layout).collect();
         let source_check = check_source_bytes(&m, ck, &rewritten, dir)?;
         let bin = dir.join("trunk.bin");
         let (file, len) =
@@ -1606,6 +1675,7 @@ impl Trunk {
             decoded_pool: Pool::new(1),
             decoded,
             held,
+            placed,
             manifest: m,
             file,
             source_check,
@@ -1687,7 +1757,7 @@ impl Trunk {
             return Err(self.head_corrupt("larger than this machine can address".into()));
         };
         let mut fill = Filling::new(len);
-        self.read_run_part(l, 0, fill.area())?;
+        self.read_run_part(l, 0, fill.area(), false)?;
         self.read_run_done(l);
         let mut run = fill.finish(len);
         let got = crc32fast::hash(run.as_slice());
@@ -1891,52 +1961,139 @@ impl Trunk {
             return Err(self.read_error(il, l.file_off, l.nbytes, e));
         };
         let l = &self.manifest.layers[il];
-        self.read_run_part(l, 0, area)?;
+        self.read_run_part(l, 0, area, false)?;
         self.read_run_done(l);
         Ok(())
     }
 
+    /// The bytes layer `il`'s run takes where it is read in place, to be multiplied coded as
+    /// it lies ([`Trunk::read_in_place_into`]); None where it cannot be ([`placed_layout`]: a
+    /// layer stored raw or entropy-coded, or with a matrix the coded kernels do not take).
+    #[must_use]
+    pub fn in_place_len(&self, il: usize) -> Option<usize> {
+        let l = self.manifest.layers.get(il)?;
+        self.placed.get(il)?.as_ref()?;
+        usize::try_from(l.nbytes).ok()
+    }
+
+    /// Read layer `il`'s run as it lies into the first [`Trunk::in_place_len`] bytes of
+    /// `area`, like [`Trunk::read_run_into`], and check it against the manifest's checksum
+    /// on **every** read: each piece is hashed by the thread that read it as it arrives, and
+    /// the pieces' sums are combined in order. A layer read in place is bound once per slot
+    /// and its kernels' index kept (`stream::ring`), so a run changed on disk since must
+    /// never reach them: it is refused here, naming the layer, instead.
+    pub fn read_in_place_into(
+        &self,
+        il: usize,
+        area: &mut [std::mem::MaybeUninit<u8>],
+    ) -> Result<(), StreamError> {
+        let l = &self.manifest.layers[il];
+        let refuse = |why: &str| {
+            let e = std::io::Error::new(std::io::ErrorKind::InvalidInput, why.to_string());
+            self.read_error(il, l.file_off, l.nbytes, e)
+        };
+        let len = (self.in_place_len(il)).ok_or_else(|| refuse("not read in place"))?;
+        let area = area.get_mut(..len).ok_or_else(|| refuse("run too large"))?;
+        let got = self.read_run_part(l, 0, area, true)?.unwrap_or_default();
+        self.read_run_done(l);
+        if got != l.crc32 {
+            return Err(StreamError::Corrupt {
+                path: self.dir.join("trunk.bin"),
+                what: self.run_name(il),
+                reason: checksum_mismatch(got, l.crc32),
+            });
+        }
+        self.verified[il].store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Layer `il`'s tensors as ranges of `mem`, where [`Trunk::read_in_place_into`] read its
+    /// run: its nibble-coded matrices checked block by block and located for the kernels
+    /// (the checks of [`CodedMatrix::new`]), the others as they lie.
+    pub fn in_place_layer_run(&self, il: usize, mem: &Bytes) -> Result<LayerRun, StreamError> {
+        on_io_pool(|| self.layer_run_as(il, self.placed[il].as_ref(), mem))
+    }
+
+    /// Layer `il`, read in place ([`Trunk::in_place_len`]) into an allocation of its own and
+    /// bound there, to be pinned held coded: no staging and no second copy, so loading it
+    /// takes the bytes the planner counts for it and no more.
+    pub fn read_in_place_layer(&self, il: usize) -> Result<LayerRun, StreamError> {
+        let l = &self.manifest.layers[il];
+        let Some(len) = self.in_place_len(il) else {
+            let e = std::io::Error::new(std::io::ErrorKind::InvalidInput, "not read in place");
+            return Err(self.read_error(il, l.file_off, l.nbytes, e));
+        };
+        let mut fill = Filling::new_in(len, &self.decoded_pool);
+        on_io_pool(|| self.read_in_place_into(il, fill.area()))?;
+        let bytes = fill.finish(len);
+        self.in_place_layer_run(il, &bytes)
+    }
+
     /// Read bytes `from..from + area.len()` of layer `il`'s run into `area` (`from` a
-    /// multiple of the read piece), in pieces, several in flight.
+    /// multiple of the read piece), in pieces, several in flight; with `hash`, the CRC-32 of
+    /// the bytes read, each piece hashed on the thread that read it.
     fn read_run_part(
         &self,
         l: &TrunkLayer,
         from: usize,
         area: &mut [std::mem::MaybeUninit<u8>],
-    ) -> Result<(), StreamError> {
+        hash: bool,
+    ) -> Result<Option<u32>, StreamError> {
         use rayon::prelude::*;
         let il = l.layer;
         let direct = self.direct.as_ref().filter(|_| self.is_direct());
         let read_piece = |k: usize, piece: &mut [std::mem::MaybeUninit<u8>]| {
             let at = l.file_off + (from + k * PIECE) as u64;
             let take = piece.len();
+            let read = |f: &File, piece: &mut [std::mem::MaybeUninit<u8>]| {
+                let mut h = hash.then(crc32fast::Hasher::new);
+                pread_seen(&self.reads, &self.fault, f, piece, at, take, |b| {
+                    if let Some(h) = &mut h {
+                        h.update(b);
+                    }
+                })
+                .map(|_| h)
+            };
             let r = match direct {
-                Some(f) => match pread_counted(&self.reads, &self.fault, f, piece, at, take) {
+                Some(f) => match read(f, piece) {
                     Err(e)
                         if rustix::io::Errno::from_io_error(&e)
                             == Some(rustix::io::Errno::INVAL) =>
                     {
                         self.direct_off.store(true, Ordering::Relaxed);
-                        pread_counted(&self.reads, &self.fault, &self.file, piece, at, take)
+                        read(&self.file, piece)
                     }
                     r => r,
                 },
-                None => pread_counted(&self.reads, &self.fault, &self.file, piece, at, take),
+                None => read(&self.file, piece),
             };
-            r.map(|_| ())
-                .map_err(|e| self.read_error(il, at, take as u64, e))
+            r.map_err(|e| self.read_error(il, at, take as u64, e))
         };
-        // The lowest failing piece's error, whichever thread saw it first.
-        let read_all = |area: &mut [std::mem::MaybeUninit<u8>]| -> Result<(), StreamError> {
+        // The lowest failing piece's error, whichever thread saw it first. The pieces' sums
+        // are combined in order (a reduction keeps the pieces' order).
+        let read_all = |area: &mut [std::mem::MaybeUninit<u8>]| {
             area.par_chunks_mut(PIECE)
                 .enumerate()
-                .try_for_each(|(k, piece)| read_piece(k, piece))
+                .map(|(k, piece)| read_piece(k, piece))
+                .try_reduce(
+                    || hash.then(crc32fast::Hasher::new),
+                    |a, b| {
+                        Ok(match (a, b) {
+                            (Some(mut a), Some(b)) => {
+                                a.combine(&b);
+                                Some(a)
+                            }
+                            _ => None,
+                        })
+                    },
+                )
         };
         // Inside a pool (the read-ahead ring's reader), on that pool; else on the I/O pool.
-        match io_pool().filter(|_| rayon::current_thread_index().is_none()) {
+        let sum = match io_pool().filter(|_| rayon::current_thread_index().is_none()) {
             Some(pool) => pool.install(|| read_all(area)),
             None => read_all(area),
-        }
+        }?;
+        Ok(sum.map(crc32fast::Hasher::finalize))
     }
 
     /// What follows a whole run read: the page cache told to drop it (buffered reads), the
@@ -2105,7 +2262,8 @@ impl Trunk {
             let (part, _) = tail.split_at_mut(end - decoded_to);
             let read_next = || {
                 if read_now {
-                    self.read_run_part(l, arrived, &mut rest[..upto - arrived])
+                    self.read_run_part(l, arrived, &mut rest[..upto - arrived], false)
+                        .map(|_| ())
                 } else {
                     Ok(())
                 }
@@ -2220,6 +2378,11 @@ impl Trunk {
         let coded: Vec<(String, Result<Option<CodedMatrix>, StreamError>, Bytes)> = keep
             .into_par_iter()
             .map_init(Vec::new, |scratch, (name, t, b)| {
+                // A tensor the kernels do not multiply coded (read in place: a vector, a
+                // matrix of one row) is decoded below.
+                if !holds_coded(t) {
+                    return (name.clone(), Ok(None), b);
+                }
                 let (rows, cols) = (t.shape[0], t.shape[1]);
                 let m = CodedMatrix::new(b.clone(), rows, cols, scratch).map_err(|e| {
                     StreamError::Corrupt {

@@ -62,9 +62,10 @@ fn plan_chat_plans_what_chat_plans() {
     );
 }
 
-/// With an encoded packed trunk the chat's floor counts the staging of its largest run, as
-/// `k3 plan --chat --trunk` does: a budget between the two floors is refused before the chat
-/// starts, one just above the trunk's floor opens it.
+/// With an entropy-coded packed trunk the chat's floor counts the staging of its largest run
+/// (its layers are decoded, not read in place), as `k3 plan --chat --trunk` does: a budget
+/// between the two floors is refused before the chat starts, one just above the trunk's floor
+/// opens it.
 #[test]
 fn plan_chat_counts_an_encoded_trunks_staging() {
     let demo = crate::common::demo_model().to_str().unwrap().to_string();
@@ -72,7 +73,17 @@ fn plan_chat_counts_an_encoded_trunks_staging() {
     let home = tmp.path().join("no-config");
     let trunk = tmp.path().join("trunk");
     let trunk = trunk.to_str().unwrap();
-    let packed = run(&["pack", demo.as_str(), trunk, "--encode"], &home);
+    let packed = run(
+        &[
+            "pack",
+            demo.as_str(),
+            trunk,
+            "--encode",
+            "--codec",
+            "entropy",
+        ],
+        &home,
+    );
     assert!(packed.status.success(), "{packed:?}");
     let plan = |extra: &[&str]| -> Value {
         let mut args = vec!["plan", demo.as_str(), "--chat", "--json", "--mem", "2"];

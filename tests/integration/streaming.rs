@@ -438,12 +438,18 @@ fn run_small(extra: &[&str]) -> (serde_json::Value, Vec<u8>, u64) {
 
 /// `small` packed by `k3 pack` (the default encoding) into `name` beside it.
 fn pack_small(name: &str) -> std::path::PathBuf {
+    pack_small_with(name, &[])
+}
+
+/// [`pack_small`] with more `k3 pack` arguments.
+fn pack_small_with(name: &str, args: &[&str]) -> std::path::PathBuf {
     let trunk = small().join(name);
     crate::common::run_ok(
         crate::common::k3_command()
             .arg("pack")
             .arg(small().join("small"))
-            .arg(&trunk),
+            .arg(&trunk)
+            .args(args),
     );
     trunk
 }
@@ -503,7 +509,9 @@ fn the_output_head_is_streamed_from_its_encoded_run() {
     let floor = plan_at("1000")["floor_bytes"].as_u64().unwrap();
     let gb = format!("{:.6}", floor.div_ceil(1000) as f64 / 1e6);
     assert_eq!(plan_at(&gb)["head_resident"], false);
-    let (want_ids, want_logits, _) = run_small(&["--mem", &gb]);
+    // The checkpoint alone, with everything resident (its own floor is higher: the trunk's
+    // layers are read in place).
+    let (want_ids, want_logits, _) = run_small(&[]);
     let (ids, logits, peak, st) = run_small_env(&["--mem", &gb, "--trunk", ts], &[]);
     assert_eq!(ids, want_ids);
     assert!(logits == want_logits, "logits differ with the encoded head");
@@ -751,14 +759,15 @@ fn small_checkpoint_same_logits_at_every_budget_and_rss_within_budget() {
     }
 }
 
-/// With reads of 64 KiB ahead of the decoder, `small`'s encoded layers are longer than the
-/// window the floor stages them through: at the floor every layer streams through the window
-/// (and a pinned one is loaded through it), at the ids and logits of the checkpoint alone, inside
-/// the budget; a budget with room stages whole runs and gives the same.
+/// With reads of 64 KiB ahead of the decoder, `small`'s entropy-coded layers (staged and
+/// decoded, not read in place) are longer than the window the floor stages them through: at
+/// the floor every layer streams through the window (and a pinned one is loaded through it),
+/// at the ids and logits of the checkpoint alone, inside the budget; a budget with room
+/// stages whole runs and gives the same.
 #[test]
 fn encoded_layers_streamed_through_a_window_of_their_runs_give_the_same_bits() {
     let (ids, logits, _) = run_small(&[]);
-    let trunk = pack_small("trunk-window");
+    let trunk = pack_small_with("trunk-window", &["--codec", "entropy"]);
     let t = trunk.to_str().unwrap();
     let env = [("K3_TRUNK_SEGMENT_KB", "64")];
     let plan = |mem: &str| -> serde_json::Value {
@@ -1526,14 +1535,14 @@ fn plan_changes_between_coded_and_decoded_pinned_layers_change_no_bit() {
     }
 }
 
-/// A budget that pins every layer of an encoded trunk (short of holding everything) keeps the
-/// staging their runs are read through only while they load: after, none is held and its bytes
-/// are expert slots, at the bits of the checkpoint alone and inside the budget, loading
-/// included.
+/// A budget that pins every layer of an entropy-coded trunk (short of holding everything)
+/// keeps the staging their runs are read through only while they load: after, none is held
+/// and its bytes are expert slots, at the bits of the checkpoint alone and inside the budget,
+/// loading included. (A nibble-coded trunk's layers are read in place: no staging at all.)
 #[test]
 fn a_plan_pinning_every_encoded_layer_gives_its_staging_to_expert_slots() {
     let (ids, logits, _) = run_small(&[]);
-    let trunk = pack_small("trunk-all-pinned");
+    let trunk = pack_small_with("trunk-all-pinned", &["--codec", "entropy"]);
     let t = trunk.to_str().unwrap();
     // `k3 run` plans for its prompt and generated tokens: 16 positions.
     let plan = |mem: &str| -> serde_json::Value {

@@ -141,7 +141,11 @@ fn with_or_without_the_trunk_every_budget_gives_the_same_logits() {
         let plain = info_with(&dir, None);
         let staged = info.sizes.layer_window.iter().max().copied().unwrap_or(0);
         assert_eq!(staged > 0, encode, "{set}: encoded layers are staged");
-        assert_eq!(floor, plain.plan.floor_bytes + staged, "{set}");
+        // Staged and decoded, an entropy-coded trunk's floor counts its staging (a
+        // nibble-coded one's layers may be read in place: `layers_read_in_place_…`).
+        if coding == Some(Coding::Entropy) {
+            assert_eq!(floor, plain.plan.floor_bytes + staged, "{set}");
+        }
         assert_eq!(info.sizes.head_stored > 0, encode, "{set}");
         for direct in [true, false] {
             for req in [
@@ -1087,4 +1091,187 @@ fn a_layer_read_through_a_window_of_its_run_gives_the_bytes_of_reading_it_whole(
         "{msg}"
     );
     assert!(!fresh.is_checked(il));
+}
+
+/// The `small` model's trunk packed nibble-coded: every layer's run is laid out as a pinned
+/// layer holds it (its matrices as stored, in order), so it can be read in place and
+/// multiplied there; an entropy-coded one cannot. A read in place gives the run's bytes as
+/// they lie; it is checked against the run's checksum on every read, so a byte changed on
+/// disk after the layer was first read (and bound) is refused, naming the layer, with exit 3;
+/// a failing read fails the layer, a short one is retried to the same bytes. The layer bound
+/// there holds its matrices coded, each decoding to the decoded layer's bytes, and its other
+/// tensors with the decoded layer's bytes.
+#[test]
+fn a_layer_read_in_place_is_checked_on_every_read() {
+    let small = crate::streaming::small().join("small");
+    let tmp = tempfile::tempdir().unwrap();
+    let (nib, ent) = (tmp.path().join("nib"), tmp.path().join("ent"));
+    pack_into(&small, &nib, Some(Coding::Nibble));
+    pack_into(&small, &ent, Some(Coding::Entropy));
+    let ck = Checkpoint::open(&small).unwrap();
+    let cfg = k3::engine::ModelConfig::load(&small.join("config.json")).unwrap();
+    let n = cfg.num_hidden_layers;
+    let t = trunk::Trunk::open(&nib, &ck, n).unwrap();
+    let e = trunk::Trunk::open(&ent, &ck, n).unwrap();
+    assert!((0..n).all(|il| e.in_place_len(il).is_none()));
+    let lens: Vec<usize> = (0..n)
+        .map(|il| {
+            t.in_place_len(il)
+                .expect("a nibble-coded layer is read in place")
+        })
+        .collect();
+    let decoded = (0..n).filter_map(|il| t.decoded_len(il)).map(|(_, d)| d);
+    let most = lens.iter().copied().chain(decoded).max().unwrap();
+    let arena = k3::stream::arena::Arena::new(most);
+    arena.set_slots(3).unwrap();
+    let (mut want, mut got, mut dec) = (
+        arena.take().unwrap(),
+        arena.take().unwrap(),
+        arena.take().unwrap(),
+    );
+    let mut scratch = t.decode_scratch();
+    for (il, &len) in lens.iter().enumerate() {
+        assert_eq!(len as u64, t.manifest().layers[il].nbytes);
+        t.read_run_into(il, want.area()).unwrap();
+        for pattern in [0xAA, 0x55] {
+            for b in got.area() {
+                b.write(pattern);
+            }
+            t.read_in_place_into(il, got.area()).unwrap();
+            assert!(
+                got.as_slice()[..len] == want.as_slice()[..len],
+                "layer {il}"
+            );
+        }
+        // Every matrix held coded decodes to the decoded layer's tensor.
+        let dlen = t.decoded_len(il).unwrap().1;
+        let run = want.as_slice()[..len].to_vec();
+        t.decode_run_into(il, &run, &mut dec.area()[..dlen], &mut scratch)
+            .unwrap();
+        let bytes = k3::stream::bytes::Bytes::copy_from(&got.as_slice()[..len]);
+        let mut held = t.in_place_layer_run(il, &bytes).unwrap();
+        let dbytes = k3::stream::bytes::Bytes::copy_from(&dec.as_slice()[..dlen]);
+        let mut plain = t.decoded_layer_run(il, &dbytes).unwrap();
+        let mut coded = 0;
+        for (name, tensor) in &t.manifest().layers[il].tensors {
+            let (_, want_bytes) = plain.take(name).unwrap();
+            match held.take_coded(name) {
+                Some(m) => {
+                    let got: Vec<u8> = (m.decode().as_slice().iter())
+                        .flat_map(|v| v.to_le_bytes())
+                        .collect();
+                    assert!(got == want_bytes.as_slice(), "layer {il} {name}");
+                    coded += 1;
+                }
+                None => {
+                    // Raw, or encoded but not multiplied coded (a vector): decoded when bound.
+                    assert!(
+                        !trunk::holds_coded(tensor),
+                        "layer {il} {name}: not held coded"
+                    );
+                    let (_, b) = held.take(name).unwrap();
+                    assert!(b.as_slice() == want_bytes.as_slice(), "layer {il} {name}");
+                }
+            }
+        }
+        assert!(coded > 0, "layer {il}");
+    }
+    // A failing read fails the layer, naming it; a short one is retried to the same bytes.
+    let il = n - 1;
+    let len = lens[il];
+    t.read_run_into(il, want.area()).unwrap();
+    t.inject_fault(t.reads_issued(), Fault::Io);
+    let err = t.read_in_place_into(il, got.area()).unwrap_err();
+    assert!(
+        err.to_string().contains(&format!("trunk layer {il}")),
+        "{err}"
+    );
+    t.inject_fault(t.reads_issued(), Fault::Short);
+    t.read_in_place_into(il, got.area()).unwrap();
+    assert!(got.as_slice()[..len] == want.as_slice()[..len]);
+    // A byte of the last tensor changed on disk after the layer was read and checked.
+    let l = &t.manifest().layers[il];
+    let last = l.tensors.values().max_by_key(|x| x.off).unwrap();
+    let at = (l.file_off + last.off + last.stored / 2) as usize;
+    let bin = nib.join("trunk.bin");
+    let mut bytes = std::fs::read(&bin).unwrap();
+    bytes[at] ^= 0x5a;
+    std::fs::write(&bin, &bytes).unwrap();
+    let err = t.read_in_place_into(il, got.area()).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains(&format!("trunk layer {il}")), "{msg}");
+    assert!(
+        msg.contains("checksum") && msg.contains("k3 pack --force"),
+        "{msg}"
+    );
+    assert_eq!(err.exit_code(), 3, "{msg}");
+}
+
+/// Where pinned layers are held coded, `k3 plan` on a nibble-coded trunk reads every layer in
+/// place (no staging, a lower floor than the entropy-coded trunk's), and `k3 run` gives the
+/// same ids and logits streaming every layer so, pinning some, and holding everything, as
+/// with the entropy-coded trunk (whose layers are staged and decoded).
+#[test]
+fn layers_read_in_place_give_the_ids_of_layers_decoded() {
+    let small = crate::streaming::small().join("small");
+    let tmp = tempfile::tempdir().unwrap();
+    let (nib, ent) = (tmp.path().join("nib"), tmp.path().join("ent"));
+    pack_into(&small, &nib, Some(Coding::Nibble));
+    pack_into(&small, &ent, Some(Coding::Entropy));
+    let (s, n, e) = (
+        small.to_str().unwrap(),
+        nib.to_str().unwrap(),
+        ent.to_str().unwrap(),
+    );
+    let plan = |trunk: &str, mem: &str| {
+        let (code, out, err) = k3(&["plan", s, "--trunk", trunk, "--mem", mem, "--json"]);
+        assert_eq!(code, 0, "{err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let (pn, pe) = (plan(n, "0.3"), plan(e, "0.3"));
+    assert!(
+        pn["floor_bytes"].as_u64() < pe["floor_bytes"].as_u64(),
+        "{pn} {pe}"
+    );
+    let floor = pn["floor_bytes"].as_u64().unwrap() as f64 / 1e9;
+    let model = pn["model_bytes"].as_u64().unwrap() as f64 / 1e9;
+    let dump = tmp.path().join("logits.bin");
+    let run = |trunk: &str, mem: Option<f64>| {
+        let mem = mem.map(|m| format!("{m:.4}"));
+        let mut args = vec!["run", s, "--ids", "1,2,3,4", "--gen", "6", "--trunk", trunk];
+        args.extend(["--dump-logits", dump.to_str().unwrap()]);
+        if let Some(m) = &mem {
+            args.extend(["--mem", m]);
+        }
+        let (code, out, err) = k3(&args);
+        assert_eq!(code, 0, "{err}");
+        (out, std::fs::read(&dump).unwrap())
+    };
+    let want = run(e, None);
+    let mut coded = 0;
+    for mem in [Some(floor + 0.002), Some(floor + model / 3.0), None] {
+        if let Some(m) = mem {
+            let p = plan(n, &format!("{m:.4}"));
+            if p["ring_coded"] == true {
+                assert_eq!(p["stage_bytes"].as_u64(), Some(0), "{p}");
+                coded += 1;
+            }
+        }
+        assert_eq!(run(n, mem), want, "{mem:?} GB");
+        assert_eq!(run(e, mem), want, "{mem:?} GB");
+    }
+    assert!(coded > 0, "some budget streams layers read in place");
+    let (code, out, err) = k3(&[
+        "plan",
+        s,
+        "--trunk",
+        n,
+        "--mem",
+        &format!("{:.4}", floor + 0.002),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("multiplied coded") && out.contains("staging      none"),
+        "{out}"
+    );
 }

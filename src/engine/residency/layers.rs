@@ -86,6 +86,18 @@ pub(super) fn load_encoded(
     })
 }
 
+/// Layer `il` of `trunk`, read as it lies into an allocation of its own and held coded
+/// there, for pinning (see `Trunk::read_in_place_layer`): no staging.
+pub(super) fn load_in_place(
+    ck: &Checkpoint,
+    trunk: &Trunk,
+    cfg: &ModelConfig,
+    il: usize,
+) -> LayerResult {
+    let run = trunk.read_in_place_layer(il)?;
+    bind(ck, cfg, il, Binder::new(ck, true, false).with_run(run)).map(Arc::new)
+}
+
 /// One of a layer's tensors: its name, where it lies in its shard, and its place in a slot.
 #[derive(Debug)]
 struct Span {
@@ -103,8 +115,14 @@ enum Layout {
     Shards { spans: Vec<Span> },
     /// Its run of the packed trunk, holding encoded tensors, read into the ring's staging
     /// buffer (`window` bytes of it at least) and decoded from there into `len` bytes of the
-    /// slot.
-    Encoded { window: usize, len: usize },
+    /// slot; or, in a ring that holds layers coded, read as it lies into `in_place` bytes of
+    /// the slot and multiplied coded there, where the run allows it
+    /// (`Trunk::in_place_len`).
+    Encoded {
+        window: usize,
+        len: usize,
+        in_place: Option<usize>,
+    },
 }
 
 /// Tensors start at this alignment in a slot (the widest kernel load).
@@ -131,6 +149,7 @@ impl LayerTable {
                             .get(il)
                             .map_or(stored, |&w| usize::try_from(w).unwrap_or(stored)),
                         len,
+                        in_place: t.in_place_len(il),
                     },
                     // Not a layer of the trunk: its first read reports it.
                     (None, None) => Layout::Trunk { len: 0 },
@@ -159,19 +178,24 @@ impl LayerTable {
 }
 
 impl Layout {
-    fn len(&self) -> usize {
+    /// Bytes the layer takes in a slot, in a ring that holds layers `coded` or not.
+    fn len(&self, coded: bool) -> usize {
         match self {
             Layout::Trunk { len } => *len,
             Layout::Shards { spans } => spans.last().map_or(0, |s| {
                 s.at + (s.info.n_bytes() as usize).next_multiple_of(SPAN_ALIGN)
             }),
-            Layout::Encoded { len, .. } => *len,
+            Layout::Encoded { in_place, len, .. } => in_place.filter(|_| coded).unwrap_or(*len),
         }
     }
 
-    /// Bytes the layer stages (at least) before it is decoded into a slot.
-    fn staged(&self) -> usize {
+    /// Bytes the layer stages (at least) before it is decoded into a slot (0: read as it
+    /// lies), in a ring that holds layers `coded` or not.
+    fn staged(&self, coded: bool) -> usize {
         match self {
+            Layout::Encoded {
+                in_place: Some(_), ..
+            } if coded => 0,
             Layout::Encoded { window, .. } => *window,
             _ => 0,
         }
@@ -206,51 +230,53 @@ pub(super) struct Source {
 }
 
 impl Source {
-    /// Read layer `il` into `slot` (an encoded one through `stage`): the layer bound to it,
-    /// None (nothing read) while a layer bound to the slot is still lent out.
+    /// Read layer `il` into `slot` (an encoded one through `stage`, or as it lies where the
+    /// ring holds layers `coded` and its run allows): the layer bound to it, None (nothing
+    /// read) while a layer bound to the slot is still lent out.
     fn fill(
         &self,
         slot: &mut RingSlot<Layer>,
         stage: &mut Stage,
         il: usize,
+        coded: bool,
     ) -> Option<LayerResult> {
         let ck = &*self.ck;
         match (&self.table.layouts[il], self.trunk.as_deref()) {
-            (Layout::Encoded { len, .. }, Some(trunk)) => slot.fill(
+            (
+                Layout::Encoded {
+                    in_place: Some(len),
+                    ..
+                },
+                Some(trunk),
+            ) if coded => self.fill_run(
+                slot,
                 il,
+                *len,
+                // Checked against the run's checksum on every read: the layer bound the first
+                // time (its kernels' index) is handed out again.
+                |area| trunk.read_in_place_into(il, area),
+                |mem| trunk.in_place_layer_run(il, mem),
+            ),
+            (Layout::Encoded { len, .. }, Some(trunk)) => self.fill_run(
+                slot,
+                il,
+                *len,
                 |area| {
-                    let (Some(area), Some(mem)) = (area.get_mut(..*len), stage.mem.as_mut()) else {
+                    let Some(mem) = stage.mem.as_mut() else {
                         return Err(too_large(ck, il));
                     };
                     // Read and decoded overlapped, a segment of the run at a time (through a
                     // window of the run when the staging is smaller than the run).
                     trunk.read_decode_into(il, mem, area, &mut stage.scratch)
                 },
-                |mem| {
-                    let run = trunk.decoded_layer_run(il, mem)?;
-                    bind(
-                        ck,
-                        &self.cfg,
-                        il,
-                        Binder::new(ck, true, false).with_run(run),
-                    )
-                },
+                |mem| trunk.decoded_layer_run(il, mem),
             ),
-            (Layout::Trunk { len }, Some(trunk)) => slot.fill(
+            (Layout::Trunk { len }, Some(trunk)) => self.fill_run(
+                slot,
                 il,
-                |area| match area.get_mut(..*len) {
-                    Some(area) => trunk.read_run_into(il, area),
-                    None => Err(too_large(ck, il)),
-                },
-                |mem| {
-                    let run = trunk.raw_layer_run(il, mem)?;
-                    bind(
-                        ck,
-                        &self.cfg,
-                        il,
-                        Binder::new(ck, true, false).with_run(run),
-                    )
-                },
+                *len,
+                |area| trunk.read_run_into(il, area),
+                |mem| trunk.raw_layer_run(il, mem),
             ),
             (Layout::Shards { spans }, _) => slot.fill(
                 il,
@@ -284,6 +310,37 @@ impl Source {
             ),
             _ => Some(load_layer(ck, self.trunk.as_deref(), &self.cfg, il, false)),
         }
+    }
+}
+
+impl Source {
+    /// Fill `slot` with layer `il` from the trunk: `read` writes its `len` bytes into the
+    /// slot, and the first time the layer comes to the slot `run` finds its tensors there to
+    /// bind.
+    fn fill_run(
+        &self,
+        slot: &mut RingSlot<Layer>,
+        il: usize,
+        len: usize,
+        read: impl FnOnce(&mut [std::mem::MaybeUninit<u8>]) -> Result<(), StreamError>,
+        run: impl FnOnce(&crate::stream::bytes::Bytes) -> Result<LayerRun, StreamError>,
+    ) -> Option<LayerResult> {
+        let ck = &*self.ck;
+        slot.fill(
+            il,
+            |area| match area.get_mut(..len) {
+                Some(area) => read(area),
+                None => Err(too_large(ck, il)),
+            },
+            |mem| {
+                bind(
+                    ck,
+                    &self.cfg,
+                    il,
+                    Binder::new(ck, true, false).with_run(run(mem)?),
+                )
+            },
+        )
     }
 }
 
@@ -336,6 +393,11 @@ struct RingState {
     queue: VecDeque<usize>,
     /// Where encoded layers are staged; None while the reader has it out.
     stage: Option<Stage>,
+    /// Whether the slots hold the layers that can be read in place coded, as they lie
+    /// (`Plan::ring_coded`).
+    coded: bool,
+    /// Bytes each layer takes in a slot of this ring.
+    lens: Vec<usize>,
     stop: bool,
     /// Whether the reader is still running.
     alive: usize,
@@ -371,15 +433,21 @@ impl RingState {
     }
 }
 
+/// The bytes a layer takes in a slot and stages, in a ring that holds layers decoded (0) and
+/// coded (1).
+#[derive(Debug)]
+struct LayoutSizes {
+    len: [usize; 2],
+    staged: [usize; 2],
+}
+
 /// The read-ahead ring: its slots, their state, and the reader thread that fills them.
 #[derive(Debug)]
 pub(super) struct LayerRing {
     state: Leaf<RingState>,
     changed: Condvar,
-    /// Bytes each layer takes in a slot.
-    lens: Vec<usize>,
-    /// Bytes each layer stages before it is decoded (0: read as it lies).
-    staged: Vec<usize>,
+    /// How each layer is read.
+    layouts: Vec<LayoutSizes>,
     /// The trunk, to size the staging's list of pieces.
     trunk: Option<Arc<Trunk>>,
     /// Layers of the model (a slot keeps one bound layer per layer it has held).
@@ -403,12 +471,18 @@ impl LayerRing {
                 pending: VecDeque::new(),
                 queue: VecDeque::new(),
                 stage: Some(Stage::default()),
+                coded: false,
+                lens: src.table.layouts.iter().map(|l| l.len(false)).collect(),
                 stop: false,
                 alive: 0,
             }),
             changed: Condvar::new(),
-            lens: src.table.layouts.iter().map(Layout::len).collect(),
-            staged: src.table.layouts.iter().map(Layout::staged).collect(),
+            layouts: (src.table.layouts.iter())
+                .map(|l| LayoutSizes {
+                    len: [l.len(false), l.len(true)],
+                    staged: [l.staged(false), l.staged(true)],
+                })
+                .collect(),
             trunk: src.trunk.clone(),
             layers: src.cfg.num_hidden_layers,
             pool: Leaf::new(None),
@@ -479,11 +553,12 @@ impl LayerRing {
             };
             let mut stage = g.stage.take().unwrap_or_default();
             g.status[s] = Status::Reading(il);
+            let coded = g.coded;
             drop(g);
             // A slot whose last layer is still lent out is waited for: the forward pass
             // gives a layer back before it asks for the next.
             let result = loop {
-                if let Some(r) = src.fill(&mut slot, &mut stage, il) {
+                if let Some(r) = src.fill(&mut slot, &mut stage, il, coded) {
                     break Some(r);
                 }
                 if matches!(self.state.lock().status[s], Status::Discard) {
@@ -517,7 +592,7 @@ impl LayerRing {
             if let Some(s) = g.pending.pop_front() {
                 break s;
             }
-            let len = self.lens.get(il).copied().unwrap_or(0);
+            let len = g.lens.get(il).copied().unwrap_or(0);
             if !g.caps.iter().any(|&c| c >= len) {
                 return Err(StreamError::Unrepresentable {
                     path: std::path::PathBuf::new(),
@@ -555,7 +630,8 @@ impl LayerRing {
         if g.pending.iter().any(|&s| g.status[s].layer() == Some(il)) {
             return false;
         }
-        let asked = g.ask(il, self.lens.get(il).copied().unwrap_or(0)).is_some();
+        let len = g.lens.get(il).copied().unwrap_or(0);
+        let asked = g.ask(il, len).is_some();
         if asked {
             self.changed.notify_all();
         }
@@ -564,14 +640,16 @@ impl LayerRing {
 
     /// Drop every request, wait for the reader to finish the read under way, and make
     /// `slots` slots of the sizes of the `slots` largest layers `pinned` leaves streamed (the
-    /// layers bound to the old slots go with them), and a staging of `stage` bytes (at least
-    /// the largest window an encoded run needs, when any layer is stored encoded). `None`:
+    /// layers bound to the old slots go with them), holding layers `coded` or not
+    /// (`Plan::ring_coded`), and a staging of `stage` bytes (at least the largest window an
+    /// encoded run needs, when any layer is stored encoded and not read in place). `None`:
     /// no staging, for a plan that pins every layer and has none left to load.
     pub(super) fn resize(
         &self,
         slots: usize,
         pinned: &[bool],
         stage: Option<usize>,
+        coded: bool,
     ) -> std::io::Result<()> {
         let mut g = self.state.lock();
         while let Some(s) = g.pending.pop_front() {
@@ -589,7 +667,10 @@ impl LayerRing {
         g.status.clear();
         g.queue.clear();
         g.arenas.clear();
-        let mut lens: Vec<usize> = (self.lens.iter().enumerate())
+        let mode = usize::from(coded);
+        g.coded = coded;
+        g.lens = self.layouts.iter().map(|l| l.len[mode]).collect();
+        let mut lens: Vec<usize> = (g.lens.iter().enumerate())
             .filter(|&(il, _)| !pinned.get(il).copied().unwrap_or(false))
             .map(|(_, &n)| n)
             .collect();
@@ -601,7 +682,10 @@ impl LayerRing {
         while g.stage.is_none() {
             g = g.wait(&self.changed);
         }
-        let window = self.staged.iter().copied().max().unwrap_or(0);
+        let window = (self.layouts.iter())
+            .map(|l| l.staged[mode])
+            .max()
+            .unwrap_or(0);
         let staged = match stage {
             Some(stage) if window > 0 => stage.max(window),
             _ => 0,

@@ -902,15 +902,15 @@ impl Manifest {
             .collect()
     }
 
-    /// Per layer, the bytes it holds when pinned, for a layer stored encoded: its tensors
-    /// laid out with the nibble-coded matrices kept as stored ([`holds_coded`]) and the others
-    /// decoded, and the kernels' index of each kept one; 0 for a layer stored raw (pinned as
-    /// it lies).
+    /// Per layer, the bytes it holds when pinned, for a layer stored encoded: where it is read
+    /// in place ([`placed_layout`]), its run and what it keeps beside ([`placed_extra`]); else
+    /// its tensors laid out with the nibble-coded matrices kept as stored ([`holds_coded`])
+    /// and the others decoded, and the kernels' index of each kept one; 0 for a layer stored
+    /// raw (pinned as it lies).
     #[must_use]
     pub fn held_lens(&self) -> Vec<u64> {
         (self.layers.iter())
             .map(|l| {
-                // Read in place, a layer is pinned so too: its run and what it keeps beside.
                 if placed_layout(l).is_some() {
                     return l.nbytes + placed_extra(l);
                 }

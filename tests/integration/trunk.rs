@@ -1093,6 +1093,17 @@ fn a_layer_read_through_a_window_of_its_run_gives_the_bytes_of_reading_it_whole(
     assert!(!fresh.is_checked(il));
 }
 
+/// The `small` model's trunk packed nibble-coded and entropy-coded, each into a directory of
+/// its own (kept while the first value lives): the directory, the model, the two trunks.
+fn small_nibble_and_entropy() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
+    let small = crate::streaming::small().join("small");
+    let tmp = tempfile::tempdir().unwrap();
+    let (nib, ent) = (tmp.path().join("nib"), tmp.path().join("ent"));
+    pack_into(&small, &nib, Some(Coding::Nibble));
+    pack_into(&small, &ent, Some(Coding::Entropy));
+    (tmp, small, nib, ent)
+}
+
 /// The `small` model's trunk packed nibble-coded: every layer's run is laid out as a pinned
 /// layer holds it (its matrices as stored, in order), so it can be read in place and
 /// multiplied there; an entropy-coded one cannot. A read in place gives the run's bytes as
@@ -1103,11 +1114,7 @@ fn a_layer_read_through_a_window_of_its_run_gives_the_bytes_of_reading_it_whole(
 /// tensors with the decoded layer's bytes.
 #[test]
 fn a_layer_read_in_place_is_checked_on_every_read() {
-    let small = crate::streaming::small().join("small");
-    let tmp = tempfile::tempdir().unwrap();
-    let (nib, ent) = (tmp.path().join("nib"), tmp.path().join("ent"));
-    pack_into(&small, &nib, Some(Coding::Nibble));
-    pack_into(&small, &ent, Some(Coding::Entropy));
+    let (_tmp, small, nib, ent) = small_nibble_and_entropy();
     let ck = Checkpoint::open(&small).unwrap();
     let cfg = k3::engine::ModelConfig::load(&small.join("config.json")).unwrap();
     let n = cfg.num_hidden_layers;
@@ -1213,11 +1220,7 @@ fn a_layer_read_in_place_is_checked_on_every_read() {
 /// with the entropy-coded trunk (whose layers are staged and decoded).
 #[test]
 fn layers_read_in_place_give_the_ids_of_layers_decoded() {
-    let small = crate::streaming::small().join("small");
-    let tmp = tempfile::tempdir().unwrap();
-    let (nib, ent) = (tmp.path().join("nib"), tmp.path().join("ent"));
-    pack_into(&small, &nib, Some(Coding::Nibble));
-    pack_into(&small, &ent, Some(Coding::Entropy));
+    let (tmp, small, nib, ent) = small_nibble_and_entropy();
     let (s, n, e) = (
         small.to_str().unwrap(),
         nib.to_str().unwrap(),

@@ -341,6 +341,13 @@ struct IoScratch {
 }
 
 impl IoScratch {
+    /// Bytes its buffers hold.
+    fn held_bytes(&self) -> usize {
+        2 * self.raw.capacity()
+            + 4 * (self.wide.capacity() + self.part.capacity())
+            + self.stored.capacity()
+    }
+
     /// The first `n` bytes of the raw buffer (grown, never shrunk).
     fn bytes(&mut self, n: usize) -> &mut [u8] {
         fit_bytes(&mut self.raw, n)
@@ -630,7 +637,15 @@ impl Streamer {
         } else {
             Some(usize::try_from(r.plan.stage_bytes).unwrap_or(usize::MAX))
         };
+        let head_held = r.plan.head_resident;
         drop(r);
+        if head_held {
+            // A resident head streams nothing: the buffers its chunks were read through go,
+            // since the plan counts them only while the head streams (the embedding's rows
+            // grow a small one again on demand).
+            let freed = std::mem::take(&mut *self.io.lock());
+            shrinks |= freed.held_bytes() > 0;
+        }
         // Drop the read-ahead and make the new plan's ring.
         let ring_slots = usize::try_from(r_ring_slots).unwrap_or(usize::MAX);
         self.ring

@@ -83,6 +83,25 @@ pub struct ModelSizes {
 }
 
 impl ModelSizes {
+    /// Bytes of the packed trunk a token reads with the layers `pinned` and the head resident
+    /// or not: the streamed layers' runs and, where the head streams, its stored bytes.
+    #[must_use]
+    pub fn read_bytes(&self, pinned: &[bool], head_resident: bool) -> u64 {
+        let layers: u64 = (0..pinned.len())
+            .filter(|&il| !pinned[il])
+            .map(|il| match self.layer_staged.get(il) {
+                Some(&b) if b > 0 => b,
+                _ => self.layer_trunk[il],
+            })
+            .sum();
+        let head = match (head_resident, self.head_stored) {
+            (true, _) => 0,
+            (false, 0) => self.head,
+            (false, b) => b,
+        };
+        layers + head
+    }
+
     /// Bytes layer `il` holds when pinned.
     #[must_use]
     pub fn pinned_layer(&self, il: usize) -> u64 {
@@ -265,19 +284,7 @@ impl Plan {
     /// streams, its stored bytes.
     #[must_use]
     pub fn trunk_read_bytes(&self, s: &ModelSizes) -> u64 {
-        let layers: u64 = (0..self.pinned.len())
-            .filter(|&il| !self.pinned[il])
-            .map(|il| match s.layer_staged.get(il) {
-                Some(&b) if b > 0 => b,
-                _ => s.layer_trunk[il],
-            })
-            .sum();
-        let head = match (self.head_resident, s.head_stored) {
-            (true, _) => 0,
-            (false, 0) => s.head,
-            (false, b) => b,
-        };
-        layers + head
+        s.read_bytes(&self.pinned, self.head_resident)
     }
 
     /// Whether the staging is held only while pinned layers load (every layer is pinned, so
@@ -707,11 +714,21 @@ fn plan_held(
         }
     };
     let fixed = fixed + extra;
-    // Pin the output head first (it is read every token like a layer), then layers from the
-    // first one up, keeping room for the ring of the layers left unpinned.
-    let mut pinned = vec![false; n];
-    let mut left = trunk_budget;
-    let mut head_resident = false;
+    // The floor counts a chunk of streamed head rows; a resident head needs none, so once the
+    // head is pinned those bytes go back where they came from: to the trunk under a total
+    // budget, to the cache's share under a split one (which paid for the floor's overheads).
+    let head_chunk = head_chunk_rows * s.row_bytes;
+    let (trunk_credit, cache_credit) = match req {
+        BudgetRequest::Split { .. } => (0, head_chunk),
+        _ => (head_chunk, 0),
+    };
+    // Pin the output head (it is read every token like a layer), then every layer that fits,
+    // from the first one up, keeping room for the ring of the layers left unpinned: a layer
+    // too large for what is left is skipped and a smaller one after it may still fit (every
+    // pinned byte is a byte fewer read per token, whichever layer it holds). A head held in
+    // more bytes than it reads (decoded, where the trunk stores it coded) can save fewer reads
+    // than layers in the same bytes, so the plan without it is made too, and the one that
+    // reads less is taken.
     // Runs are staged whole where the budget has room for it with nothing pinned (a window
     // costs a copy of part of a run now and then); then only as much as the layers left
     // streaming need.
@@ -725,24 +742,34 @@ fn plan_held(
     };
     let ring_min = ring_min + (stage_of(&vec![false; n]) - window);
     let ring_of = |pinned: &[bool]| ring.need(pinned, stage_of(pinned));
-    if left >= s.pinned_head() + ring_min {
-        head_resident = true;
-        left -= s.pinned_head();
-    }
-    for il in 0..n {
-        let mut trial = pinned.clone();
-        trial[il] = true;
-        let need = s.pinned_layer(il) + ring_of(&trial);
-        let used: u64 = (0..n)
-            .filter(|&i| pinned[i])
-            .map(|i| s.pinned_layer(i))
-            .sum();
-        if used + need <= left {
-            pinned = trial;
-        } else {
-            break;
+    let pin = |with_head: bool| {
+        let mut pinned = vec![false; n];
+        let mut left = trunk_budget;
+        let head = with_head && left + trunk_credit >= s.pinned_head() + ring_min;
+        if head {
+            left = left + trunk_credit - s.pinned_head();
         }
-    }
+        let mut used = 0;
+        for il in 0..n {
+            let mut trial = pinned.clone();
+            trial[il] = true;
+            let need = s.pinned_layer(il) + ring_of(&trial);
+            if used + need <= left {
+                pinned = trial;
+                used += s.pinned_layer(il);
+            }
+        }
+        (head, pinned)
+    };
+    let (head_resident, pinned) = {
+        let with = pin(true);
+        let without = pin(false);
+        if s.read_bytes(&without.1, without.0) < s.read_bytes(&with.1, with.0) {
+            without
+        } else {
+            with
+        }
+    };
     let pinned_bytes: u64 = (0..n)
         .filter(|&i| pinned[i])
         .map(|i| s.pinned_layer(i))
@@ -754,7 +781,10 @@ fn plan_held(
     let ring_bytes = if all_pinned { 0 } else { ring_of(&pinned) };
     // Whatever the trunk did not use goes to the cache.
     let trunk_used = pinned_bytes + ring_bytes + if head_resident { s.pinned_head() } else { 0 };
-    let cache_bytes = cache_budget + trunk_budget.saturating_sub(trunk_used);
+    let credit = if head_resident { trunk_credit } else { 0 };
+    let cache_bytes = cache_budget
+        + if head_resident { cache_credit } else { 0 }
+        + (trunk_budget + credit).saturating_sub(trunk_used);
     let slots_of = |bytes: u64| (bytes / slot).clamp(s.top_k, all_experts.max(s.top_k));
     let expert_slots = slots_of(cache_bytes);
     let stage = stage_of(&pinned);
@@ -1073,6 +1103,57 @@ mod tests {
         let at = |b: u64| plan(&generic, BudgetRequest::Total(b), 4096, None);
         assert!(at(r.floor_bytes).is_ok_and(|p| p.ring_coded));
         assert_eq!(at(r.floor_bytes - 1).unwrap_err().floor, r.floor_bytes);
+    }
+
+    /// Under a total budget nothing a layer or an expert slot could use is left over: once the
+    /// head is pinned, the chunk of streamed head rows the floor counts is given back, and a
+    /// layer too large for what is left is skipped for a smaller one after it. What goes to
+    /// the cache beyond its least share is then less than any streamed layer, and what is
+    /// left of the budget is less than an expert slot. More budget never reads more.
+    #[test]
+    fn a_budget_is_spent_on_every_layer_that_fits_then_expert_slots() {
+        let raw = k3_sizes();
+        let coded = k3_coded_sizes();
+        let in_place = ModelSizes {
+            layer_in_place: coded.layer_staged.clone(),
+            coded_first: true,
+            ..coded.clone()
+        };
+        for (name, s) in [("raw", raw), ("coded", coded), ("in place", in_place)] {
+            let slot = expert_slot_bytes(&s);
+            let all = s.experts_per_layer * s.moe_layers;
+            let (mut skipped, mut last) = (0, u64::MAX);
+            for gb in 7..=160u64 {
+                let b = gb * 1_000_000_000;
+                let p = plan(&s, BudgetRequest::Total(b), 4096, None).unwrap();
+                let planned = p.planned_bytes(&s);
+                assert!(planned <= b, "{name} {gb} GB: {planned}");
+                let reads = p.trunk_read_bytes(&s);
+                assert!(
+                    reads <= last,
+                    "{name}: {gb} GB reads more than {} GB",
+                    gb - 1
+                );
+                last = reads;
+                if p.n_pinned() == 93 || p.expert_slots >= all {
+                    continue;
+                }
+                assert!(b - planned < slot, "{name} {gb} GB: {} left", b - planned);
+                let to_cache = (p.expert_slots - s.top_k) * slot;
+                for il in (0..93).filter(|&i| !p.pinned[i]) {
+                    assert!(
+                        s.pinned_layer(il) > to_cache,
+                        "{name} {gb} GB: layer {il} fits in the {to_cache} bytes the cache got"
+                    );
+                }
+                let first_streamed = p.pinned.iter().position(|&x| !x).unwrap_or(93);
+                skipped += usize::from(p.pinned[first_streamed..].iter().any(|&x| x));
+            }
+            assert!(
+                skipped > 0,
+                "{name}: some budget pins a layer after one it streams"
+            );
+        }
     }
 
     /// A plan that pins every layer of an encoded trunk holds the staging only while they

@@ -488,10 +488,12 @@ fn run_small_env(
 }
 
 /// `small` packed by `k3 pack` stores its output head encoded (several codec blocks). At the
-/// floor the head is streamed, and read from its encoded run: the ids and logits of the
-/// checkpoint's head, fewer bytes read than with the head read raw (its run removed from the
-/// manifest, as an earlier pack wrote it), peak RSS inside the budget. A block of it corrupted
-/// (the run's checksum re-sealed) stops the run with exit 3, naming the head.
+/// floor, as a split budget whose trunk share holds no head (a total budget pins a head this
+/// small in the bytes the floor counts to stream it), the head is streamed, and read from its
+/// encoded run: the ids and logits of the checkpoint's head, fewer bytes read than with the
+/// head read raw (its run removed from the manifest, as an earlier pack wrote it), peak RSS
+/// inside the budget. A block of it corrupted (the run's checksum re-sealed) stops the run
+/// with exit 3, naming the head.
 #[test]
 fn the_output_head_is_streamed_from_its_encoded_run() {
     let trunk = pack_small("trunk-head");
@@ -505,18 +507,25 @@ fn the_output_head_is_streamed_from_its_encoded_run() {
     assert!(nbytes > 4 * 2 * k3::stream::codec::BLOCK_ELEMS as u64);
     assert!(stored < nbytes * 4 / 5, "{stored} of {nbytes}");
     // The floor of a run of 10 ids and 6 generated (16 positions).
-    let plan_at = |mem: &str| plan_16(ts, mem);
-    let floor = plan_at("1000")["floor_bytes"].as_u64().unwrap();
+    let floor = plan_16(ts, &["--mem", "1000"])["floor_bytes"]
+        .as_u64()
+        .unwrap();
     let gb = format!("{:.6}", floor.div_ceil(1000) as f64 / 1e6);
-    assert_eq!(plan_at(&gb)["head_resident"], false);
+    assert_eq!(plan_16(ts, &["--mem", &gb])["head_resident"], true);
+    // The trunk's share at its least (the ring), the rest to the cache's.
+    let split = ["--trunk-gb", "0.000001", "--cache-gb", &gb];
+    let p = plan_16(ts, &split);
+    assert_eq!(p["head_resident"], false);
+    assert!(p["budget_bytes"].as_u64().unwrap() <= floor.div_ceil(1000) * 1000 + 1000);
     // The checkpoint alone, with everything resident (its own floor is higher: the trunk's
     // layers are read in place).
     let (want_ids, want_logits, _) = run_small(&[]);
-    let (ids, logits, peak, st) = run_small_env(&["--mem", &gb, "--trunk", ts], &[]);
+    let with_trunk = [&split[..], &["--trunk", ts]].concat();
+    let (ids, logits, peak, st) = run_small_env(&with_trunk, &[]);
     assert_eq!(ids, want_ids);
     assert!(logits == want_logits, "logits differ with the encoded head");
     assert!(
-        peak <= floor.div_ceil(1000) * 1000,
+        peak <= floor.div_ceil(1000) * 1000 + 1000,
         "peak RSS {peak}, budget {gb} GB"
     );
     // The same run with the head read raw from the checkpoint reads more.
@@ -524,7 +533,7 @@ fn the_output_head_is_streamed_from_its_encoded_run() {
     let mut no_head = m.clone();
     no_head.as_object_mut().unwrap().remove("head");
     std::fs::write(&json_path, serde_json::to_vec(&no_head).unwrap()).unwrap();
-    let (raw_ids, raw_logits, _, raw_st) = run_small_env(&["--mem", &gb, "--trunk", ts], &[]);
+    let (raw_ids, raw_logits, _, raw_st) = run_small_env(&with_trunk, &[]);
     assert_eq!(raw_ids, want_ids);
     assert!(raw_logits == want_logits);
     let read = |s: &serde_json::Value| s["disk_bytes_read"].as_u64().unwrap();
@@ -543,7 +552,7 @@ fn the_output_head_is_streamed_from_its_encoded_run() {
     )
     .unwrap();
     let args = ["--ids", "1,2,3,4,5,6,7,8,9,10", "--gen", "6"];
-    assert_head_refused(&args, Some(&gb), ts);
+    assert_head_refused(&args, &split, ts);
     std::fs::write(trunk.join("trunk.bin"), &orig_bin).unwrap();
     std::fs::write(&json_path, &orig).unwrap();
 }
@@ -557,7 +566,7 @@ fn the_output_head_is_streamed_from_its_encoded_run() {
 fn a_resident_head_is_held_coded_from_its_encoded_run() {
     let trunk = pack_small("trunk-head-held");
     let ts = trunk.to_str().unwrap();
-    let plan_at = |mem: &str| plan_16(ts, mem);
+    let plan_at = |mem: &str| plan_16(ts, &["--mem", mem]);
     let floor = plan_at("1000")["floor_bytes"].as_u64().unwrap();
     // The least budget (in steps of 5 MB from the floor) whose plan holds the head coded.
     let gb = (1..40)
@@ -595,9 +604,9 @@ fn a_resident_head_is_held_coded_from_its_encoded_run() {
     for manifest in [&sealed, &m] {
         std::fs::write(&json_path, serde_json::to_vec(manifest).unwrap()).unwrap();
         let args = ["--ids", "1,2,3", "--gen", "2"];
-        assert_head_refused(&args, Some(&gb), ts);
+        assert_head_refused(&args, &["--mem", &gb], ts);
         if unbudgeted {
-            assert_head_refused(&args, None, ts);
+            assert_head_refused(&args, &[], ts);
         }
     }
     std::fs::write(trunk.join("trunk.bin"), &orig_bin).unwrap();
@@ -606,12 +615,13 @@ fn a_resident_head_is_held_coded_from_its_encoded_run() {
 
 /// `k3 plan --json` of `small` with the trunk `ts` at `--mem mem`, for the 16 positions of a
 /// run of 10 ids and 6 generated.
-fn plan_16(ts: &str, mem: &str) -> serde_json::Value {
+fn plan_16(ts: &str, budget: &[&str]) -> serde_json::Value {
     let out = crate::common::run_ok(
         crate::common::k3_command()
             .arg("plan")
             .arg(small().join("small"))
-            .args(["--trunk", ts, "--context", "16", "--json", "--mem", mem]),
+            .args(["--trunk", ts, "--context", "16", "--json"])
+            .args(budget),
     );
     serde_json::from_slice(&out.stdout).unwrap()
 }
@@ -638,12 +648,12 @@ fn flip_head_block(trunk: &std::path::Path) -> (Vec<u8>, serde_json::Value, serd
 
 /// `k3 run` on `small` with `args`, `--mem gb` (none: no budget) and `--trunk ts` exits 3
 /// naming the output head and a checksum, without a panic.
-fn assert_head_refused(args: &[&str], gb: Option<&str>, ts: &str) {
+fn assert_head_refused(args: &[&str], budget: &[&str], ts: &str) {
     let out = crate::common::k3_command()
         .arg("run")
         .arg(small().join("small"))
         .args(args)
-        .args(gb.map(|gb| ["--mem", gb]).iter().flatten())
+        .args(budget)
         .args(["--trunk", ts])
         .output()
         .unwrap();
@@ -1516,15 +1526,28 @@ fn plan_changes_between_coded_and_decoded_pinned_layers_change_no_bit() {
         budget::plan_states(&decoded_sizes, BudgetRequest::Total(decoded), 512, 1, None).unwrap();
     assert!(!plan_decoded.pin_coded);
     // The output head goes with them: held coded, then decoded, then streamed, then coded.
+    // (A total budget pins a head this small in the bytes the floor counts to stream it; a
+    // split budget at the floor whose trunk share is the least streams it.)
+    let streamed = budget::plan_states(
+        &sizes,
+        BudgetRequest::Split {
+            trunk: Some(1),
+            cache: floor,
+        },
+        512,
+        1,
+        None,
+    )
+    .unwrap();
     assert!(plan(coded).head_coded && plan(coded).head_resident);
     assert!(!plan_decoded.head_coded && plan_decoded.head_resident);
-    assert!(!plan(floor).head_resident);
+    assert!(plan(floor).head_resident && !streamed.head_resident);
     let (m, _) = Model::open_with(&dir, &opts(BudgetRequest::Total(coded))).unwrap();
     let got = generate(&m, &prompt, 12, |step| {
         let p = match step {
             2 => plan_decoded.clone(),
             5 => plan(coded),
-            8 => plan(floor),
+            8 => streamed.clone(),
             10 => plan(coded),
             _ => return,
         };

@@ -613,8 +613,8 @@ fn a_resident_head_is_held_coded_from_its_encoded_run() {
     std::fs::write(&json_path, serde_json::to_vec(&m).unwrap()).unwrap();
 }
 
-/// `k3 plan --json` of `small` with the trunk `ts` at `--mem mem`, for the 16 positions of a
-/// run of 10 ids and 6 generated.
+/// `k3 plan --json` of `small` with the trunk `ts` and the budget arguments `budget`, for the
+/// 16 positions of a run of 10 ids and 6 generated.
 fn plan_16(ts: &str, budget: &[&str]) -> serde_json::Value {
     let out = crate::common::run_ok(
         crate::common::k3_command()
@@ -646,8 +646,8 @@ fn flip_head_block(trunk: &std::path::Path) -> (Vec<u8>, serde_json::Value, serd
     (orig_bin, sealed, m)
 }
 
-/// `k3 run` on `small` with `args`, `--mem gb` (none: no budget) and `--trunk ts` exits 3
-/// naming the output head and a checksum, without a panic.
+/// `k3 run` on `small` with `args`, the budget arguments `budget` (none: no budget) and
+/// `--trunk ts` exits 3 naming the output head and a checksum, without a panic.
 fn assert_head_refused(args: &[&str], budget: &[&str], ts: &str) {
     let out = crate::common::k3_command()
         .arg("run")

@@ -182,8 +182,12 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     } else {
         gb(plan.pinned_bytes)
     };
+    let which = match layer_ranges(&plan.pinned) {
+        r if r.is_empty() || plan.n_pinned() == plan.pinned.len() => String::new(),
+        r => format!("{r}; "),
+    };
     println!(
-        "layers       {} of {} pinned ({held}), ring {} slot(s) ({}{})",
+        "layers       {} of {} pinned ({which}{held}), ring {} slot(s) ({}{})",
         plan.n_pinned(),
         plan.pinned.len(),
         plan.ring_slots,
@@ -304,4 +308,47 @@ fn streamed_per_token(t: &Trunk, pinned: &[bool]) -> (u64, u64) {
                 d + l.tensors.values().map(|t| t.nbytes).sum::<u64>(),
             )
         })
+}
+
+/// The layers set in `pinned` as ranges: `0-4, 7`.
+fn layer_ranges(pinned: &[bool]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut il = 0;
+    while il < pinned.len() {
+        if !pinned[il] {
+            il += 1;
+            continue;
+        }
+        let start = il;
+        while il + 1 < pinned.len() && pinned[il + 1] {
+            il += 1;
+        }
+        out.push(if il == start {
+            format!("{start}")
+        } else {
+            format!("{start}-{il}")
+        });
+        il += 1;
+    }
+    out.join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::layer_ranges;
+
+    #[test]
+    fn pinned_layers_are_named_as_ranges() {
+        let set = |ids: &[usize]| {
+            let mut p = vec![false; 12];
+            for &i in ids {
+                p[i] = true;
+            }
+            layer_ranges(&p)
+        };
+        assert_eq!(set(&[0, 1, 2, 3, 4, 7]), "0-4, 7");
+        assert_eq!(set(&[3, 5, 6, 11]), "3, 5-6, 11");
+        assert_eq!(set(&[]), "");
+        assert_eq!(set(&(0..12).collect::<Vec<_>>()), "0-11");
+    }
 }

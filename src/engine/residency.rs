@@ -627,6 +627,7 @@ impl Streamer {
         let in_flight = budget::in_flight_slots(&self.sizes) as usize;
         let arena_slots = r.cache.slots() + in_flight;
         r.pinned_map = plan.pinned.clone().into();
+        let head_streamed = !r.plan.head_resident;
         r.plan = plan;
         let want_head = r.plan.head_resident && r.head.is_none();
         let r_ring_slots = r.plan.ring_slots;
@@ -637,12 +638,12 @@ impl Streamer {
         } else {
             Some(usize::try_from(r.plan.stage_bytes).unwrap_or(usize::MAX))
         };
-        let head_held = r.plan.head_resident;
+        let head_now_held = head_streamed && r.plan.head_resident;
         drop(r);
-        if head_held {
-            // A resident head streams nothing: the buffers its chunks were read through go,
-            // since the plan counts them only while the head streams (the embedding's rows
-            // grow a small one again on demand).
+        if head_now_held {
+            // A head that streamed and is now resident streams nothing: the buffers its chunks
+            // were read through go, since the plan counts them only while the head streams
+            // (the embedding's rows grow a small one again on demand).
             let freed = std::mem::take(&mut *self.io.lock());
             shrinks |= freed.held_bytes() > 0;
         }

@@ -545,6 +545,59 @@ pub fn write_dims(
     Ok(summary)
 }
 
+/// The tensors of a synthetic checkpoint drawn on request, one at a time, as [`write`]
+/// draws them: for the sparse `k3` replica, whose data regions are holes, the bytes a
+/// written-out replica would hold (what `benches/released_trunk.rs` encodes). A layer's
+/// tensor list is built once, on the first request for one of its tensors.
+pub struct Draws {
+    dims: Dims,
+    seed: u64,
+    layer: Option<(usize, Vec<Spec>)>,
+    model: Vec<Spec>,
+}
+
+impl Draws {
+    /// The draws of a checkpoint with dimensions `d` written with `seed`.
+    #[must_use]
+    pub fn new(d: &Dims, seed: u64) -> Draws {
+        Draws {
+            dims: d.clone(),
+            seed,
+            layer: None,
+            model: model_specs(d),
+        }
+    }
+
+    /// The bytes of the tensor `name` (for an MXFP4 matrix, of the half it names); `None`
+    /// when the checkpoint has no such tensor (nor the vision placeholders, which are zeros).
+    pub fn tensor(&mut self, name: &str) -> Option<Vec<u8>> {
+        let specs = match crate::stream::layer_tensor(name) {
+            Some((il, _)) if il < self.dims.layers => {
+                if self.layer.as_ref().is_none_or(|(l, _)| *l != il) {
+                    self.layer = Some((il, layer_specs(&self.dims, il)));
+                }
+                &self.layer.as_ref()?.1
+            }
+            _ => &self.model,
+        };
+        let at = specs.iter().position(|s| s.name == name)?;
+        let s = &specs[at];
+        if !matches!(s.init, Init::Mx { .. }) {
+            return Some(gen_dense(self.seed, s));
+        }
+        // The two halves of an MXFP4 matrix are drawn together.
+        let stem = (s.name.strip_suffix(".weight_packed"))
+            .or_else(|| s.name.strip_suffix(".weight_scale"))?;
+        let find = |suffix: &str| specs.iter().find(|t| t.name == format!("{stem}{suffix}"));
+        let (packed, scale) = gen_mx(self.seed, find(".weight_packed")?, find(".weight_scale")?);
+        Some(if s.name.ends_with(".weight_packed") {
+            packed
+        } else {
+            scale
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

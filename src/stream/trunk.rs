@@ -531,6 +531,122 @@ fn layout(ck: &Checkpoint, il: usize, names: &[String]) -> Result<Layout, String
     })
 }
 
+/// Reads `len` bytes at offset `at` of the source tensor named, replacing the buffer's
+/// contents: the checkpoint's files when packing, drawn bytes in [`encoded_manifest`].
+pub type ReadSpan<'a> = dyn FnMut(&str, u64, u64, &mut Vec<u8>) -> Result<(), StreamError> + 'a;
+
+/// Every layer's run laid out raw and back to back from offset 0, from each layer's trunk
+/// tensor names (its checksums are filled in when it is packed).
+fn layer_runs(ck: &Checkpoint, per_layer: &[Vec<String>]) -> Result<Vec<TrunkLayer>, String> {
+    let mut layers = Vec::with_capacity(per_layer.len());
+    let mut file_off = 0u64;
+    for (il, names) in per_layer.iter().enumerate() {
+        let lay = layout(ck, il, names)?;
+        let nbytes = lay.raw.div_ceil(ALIGN) * ALIGN;
+        layers.push(TrunkLayer {
+            layer: il,
+            shard: ck.index().shard_names()[lay.shard].clone(),
+            run_start: lay.run_start,
+            nbytes,
+            file_off,
+            gathered: lay.gathered,
+            crc32: 0,
+            source_crc32: 0,
+            tensors: lay.tensors,
+        });
+        file_off += nbytes;
+    }
+    Ok(layers)
+}
+
+/// The encoded head's run (its layer index `n_layers`) at `file_off`, before it is written.
+fn head_run(ck: &Checkpoint, n_layers: usize, lay: Layout, file_off: u64) -> TrunkLayer {
+    TrunkLayer {
+        layer: n_layers,
+        shard: ck.index().shard_names()[lay.shard].clone(),
+        run_start: lay.run_start,
+        nbytes: 0,
+        file_off,
+        gathered: true,
+        crc32: 0,
+        source_crc32: 0,
+        tensors: lay.tensors,
+    }
+}
+
+/// The manifest [`pack`] would write for the checkpoint `ck` encoded with `coding` (its
+/// `n_layers` layers and, when BF16, the output head `head`), with every tensor's bytes taken
+/// from `read` instead of the checkpoint's files and nothing written: what a trunk would
+/// store that does not fit the disk, or whose checkpoint is a sparse replica (the released
+/// shape, in `benches/released_trunk.rs`, from the bytes `k3 synth` draws for it). Stored
+/// sizes, offsets and checksums are those [`pack`] computes; `source_dir` and `shards` are
+/// left empty. `progress(done, total)` is called as source bytes are encoded.
+pub fn encoded_manifest(
+    ck: &Checkpoint,
+    n_layers: usize,
+    head: Option<&str>,
+    coding: super::codec::Coding,
+    read: &mut ReadSpan,
+    progress: &dyn Fn(u64, u64),
+) -> Result<Manifest, TrunkError> {
+    let bad = |reason: String| TrunkError::Source {
+        dir: ck.dir().to_path_buf(),
+        reason,
+    };
+    let head = head.filter(|n| {
+        ck.info(n)
+            .is_some_and(|i| i.dtype == Dtype::Bf16 && i.n_bytes() > 0)
+    });
+    let mut layers = layer_runs(ck, &layer_tensors(ck, n_layers)).map_err(&bad)?;
+    let head_layout = match head {
+        Some(name) => Some(layout(ck, n_layers, &[name.to_string()]).map_err(&bad)?),
+        None => None,
+    };
+    let total =
+        layers.iter().map(|l| l.nbytes).sum::<u64>() + head_layout.as_ref().map_or(0, |h| h.raw);
+    let (mut buf, mut piece) = (Vec::new(), Vec::new());
+    let (mut done, mut file_off) = (0u64, 0u64);
+    for l in &mut layers {
+        let raw_len = l.nbytes;
+        pack_encoded(read, l, coding, &mut buf, &mut piece)?;
+        l.file_off = file_off;
+        file_off += l.nbytes;
+        done += raw_len;
+        progress(done, total);
+    }
+    let head = match (head, head_layout) {
+        (Some(name), Some(lay)) => {
+            let mut l = head_run(ck, n_layers, lay, file_off);
+            let at = |d| progress(done + d, total);
+            // Written to a sink, which never fails: only reading can.
+            pack_head(
+                read,
+                name,
+                &mut l,
+                coding,
+                &mut std::io::sink(),
+                &mut piece,
+                &at,
+            )
+            .map_err(|e| e.or_write(ck.dir()))?;
+            file_off += l.nbytes;
+            Some(l)
+        }
+        _ => None,
+    };
+    Ok(Manifest {
+        format: FORMAT.into(),
+        n_layers,
+        align: ALIGN,
+        source_digest: hex(&ck.index_digest()),
+        source_dir: String::new(),
+        total_bytes: file_off,
+        shards: Vec::new(),
+        layers,
+        head,
+    })
+}
+
 /// Pack the trunk of the checkpoint in `ck` (with `n_layers` layers) into `out`:
 /// `trunk.bin` and `trunk.json` are written under temporary names, synced, and renamed into
 /// place (the manifest last). With `encode`, every BF16 tensor is stored with that
@@ -568,24 +684,8 @@ pub fn pack(
         .chain(head.map(|n| vec![n.to_string()]))
         .collect();
     let before = source_shards(ck, &sources).map_err(&bad)?;
-    let mut layers = Vec::with_capacity(n_layers);
-    let mut file_off = 0u64;
-    for (il, names) in per_layer.iter().enumerate() {
-        let lay = layout(ck, il, names).map_err(bad)?;
-        let nbytes = lay.raw.div_ceil(ALIGN) * ALIGN;
-        layers.push(TrunkLayer {
-            layer: il,
-            shard: ck.index().shard_names()[lay.shard].clone(),
-            run_start: lay.run_start,
-            nbytes,
-            file_off,
-            gathered: lay.gathered,
-            crc32: 0,
-            source_crc32: 0,
-            tensors: lay.tensors,
-        });
-        file_off += nbytes;
-    }
+    let mut layers = layer_runs(ck, &per_layer).map_err(&bad)?;
+    let file_off: u64 = layers.iter().map(|l| l.nbytes).sum();
     let total = file_off + head_layout.as_ref().map_or(0, |h| h.raw);
     let raw_bytes = file_off
         + head_layout
@@ -613,10 +713,13 @@ pub fn pack(
         let mut buf = Vec::new();
         let mut piece = Vec::new();
         let mut file_off = 0u64;
+        let mut read = |name: &str, at: u64, len: u64, piece: &mut Vec<u8>| {
+            ck.read_span(name, at, len, piece).map(|_| ())
+        };
         for l in &mut layers {
             let raw_len = l.nbytes;
             if let Some(coding) = encode {
-                pack_encoded(ck, l, coding, &mut buf, &mut piece)?;
+                pack_encoded(&mut read, l, coding, &mut buf, &mut piece)?;
                 l.file_off = file_off;
                 file_off += l.nbytes;
                 f.write_all(&buf).map_err(wr(&bin))?;
@@ -669,20 +772,10 @@ pub fn pack(
         }
         let head = match (head, head_layout, encode) {
             (Some(name), Some(lay), Some(coding)) => {
-                let mut l = TrunkLayer {
-                    layer: n_layers,
-                    shard: ck.index().shard_names()[lay.shard].clone(),
-                    run_start: lay.run_start,
-                    nbytes: 0,
-                    file_off,
-                    gathered: true,
-                    crc32: 0,
-                    source_crc32: 0,
-                    tensors: lay.tensors,
-                };
-                let f = tmp_bin.file();
+                let mut l = head_run(ck, n_layers, lay, file_off);
+                let mut f = tmp_bin.file();
                 let at = |d| progress(done + d, total);
-                pack_head(ck, name, &mut l, coding, f, &mut piece, &at)
+                pack_head(&mut read, name, &mut l, coding, &mut f, &mut piece, &at)
                     .map_err(|e| e.or_write(&bin))?;
                 file_off += l.nbytes;
                 Some(l)
@@ -738,7 +831,7 @@ pub fn pack(
 /// order of their source offsets, each at a [`GATHER_ALIGN`]-aligned offset, BF16 ones
 /// encoded; the layer's and the tensors' checksums and stored lengths are filled in.
 fn pack_encoded(
-    ck: &Checkpoint,
+    read: &mut ReadSpan,
     l: &mut TrunkLayer,
     coding: super::codec::Coding,
     buf: &mut Vec<u8>,
@@ -752,7 +845,7 @@ fn pack_encoded(
         let Some(t) = l.tensors.get_mut(&name) else {
             continue;
         };
-        ck.read_span(&name, 0, t.nbytes, piece)?;
+        read(&name, 0, t.nbytes, piece)?;
         source.update(piece);
         t.source_crc32 = crc32fast::hash(piece);
         t.source_sample = sample_crc(piece);
@@ -819,26 +912,26 @@ const HEAD_PIECE: u64 = 64 * super::codec::BLOCK_ELEMS as u64 * 2;
 /// fills in the run's and the tensor's checksums and lengths. `progress(d)`: `d` source
 /// bytes of it done.
 fn pack_head(
-    ck: &Checkpoint,
+    read: &mut ReadSpan,
     name: &str,
     l: &mut TrunkLayer,
     coding: super::codec::Coding,
-    mut f: &File,
+    f: &mut dyn Write,
     piece: &mut Vec<u8>,
     progress: &dyn Fn(u64),
 ) -> Result<(), HeadFailure> {
-    let n = ck
-        .info(name)
+    let n = l
+        .tensors
+        .get(name)
         .ok_or_else(|| HeadFailure::Source(StreamError::NoSuchTensor(name.into())))?
-        .n_bytes();
+        .nbytes;
     let mut run = crc32fast::Hasher::new();
     let mut source = crc32fast::Hasher::new();
     let mut enc = Vec::new();
     let mut stored = 0u64;
     for at in (0..n).step_by(HEAD_PIECE as usize) {
         let len = HEAD_PIECE.min(n - at);
-        ck.read_span(name, at, len, piece)
-            .map_err(HeadFailure::Source)?;
+        read(name, at, len, piece).map_err(HeadFailure::Source)?;
         source.update(piece);
         enc.clear();
         super::codec::encode_as(coding, piece, &mut enc);
@@ -849,15 +942,14 @@ fn pack_head(
     }
     let mut sample = crc32fast::Hasher::new();
     for (o, len) in sample_spans(n) {
-        ck.read_span(name, o, len, piece)
-            .map_err(HeadFailure::Source)?;
+        read(name, o, len, piece).map_err(HeadFailure::Source)?;
         sample.update(piece);
     }
     let padded = stored.next_multiple_of(ALIGN);
     let pad = vec![0u8; (padded - stored) as usize];
     run.update(&pad);
     f.write_all(&pad).map_err(HeadFailure::Write)?;
-    let t = l.tensors.get_mut(name).expect("the head's layout names it");
+    let t = l.tensors.get_mut(name).expect("looked up above");
     t.off = 0;
     t.encoding = coding.name().into();
     t.stored = stored;

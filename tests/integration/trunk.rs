@@ -1278,3 +1278,68 @@ fn layers_read_in_place_give_the_ids_of_layers_decoded() {
         "{out}"
     );
 }
+
+/// `trunk::encoded_manifest` on bytes drawn by `synth::Draws` (as the released-shape
+/// benchmark sizes the trunk of the sparse replica) gives the manifest `k3 pack` writes from
+/// the checkpoint `k3 synth` wrote with the same seed: every layer's and the head's layout,
+/// stored lengths and checksums, with either codec. A tensor the source cannot give fails it
+/// with the tensor's name; a drawing of another seed stores other bytes; the drawn halves of
+/// an MXFP4 expert are the written ones.
+#[test]
+fn a_trunk_sized_from_drawn_tensors_is_the_trunk_packed_from_the_written_checkpoint() {
+    use k3::synth::{Draws, Shape};
+    let (_tmp, small, nib, ent) = small_nibble_and_entropy();
+    let ck = Checkpoint::open(&small).unwrap();
+    let cfg = k3::engine::config::ModelConfig::load(&small.join("config.json")).unwrap();
+    let head = Some(k3::engine::bind::names::LM_HEAD);
+    let sized = |coding: Coding, seed: u64, skip: &str| {
+        let mut draws = Draws::new(&Shape::Small.dims(), seed);
+        let mut read = |name: &str, at: u64, len: u64, piece: &mut Vec<u8>| {
+            let t = (name != skip)
+                .then(|| draws.tensor(name))
+                .flatten()
+                .ok_or_else(|| k3::stream::StreamError::NoSuchTensor(name.into()))?;
+            piece.clear();
+            piece.extend_from_slice(&t[at as usize..(at + len) as usize]);
+            Ok(())
+        };
+        trunk::encoded_manifest(
+            &ck,
+            cfg.num_hidden_layers,
+            head,
+            coding,
+            &mut read,
+            &|_, _| {},
+        )
+    };
+    for (coding, dir) in [(Coding::Nibble, &nib), (Coding::Entropy, &ent)] {
+        let packed = trunk::read_manifest(dir).unwrap();
+        let m = sized(coding, 1, "").unwrap();
+        assert_eq!(m.layers, packed.layers, "{coding:?}");
+        assert_eq!(m.head, packed.head, "{coding:?}");
+        assert!(m.head.is_some());
+        assert_eq!(m.total_bytes, packed.total_bytes, "{coding:?}");
+        let other = sized(coding, 2, "").unwrap();
+        assert_ne!(other.layers[0].crc32, packed.layers[0].crc32);
+    }
+    // Drawn expert halves are the written ones too (they are not in the trunk).
+    let mut draws = Draws::new(&Shape::Small.dims(), 1);
+    for half in ["weight_packed", "weight_scale"] {
+        let name = (ck.index().names().into_iter())
+            .find(|n| n.contains(".experts.3.") && n.ends_with(half))
+            .unwrap();
+        let mut written = Vec::new();
+        let n = ck.info(&name).unwrap().n_bytes();
+        ck.read_span(&name, 0, n, &mut written).unwrap();
+        assert_eq!(draws.tensor(&name).unwrap(), written, "{name}");
+    }
+    assert!(draws
+        .tensor("language_model.model.layers.1.no_such.weight")
+        .is_none());
+    let name = (ck.index().names().into_iter())
+        .find(|n| n.starts_with("language_model.model.layers.1.") && !n.contains(".experts."))
+        .unwrap();
+    let e = sized(Coding::Nibble, 1, &name).unwrap_err();
+    assert!(e.to_string().contains(&name), "{e}");
+    assert_eq!(e.exit_code(), 3, "{e}");
+}
